@@ -1,0 +1,352 @@
+"""The artifact container: one chunk's KV as a versioned, self-describing, checksummed byte string.
+
+Layout (all integers little-endian)::
+
+    prefix    b"KDNA" | version u16 | flags u16 | header_len u32            12 bytes
+    header    ArtifactHeader (protobuf, kdn/proto/kdn.proto)               header_len bytes
+    hcheck    xxh3_64(prefix ‖ header)                                      8 bytes
+    2·L sections, in order layer 0 K, layer 0 V, layer 1 K, ...:
+      length u32 | payload (codec bytes) | xxh3_64(length ‖ payload) u64
+    trailer   b"KDNE" | xxh3_128(everything before the trailer)            20 bytes
+
+Invariants:
+- a reader verifies every checksum before it uses the bytes they cover: the header before it is
+  parsed, each section before it is decoded, the whole-artifact digest at the end;
+- no length is trusted before it is bounded: the header by ``MAX_HEADER``, a section by what its
+  codec can produce for the shape the (already verified) header declares, the whole artifact by
+  ``max_bytes`` — so a hostile length never makes a reader allocate it;
+- sections stream: :class:`ArtifactReader` hands out layer 0 as soon as its bytes arrived;
+- no pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Literal
+
+import torch
+import xxhash
+
+from kdn.codecs import Codec, SectionInfo, get_codec
+from kdn.errors import (
+    ArtifactCorrupt,
+    FingerprintMismatch,
+    InvalidInput,
+    LossyRefused,
+    MessageTooLarge,
+    UnsupportedVersion,
+)
+from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint
+from kdn.kv import KV_LAYOUT_VERSION
+from kdn.proto import kdn_pb2 as pb
+
+MAGIC = b"KDNA"
+TRAILER_MAGIC = b"KDNE"
+VERSION = 1
+MAX_HEADER = 64 * 1024
+DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB per artifact
+_PREFIX = struct.Struct("<4sHHI")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+TRAILER_BYTES = 4 + 16
+
+DTYPE_TO_PB = {torch.float32: pb.FLOAT32, torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16}
+PB_TO_DTYPE = {v: k for k, v in DTYPE_TO_PB.items()}
+
+# Bounds on the declared geometry, far above any real model, far below what could exhaust memory.
+_MAX_LAYERS, _MAX_HEADS, _MAX_HEAD_DIM, _MAX_TOKENS = 1024, 1024, 4096, 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """One decoded section: the K (``kind='k'``) or V of one layer, ``(H, T, D)``."""
+
+    layer: int
+    kind: Literal["k", "v"]
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Artifact:
+    """A fully decoded artifact: its header and the chunk's KV ``(L, 2, H, T, D)``."""
+
+    header: pb.ArtifactHeader
+    kv: torch.Tensor
+
+
+def section_infos(header: pb.ArtifactHeader) -> list[SectionInfo]:
+    dtype = PB_TO_DTYPE[header.dtype]
+    shape = (header.num_kv_heads, header.token_count, header.head_dim)
+    return [
+        SectionInfo(layer, header.num_layers, kind, shape, dtype)
+        for layer in range(header.num_layers)
+        for kind in ("k", "v")
+    ]
+
+
+def encode_artifact(
+    kv: torch.Tensor,
+    *,
+    key: ChunkKey,
+    parent_key: ChunkKey,
+    fingerprint: ModelFingerprint,
+    codec: Codec | str = "raw",
+    chunk_index: int = 0,
+) -> bytes:
+    """Frame one chunk's KV ``(L, 2, H, T, D)`` as a container."""
+    codec = get_codec(codec) if isinstance(codec, str) else codec
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise InvalidInput(f"chunk KV must be (L, 2, H, T, D), got {tuple(kv.shape)}")
+    if kv.dtype not in DTYPE_TO_PB:
+        raise InvalidInput(f"unsupported KV dtype {kv.dtype}")
+    for name, value in (("key", key), ("parent_key", parent_key), ("fingerprint", fingerprint)):
+        if len(value) != KEY_BYTES:
+            raise InvalidInput(f"{name} must be {KEY_BYTES} bytes, got {len(value)}")
+    L, _, H, T, D = kv.shape
+    header = pb.ArtifactHeader(
+        layout_version=KV_LAYOUT_VERSION,
+        fingerprint=bytes(fingerprint),
+        key=bytes(key),
+        parent_key=bytes(parent_key),
+        token_count=T,
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        dtype=DTYPE_TO_PB[kv.dtype],
+        codec=codec.name,
+        codec_level=codec.level,
+        lossy=codec.lossy,
+        codec_meta=codec.meta(),
+        chunk_index=chunk_index,
+        created_unix=time.time(),
+    )
+    hbytes = header.SerializeToString()
+    if len(hbytes) > MAX_HEADER:
+        raise InvalidInput(f"artifact header of {len(hbytes)} bytes exceeds {MAX_HEADER}")
+    parts = [_PREFIX.pack(MAGIC, VERSION, 0, len(hbytes)), hbytes]
+    parts.append(_U64.pack(xxhash.xxh3_64_intdigest(parts[0] + hbytes)))
+    for info in section_infos(header):
+        x = kv[info.layer, 0 if info.kind == "k" else 1].contiguous()  # (H, T, D)
+        payload = codec.encode(x, info)
+        length = _U32.pack(len(payload))
+        h = xxhash.xxh3_64(length)
+        h.update(payload)
+        parts += [length, payload, _U64.pack(h.intdigest())]
+    body = b"".join(parts)
+    return body + TRAILER_MAGIC + xxhash.xxh3_128_digest(body)
+
+
+class ArtifactReader:
+    """Incremental, verifying decoder: feed bytes as they arrive, get sections as they complete.
+
+    >>> r = ArtifactReader(expect_fingerprint=fp)
+    >>> for piece in stream: for section in r.feed(piece): use(section)
+    >>> r.finish()   # verifies the whole-artifact digest; raises if bytes are missing
+    """
+
+    def __init__(
+        self,
+        *,
+        expect_fingerprint: ModelFingerprint | None = None,
+        expect_key: ChunkKey | None = None,
+        require_lossless: bool = False,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        decode: bool = True,
+    ) -> None:
+        self._expect_fp = expect_fingerprint
+        self._expect_key = expect_key
+        self._require_lossless = require_lossless
+        self._max_bytes = max_bytes
+        self._decode = decode
+        self._buf = bytearray()
+        self._pos = 0  # bytes of _buf consumed
+        self._total = 0
+        self._digest = xxhash.xxh3_128()
+        self.header: pb.ArtifactHeader | None = None
+        self._codec: Codec | None = None
+        self._infos: list[SectionInfo] = []
+        self._next = 0
+        self._done = False
+
+    @property
+    def complete(self) -> bool:
+        return self._done
+
+    def feed(self, data: bytes | memoryview) -> list[Section]:
+        if self._done:
+            if data:
+                raise ArtifactCorrupt("bytes after the artifact trailer")
+            return []
+        self._total += len(data)
+        if self._total > self._max_bytes:
+            raise MessageTooLarge(f"artifact exceeds {self._max_bytes} bytes")
+        self._buf += data
+        out: list[Section] = []
+        while True:
+            if self.header is None:
+                if not self._parse_header():
+                    break
+            elif self._next < len(self._infos):
+                section = self._parse_section()
+                if section is None:
+                    break
+                if section is not True:
+                    out.append(section)
+            else:
+                self._parse_trailer()
+                break
+        if self._pos > (1 << 20) and self._pos > len(self._buf) // 2:
+            del self._buf[: self._pos]
+            self._pos = 0
+        return out
+
+    def finish(self) -> pb.ArtifactHeader:
+        if not self._done:
+            raise ArtifactCorrupt(f"artifact truncated after {self._total} bytes")
+        assert self.header is not None
+        return self.header
+
+    # -- parsing steps: each returns None when more bytes are needed ---------------------------
+
+    def _take(self, n: int) -> memoryview | None:
+        if len(self._buf) - self._pos < n:
+            return None
+        view = memoryview(self._buf)[self._pos : self._pos + n]
+        self._digest.update(view)
+        self._pos += n
+        return view
+
+    def _parse_header(self) -> bool:
+        avail = len(self._buf) - self._pos
+        if avail < _PREFIX.size:
+            # check the magic early so garbage fails fast
+            if avail >= 4 and bytes(self._buf[self._pos : self._pos + 4]) != MAGIC:
+                raise ArtifactCorrupt("not a KDN artifact (bad magic)")
+            return False
+        magic, version, _flags, hlen = _PREFIX.unpack_from(self._buf, self._pos)
+        if magic != MAGIC:
+            raise ArtifactCorrupt("not a KDN artifact (bad magic)")
+        if version > VERSION:
+            raise UnsupportedVersion(f"artifact version {version} is newer than this reader ({VERSION})")
+        if version == 0:
+            raise ArtifactCorrupt("artifact version 0 is invalid")
+        if hlen > MAX_HEADER:
+            raise ArtifactCorrupt(f"artifact header declares {hlen} bytes (limit {MAX_HEADER})")
+        if avail < _PREFIX.size + hlen + 8:
+            return False
+        start = self._pos
+        prefix_and_header = self._take(_PREFIX.size + hlen)
+        (check,) = _U64.unpack(self._take(8))
+        if xxhash.xxh3_64_intdigest(prefix_and_header) != check:
+            raise ArtifactCorrupt("artifact header checksum mismatch")
+        header = pb.ArtifactHeader()
+        try:
+            header.ParseFromString(bytes(self._buf[start + _PREFIX.size : start + _PREFIX.size + hlen]))
+        except Exception as exc:  # protobuf's DecodeError; checksum passed, so the writer was wrong
+            raise ArtifactCorrupt(f"artifact header does not parse: {exc}") from exc
+        self._validate_header(header)
+        self.header = header
+        return True
+
+    def _validate_header(self, h: pb.ArtifactHeader) -> None:
+        if h.layout_version != KV_LAYOUT_VERSION:
+            raise UnsupportedVersion(f"KV layout version {h.layout_version}, this reader knows {KV_LAYOUT_VERSION}")
+        if len(h.fingerprint) != KEY_BYTES or len(h.key) != KEY_BYTES or len(h.parent_key) != KEY_BYTES:
+            raise ArtifactCorrupt("artifact header has malformed key or fingerprint")
+        if h.dtype not in PB_TO_DTYPE:
+            raise ArtifactCorrupt(f"artifact header has unknown dtype {h.dtype}")
+        if not (0 < h.num_layers <= _MAX_LAYERS and 0 < h.num_kv_heads <= _MAX_HEADS
+                and 0 < h.head_dim <= _MAX_HEAD_DIM and 0 < h.token_count <= _MAX_TOKENS):
+            raise ArtifactCorrupt(
+                f"artifact header declares an implausible shape: layers={h.num_layers} "
+                f"heads={h.num_kv_heads} head_dim={h.head_dim} tokens={h.token_count}"
+            )
+        if self._expect_fp is not None and h.fingerprint != bytes(self._expect_fp):
+            raise FingerprintMismatch(
+                f"artifact was made for model {h.fingerprint.hex()[:16]}…, expected {bytes(self._expect_fp).hex()[:16]}…"
+            )
+        if self._expect_key is not None and h.key != bytes(self._expect_key):
+            raise ArtifactCorrupt(f"artifact holds key {h.key.hex()[:16]}…, expected {bytes(self._expect_key).hex()[:16]}…")
+        if self._require_lossless and h.lossy:
+            raise LossyRefused(f"artifact is lossy ({h.codec}:{h.codec_level}) but lossless was required")
+        codec = get_codec(f"{h.codec}:{h.codec_level}" if h.codec_level else h.codec)
+        if codec.lossy != h.lossy:
+            raise ArtifactCorrupt(f"header says lossy={h.lossy} but codec {h.codec} is lossy={codec.lossy}")
+        self._codec = codec.with_meta(h.codec_meta)
+        self._infos = section_infos(h)
+
+    def _parse_section(self) -> Section | bool | None:
+        info = self._infos[self._next]
+        avail = len(self._buf) - self._pos
+        if avail < 4:
+            return None
+        (length,) = _U32.unpack_from(self._buf, self._pos)
+        assert self._codec is not None
+        bound = self._codec.max_payload(info)
+        if length > bound:
+            raise ArtifactCorrupt(
+                f"layer {info.layer} {info.kind.upper()} section declares {length} bytes; "
+                f"codec {self._codec.name} produces at most {bound} for this shape"
+            )
+        if avail < 4 + length + 8:
+            return None
+        framed = self._take(4 + length)
+        (check,) = _U64.unpack(self._take(8))
+        if xxhash.xxh3_64_intdigest(framed) != check:
+            raise ArtifactCorrupt(f"layer {info.layer} {info.kind.upper()} section checksum mismatch")
+        self._next += 1
+        if not self._decode:
+            return True
+        return Section(info.layer, info.kind, self._codec.decode(framed[4:], info))
+
+    def _parse_trailer(self) -> None:
+        if len(self._buf) - self._pos < TRAILER_BYTES:
+            return
+        expected = self._digest.digest()
+        tail = bytes(self._buf[self._pos : self._pos + TRAILER_BYTES])
+        self._pos += TRAILER_BYTES
+        if tail[:4] != TRAILER_MAGIC or tail[4:] != expected:
+            raise ArtifactCorrupt("artifact digest mismatch")
+        if len(self._buf) > self._pos:
+            raise ArtifactCorrupt("bytes after the artifact trailer")
+        self._done = True
+
+
+def iter_sections(pieces: Iterable[bytes], **reader_kw: object) -> Iterator[Section]:
+    """Decode sections from an iterable of byte pieces as they arrive; verifies the end too."""
+    reader = ArtifactReader(**reader_kw)  # type: ignore[arg-type]
+    for piece in pieces:
+        yield from reader.feed(piece)
+    reader.finish()
+
+
+def decode_artifact(data: bytes | memoryview, **reader_kw: object) -> Artifact:
+    """Verify and decode a whole container into ``(L, 2, H, T, D)``."""
+    reader = ArtifactReader(**reader_kw)  # type: ignore[arg-type]
+    sections = reader.feed(data)
+    header = reader.finish()
+    dtype = PB_TO_DTYPE[header.dtype]
+    kv = torch.empty(
+        (header.num_layers, 2, header.num_kv_heads, header.token_count, header.head_dim), dtype=dtype
+    )  # (L, 2, H, T, D)
+    for s in sections:
+        kv[s.layer, 0 if s.kind == "k" else 1] = s.tensor
+    return Artifact(header, kv)
+
+
+def verify_artifact(data: bytes | memoryview, **reader_kw: object) -> pb.ArtifactHeader:
+    """Check every checksum and bound without decoding payloads; return the header."""
+    reader = ArtifactReader(decode=False, **reader_kw)  # type: ignore[arg-type]
+    reader.feed(data)
+    return reader.finish()
+
+
+def read_header(data: bytes | memoryview) -> pb.ArtifactHeader:
+    """Parse and verify only the header of a container (the rest may be missing)."""
+    reader = ArtifactReader(decode=False)
+    reader.feed(data[: _PREFIX.size + MAX_HEADER + 8] if len(data) > _PREFIX.size + MAX_HEADER + 8 else data)
+    if reader.header is None:
+        raise ArtifactCorrupt("artifact truncated inside its header")
+    return reader.header

@@ -1,0 +1,95 @@
+"""The codec interface and registry.
+
+A codec turns one *section* (the K or the V of one layer of one chunk, a ``(H, T, D)`` tensor)
+into bytes and back. Each codec is one small class registered by name; a codec spec on the
+command line or in a config is ``NAME`` or ``NAME:LEVEL`` (``zstd:9``, ``kvq:q2``).
+
+Invariants:
+- lossless codecs (``lossy = False``) decode to bit-identical tensors;
+- ``decode`` never allocates more than ``max_payload``/``raw_bytes`` of the section's declared
+  shape, so a hostile length field cannot make a reader allocate gigabytes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from kdn.errors import InvalidInput, UnknownCodec
+
+
+@dataclass(frozen=True, slots=True)
+class SectionInfo:
+    """Where a section sits in its artifact, and its decoded geometry."""
+
+    layer: int
+    num_layers: int
+    kind: Literal["k", "v"]
+    shape: tuple[int, int, int]  # (H, T, D)
+    dtype: torch.dtype
+
+    @property
+    def raw_bytes(self) -> int:
+        h, t, d = self.shape
+        return h * t * d * self.dtype.itemsize
+
+
+class Codec(ABC):
+    """Encode/decode one ``(H, T, D)`` KV section."""
+
+    name: ClassVar[str]
+    lossy: ClassVar[bool] = False
+    default_level: ClassVar[str] = ""
+
+    def __init__(self, level: str = "") -> None:
+        self.level = level or self.default_level
+
+    @property
+    def spec(self) -> str:
+        return f"{self.name}:{self.level}" if self.level else self.name
+
+    def meta(self) -> bytes:
+        """Codec-private parameters stored once in the artifact header."""
+        return b""
+
+    def with_meta(self, meta: bytes) -> "Codec":
+        """The codec configured by a header's ``codec_meta`` (decoding side)."""
+        return self
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, info: SectionInfo) -> bytes:
+        """``x``: contiguous ``(H, T, D)`` tensor of ``info.dtype``."""
+
+    @abstractmethod
+    def decode(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
+        """Back to a ``(H, T, D)`` tensor of ``info.dtype``. Raises ArtifactCorrupt on bad bytes."""
+
+    def max_payload(self, info: SectionInfo) -> int:
+        """Upper bound on an encoded section's size; larger declared lengths are rejected."""
+        return info.raw_bytes + info.raw_bytes // 4 + 4096
+
+
+CODECS: dict[str, type[Codec]] = {}
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make a codec available by its ``name``."""
+    if cls.name in CODECS and CODECS[cls.name] is not cls:
+        raise ValueError(f"codec name {cls.name!r} registered twice")
+    CODECS[cls.name] = cls
+    return cls
+
+
+def get_codec(spec: str) -> Codec:
+    """A codec instance from ``NAME`` or ``NAME:LEVEL``."""
+    name, _, level = (spec or "").partition(":")
+    cls = CODECS.get(name)
+    if cls is None:
+        raise UnknownCodec(f"unknown codec {name!r}; known: {', '.join(sorted(CODECS))}")
+    try:
+        return cls(level)
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"bad level {level!r} for codec {name!r}: {exc}") from exc

@@ -1,0 +1,51 @@
+"""Typed configuration shared by every role.
+
+Each role (origin, edge, client) has one pydantic model derived from :class:`RoleConfig`:
+validated on construction, unknown keys refused, loadable from a YAML or JSON file, and
+overridable by command-line flags. Defaults live on the model fields and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kdn.errors import ConfigError
+
+
+class RoleConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> Self:
+        """Load from YAML/JSON, then apply ``overrides`` (flags); ``None`` overrides are ignored."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {p}: {exc.strerror or exc}") from exc
+        try:
+            data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(f"config file {p} does not parse: {exc}") from exc
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping, not {type(data).__name__}")
+        return cls.build({**data, **{k: v for k, v in overrides.items() if v is not None}}, source=str(p))
+
+    @classmethod
+    def build(cls, data: dict[str, Any] | None = None, *, source: str = "flags", **overrides: Any) -> Self:
+        """Validate ``data`` plus non-``None`` ``overrides``; errors name the field."""
+        merged = {**(data or {}), **{k: v for k, v in overrides.items() if v is not None}}
+        try:
+            return cls(**merged)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()
+            )
+            raise ConfigError(f"invalid {cls.__name__} from {source}: {problems}") from None

@@ -1,0 +1,144 @@
+"""Chunk keys: content addresses for KV chunks that every process and machine agrees on.
+
+Tokens are cut into chunks of ``chunk_size`` tokens; only full chunks get keys (the tail is
+recomputed). Keys are chained over the prefix::
+
+    key_0 = ROOT_KEY
+    key_i = BLAKE2b-256(key_{i-1} ‖ fingerprint ‖ namespace ‖ tokens_i as little-endian u32)
+
+Invariants:
+- equal keys imply equal prefixes (same model, same namespace, same tokens up to that chunk);
+- changing one token, the model fingerprint, the namespace or the chunk size changes the key of
+  that chunk and of every chunk after it;
+- the hash is cryptographic and seedless: never Python's ``hash()``, so ``PYTHONHASHSEED`` and the
+  process do not matter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import NewType, Sequence
+
+import numpy as np
+
+from kdn.errors import InvalidInput
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""32-byte chained digest of a chunk and everything before it."""
+
+ModelFingerprint = NewType("ModelFingerprint", bytes)
+"""32-byte digest of everything that changes KV (see :mod:`kdn.models`)."""
+
+KEY_BYTES = 32
+DEFAULT_CHUNK_SIZE = 256
+ROOT_KEY = ChunkKey(hashlib.blake2b(b"kdn/chunk-key/root/v1", digest_size=KEY_BYTES).digest())
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Who a chunk belongs to. ``tenant`` is checked against the caller's token; ``salt`` is an
+    optional per-tenant secret that makes keys unguessable even to someone who knows the text."""
+
+    tenant: str
+    salt: str = ""
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.match(self.tenant):
+            raise InvalidInput(f"tenant must match {_NAME_RE.pattern}, got {self.tenant!r}")
+        if len(self.salt) > 256:
+            raise InvalidInput("namespace salt longer than 256 characters")
+
+    def encode(self) -> bytes:
+        """Length-prefixed so that ("ab", "c") and ("a", "bc") never collide."""
+        t, s = self.tenant.encode(), self.salt.encode()
+        return len(t).to_bytes(2, "little") + t + len(s).to_bytes(2, "little") + s
+
+    @classmethod
+    def parse(cls, text: str) -> "Namespace":
+        """``tenant`` or ``tenant:salt``."""
+        tenant, _, salt = text.partition(":")
+        return cls(tenant, salt)
+
+    def __str__(self) -> str:
+        return self.tenant
+
+
+DEFAULT_NAMESPACE = Namespace("default")
+
+
+def next_key(
+    parent: ChunkKey, fingerprint: ModelFingerprint, namespace: Namespace, tokens: Sequence[int] | np.ndarray
+) -> ChunkKey:
+    """The key of one chunk given its parent's key."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES)
+    h.update(parent)
+    h.update(fingerprint)
+    h.update(namespace.encode())
+    h.update(_tokens_le_u32(tokens))
+    return ChunkKey(h.digest())
+
+
+def chunk_keys(
+    tokens: Sequence[int] | np.ndarray,
+    *,
+    fingerprint: ModelFingerprint,
+    namespace: Namespace,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> list[ChunkKey]:
+    """Keys of every *full* chunk of ``tokens``, in order. A trailing partial chunk has no key."""
+    if chunk_size <= 0:
+        raise InvalidInput(f"chunk_size must be positive, got {chunk_size}")
+    if len(fingerprint) != KEY_BYTES:
+        raise InvalidInput(f"model fingerprint must be {KEY_BYTES} bytes, got {len(fingerprint)}")
+    arr = _as_u32(tokens)
+    fp, ns = bytes(fingerprint), namespace.encode()
+    keys: list[ChunkKey] = []
+    parent = ROOT_KEY
+    for start in range(0, len(arr) - chunk_size + 1, chunk_size):
+        h = hashlib.blake2b(digest_size=KEY_BYTES)
+        h.update(parent)
+        h.update(fp)
+        h.update(ns)
+        h.update(arr[start : start + chunk_size].tobytes())
+        parent = ChunkKey(h.digest())
+        keys.append(parent)
+    return keys
+
+
+def parse_key(value: bytes | str) -> ChunkKey:
+    """A key from the wire (32 raw bytes) or from a human (64 hex digits)."""
+    if isinstance(value, str):
+        try:
+            raw = bytes.fromhex(value)
+        except ValueError as exc:
+            raise InvalidInput(f"malformed chunk key {value[:80]!r}: not hex") from exc
+    else:
+        raw = bytes(value)
+    if len(raw) != KEY_BYTES:
+        raise InvalidInput(f"malformed chunk key: {len(raw)} bytes, expected {KEY_BYTES}")
+    return ChunkKey(raw)
+
+
+def parse_fingerprint(value: bytes | str) -> ModelFingerprint:
+    """A fingerprint from the wire (32 bytes) or hex."""
+    try:
+        return ModelFingerprint(parse_key(value))
+    except InvalidInput as exc:
+        raise InvalidInput(str(exc).replace("chunk key", "model fingerprint")) from None
+
+
+def _as_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidInput(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise InvalidInput("tokens must be integers in [0, 2**32)")
+    return arr.astype("<u4", copy=False)
+
+
+def _tokens_le_u32(tokens: Sequence[int] | np.ndarray) -> bytes:
+    return _as_u32(tokens).tobytes()

@@ -1,0 +1,90 @@
+"""KV tensors: the layout KDN stores, and conversion to and from a transformers ``DynamicCache``.
+
+A *chunk's KV* is one tensor ``(L, 2, H, T, D)``: layers, K/V, KV heads, tokens, head dim, for a
+single sequence (batch 1). A ``DynamicCache`` holds per layer ``keys``/``values`` of shape
+``(B, H, N, D)``. Chunks of a chain concatenate along ``T`` into the cache's ``N``.
+
+``KV_LAYOUT_VERSION`` is folded into the model fingerprint: change the layout, change every key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kdn.errors import InvalidInput
+
+KV_LAYOUT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """Per-token KV geometry of a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: torch.dtype) -> "KVShape":
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype)
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def chunk_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
+
+
+def split_cache(cache: Any, chunk_size: int, *, start: int = 0, count: int | None = None) -> list[torch.Tensor]:
+    """Cut full chunks out of a single-sequence ``DynamicCache``.
+
+    Returns chunks ``start .. start+count-1`` (default: every full chunk from ``start``), each a
+    contiguous ``(L, 2, H, chunk_size, D)`` copy, independent of the cache's storage.
+    """
+    layers = cache.layers
+    if not layers:
+        return []
+    n_tokens = layers[0].keys.shape[2]
+    full = n_tokens // chunk_size
+    stop = full if count is None else min(full, start + count)
+    out = []
+    for c in range(start, stop):
+        s, e = c * chunk_size, (c + 1) * chunk_size
+        # per layer: keys/values (1, H, N, D) -> (H, T, D); stacked -> (L, 2, H, T, D)
+        out.append(
+            torch.stack([torch.stack((layer.keys[0, :, s:e], layer.values[0, :, s:e])) for layer in layers])
+        )
+    return out
+
+
+def build_cache(chunks: Sequence[torch.Tensor], config: Any) -> Any:
+    """Rebuild a ``DynamicCache`` holding the given chunks of one chain, in order."""
+    from transformers import DynamicCache
+
+    if not chunks:
+        return DynamicCache(config=config)
+    shape0 = chunks[0].shape
+    for c in chunks:
+        if c.dim() != 5 or c.shape[:3] != shape0[:3] or c.shape[4] != shape0[4] or c.dtype != chunks[0].dtype:
+            raise InvalidInput(f"chunk KV shapes disagree: {tuple(c.shape)} vs {tuple(shape0)}")
+    kv = chunks[0] if len(chunks) == 1 else torch.cat(list(chunks), dim=3)  # (L, 2, H, N, D)
+    return cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])], config)
+
+
+def cache_from_layers(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], config: Any) -> Any:
+    """A ``DynamicCache`` from per-layer ``(keys, values)``, each ``(1, H, N, D)``."""
+    from transformers import DynamicCache
+
+    return DynamicCache(list(layers), config=config)
+
+
+def cache_length(cache: Any) -> int:
+    layers = getattr(cache, "layers", None)
+    return int(layers[0].keys.shape[2]) if layers else 0

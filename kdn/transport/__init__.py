@@ -1,0 +1,1 @@
+"""gRPC plumbing shared by edges, origins and clients: channel options, auth, error mapping."""

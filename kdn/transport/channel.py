@@ -1,0 +1,83 @@
+"""Channel and server options every KDN gRPC endpoint uses.
+
+Messages are bounded: artifacts are streamed in pieces of at most ``STREAM_PIECE`` bytes, and no
+single message may exceed ``MAX_MESSAGE``. Tokens travel as ``authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+STREAM_PIECE = 1 << 20  # 1 MiB per streamed message
+MAX_MESSAGE = 8 << 20  # hard bound on any single message, either direction
+DEFAULT_DEADLINE_S = 10.0
+AUTH_HEADER = "authorization"
+
+
+def grpc_options(max_message: int = MAX_MESSAGE) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message),
+        ("grpc.max_receive_message_length", max_message),
+        ("grpc.so_reuseport", 0),
+        ("grpc.enable_retries", 0),
+        ("grpc.keepalive_time_ms", 20_000),
+    ]
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
+
+
+def bearer_token(metadata: object) -> str | None:
+    """The bearer token from invocation metadata, or None."""
+    for key, value in metadata or ():  # type: ignore[union-attr]
+        if key.lower() == AUTH_HEADER and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files for TLS. ``ca`` set on a server means clients must present a certificate (mTLS)."""
+
+    cert: Path | None = None
+    key: Path | None = None
+    ca: Path | None = None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        assert self.cert and self.key, "a TLS server needs cert and key"
+        pair = [(self.key.read_bytes(), self.cert.read_bytes())]
+        if self.ca:
+            return grpc.ssl_server_credentials(pair, root_certificates=self.ca.read_bytes(), require_client_auth=True)
+        return grpc.ssl_server_credentials(pair)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca.read_bytes() if self.ca else None,
+            private_key=self.key.read_bytes() if self.key else None,
+            certificate_chain=self.cert.read_bytes() if self.cert else None,
+        )
+
+
+def aio_channel(address: str, *, tls: TlsFiles | None = None, max_message: int = MAX_MESSAGE) -> grpc.aio.Channel:
+    opts = grpc_options(max_message)
+    if tls is not None:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts)
+    return grpc.aio.insecure_channel(address, options=opts)
+
+
+def sync_channel(address: str, *, tls: TlsFiles | None = None, max_message: int = MAX_MESSAGE) -> grpc.Channel:
+    opts = grpc_options(max_message)
+    if tls is not None:
+        return grpc.secure_channel(address, tls.channel_credentials(), options=opts)
+    return grpc.insecure_channel(address, options=opts)
+
+
+def split_pieces(data: bytes | memoryview, piece: int = STREAM_PIECE):
+    """Yield consecutive memoryview pieces of at most ``piece`` bytes."""
+    view = memoryview(data)
+    for start in range(0, len(view), piece):
+        yield view[start : start + piece]
