@@ -1,0 +1,131 @@
+"""Crash-safe files by name: the disk layer under the origin store and the edge's disk tier.
+
+A blob is written to a temporary file in its final directory, flushed and fsynced, then renamed
+into place (and the directory fsynced), so a reader sees either nothing or the whole blob — never
+a partial one, whatever instant the writer dies at. Temporary files left by a killed writer are
+swept on open. The store does not interpret bytes: callers verify artifact checksums on read.
+
+Layout: ``root/<prefix>/<name[:2]>/<name>`` where ``prefix`` groups blobs (a tenant, a codec).
+Names are restricted to ``[A-Za-z0-9_.-]`` so no name can escape the root.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from kdn.errors import InvalidInput, StorageFull
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_TMP_SUFFIX = ".tmp"
+
+
+@dataclass(frozen=True, slots=True)
+class BlobInfo:
+    prefix: str
+    name: str
+    size: int
+    mtime: float
+
+
+class BlobStore:
+    """Atomic, durable blobs on local disk."""
+
+    def __init__(self, root: str | Path, *, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self.swept = self._sweep_tmp()
+
+    # -- paths ---------------------------------------------------------------------------------
+
+    def path(self, prefix: str, name: str) -> Path:
+        for part, what in ((prefix, "prefix"), (name, "name")):
+            if not _NAME.match(part) or part in (".", ".."):
+                raise InvalidInput(f"blob {what} {part!r} is not allowed")
+        return self.root / prefix / name[:2] / name
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def put(self, prefix: str, name: str, data: bytes | memoryview) -> int:
+        """Write atomically; replaces an existing blob of the same name. Returns the size."""
+        final = self.path(prefix, name)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.{id(data):x}{_TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                if self._fsync:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, final)
+            if self._fsync:
+                _fsync_dir(final.parent)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFull(f"disk full writing {final}: {exc.strerror}") from exc
+            raise
+        return len(data)
+
+    def get(self, prefix: str, name: str) -> bytes | None:
+        try:
+            with open(self.path(prefix, name), "rb") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return None
+
+    def contains(self, prefix: str, name: str) -> bool:
+        return self.path(prefix, name).is_file()
+
+    def size(self, prefix: str, name: str) -> int | None:
+        try:
+            return self.path(prefix, name).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def delete(self, prefix: str, name: str) -> bool:
+        try:
+            self.path(prefix, name).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def scan(self) -> Iterator[BlobInfo]:
+        """Every complete blob on disk (used to rebuild indexes on restart)."""
+        if not self.root.is_dir():
+            return
+        for prefix_dir in self.root.iterdir():
+            if not prefix_dir.is_dir():
+                continue
+            for shard in prefix_dir.iterdir():
+                if not shard.is_dir():
+                    continue
+                for f in shard.iterdir():
+                    if f.name.startswith(".") or not _NAME.match(f.name):
+                        continue
+                    try:
+                        st = f.stat()
+                    except FileNotFoundError:
+                        continue
+                    yield BlobInfo(prefix_dir.name, f.name, st.st_size, st.st_mtime)
+
+    def _sweep_tmp(self) -> int:
+        """Remove temporaries of writers that died mid-write. Returns how many were removed."""
+        removed = 0
+        for tmp in self.root.glob(f"*/*/.*{_TMP_SUFFIX}"):
+            tmp.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
