@@ -1,0 +1,169 @@
+"""Eviction policies on the real Mooncake conversation trace: prefix-token hit rate.
+
+Each hash id in the trace is one 512-token KV block; a request can only use the *leading* run of
+its blocks that the cache holds (a block whose prefix is gone is worthless). Per request: count the
+hit tokens of the leading cached run (the last block may be partial), then access every block of the
+request in order (parent = the previous block), so misses are inserted and hits touched.
+
+Capacities are 1%, 5%, 10% and 20% of the unique blocks. Policies: every registered one plus
+Belady's block-level optimum (evict the block whose next use is farthest). Figures are reported as
+ratios against LRU measured in the same run.
+
+    .venv/bin/python benchmarks/eviction.py [--quick] [--trace PATH] [--no-append]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge.policies import POLICIES, Belady, BoundedCache, EvictionPolicy, make_policy
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+BLOCK_TOKENS = 512
+FRACTIONS = (0.01, 0.05, 0.10, 0.20)
+ORDER = ("lru", "s3fifo", "sieve", "prefix")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: Path, limit: int | None = None) -> list[Request]:
+    reqs = []
+    with path.open() as f:
+        for line in f:
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            reqs.append(Request(int(obj["input_length"]), tuple(obj["hash_ids"])))
+            if limit is not None and len(reqs) >= limit:
+                break
+    return reqs
+
+
+def replay(reqs: Sequence[Request], capacity_blocks: int, policy: EvictionPolicy) -> float:
+    """Prefix-token hit rate of ``policy`` with room for ``capacity_blocks`` blocks."""
+    cache = BoundedCache(capacity_blocks, policy)
+    access = cache.access
+    hit = total = 0
+    for r in reqs:
+        ids = r.hash_ids
+        k = 0
+        for x in ids:
+            if x not in cache:
+                break
+            k += 1
+        hit += r.input_length if k == len(ids) else min(BLOCK_TOKENS * k, r.input_length)
+        total += r.input_length
+        parent = None
+        for x in ids:
+            access(x, 1, parent)
+            parent = x
+    return hit / total if total else 0.0
+
+
+def policy_factories(reqs: Sequence[Request]) -> dict[str, Callable[[], EvictionPolicy]]:
+    accesses = [x for r in reqs for x in r.hash_ids]
+    names = [n for n in ORDER if n in POLICIES] + sorted(set(POLICIES) - set(ORDER))
+    out: dict[str, Callable[[], EvictionPolicy]] = {n: (lambda n=n: make_policy(n)) for n in names}
+    out["belady"] = lambda: Belady(accesses)
+    return out
+
+
+def plot(results: dict[str, list[float]], fractions: Sequence[float], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    xs = [100 * f for f in fractions]
+    for name, rates in results.items():
+        style = "--" if name == "belady" else "-"
+        ax.plot(xs, [100 * r for r in rates], style, marker="o", label=name)
+    ax.set_xlabel("cache size (% of unique blocks)")
+    ax.set_ylabel("prefix-token hit rate (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="benchmarks/eviction.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", type=Path, default=Path(os.environ.get("KDN_TRACE", DEFAULT_TRACE)))
+    ap.add_argument("--quick", action="store_true", help="first 3000 requests only")
+    ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument("--plot", type=Path, default=REPO / "benchmarks" / "results" / "eviction.png")
+    args = ap.parse_args(argv)
+
+    if not args.trace.exists():
+        print(f"trace not found: {args.trace} (pass --trace or set KDN_TRACE)", file=sys.stderr)
+        return 2
+    reqs = load_trace(args.trace, 3000 if args.quick else None)
+    unique = len({x for r in reqs for x in r.hash_ids})
+    caps = [max(1, round(f * unique)) for f in FRACTIONS]
+    print(f"trace {args.trace.name}: {len(reqs)} requests, {unique} unique blocks, capacities {caps}")
+
+    results: dict[str, list[float]] = {}
+    t0 = time.perf_counter()
+    for name, factory in policy_factories(reqs).items():
+        t = time.perf_counter()
+        results[name] = [replay(reqs, cap, factory()) for cap in caps]
+        print(f"  {name:8s} {time.perf_counter() - t:6.1f}s")
+    elapsed = time.perf_counter() - t0
+
+    lru = results["lru"]
+    head = "| policy | " + " | ".join(f"{100 * f:g}%" for f in FRACTIONS) + " |"
+    lines = [head, "|---" * (len(FRACTIONS) + 1) + "|"]
+    for name, rates in results.items():
+        cells = [f"{100 * r:.1f}% ({r / l:.2f}x)" if l else f"{100 * r:.1f}%" for r, l in zip(rates, lru)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print("\nprefix-token hit rate (ratio vs LRU in this run):")
+    print(table)
+    pre = results.get("prefix")
+    ok = pre is not None and all(p >= l for p, l in zip(pre, lru)) and pre[0] >= 1.3 * lru[0]
+    verdict = (
+        f"goal (prefix >= LRU at every size, >= 1.3x at 1%): {'MET' if ok else 'NOT MET'}"
+        f" ({pre[0] / lru[0]:.2f}x at 1%)" if pre else "no prefix policy"
+    )
+    print(verdict)
+    print(f"replay time, all policies and sizes: {elapsed:.1f}s")
+
+    suffix = "-quick" if args.quick else ""
+    plot_path = args.plot.with_name(args.plot.stem + suffix + args.plot.suffix)
+    plot(results, FRACTIONS, plot_path, f"Mooncake conversation trace ({len(reqs)} requests)")
+    print(f"plot: {plot_path.relative_to(REPO) if plot_path.is_relative_to(REPO) else plot_path}")
+
+    if not args.no_append:
+        cmd = "python benchmarks/eviction.py" + (" --quick" if args.quick else "")
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        section = (
+            f"\n## Eviction policies on the Mooncake conversation trace ({stamp})\n\n"
+            f"Command: `{cmd}`  \n"
+            f"{len(reqs)} requests, {unique} unique 512-token blocks; capacities {caps} blocks; "
+            f"prefix-token hit rate, ratio vs LRU in the same run. Replay of all policies and sizes "
+            f"took {elapsed:.1f}s.\n\n{table}\n\n{verdict}. Plot: `{plot_path.relative_to(REPO)}`.\n"
+        )
+        with (REPO / "BENCHMARKS.md").open("a") as f:
+            f.write(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
