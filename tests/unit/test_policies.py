@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -320,7 +321,11 @@ def test_prefix_policy_meets_the_goal_on_the_mooncake_trace() -> None:
         "eviction_bench", Path(__file__).resolve().parents[2] / "benchmarks" / "eviction.py"
     )
     bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules[spec.name]
     reqs = bench.load_trace(TRACE)
     unique = len({x for r in reqs for x in r.hash_ids})
     caps = [round(f * unique) for f in bench.FRACTIONS]
