@@ -1,0 +1,64 @@
+"""The ``kdn`` dispatcher: lists every DESIGN.md command, rejects unknown ones with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kdn import cli
+
+DESIGN_COMMANDS = ("demo", "up", "down", "origin", "ingest", "edge", "query", "stats", "simulate", "tune")
+
+
+def test_help_lists_every_design_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("  ") and line.strip()}
+    missing = set(DESIGN_COMMANDS) - listed
+    assert not missing, f"kdn --help does not list {sorted(missing)}"
+    assert "--json" in out
+
+
+@pytest.mark.parametrize("argv", [[], ["-h"], ["help"]])
+def test_no_arguments_prints_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 0
+    assert "usage: kdn" in capsys.readouterr().out
+
+
+def test_unknown_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'frobnicate'" in err
+
+
+def test_console_script_help_and_unknown_command() -> None:
+    """The installed entry point, in a fresh process: fast, and no torch import just for --help."""
+    code = (
+        "import sys; from kdn.cli import main; rc = main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'kdn --help imported torch'; sys.exit(rc)"
+    )
+    ok = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    for name in DESIGN_COMMANDS:
+        assert f"  {name} " in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "kdn.cli", "no-such-command"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2
+    assert "unknown command" in bad.stderr
+
+
+def test_every_command_target_is_well_formed() -> None:
+    names = [c.name for c in cli.COMMANDS]
+    assert len(names) == len(set(names))
+    for c in cli.COMMANDS:
+        module, _, func = c.target.partition(":")
+        assert module and func, c
+
+
+def test_missing_module_says_not_implemented(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    fake = cli.Command("ghost", "kdn._no_such_module_:main", "a command whose module does not exist")
+    monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + (fake,))
+    assert cli.main(["ghost"]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
