@@ -1,0 +1,499 @@
+"""The inference host's KDN client: reuse what the local edge holds, write back what was computed.
+
+Public surface: :class:`ClientConfig`, :class:`AsyncKdnClient`, :class:`KdnClient` (the same, for
+synchronous code: it runs the async client on a private event-loop thread) and :class:`Reuse`.
+
+One request goes::
+
+    tokens ─► chunk keys (kdn.keys.chunk_keys) ─► Lookup: how many leading chunks the edge has
+           ─► Fetch them, up to ``fetch_concurrency`` at once; each container streams through an
+              ArtifactReader, and every section (one layer's K or V) is copied into its place in
+              the prefix KV as soon as its bytes arrived and verified — layer l is decoded while
+              layer l+1 is still on the wire
+           ─► the caller prefills only the remainder, then hands the new full chunks to
+              ``write_back`` which encodes and Puts them in the background.
+
+Invariants:
+- ``reuse`` never raises because the cache failed: an edge that is down or slow, a corrupt
+  artifact, a fingerprint mismatch or a lossy artifact when lossless was required all end in
+  "reuse the chunks fetched intact before the failure (maybe none), recompute the rest", with ONE
+  warning logged on ``kdn.client`` and returned in :attr:`Reuse.warning`;
+- only a contiguous prefix of verified chunks is ever used, so the KV handed back always equals
+  what a prefill of those tokens by the fingerprinted model produced;
+- every call carries a deadline; the namespace (tenant + salt) is folded into every key, so one
+  tenant's requests can never name another tenant's chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Coroutine, Literal, Sequence, TypeVar
+
+import numpy as np
+import torch
+from pydantic import Field, model_validator
+
+from kdn.artifact import ArtifactReader, PB_TO_DTYPE, encode_artifact
+from kdn.client_transport import EdgeTransport, GrpcEdgeTransport, is_loopback
+from kdn.config import RoleConfig
+from kdn.errors import FingerprintMismatch, KdnError, Unavailable
+from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
+from kdn.kv import KVShape
+from kdn.proto import kdn_pb2 as pb
+from kdn.transport.channel import TlsFiles
+
+__all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "LOG"]
+
+LOG = logging.getLogger("kdn.client")
+T = TypeVar("T")
+_PREFETCH_HINT = 8  # following keys sent with each Fetch so the edge can prefetch them
+
+
+class ClientConfig(RoleConfig):
+    """Settings of one inference host's client. Defaults live here and nowhere else."""
+
+    edge: str | None = Field(None, description="host:port of the local edge; None: never reuse, always recompute")
+    token: str | None = Field(None, description="bearer token for the edge")
+    tenant: str = Field("default", description="namespace tenant folded into every chunk key")
+    salt: str = Field("", description="optional per-tenant secret folded into every chunk key")
+    shm: Literal["auto", "on", "off"] = Field(
+        "auto", description="ask for shared-memory answers: auto = when the edge address is loopback"
+    )
+    codec: str = Field("", description="preferred codec for fetches ('' = whatever the edge stores)")
+    require_lossless: bool = Field(True, description="refuse lossy artifacts (outputs then equal recompute)")
+    put_codec: str = Field("raw", description="codec for chunks written back to the edge")
+    write_back: bool = Field(True, description="Put newly computed full chunks to the edge in the background")
+    fetch_concurrency: int = Field(4, ge=1, le=64, description="chunks fetched at once")
+    lookup_timeout_s: float = Field(2.0, gt=0, description="deadline of a Lookup")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="deadline of one chunk's Fetch")
+    put_timeout_s: float = Field(30.0, gt=0, description="deadline of one chunk's Put")
+    max_pending_puts: int = Field(256, ge=1, description="write-backs queued at most; more are dropped")
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClientConfig":
+        Namespace(self.tenant, self.salt)  # raises InvalidInput on a malformed tenant
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return self
+
+    @property
+    def namespace(self) -> Namespace:
+        return Namespace(self.tenant, self.salt)
+
+    def tls(self) -> TlsFiles | None:
+        if self.tls_ca is None and self.tls_cert is None:
+            return None
+        return TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)
+
+    def use_shm(self) -> bool:
+        return bool(self.edge) and (self.shm == "on" or (self.shm == "auto" and is_loopback(self.edge)))
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """What the edge contributed to one request.
+
+    ``kv`` is the reused prefix ``(L, 2, H, tokens, D)`` (None when nothing was reused); ``keys``
+    are the keys of every full chunk of the request's tokens (for write-back); ``available`` is
+    how many leading chunks the edge said it holds; ``chunks`` how many were fetched and used.
+    """
+
+    kv: torch.Tensor | None
+    tokens: int
+    chunks: int
+    available: int
+    keys: tuple[ChunkKey, ...]
+    lookup_s: float = 0.0
+    fetch_s: float = 0.0
+    decode_s: float = 0.0
+    bytes: int = 0
+    via: str = ""
+    warning: str | None = None
+    edge_usable: bool = True  # False when the edge failed as a whole (no write-back then)
+
+
+@dataclass(slots=True)
+class _FetchTally:
+    decode_s: float = 0.0
+    bytes: int = 0
+    via: str = ""
+
+
+class AsyncKdnClient:
+    """Talks to one edge from inside an asyncio event loop.
+
+    >>> async with AsyncKdnClient(ClientConfig(edge="127.0.0.1:50051")) as client:
+    ...     reuse = await client.reuse(tokens, fingerprint=fp, kv_shape=shape, chunk_size=256)
+    """
+
+    def __init__(self, config: ClientConfig | None = None, *, transport: EdgeTransport | None = None) -> None:
+        self.config = config or ClientConfig()
+        if transport is None and self.config.edge:
+            transport = GrpcEdgeTransport(
+                self.config.edge, token=self.config.token, shm=self.config.use_shm(), tls=self.config.tls()
+            )
+        self.transport = transport
+        self._pending: set[asyncio.Task[int]] = set()
+        self.counters: dict[str, float] = {
+            "requests": 0, "reused_chunks": 0, "fetch_errors": 0, "edge_errors": 0,
+            "written_back": 0, "write_back_errors": 0, "write_back_dropped": 0,
+        }
+
+    async def __aenter__(self) -> "AsyncKdnClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- the fallible primitives (raise KdnError) ---------------------------------------------
+
+    async def lookup(self, fingerprint: ModelFingerprint, keys: Sequence[ChunkKey]) -> int:
+        """How many leading ``keys`` the edge holds."""
+        if self.transport is None or not keys:
+            return 0
+        return await _deadline(
+            self.transport.lookup(fingerprint, self.config.namespace, keys, timeout=self.config.lookup_timeout_s),
+            self.config.lookup_timeout_s, "Lookup",
+        )
+
+    async def fetch_prefix(
+        self,
+        fingerprint: ModelFingerprint,
+        keys: Sequence[ChunkKey],
+        kv_shape: KVShape,
+        *,
+        chunk_size: int,
+    ) -> tuple[torch.Tensor, int, BaseException | None, _FetchTally]:
+        """Fetch ``keys`` (a chain from the start) into one ``(L, 2, H, n*chunk_size, D)`` tensor.
+
+        Returns ``(kv, usable, error, tally)``: ``usable`` leading chunks are verified and in
+        place; ``error`` is the first failure (None when all arrived).
+        """
+        assert self.transport is not None
+        n = len(keys)
+        out = torch.empty(kv_shape.chunk_shape(n * chunk_size), dtype=kv_shape.dtype)  # (L, 2, H, n*T, D)
+        tally = _FetchTally()
+        sem = asyncio.Semaphore(self.config.fetch_concurrency)
+
+        async def one(i: int) -> None:
+            async with sem:
+                await _deadline(
+                    self._fetch_into(out, i, keys, fingerprint, kv_shape, chunk_size, tally),
+                    self.config.fetch_timeout_s, f"Fetch of chunk {i}",
+                )
+
+        results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+        usable, error = n, None
+        for i, r in enumerate(results):
+            if isinstance(r, BaseException):
+                if not isinstance(r, Exception):
+                    raise r  # cancellation, KeyboardInterrupt
+                usable, error = i, r
+                break
+        return out, usable, error, tally
+
+    async def _fetch_into(
+        self,
+        out: torch.Tensor,
+        i: int,
+        keys: Sequence[ChunkKey],
+        fingerprint: ModelFingerprint,
+        shape: KVShape,
+        chunk_size: int,
+        tally: _FetchTally,
+    ) -> None:
+        assert self.transport is not None
+        reader = ArtifactReader(
+            expect_fingerprint=fingerprint, expect_key=keys[i], require_lossless=self.config.require_lossless
+        )
+        lo, hi = i * chunk_size, (i + 1) * chunk_size
+        checked = False
+        async for piece, via in self.transport.fetch(
+            fingerprint,
+            self.config.namespace,
+            keys[i],
+            timeout=self.config.fetch_timeout_s,
+            next_keys=keys[i + 1 : i + 1 + _PREFETCH_HINT],
+            require_lossless=self.config.require_lossless,
+            codec=self.config.codec,
+        ):
+            t0 = time.perf_counter()
+            sections = reader.feed(piece)
+            if not checked and reader.header is not None:
+                _check_geometry(reader.header, shape, chunk_size, i)
+                checked = True
+            for s in sections:
+                # s.tensor (H, T, D) -> out[layer, k|v, :, chunk i's T tokens, :]
+                out[s.layer, 0 if s.kind == "k" else 1, :, lo:hi].copy_(s.tensor)
+            tally.decode_s += time.perf_counter() - t0
+            tally.bytes += len(piece)
+            tally.via = via
+        reader.finish()
+
+    async def put(self, fingerprint: ModelFingerprint, key: ChunkKey, data: bytes) -> bool:
+        """Store one container on the edge."""
+        if self.transport is None:
+            return False
+        return await _deadline(
+            self.transport.put(fingerprint, self.config.namespace, key, data, timeout=self.config.put_timeout_s),
+            self.config.put_timeout_s, "Put",
+        )
+
+    # -- the request-level operations (never fail because the cache did) ----------------------
+
+    def keys_for(self, tokens: Sequence[int] | np.ndarray, fingerprint: ModelFingerprint, chunk_size: int) -> list[ChunkKey]:
+        return chunk_keys(tokens, fingerprint=fingerprint, namespace=self.config.namespace, chunk_size=chunk_size)
+
+    async def reuse(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        fingerprint: ModelFingerprint,
+        kv_shape: KVShape,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        max_tokens: int | None = None,
+    ) -> Reuse:
+        """The longest prefix of ``tokens`` (at most ``max_tokens``) whose KV the edge can give.
+
+        Chunks are fetched whole; when ``max_tokens`` ends inside a fetched chunk the KV is cut
+        there (e.g. ``len(tokens) - 1``, so the last prompt token is computed and yields logits).
+        """
+        self.counters["requests"] += 1
+        keys = self.keys_for(tokens, fingerprint, chunk_size)
+        limit = len(tokens) if max_tokens is None else max(0, min(max_tokens, len(tokens)))
+        wanted = keys[: -(-limit // chunk_size)] if limit else []
+        if self.transport is None or not wanted:
+            return Reuse(None, 0, 0, 0, tuple(keys), edge_usable=self.transport is not None)
+        where = self.transport.name
+        t0 = time.perf_counter()
+        try:
+            available = await self.lookup(fingerprint, wanted)
+        except KdnError as exc:
+            self.counters["edge_errors"] += 1
+            warning = f"KDN edge {where} unusable ({type(exc).__name__}: {exc}); recomputing all {len(tokens)} tokens locally"
+            LOG.warning(warning)
+            return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=time.perf_counter() - t0, warning=warning, edge_usable=False)
+        t1 = time.perf_counter()
+        if available == 0:
+            return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=t1 - t0)
+        kv, usable, error, tally = await self.fetch_prefix(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size)
+        t2 = time.perf_counter()
+        warning = None
+        if error is not None:
+            self.counters["fetch_errors"] += 1
+            warning = (
+                f"KDN fetch of chunk {usable} of {available} from edge {where} failed "
+                f"({type(error).__name__}: {error}); reusing {usable} verified chunk(s), recomputing the rest locally"
+            )
+            LOG.warning(warning)
+        n_tokens = min(usable * chunk_size, limit)
+        self.counters["reused_chunks"] += usable
+        if n_tokens == 0:
+            kv_out = None
+        else:
+            kv_out = kv[:, :, :, :n_tokens]  # (L, 2, H, n_tokens, D), a view
+        return Reuse(
+            kv_out, n_tokens, usable, available, tuple(keys), lookup_s=t1 - t0, fetch_s=t2 - t1,
+            decode_s=tally.decode_s, bytes=tally.bytes, via=tally.via, warning=warning,
+        )
+
+    async def write_back(
+        self,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        keys: Sequence[ChunkKey],
+        *,
+        fingerprint: ModelFingerprint,
+        chunk_size: int,
+        start: int,
+    ) -> int:
+        """Encode and Put chunks ``start ..`` of ``keys`` cut from per-layer ``(1, H, N, D)`` KV.
+
+        Returns how many the edge stored. Failures are counted and logged at debug level: a
+        write-back is an optimisation, never part of the answer.
+        """
+        if self.transport is None:
+            return 0
+        stored = 0
+        n_tokens = int(layers[0][0].shape[2]) if layers else 0
+        stop = min(len(keys), n_tokens // chunk_size)
+        for c in range(start, stop):
+            try:
+                data = await asyncio.to_thread(
+                    _encode_chunk, layers, c, chunk_size, keys, fingerprint, self.config.put_codec
+                )
+                if await self.put(fingerprint, keys[c], data):
+                    stored += 1
+            except KdnError as exc:
+                self.counters["write_back_errors"] += 1
+                LOG.debug("KDN write-back of chunk %d to %s failed: %s", c, self.transport.name, exc)
+                break
+        self.counters["written_back"] += stored
+        return stored
+
+    def schedule_write_back(
+        self,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        keys: Sequence[ChunkKey],
+        *,
+        fingerprint: ModelFingerprint,
+        chunk_size: int,
+        start: int,
+    ) -> bool:
+        """Start :meth:`write_back` in the background (call from the loop). False when dropped."""
+        if self.transport is None or not self.config.write_back or start >= len(keys):
+            return False
+        if len(self._pending) >= self.config.max_pending_puts:
+            self.counters["write_back_dropped"] += 1
+            return False
+        task = asyncio.get_running_loop().create_task(
+            self.write_back(layers, keys, fingerprint=fingerprint, chunk_size=chunk_size, start=start)
+        )
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return True
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait for background write-backs (at most ``timeout`` seconds)."""
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=timeout)
+
+    async def close(self, *, flush_timeout: float = 5.0) -> None:
+        await self.flush(flush_timeout)
+        for task in list(self._pending):
+            task.cancel()
+        if self.transport is not None:
+            await self.transport.close()
+
+
+class KdnClient:
+    """Synchronous facade over :class:`AsyncKdnClient`, which runs on a private loop thread
+    (so background write-backs proceed while the caller generates). Close it, or use ``with``."""
+
+    def __init__(self, config: ClientConfig | None = None, *, transport: EdgeTransport | None = None) -> None:
+        self.config = config or ClientConfig()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kdn-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+        async def make() -> AsyncKdnClient:
+            return AsyncKdnClient(self.config, transport=transport)
+
+        self.aio: AsyncKdnClient = self._run(make())
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return fut.result(timeout)
+
+    def __enter__(self) -> "KdnClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return self.aio.counters
+
+    def keys_for(self, tokens: Sequence[int] | np.ndarray, fingerprint: ModelFingerprint, chunk_size: int) -> list[ChunkKey]:
+        return self.aio.keys_for(tokens, fingerprint, chunk_size)
+
+    def lookup(self, fingerprint: ModelFingerprint, keys: Sequence[ChunkKey]) -> int:
+        return self._run(self.aio.lookup(fingerprint, keys))
+
+    def put(self, fingerprint: ModelFingerprint, key: ChunkKey, data: bytes) -> bool:
+        return self._run(self.aio.put(fingerprint, key, data))
+
+    def reuse(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        fingerprint: ModelFingerprint,
+        kv_shape: KVShape,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        max_tokens: int | None = None,
+    ) -> Reuse:
+        return self._run(
+            self.aio.reuse(tokens, fingerprint=fingerprint, kv_shape=kv_shape, chunk_size=chunk_size, max_tokens=max_tokens)
+        )
+
+    def schedule_write_back(
+        self,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        keys: Sequence[ChunkKey],
+        *,
+        fingerprint: ModelFingerprint,
+        chunk_size: int,
+        start: int,
+    ) -> bool:
+        async def go() -> bool:
+            return self.aio.schedule_write_back(layers, keys, fingerprint=fingerprint, chunk_size=chunk_size, start=start)
+
+        return self._run(go())
+
+    def write_back(
+        self,
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        keys: Sequence[ChunkKey],
+        *,
+        fingerprint: ModelFingerprint,
+        chunk_size: int,
+        start: int,
+    ) -> int:
+        """Encode and Put now, waiting for the edge (what ``schedule_write_back`` does later)."""
+        return self._run(self.aio.write_back(layers, keys, fingerprint=fingerprint, chunk_size=chunk_size, start=start))
+
+    def flush(self, timeout: float | None = None) -> None:
+        self._run(self.aio.flush(timeout))
+
+    def close(self, *, flush_timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self.aio.close(flush_timeout=flush_timeout), timeout=flush_timeout + 5)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+def _encode_chunk(
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    c: int,
+    chunk_size: int,
+    keys: Sequence[ChunkKey],
+    fingerprint: ModelFingerprint,
+    codec: str,
+) -> bytes:
+    s, e = c * chunk_size, (c + 1) * chunk_size
+    # per layer keys/values (1, H, N, D) -> (2, H, T, D); stacked -> (L, 2, H, T, D)
+    kv = torch.stack([torch.stack((k[0, :, s:e], v[0, :, s:e])) for k, v in layers])
+    return encode_artifact(
+        kv, key=keys[c], parent_key=keys[c - 1] if c else ROOT_KEY, fingerprint=fingerprint, codec=codec, chunk_index=c
+    )
+
+
+def _check_geometry(h: pb.ArtifactHeader, shape: KVShape, chunk_size: int, index: int) -> None:
+    got = (h.num_layers, h.num_kv_heads, h.head_dim, h.token_count, PB_TO_DTYPE.get(h.dtype))
+    want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, chunk_size, shape.dtype)
+    if got != want:
+        raise FingerprintMismatch(f"chunk {index} has geometry {got}, this model needs {want}")
+
+
+async def _deadline(aw: Awaitable[T], seconds: float, what: str) -> T:
+    try:
+        async with asyncio.timeout(seconds + 0.5):  # the transport's own deadline fires first
+            return await aw
+    except TimeoutError as exc:
+        raise Unavailable(f"{what} did not finish within {seconds:g}s") from exc

@@ -1,0 +1,276 @@
+"""How an inference host talks to its edge: one small interface, a gRPC and an in-memory transport.
+
+:class:`EdgeTransport` is the client's only view of an edge: ``lookup`` (how many leading keys of a
+chain are available), ``fetch`` (the bytes of one artifact container, as an async stream of pieces
+so decoding can start before the last byte arrived) and ``put`` (store a container). Every method
+takes a deadline and raises only :mod:`kdn.errors` exceptions: gRPC statuses are converted by
+:func:`kdn.transport.errors.from_rpc_error` (the one place they map), timeouts become
+``Unavailable``.
+
+- :class:`GrpcEdgeTransport` speaks ``EdgeService`` over gRPC; on the same host it asks for the
+  shared-memory answer (``FetchRequest.shm``) and maps ``/dev/shm/<name>`` read-only instead of
+  streaming the bytes through the socket. It never unlinks a segment: the edge owns their lifetime.
+- :class:`MemoryEdgeTransport` keeps artifacts in a dict: the transport for unit tests (no sockets),
+  with fault injection (down, corrupt, slow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+import grpc
+
+from kdn.errors import FingerprintMismatch, NotFound, Unavailable
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace
+from kdn.proto import kdn_pb2 as pb
+from kdn.proto import kdn_pb2_grpc as pb_grpc
+from kdn.transport.channel import STREAM_PIECE, TlsFiles, aio_channel, auth_metadata, split_pieces
+from kdn.transport.errors import from_rpc_error
+
+SHM_DIR = "/dev/shm"
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+class EdgeTransport(ABC):
+    """The client's view of one edge. Raises only KdnError subclasses."""
+
+    name: str = "edge"
+
+    @abstractmethod
+    async def lookup(
+        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
+    ) -> int:
+        """How many leading keys of the chain ``keys`` the edge can serve."""
+
+    @abstractmethod
+    async def fetch(
+        self,
+        fingerprint: ModelFingerprint,
+        namespace: Namespace,
+        key: ChunkKey,
+        *,
+        timeout: float,
+        next_keys: Sequence[ChunkKey] = (),
+        require_lossless: bool = True,
+        codec: str = "",
+    ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
+        """Yield ``(piece, via)`` for consecutive pieces of one container."""
+
+    @abstractmethod
+    async def put(
+        self, fingerprint: ModelFingerprint, namespace: Namespace, key: ChunkKey, data: bytes, *, timeout: float
+    ) -> bool:
+        """Store one container; True when the edge kept it."""
+
+    async def close(self) -> None:
+        return None
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    return host in _LOOPBACK_HOSTS or host.startswith("127.") or address.startswith("unix:")
+
+
+class GrpcEdgeTransport(EdgeTransport):
+    """``EdgeService`` over gRPC (``grpc.aio``). Create and use it inside one event loop."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        shm: bool = False,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        self.name = address
+        self.address = address
+        self.shm = shm
+        self._metadata = auth_metadata(token)
+        self._channel = aio_channel(address, tls=tls)
+        self._stub = pb_grpc.EdgeServiceStub(self._channel)
+
+    async def lookup(
+        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
+    ) -> int:
+        req = pb.LookupRequest(fingerprint=bytes(fingerprint), namespace=_ns(namespace), keys=[bytes(k) for k in keys])
+        try:
+            resp = await self._stub.Lookup(req, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, peer=self.address) from exc
+        return min(int(resp.available), len(keys))
+
+    async def fetch(
+        self,
+        fingerprint: ModelFingerprint,
+        namespace: Namespace,
+        key: ChunkKey,
+        *,
+        timeout: float,
+        next_keys: Sequence[ChunkKey] = (),
+        require_lossless: bool = True,
+        codec: str = "",
+    ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
+        use_shm = self.shm
+        for attempt in range(2):
+            req = pb.FetchRequest(
+                fingerprint=bytes(fingerprint),
+                namespace=_ns(namespace),
+                key=bytes(key),
+                codec=codec,
+                require_lossless=require_lossless,
+                next_keys=[bytes(k) for k in next_keys],
+                shm=use_shm,
+            )
+            call = self._stub.Fetch(req, timeout=timeout, metadata=self._metadata)
+            yielded = False
+            try:
+                total = 0
+                async for msg in call:
+                    if msg.total_size:
+                        total = msg.total_size
+                    if msg.shm_name:
+                        try:
+                            segment = _ShmSegment(msg.shm_name, total)
+                        except OSError:
+                            if attempt == 0 and not yielded:
+                                call.cancel()
+                                break  # the segment is gone: ask again for the bytes themselves
+                            raise Unavailable(f"shared-memory segment {msg.shm_name!r} vanished ({self.address})")
+                        yielded = True
+                        try:
+                            # the consumer copies what it needs before asking for the next piece
+                            yield segment.view, "shm"
+                        finally:
+                            segment.close()
+                    elif msg.data:
+                        yielded = True
+                        yield msg.data, "grpc"
+                else:
+                    return
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, peer=self.address) from exc
+            use_shm = False
+
+    async def put(
+        self, fingerprint: ModelFingerprint, namespace: Namespace, key: ChunkKey, data: bytes, *, timeout: float
+    ) -> bool:
+        header = pb.PutHeader(
+            fingerprint=bytes(fingerprint), namespace=_ns(namespace), key=bytes(key), total_size=len(data)
+        )
+
+        def messages():
+            yield pb.PutChunk(header=header)
+            for piece in split_pieces(data, STREAM_PIECE):
+                yield pb.PutChunk(data=bytes(piece))
+
+        try:
+            resp = await self._stub.Put(messages(), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, peer=self.address) from exc
+        return bool(resp.stored)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+class _ShmSegment:
+    """A read-only mapping of ``/dev/shm/<name>``. Never unlinked here: the edge owns segments."""
+
+    def __init__(self, name: str, total: int) -> None:
+        base = name.lstrip("/")
+        if not base or os.sep in base:
+            raise FileNotFoundError(name)
+        fd = os.open(os.path.join(SHM_DIR, base), os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            n = total or size
+            if n <= 0 or n > size:
+                raise OSError(f"segment {name} holds {size} bytes, {n} announced")
+            self._map = mmap.mmap(fd, n, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        self.view.release()  # the consumer's reference dies with it; it already copied the bytes
+        self._map.close()
+
+
+def _ns(namespace: Namespace) -> pb.Namespace:
+    return pb.Namespace(tenant=namespace.tenant, salt=namespace.salt)
+
+
+@dataclass(slots=True)
+class MemoryEdgeTransport(EdgeTransport):
+    """An edge in a dict, for unit tests. Tenants are isolated; faults can be switched on.
+
+    ``down``: every call raises Unavailable. ``corrupt``: keys whose served bytes get one bit
+    flipped. ``delay_s``: added to every call (to exercise deadlines).
+    """
+
+    fingerprint: ModelFingerprint | None = None
+    piece: int = 64 * 1024
+    down: bool = False
+    delay_s: float = 0.0
+    corrupt: set[bytes] = field(default_factory=set)
+    store: dict[tuple[str, bytes], bytes] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=lambda: {"lookup": 0, "fetch": 0, "put": 0})
+    name: str = "memory"
+
+    async def _enter(self, op: str, fingerprint: ModelFingerprint, timeout: float) -> None:
+        self.calls[op] += 1
+        if self.delay_s:
+            if self.delay_s >= timeout:
+                await asyncio.sleep(timeout)
+                raise Unavailable(f"memory edge: deadline of {timeout}s exceeded")
+            await asyncio.sleep(self.delay_s)
+        if self.down:
+            raise Unavailable("memory edge is down")
+        if self.fingerprint is not None and bytes(fingerprint) != bytes(self.fingerprint):
+            raise FingerprintMismatch("memory edge serves another model")
+
+    async def lookup(
+        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
+    ) -> int:
+        await self._enter("lookup", fingerprint, timeout)
+        n = 0
+        for k in keys:
+            if (namespace.tenant, bytes(k)) not in self.store:
+                break
+            n += 1
+        return n
+
+    async def fetch(
+        self,
+        fingerprint: ModelFingerprint,
+        namespace: Namespace,
+        key: ChunkKey,
+        *,
+        timeout: float,
+        next_keys: Sequence[ChunkKey] = (),
+        require_lossless: bool = True,
+        codec: str = "",
+    ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
+        await self._enter("fetch", fingerprint, timeout)
+        data = self.store.get((namespace.tenant, bytes(key)))
+        if data is None:
+            raise NotFound(f"memory edge has no {bytes(key).hex()[:16]}…")
+        if bytes(key) in self.corrupt:
+            flipped = bytearray(data)
+            flipped[len(flipped) // 2] ^= 0x10
+            data = bytes(flipped)
+        for piece in split_pieces(data, self.piece):
+            yield bytes(piece), "memory"
+            await asyncio.sleep(0)
+
+    async def put(
+        self, fingerprint: ModelFingerprint, namespace: Namespace, key: ChunkKey, data: bytes, *, timeout: float
+    ) -> bool:
+        await self._enter("put", fingerprint, timeout)
+        self.store[(namespace.tenant, bytes(key))] = bytes(data)
+        return True

@@ -1,0 +1,242 @@
+"""KDN for Hugging Face ``transformers`` causal LMs: reuse the edge's KV, prefill the rest, generate.
+
+    from kdn.client import ClientConfig, KdnClient
+    from kdn.integrations.transformers import generate, prepare
+
+    km = prepare(model, tokenizer)                 # any local HF causal LM with a DynamicCache
+    with KdnClient(ClientConfig(edge="127.0.0.1:50051", tenant="acme")) as client:
+        result = generate(km, long_document + question, client=client, max_new_tokens=32)
+    result.text, result.reused_tokens, result.timings.ttft_s
+
+Works with any model whose forward accepts ``cache=`` a ``DynamicCache`` of per-layer
+``(B, kv_heads, tokens, head_dim)`` keys/values (Llama-, Qwen2-, Mistral-style), batch 1, greedy.
+
+Invariants:
+- with a lossless cache (the default) the generated tokens equal those of a full recompute: the
+  reused prefix is exactly the KV a prefill of those tokens produced (checksummed, fingerprinted),
+  and at least the last prompt token is always computed here, so the first token's logits come
+  from this process;
+- the request never fails because the cache did (see :mod:`kdn.client`); what went wrong is in
+  :attr:`Result.warnings` and was logged once.
+
+Fingerprints: for a model from :func:`kdn.models.load_model` the loader's fingerprint is used; for
+any other model :func:`prepare` derives one with :func:`kdn.models.model_fingerprint`, naming the
+weights by the digest of their ``*.safetensors`` files when the model came from a local directory
+(the same id the origin computes for that directory) and otherwise by a digest of the parameters
+(then only this host's own write-backs can be reused). Pass ``weights_id=`` or ``fingerprint=`` to
+override.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from kdn.client import KdnClient, Reuse
+from kdn.errors import InvalidInput
+from kdn.keys import DEFAULT_CHUNK_SIZE, ModelFingerprint
+from kdn.kv import KVShape, cache_from_layers
+from kdn.models import DTYPES, HFTokenizer, LoadedModel, Tokenizer, _weights_digest, is_model_dir, model_fingerprint
+
+__all__ = ["KdnModel", "Result", "Timings", "prepare", "generate", "weights_identity"]
+
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class KdnModel:
+    """A causal LM with what KDN needs to name its KV."""
+
+    model: Any
+    tokenizer: Tokenizer | None
+    fingerprint: ModelFingerprint
+    chunk_size: int
+    kv_shape: KVShape
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Seconds. ``ttft_s`` runs from the call to the first generated token and covers the rest of
+    the first group: ``keys_s`` (chunk-key hashing), ``lookup_s``, ``fetch_s`` (wall time of the
+    fetch, which includes ``decode_s``: verify + decode + place, overlapped with the transfer),
+    ``build_s`` (cache assembly), ``prefill_s`` (forward over the remainder, yields the first
+    token's logits) and ``first_token_s`` (choosing it)."""
+
+    ttft_s: float
+    keys_s: float = 0.0
+    lookup_s: float = 0.0
+    fetch_s: float = 0.0
+    decode_s: float = 0.0
+    build_s: float = 0.0
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0
+    total_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One generation: the new tokens (prompt excluded), their text, and what KDN contributed."""
+
+    tokens: list[int]
+    text: str | None
+    timings: Timings
+    prompt_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    fetched_bytes: int = 0
+    via: str = ""
+    written_back: bool = False
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+
+def weights_identity(model: Any) -> str:
+    """Name a model's weights: safetensors digest of its local directory, else a parameter digest."""
+    path = str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
+    if path and is_model_dir(path):
+        return "sha:" + _weights_digest(Path(path))
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return "params:" + h.hexdigest()
+
+
+def prepare(
+    model: Any,
+    tokenizer: Any = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    weights_id: str | None = None,
+    fingerprint: ModelFingerprint | None = None,
+) -> KdnModel:
+    """Bundle a model (a :class:`LoadedModel` or any HF causal LM) with its KV fingerprint."""
+    if isinstance(model, KdnModel):
+        return model
+    if isinstance(model, LoadedModel):
+        if chunk_size not in (model.chunk_size, DEFAULT_CHUNK_SIZE):
+            raise InvalidInput(f"model was loaded with chunk_size={model.chunk_size}, asked for {chunk_size}")
+        return KdnModel(model.model, _as_tokenizer(tokenizer) or model.tokenizer, model.fingerprint,
+                        model.chunk_size, model.kv_shape)
+    params = next(iter(model.parameters()), None)
+    dtype = params.dtype if params is not None else torch.float32
+    if dtype not in _DTYPE_NAMES:
+        raise InvalidInput(f"unsupported model dtype {dtype}")
+    if fingerprint is None:
+        fingerprint = model_fingerprint(
+            model.config, weights_id=weights_id or weights_identity(model), dtype=_DTYPE_NAMES[dtype], chunk_size=chunk_size
+        )
+    return KdnModel(model, _as_tokenizer(tokenizer), fingerprint, chunk_size, KVShape.from_config(model.config, dtype))
+
+
+def _as_tokenizer(tok: Any) -> Tokenizer | None:
+    if tok is None or isinstance(tok, HFTokenizer):
+        return tok
+    if hasattr(tok, "convert_tokens_to_ids"):  # a transformers tokenizer
+        return HFTokenizer(tok)
+    return tok
+
+
+def _token_list(prompt: str | Sequence[int] | np.ndarray | torch.Tensor, tokenizer: Tokenizer | None) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidInput("a text prompt needs a tokenizer")
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() == 2 and prompt.shape[0] == 1:
+            prompt = prompt[0]
+        if prompt.dim() != 1:
+            raise InvalidInput(f"input_ids must be (N,) or (1, N), got {tuple(prompt.shape)}")
+        return [int(t) for t in prompt.tolist()]
+    return [int(t) for t in prompt]
+
+
+def generate(
+    model: Any,
+    prompt: str | Sequence[int] | np.ndarray | torch.Tensor,
+    *,
+    tokenizer: Any = None,
+    client: KdnClient | None = None,
+    max_new_tokens: int = 32,
+    eos_token_id: int | None = None,
+    write_back: bool = True,
+) -> Result:
+    """Greedy generation that reuses the edge's KV for the prompt's longest cached prefix.
+
+    ``client=None`` is a plain full recompute through the same code path (the baseline).
+    """
+    t_start = time.perf_counter()
+    km = prepare(model, tokenizer)
+    tokens = _token_list(prompt, km.tokenizer)
+    if not tokens:
+        raise InvalidInput("empty prompt")
+    if max_new_tokens < 1:
+        raise InvalidInput("max_new_tokens must be at least 1")
+    eos = eos_token_id if eos_token_id is not None else getattr(km.config, "eos_token_id", None)
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+
+    t0 = time.perf_counter()
+    if client is not None:
+        # at least the last prompt token is computed here: its logits choose the first new token
+        reuse = client.reuse(tokens, fingerprint=km.fingerprint, kv_shape=km.kv_shape, chunk_size=km.chunk_size,
+                             max_tokens=len(tokens) - 1)
+    else:
+        reuse = Reuse(None, 0, 0, 0, ())
+    t1 = time.perf_counter()
+    keys_s = max(0.0, (t1 - t0) - reuse.lookup_s - reuse.fetch_s)
+
+    generated: list[int] = []
+    written = False
+    with torch.inference_mode():
+        tb = time.perf_counter()
+        if reuse.kv is not None:
+            # reuse.kv (L, 2, H, N, D) -> per layer keys/values (1, H, N, D)
+            cache = cache_from_layers([(reuse.kv[l, 0].unsqueeze(0), reuse.kv[l, 1].unsqueeze(0))
+                                       for l in range(reuse.kv.shape[0])], km.config)
+        else:
+            cache = cache_from_layers([], km.config)
+        tp = time.perf_counter()
+        ids = torch.tensor([tokens[reuse.tokens:]], dtype=torch.long)  # (1, R)
+        out = km.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        cache = out.cache
+        tf = time.perf_counter()
+        nxt = int(torch.argmax(out.logits[0, -1]).item())
+        t_first = time.perf_counter()
+        generated.append(nxt)
+        if client is not None and write_back and reuse.edge_usable and reuse.keys:
+            # the layers' tensors are replaced, not mutated, by later steps: safe to encode later
+            layers = [(layer.keys, layer.values) for layer in cache.layers]
+            start = reuse.chunks if reuse.warning else reuse.available
+            written = client.schedule_write_back(layers, list(reuse.keys), fingerprint=km.fingerprint,
+                                                 chunk_size=km.chunk_size, start=start)
+        while len(generated) < max_new_tokens and nxt not in eos_ids:
+            out = km.model(input_ids=torch.tensor([[nxt]], dtype=torch.long), cache=cache, use_cache=True,
+                           logits_to_keep=1)
+            cache = out.cache
+            nxt = int(torch.argmax(out.logits[0, -1]).item())
+            generated.append(nxt)
+    t_end = time.perf_counter()
+    timings = Timings(
+        ttft_s=t_first - t_start, keys_s=keys_s, lookup_s=reuse.lookup_s, fetch_s=reuse.fetch_s,
+        decode_s=reuse.decode_s, build_s=tp - tb, prefill_s=tf - tp, first_token_s=t_first - tf,
+        total_s=t_end - t_start,
+    )
+    text = km.tokenizer.decode(generated) if km.tokenizer is not None else None
+    return Result(
+        tokens=generated, text=text, timings=timings, prompt_tokens=len(tokens), reused_tokens=reuse.tokens,
+        computed_tokens=len(tokens) - reuse.tokens, fetched_bytes=reuse.bytes, via=reuse.via,
+        written_back=written, warnings=(reuse.warning,) if reuse.warning else (),
+    )
