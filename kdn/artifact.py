@@ -13,8 +13,9 @@ Invariants:
 - a reader verifies every checksum before it uses the bytes they cover: the header before it is
   parsed, each section before it is decoded, the whole-artifact digest at the end;
 - no length is trusted before it is bounded: the header by ``MAX_HEADER``, a section by what its
-  codec can produce for the shape the (already verified) header declares, the whole artifact by
-  ``max_bytes`` — so a hostile length never makes a reader allocate it;
+  codec can produce for the shape the (already verified) header declares, the whole artifact and
+  the KV its header declares (what compressed sections may expand to) by ``max_bytes`` — so a
+  hostile length never makes a reader allocate it;
 - sections stream: :class:`ArtifactReader` hands out layer 0 as soon as its bytes arrived;
 - no pickle anywhere.
 """
@@ -262,6 +263,12 @@ class ArtifactReader:
             raise ArtifactCorrupt(
                 f"artifact header declares an implausible shape: layers={h.num_layers} "
                 f"heads={h.num_kv_heads} head_dim={h.head_dim} tokens={h.token_count}"
+            )
+        decoded = 2 * h.num_layers * h.num_kv_heads * h.token_count * h.head_dim * PB_TO_DTYPE[h.dtype].itemsize
+        if decoded > self._max_bytes:
+            # bounds what a tiny compressed section could expand to (a decompression bomb)
+            raise MessageTooLarge(
+                f"artifact header declares {decoded} bytes of KV; this reader accepts at most {self._max_bytes}"
             )
         if self._expect_fp is not None and h.fingerprint != bytes(self._expect_fp):
             raise FingerprintMismatch(

@@ -1,0 +1,379 @@
+"""The artifact container: round trips, streaming, and hostile input.
+
+Every corrupted, truncated or hostile container must raise one of the project's own exceptions
+(``kdn.errors.KdnError`` subclasses) and never return wrong KV; a declared length is never
+allocated before it is bounded. Containers are crafted here by an independent implementation of
+the layout documented in :mod:`kdn.artifact`, so the tests check the documented format too.
+"""
+
+from __future__ import annotations
+
+import struct
+import tracemalloc
+
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kdn.artifact import (
+    MAX_HEADER,
+    Artifact,
+    ArtifactReader,
+    decode_artifact,
+    encode_artifact,
+    iter_sections,
+    read_header,
+    verify_artifact,
+)
+from kdn.codecs import CODECS, lossless_codecs
+from kdn.errors import (
+    ArtifactCorrupt,
+    ArtifactError,
+    FingerprintMismatch,
+    InvalidInput,
+    KdnError,
+    LossyRefused,
+    MessageTooLarge,
+    UnknownCodec,
+    UnsupportedVersion,
+)
+from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint
+from kdn.proto import kdn_pb2 as pb
+
+FP = ModelFingerprint(bytes(range(32)))
+KEY = ChunkKey(bytes(range(100, 132)))
+BUILTIN_CODECS = ["raw", "lz4", "zstd", "int8"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _kv(layers: int = 2, heads: int = 2, tokens: int = 8, dim: int = 4, dtype=torch.float16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(layers, 2, heads, tokens, dim, generator=g).to(dtype)  # (L, 2, H, T, D)
+
+
+def _encode(kv: torch.Tensor, codec: str = "raw") -> bytes:
+    return encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec=codec, chunk_index=3)
+
+
+# -- an independent writer of the documented layout, for crafting hostile containers -------------
+
+
+def _frame(header: bytes, sections: list[bytes], *, version: int = 1, flags: int = 0, header_len: int | None = None,
+           magic: bytes = b"KDNA") -> bytes:
+    prefix = struct.pack("<4sHHI", magic, version, flags, len(header) if header_len is None else header_len)
+    body = prefix + header + struct.pack("<Q", xxhash.xxh3_64_intdigest(prefix + header))
+    for payload in sections:
+        framed = struct.pack("<I", len(payload)) + payload
+        body += framed + struct.pack("<Q", xxhash.xxh3_64_intdigest(framed))
+    return body + b"KDNE" + xxhash.xxh3_128_digest(body)
+
+
+def _split(blob: bytes) -> tuple[pb.ArtifactHeader, list[bytes]]:
+    """Parse a container with the documented layout (no verification)."""
+    _, _, _, hlen = struct.unpack_from("<4sHHI", blob)
+    header = pb.ArtifactHeader.FromString(blob[12 : 12 + hlen])
+    pos, sections = 12 + hlen + 8, []
+    for _ in range(2 * header.num_layers):
+        (n,) = struct.unpack_from("<I", blob, pos)
+        sections.append(blob[pos + 4 : pos + 4 + n])
+        pos += 4 + n + 8
+    assert blob[pos : pos + 4] == b"KDNE" and len(blob) == pos + 20
+    return header, sections
+
+
+# -- round trips ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("codec", BUILTIN_CODECS)
+def test_round_trip(codec: str, dtype: torch.dtype) -> None:
+    kv = _kv(dtype=dtype)
+    blob = _encode(kv, codec)
+    art = decode_artifact(blob, expect_fingerprint=FP, expect_key=KEY)
+    assert isinstance(art, Artifact)
+    h = art.header
+    assert (h.key, h.parent_key, h.fingerprint) == (bytes(KEY), bytes(ROOT_KEY), bytes(FP))
+    assert (h.num_layers, h.num_kv_heads, h.token_count, h.head_dim, h.chunk_index) == (2, 2, 8, 4, 3)
+    assert h.codec == codec and h.lossy == CODECS[codec].lossy
+    assert art.kv.dtype == dtype and art.kv.shape == kv.shape
+    if codec in lossless_codecs():
+        assert torch.equal(art.kv.view(torch.uint8), kv.view(torch.uint8)), "lossless codec changed bits"
+    else:
+        assert (art.kv.float() - kv.float()).abs().max() < 0.05
+
+
+def test_writer_follows_the_documented_layout() -> None:
+    kv = _kv()
+    blob = _encode(kv, "raw")
+    header, sections = _split(blob)
+    assert blob == _frame(header.SerializeToString(), sections)
+    # raw sections are the (H, T, D) tensors' bytes, in order layer 0 K, layer 0 V, layer 1 K ...
+    for i, payload in enumerate(sections):
+        assert payload == kv[i // 2, i % 2].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_streaming_yields_layer_0_before_the_last_byte() -> None:
+    kv = _kv(layers=4)
+    blob = _encode(kv, "zstd")
+    reader = ArtifactReader(expect_fingerprint=FP)
+    seen: list[tuple[int, int, str]] = []  # (bytes fed so far, layer, kind)
+    for i in range(len(blob)):
+        for section in reader.feed(blob[i : i + 1]):
+            seen.append((i + 1, section.layer, section.kind))
+            assert torch.equal(section.tensor, kv[section.layer, 0 if section.kind == "k" else 1])
+        if i + 1 < len(blob):
+            assert not reader.complete
+    assert reader.complete
+    assert reader.finish().num_layers == 4
+    assert [(layer, kind) for _, layer, kind in seen] == [(l, k) for l in range(4) for k in "kv"]
+    first_at = seen[0][0]
+    assert first_at < len(blob) // 4, f"layer 0 K arrived only after {first_at} of {len(blob)} bytes"
+    # each section is handed out the moment its checksum's last byte arrives, not later
+    _, sections = _split(blob)
+    hlen = struct.unpack_from("<I", blob, 8)[0]
+    assert first_at == 12 + hlen + 8 + 4 + len(sections[0]) + 8
+
+
+def test_iter_sections_and_verify_and_read_header() -> None:
+    kv = _kv()
+    blob = _encode(kv, "lz4")
+    pieces = [blob[i : i + 7] for i in range(0, len(blob), 7)]
+    assert len(list(iter_sections(pieces, expect_fingerprint=FP))) == 4
+    assert verify_artifact(blob).codec == "lz4"
+    assert read_header(blob[:200]).key == bytes(KEY)
+    with pytest.raises(ArtifactCorrupt):
+        read_header(blob[:20])
+    with pytest.raises(ArtifactCorrupt, match="truncated"):
+        list(iter_sections(pieces[:-1]))
+
+
+# -- what a reader expects -----------------------------------------------------------------------
+
+
+def test_wrong_fingerprint_key_or_lossiness_is_refused() -> None:
+    blob = _encode(_kv(), "int8")
+    with pytest.raises(FingerprintMismatch):
+        decode_artifact(blob, expect_fingerprint=ModelFingerprint(b"\x01" * 32))
+    with pytest.raises(ArtifactCorrupt, match="expected"):
+        decode_artifact(blob, expect_key=ChunkKey(b"\x02" * 32))
+    with pytest.raises(LossyRefused):
+        decode_artifact(blob, require_lossless=True)
+    decode_artifact(_encode(_kv(), "zstd"), require_lossless=True)
+
+
+def test_encoder_refuses_bad_input() -> None:
+    with pytest.raises(InvalidInput):
+        encode_artifact(torch.zeros(2, 3, 2, 8, 4), key=KEY, parent_key=ROOT_KEY, fingerprint=FP)
+    with pytest.raises(InvalidInput):
+        encode_artifact(torch.zeros(2, 2, 8, 4), key=KEY, parent_key=ROOT_KEY, fingerprint=FP)
+    with pytest.raises(InvalidInput):
+        encode_artifact(torch.zeros(1, 2, 1, 2, 2, dtype=torch.int32), key=KEY, parent_key=ROOT_KEY, fingerprint=FP)
+    with pytest.raises(InvalidInput):
+        encode_artifact(_kv(), key=ChunkKey(b"short"), parent_key=ROOT_KEY, fingerprint=FP)
+    with pytest.raises(UnknownCodec):
+        encode_artifact(_kv(), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="nope")
+
+
+# -- hostile input -------------------------------------------------------------------------------
+
+
+def _must_fail(blob: bytes | bytearray, **kw: object) -> KdnError:
+    with pytest.raises(KdnError) as exc:
+        decode_artifact(bytes(blob), **kw)
+    return exc.value
+
+
+@pytest.mark.parametrize("codec", BUILTIN_CODECS)
+def test_every_single_bit_flip_is_detected(codec: str) -> None:
+    """Exhaustive over header, sections, checksums and trailer of a small container."""
+    blob = _encode(_kv(layers=1, heads=1, tokens=2, dim=4), codec)
+    assert len(blob) < 400
+    kinds: dict[str, int] = {}
+    for bit in range(len(blob) * 8):
+        bad = bytearray(blob)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        err = _must_fail(bad, expect_fingerprint=FP)
+        assert isinstance(err, (ArtifactError, MessageTooLarge, UnknownCodec, FingerprintMismatch)), repr(err)
+        kinds[type(err).__name__] = kinds.get(type(err).__name__, 0) + 1
+    assert kinds.get("ArtifactCorrupt", 0) > len(blob) * 7, kinds
+
+
+def test_every_truncation_is_detected() -> None:
+    blob = _encode(_kv(layers=1, heads=1, tokens=2, dim=4), "zstd")
+    for n in range(len(blob)):
+        err = _must_fail(blob[:n])
+        assert isinstance(err, ArtifactCorrupt), (n, err)
+    reader = ArtifactReader()
+    reader.feed(blob[:-1])
+    with pytest.raises(ArtifactCorrupt, match="truncated"):
+        reader.finish()
+
+
+def test_trailing_garbage_is_detected() -> None:
+    blob = _encode(_kv(), "raw")
+    with pytest.raises(ArtifactCorrupt, match="after the artifact trailer"):
+        decode_artifact(blob + b"\x00")
+    reader = ArtifactReader()
+    reader.feed(blob)
+    with pytest.raises(ArtifactCorrupt):
+        reader.feed(b"x")
+
+
+@FUZZ
+@given(data=st.data())
+def test_random_corruption_is_detected(data: st.DataObject) -> None:
+    codec = data.draw(st.sampled_from(BUILTIN_CODECS))
+    original = _encode(_kv(layers=2, heads=2, tokens=4, dim=8, seed=1), codec)
+    blob = bytearray(original)
+    n_edits = data.draw(st.integers(1, 8))
+    for _ in range(n_edits):
+        op = data.draw(st.sampled_from(["xor", "insert", "delete", "truncate"]))
+        pos = data.draw(st.integers(0, max(0, len(blob) - 1)))
+        if not blob:
+            break
+        if op == "xor":
+            blob[pos] ^= data.draw(st.integers(1, 255))
+        elif op == "insert":
+            blob[pos:pos] = data.draw(st.binary(min_size=1, max_size=16))
+        elif op == "delete":
+            del blob[pos : pos + data.draw(st.integers(1, 16))]
+        else:
+            del blob[pos:]
+    if bytes(blob) == original:  # edits that cancel out
+        return
+    _must_fail(blob)
+
+
+@FUZZ
+@given(garbage=st.binary(max_size=600))
+def test_arbitrary_bytes_never_decode(garbage: bytes) -> None:
+    _must_fail(garbage)
+    _must_fail(b"KDNA\x01\x00\x00\x00" + garbage)
+
+
+def test_wrong_magic() -> None:
+    blob = bytearray(_encode(_kv(), "raw"))
+    blob[:4] = b"KDNX"
+    with pytest.raises(ArtifactCorrupt, match="magic"):
+        decode_artifact(bytes(blob))
+    with pytest.raises(ArtifactCorrupt, match="magic"):
+        ArtifactReader().feed(b"GIF8")  # fails fast, before a whole prefix arrived
+
+
+def test_future_version_with_valid_checksums() -> None:
+    header, sections = _split(_encode(_kv(), "raw"))
+    with pytest.raises(UnsupportedVersion, match="version 2"):
+        decode_artifact(_frame(header.SerializeToString(), sections, version=2))
+    header.layout_version = 99
+    with pytest.raises(UnsupportedVersion, match="layout"):
+        decode_artifact(_frame(header.SerializeToString(), sections))
+    with pytest.raises(ArtifactCorrupt):
+        decode_artifact(_frame(header.SerializeToString(), sections, version=0))
+
+
+def test_unknown_codec_with_valid_checksums() -> None:
+    header, sections = _split(_encode(_kv(), "raw"))
+    header.codec = "from-the-future"
+    with pytest.raises(UnknownCodec, match="from-the-future"):
+        decode_artifact(_frame(header.SerializeToString(), sections))
+
+
+def test_lossy_flag_that_lies_is_refused() -> None:
+    header, sections = _split(_encode(_kv(), "int8"))
+    header.lossy = False
+    with pytest.raises(ArtifactCorrupt, match="lossy"):
+        decode_artifact(_frame(header.SerializeToString(), sections), require_lossless=True)
+
+
+def test_section_that_decodes_to_the_wrong_size() -> None:
+    header, sections = _split(_encode(_kv(), "raw"))
+    sections[1] = sections[1][:-2]
+    with pytest.raises(ArtifactCorrupt):
+        decode_artifact(_frame(header.SerializeToString(), sections))
+    header, sections = _split(_encode(_kv(), "zstd"))
+    import zstandard
+
+    sections[0] = zstandard.ZstdCompressor().compress(b"\x00" * 10)  # valid zstd, wrong size
+    with pytest.raises(ArtifactCorrupt):
+        decode_artifact(_frame(header.SerializeToString(), sections))
+
+
+def _peak_bytes(fn) -> int:  # type: ignore[no-untyped-def]
+    tracemalloc.start()
+    try:
+        fn()
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    return peak
+
+
+HUGE = 0xFFFF_FFFF  # a u32 length field at its maximum: 4 GiB
+
+
+def test_huge_header_length_is_refused_without_allocating() -> None:
+    prefix = struct.pack("<4sHHI", b"KDNA", 1, 0, HUGE)
+
+    def attempt() -> None:
+        with pytest.raises(ArtifactCorrupt, match="header declares"):
+            decode_artifact(prefix + b"\x00" * 64)
+
+    assert _peak_bytes(attempt) < 1 << 20
+    assert MAX_HEADER < 1 << 20
+
+
+@pytest.mark.parametrize("codec", BUILTIN_CODECS)
+def test_huge_section_length_is_refused_without_allocating(codec: str) -> None:
+    header, _ = _split(_encode(_kv(), codec))
+    hbytes = header.SerializeToString()
+    prefix = struct.pack("<4sHHI", b"KDNA", 1, 0, len(hbytes))
+    blob = prefix + hbytes + struct.pack("<Q", xxhash.xxh3_64_intdigest(prefix + hbytes))
+    blob += struct.pack("<I", HUGE) + b"\x00" * 64
+
+    def attempt() -> None:
+        with pytest.raises(ArtifactCorrupt, match="declares"):
+            decode_artifact(blob)
+
+    assert _peak_bytes(attempt) < 1 << 20
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4", "zstd"])
+def test_header_declaring_a_huge_shape_is_refused_without_allocating(codec: str) -> None:
+    """A checksummed header whose shape decodes to terabytes: refused before any section is
+    decompressed (a tiny zstd/lz4 payload could otherwise expand to the declared size)."""
+    header, sections = _split(_encode(_kv(), codec))
+    header.num_layers, header.num_kv_heads, header.token_count, header.head_dim = 2, 1024, 1 << 20, 4096
+    blob = _frame(header.SerializeToString(), sections)
+
+    def attempt() -> None:
+        with pytest.raises((MessageTooLarge, ArtifactCorrupt)):
+            decode_artifact(blob)
+
+    assert _peak_bytes(attempt) < 1 << 20
+
+
+def test_decompression_bomb_is_bounded_by_max_bytes() -> None:
+    """A zstd section of zeros that would decode far past the reader's budget is refused."""
+    import zstandard
+
+    kv = torch.zeros(1, 2, 64, 4096, 64, dtype=torch.float16)  # 64 MiB of zeros, ~ few KiB of zstd
+    blob = encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="zstd:1")
+    assert len(blob) < 1 << 20
+    assert zstandard is not None
+
+    def attempt() -> None:
+        with pytest.raises(MessageTooLarge):
+            decode_artifact(blob, max_bytes=8 << 20)
+
+    assert _peak_bytes(attempt) < 4 << 20
+
+
+def test_oversized_stream_is_refused() -> None:
+    blob = _encode(_kv(tokens=64), "raw")
+    reader = ArtifactReader(max_bytes=len(blob) - 1)
+    with pytest.raises(MessageTooLarge):
+        for i in range(0, len(blob), 100):
+            reader.feed(blob[i : i + 100])
