@@ -1,0 +1,103 @@
+"""Prefill into chunks: the one way origin workers and inference hosts turn tokens into chunk KV.
+
+Both sides must agree on three things or their keys and KV differ: how text becomes tokens
+(:func:`document_tokens`), which chunks exist (:func:`plan_chunks`), and the forward pass that
+produces their KV (:func:`prefill_chunks`).
+
+Documents longer than the model window: a chunk's KV depends on every token before it, and a
+model cannot attend past ``max_position_embeddings`` positions, so only the chunks that end
+within the window exist. Chunks beyond ``max_positions // chunk_size`` are **not produced**;
+:class:`ChunkPlan` reports how many tokens that drops, and the origin's ingest summary says so.
+The trailing partial chunk (fewer than ``chunk_size`` tokens) never has a key: it is recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kdn.errors import InvalidInput
+from kdn.kv import split_cache
+from kdn.models import LoadedModel
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """Which full chunks of a token sequence can be produced by a model."""
+
+    n_tokens: int
+    chunk_size: int
+    max_positions: int
+    n_chunks: int  # full chunks that fit within the window
+    tail_tokens: int  # tokens after the last full chunk, within the window (recomputed, never stored)
+    beyond_window_tokens: int  # tokens past the window: no KV is produced for them
+
+    @property
+    def covered_tokens(self) -> int:
+        return self.n_chunks * self.chunk_size
+
+    @property
+    def truncated(self) -> bool:
+        return self.beyond_window_tokens > 0
+
+
+def plan_chunks(n_tokens: int, chunk_size: int, max_positions: int) -> ChunkPlan:
+    """Full chunks of ``n_tokens`` that end within ``max_positions`` (0 = unbounded)."""
+    if chunk_size <= 0:
+        raise InvalidInput(f"chunk_size must be positive, got {chunk_size}")
+    window = n_tokens if max_positions <= 0 else min(n_tokens, max_positions)
+    n_chunks = window // chunk_size
+    return ChunkPlan(
+        n_tokens=n_tokens,
+        chunk_size=chunk_size,
+        max_positions=max_positions,
+        n_chunks=n_chunks,
+        tail_tokens=window - n_chunks * chunk_size,
+        beyond_window_tokens=n_tokens - window,
+    )
+
+
+def document_tokens(lm: LoadedModel, text: str) -> list[int]:
+    """Tokens of a document as both origin and inference host compute them (no special tokens)."""
+    return list(lm.tokenizer.encode(text))
+
+
+def prefill_chunks(
+    lm: LoadedModel, tokens: Sequence[int] | np.ndarray, *, max_chunks: int | None = None
+) -> list[torch.Tensor]:
+    """KV of every full chunk of ``tokens`` that fits the model window, each ``(L, 2, H, C, D)``.
+
+    One forward pass over the covered tokens (``n_chunks * chunk_size``), so chunk ``i``'s KV is
+    exactly what a model that read tokens ``0 .. (i+1)·C`` holds. ``max_chunks`` caps the count
+    further (e.g. a client that only needs the first few). Chunks past the window are not
+    produced (see the module docstring); use :func:`plan_chunks` to learn how many were dropped.
+    """
+    plan = plan_chunks(len(tokens), lm.chunk_size, lm.max_positions)
+    n = plan.n_chunks if max_chunks is None else min(plan.n_chunks, max_chunks)
+    if n == 0:
+        return []
+    ids = torch.as_tensor(np.asarray(tokens[: n * lm.chunk_size], dtype=np.int64)).unsqueeze(0)  # (1, N)
+    with torch.inference_mode():
+        # logits_to_keep=1: prefill needs the cache, not a (N, vocab) logits tensor
+        out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return split_cache(out.cache, lm.chunk_size)  # n × (L, 2, H, C, D)
+
+
+def logits_with_chunks(lm: LoadedModel, chunks: Sequence[torch.Tensor], rest: Sequence[int]) -> torch.Tensor:
+    """Logits for ``rest`` read after a cache rebuilt from ``chunks``: ``(len(rest), vocab)``.
+
+    The check that stored KV is what the model would compute: these logits must equal those of a
+    fresh prefill of the whole sequence at the same positions.
+    """
+    from kdn.kv import build_cache
+
+    if not rest:
+        raise InvalidInput("need at least one token after the cached chunks")
+    cache = build_cache(list(chunks), lm.config)
+    ids = torch.as_tensor(list(rest), dtype=torch.long).unsqueeze(0)  # (1, R)
+    with torch.inference_mode():
+        out = lm.model(input_ids=ids, cache=cache, use_cache=True)
+    return out.logits[0]  # (R, V)

@@ -1,0 +1,396 @@
+"""The origin store: durable, content-addressed artifacts on local disk, plus a SQLite manifest.
+
+Blobs live in a :class:`kdn.blobstore.BlobStore` at ``root/blobs/<tenant>/<kk>/<key-hex>.<codec>``
+(the codec spec with ``:`` written as ``-``), written atomically (temp file, fsync, rename). The
+manifest ``root/manifest.sqlite`` (WAL) indexes them:
+
+- ``artifacts``: one row per (key, codec): tenant, fingerprint, size, tokens, chunk index, lossy,
+  created time;
+- ``documents``: (tenant, fingerprint, document id) -> content hash, token count, chunk keys in
+  order, tokens beyond the model window, update time.
+
+Invariants:
+- a manifest row exists only for a blob that was complete when the row was written (blob first,
+  row second), so "row present" means "servable"; a blob without a row (writer killed between the
+  two) is adopted on the next open after its checksums pass;
+- keys are content addresses (they hash the model, namespace and every token up to the chunk), so
+  writing the same key twice is a no-op: retries and concurrent writers cannot duplicate;
+- on open the store checks itself: temp files of dead writers are swept, rows whose blob is
+  missing, truncated or (with ``verify="full"``) fails its checksums are dropped with the blob.
+
+Several processes (Ray workers on one node) may open the same root: SQLite serialises writers.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal, Sequence
+
+from kdn.artifact import verify_artifact
+from kdn.blobstore import BlobStore
+from kdn.errors import ArtifactError, InvalidInput, NotFound
+from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint
+from kdn.proto import kdn_pb2 as pb
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS artifacts (
+    key BLOB NOT NULL,
+    codec TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    fingerprint BLOB NOT NULL,
+    size INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    chunk_index INTEGER NOT NULL,
+    lossy INTEGER NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (key, codec)
+);
+CREATE TABLE IF NOT EXISTS documents (
+    tenant TEXT NOT NULL,
+    fingerprint BLOB NOT NULL,
+    doc_id TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    keys BLOB NOT NULL,
+    beyond_window_tokens INTEGER NOT NULL,
+    updated REAL NOT NULL,
+    PRIMARY KEY (tenant, fingerprint, doc_id)
+);
+"""
+
+_BLOB_DIR = "blobs"
+_MANIFEST = "manifest.sqlite"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredArtifact:
+    """One manifest row: an artifact that is on disk, complete, in one codec."""
+
+    key: ChunkKey
+    codec: str  # codec spec, e.g. "zstd:3"
+    tenant: str
+    fingerprint: ModelFingerprint
+    size: int
+    tokens: int
+    chunk_index: int
+    lossy: bool
+    created: float
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentRecord:
+    """A document's chunk chain as last ingested."""
+
+    tenant: str
+    fingerprint: ModelFingerprint
+    doc_id: str
+    content_hash: str
+    n_tokens: int
+    keys: tuple[ChunkKey, ...]
+    beyond_window_tokens: int
+    updated: float
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCheck:
+    """What the self-check on open found and did."""
+
+    artifacts: int  # rows kept
+    dropped_missing: int  # rows whose blob was gone
+    dropped_corrupt: int  # rows (and blobs) whose size or checksums were wrong
+    adopted: int  # complete blobs without a row, now indexed
+    removed_orphans: int  # blobs without a row that failed verification, deleted
+    swept_tmp: int  # temp files of dead writers
+    seconds: float
+
+
+def codec_spec_of(header: pb.ArtifactHeader) -> str:
+    return f"{header.codec}:{header.codec_level}" if header.codec_level else header.codec
+
+
+def _blob_name(key: ChunkKey, codec: str) -> str:
+    return f"{bytes(key).hex()}.{codec.replace(':', '-')}"
+
+
+class OriginStore:
+    """Content-addressed artifacts by (key, codec), scoped by tenant, with a document manifest."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        fsync: bool = True,
+        verify: Literal["full", "size", "none"] = "full",
+    ) -> None:
+        self.root = Path(root).expanduser()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.blobs = BlobStore(self.root / _BLOB_DIR, fsync=fsync)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.root / _MANIFEST, timeout=60.0, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")  # blobs are fsynced; lost rows are re-adopted
+        self._db.execute("PRAGMA busy_timeout=60000")
+        self._db.executescript(_SCHEMA)
+        self.check: StoreCheck | None = None
+        if verify != "none":
+            self.check = self._self_check(full=verify == "full", swept=self.blobs.swept)
+
+    # -- artifacts ------------------------------------------------------------------------------
+
+    def put(self, data: bytes | memoryview, *, tenant: str) -> StoredArtifact:
+        """Verify and store one container; a no-op when (key, codec) is already stored."""
+        header = verify_artifact(data)  # raises ArtifactCorrupt / UnsupportedVersion
+        key, codec = ChunkKey(bytes(header.key)), codec_spec_of(header)
+        existing = self.artifact(key, codec)
+        if existing is not None:
+            if existing.tenant != tenant:
+                raise InvalidInput("key already stored under another tenant")  # cannot happen with honest keys
+            return existing
+        name = _blob_name(key, codec)
+        for attempt in range(3):
+            try:
+                self.blobs.put(tenant, name, data)
+                break
+            except FileNotFoundError:
+                # another process opening the store swept our temp file mid-write; the write is
+                # idempotent, so just write again
+                if attempt == 2:
+                    raise
+        row = StoredArtifact(
+            key=key,
+            codec=codec,
+            tenant=tenant,
+            fingerprint=ModelFingerprint(bytes(header.fingerprint)),
+            size=len(data),
+            tokens=header.token_count,
+            chunk_index=header.chunk_index,
+            lossy=header.lossy,
+            created=time.time(),
+        )
+        self._insert(row)
+        return row
+
+    def artifact(self, key: ChunkKey, codec: str) -> StoredArtifact | None:
+        rows = self._query("SELECT * FROM artifacts WHERE key=? AND codec=?", (bytes(key), codec))
+        return _row_artifact(rows[0]) if rows else None
+
+    def variants(self, key: ChunkKey, *, tenant: str) -> list[StoredArtifact]:
+        """Every codec this key is stored in for ``tenant`` (lossless first, then by name)."""
+        rows = self._query("SELECT * FROM artifacts WHERE key=? AND tenant=?", (bytes(key), tenant))
+        return sorted((_row_artifact(r) for r in rows), key=lambda a: (a.lossy, a.codec))
+
+    def stored_keys(self, keys: Iterable[ChunkKey], *, tenant: str, codecs: Sequence[str] | None = None) -> set[ChunkKey]:
+        """The subset of ``keys`` stored for ``tenant`` (in every codec of ``codecs`` when given)."""
+        keys = [bytes(k) for k in keys]
+        out: set[ChunkKey] = set()
+        for start in range(0, len(keys), 500):
+            batch = keys[start : start + 500]
+            marks = ",".join("?" * len(batch))
+            sql = f"SELECT key, codec FROM artifacts WHERE tenant=? AND key IN ({marks})"
+            have: dict[bytes, set[str]] = {}
+            for k, c in self._query(sql, (tenant, *batch)):
+                have.setdefault(bytes(k), set()).add(c)
+            for k, cs in have.items():
+                if codecs is None or set(codecs) <= cs:
+                    out.add(ChunkKey(k))
+        return out
+
+    def get(self, key: ChunkKey, codec: str, *, tenant: str, verify: bool = True) -> bytes:
+        """The container bytes of (key, codec) for ``tenant``. A blob that vanished or fails its
+        checksums is dropped from the manifest and reported as NotFound (never served)."""
+        row = self.artifact(key, codec)
+        if row is None or row.tenant != tenant:
+            raise NotFound(f"artifact {bytes(key).hex()[:16]}… ({codec}) is not stored")
+        data = self.blobs.get(tenant, _blob_name(key, codec))
+        problem = None
+        if data is None:
+            problem = "its file is missing"
+        elif verify:
+            try:
+                verify_artifact(data, expect_key=key)
+            except ArtifactError as exc:
+                problem = f"it failed verification ({exc})"
+        if problem is not None:
+            self._drop(row)
+            raise NotFound(f"artifact {bytes(key).hex()[:16]}… ({codec}) was dropped: {problem}")
+        assert data is not None
+        return data
+
+    def delete(self, key: ChunkKey, codec: str) -> bool:
+        row = self.artifact(key, codec)
+        if row is None:
+            return False
+        self._drop(row)
+        return True
+
+    def artifacts(self) -> list[StoredArtifact]:
+        return [_row_artifact(r) for r in self._query("SELECT * FROM artifacts ORDER BY key, codec", ())]
+
+    # -- documents -----------------------------------------------------------------------------
+
+    def record_document(self, rec: DocumentRecord) -> None:
+        self._execute(
+            "INSERT OR REPLACE INTO documents VALUES (?,?,?,?,?,?,?,?)",
+            (
+                rec.tenant,
+                bytes(rec.fingerprint),
+                rec.doc_id,
+                rec.content_hash,
+                rec.n_tokens,
+                b"".join(bytes(k) for k in rec.keys),
+                rec.beyond_window_tokens,
+                rec.updated,
+            ),
+        )
+
+    def document(self, tenant: str, fingerprint: ModelFingerprint, doc_id: str) -> DocumentRecord | None:
+        rows = self._query(
+            "SELECT * FROM documents WHERE tenant=? AND fingerprint=? AND doc_id=?", (tenant, bytes(fingerprint), doc_id)
+        )
+        return _row_document(rows[0]) if rows else None
+
+    def documents(self) -> list[DocumentRecord]:
+        return [_row_document(r) for r in self._query("SELECT * FROM documents ORDER BY doc_id", ())]
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def totals(self) -> dict[str, int]:
+        (n, size), = self._query("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM artifacts", ())
+        (docs,), = self._query("SELECT COUNT(*) FROM documents", ())
+        (keys,), = self._query("SELECT COUNT(DISTINCT key) FROM artifacts", ())
+        return {"artifacts": int(n), "bytes": int(size), "documents": int(docs), "keys": int(keys)}
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> "OriginStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _query(self, sql: str, args: tuple) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _execute(self, sql: str, args: tuple) -> None:
+        with self._lock:
+            self._db.execute(sql, args)
+
+    def _insert(self, a: StoredArtifact) -> None:
+        self._execute(
+            "INSERT OR IGNORE INTO artifacts VALUES (?,?,?,?,?,?,?,?,?)",
+            (bytes(a.key), a.codec, a.tenant, bytes(a.fingerprint), a.size, a.tokens, a.chunk_index, int(a.lossy), a.created),
+        )
+
+    def _drop(self, a: StoredArtifact) -> None:
+        self._execute("DELETE FROM artifacts WHERE key=? AND codec=?", (bytes(a.key), a.codec))
+        self.blobs.delete(a.tenant, _blob_name(a.key, a.codec))
+
+    def _self_check(self, *, full: bool, swept: int) -> StoreCheck:
+        t0 = time.perf_counter()
+        rows = [_row_artifact(r) for r in self._query("SELECT * FROM artifacts", ())]
+        by_file = {(r.tenant, _blob_name(r.key, r.codec)): r for r in rows}
+        seen: set[tuple[str, str]] = set()
+        kept = dropped_corrupt = adopted = removed = 0
+        for info in self.blobs.scan():
+            key_hex, _, _codec_file = info.name.partition(".")
+            try:
+                key = bytes.fromhex(key_hex)
+            except ValueError:
+                key = b""
+            row = by_file.get((info.prefix, info.name))
+            if row is not None:
+                seen.add((info.prefix, info.name))
+                ok = row.size == info.size
+                if ok and full:
+                    ok = self._blob_valid(info.prefix, info.name, key)
+                if ok:
+                    kept += 1
+                else:
+                    self._drop(row)
+                    dropped_corrupt += 1
+                continue
+            # a blob without a row: its writer died between the two steps (or the WAL lost the row)
+            data = self.blobs.get(info.prefix, info.name)
+            header = None
+            if data is not None and len(key) == KEY_BYTES:
+                try:
+                    header = verify_artifact(data, expect_key=ChunkKey(key))
+                except ArtifactError:
+                    header = None
+            if header is not None and _blob_name(ChunkKey(key), codec_spec_of(header)) == info.name:
+                self._insert(
+                    StoredArtifact(
+                        key=ChunkKey(key),
+                        codec=codec_spec_of(header),
+                        tenant=info.prefix,
+                        fingerprint=ModelFingerprint(bytes(header.fingerprint)),
+                        size=len(data),
+                        tokens=header.token_count,
+                        chunk_index=header.chunk_index,
+                        lossy=header.lossy,
+                        created=info.mtime,
+                    )
+                )
+                adopted += 1
+            else:
+                self.blobs.delete(info.prefix, info.name)
+                removed += 1
+        missing = [r for f, r in by_file.items() if f not in seen]
+        for r in missing:
+            self._execute("DELETE FROM artifacts WHERE key=? AND codec=?", (bytes(r.key), r.codec))
+        return StoreCheck(
+            artifacts=kept + adopted,
+            dropped_missing=len(missing),
+            dropped_corrupt=dropped_corrupt,
+            adopted=adopted,
+            removed_orphans=removed,
+            swept_tmp=swept,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _blob_valid(self, tenant: str, name: str, key: bytes) -> bool:
+        data = self.blobs.get(tenant, name)
+        if data is None:
+            return False
+        try:
+            verify_artifact(data, expect_key=ChunkKey(key))
+        except ArtifactError:
+            return False
+        return True
+
+
+def _row_artifact(r: tuple) -> StoredArtifact:
+    return StoredArtifact(
+        key=ChunkKey(bytes(r[0])),
+        codec=r[1],
+        tenant=r[2],
+        fingerprint=ModelFingerprint(bytes(r[3])),
+        size=int(r[4]),
+        tokens=int(r[5]),
+        chunk_index=int(r[6]),
+        lossy=bool(r[7]),
+        created=float(r[8]),
+    )
+
+
+def _row_document(r: tuple) -> DocumentRecord:
+    blob = bytes(r[5])
+    return DocumentRecord(
+        tenant=r[0],
+        fingerprint=ModelFingerprint(bytes(r[1])),
+        doc_id=r[2],
+        content_hash=r[3],
+        n_tokens=int(r[4]),
+        keys=tuple(ChunkKey(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)),
+        beyond_window_tokens=int(r[6]),
+        updated=float(r[7]),
+    )
