@@ -179,15 +179,33 @@ class Placement:
         """The first ``r`` distinct non-excluded nodes for ``key`` (fewer if there are not enough)."""
         if r < 1:
             raise InvalidInput(f"r must be >= 1, got {r}")
-        if r == 1 and not exclude and self._points_list:
-            i = bisect_right(self._points_list, key_point(key))
-            return [self._ids[self._owner_list[i if i < len(self._owner_list) else 0]]]
-        out: list[str] = []
-        for node_id in self.preference(key, exclude=exclude):
-            out.append(node_id)
-            if len(out) == r:
-                break
-        return out
+        if exclude:
+            out: list[str] = []
+            for node_id in self.preference(key, exclude=exclude):
+                out.append(node_id)
+                if len(out) == r:
+                    break
+            return out
+        points = self._points_list
+        n = len(points)
+        if not n:
+            return []
+        if type(key) is bytes and len(key) == KEY_BYTES:  # fast path for chunk keys
+            point = int.from_bytes(key[:8], "big")
+        else:
+            point = key_point(key)
+        i = bisect_right(points, point)
+        owner, ids = self._owner_list, self._ids
+        if r == 1:
+            return [ids[owner[i if i < n else 0]]]
+        m = min(r, len(ids))
+        found: list[int] = []
+        while len(found) < m:
+            idx = owner[i % n]
+            if idx not in found:
+                found.append(idx)
+            i += 1
+        return [ids[idx] for idx in found]
 
     def _successors(self, r: int) -> np.ndarray:
         """(P, min(r, N)) int32: for each ring position, the first r distinct node indices."""
