@@ -32,9 +32,9 @@ class OriginConfig(RoleConfig):
     )
     namespace: str = Field("default", description="default namespace for ingest: TENANT or TENANT:SALT")
     listen: str = Field("127.0.0.1:50061", description="gRPC listen address; port 0 picks a free port")
-    tokens: dict[str, str] = Field(
+    tokens: dict[str, list[str]] = Field(
         default_factory=dict,
-        description="bearer token -> tenant; empty = no auth (every namespace open)",
+        description='bearer token -> tenants it may use ("*" = all), as on the edge; empty = no auth',
     )
     tls_cert: str | None = Field(None, description="PEM certificate: serve TLS")
     tls_key: str | None = Field(None, description="PEM private key for tls_cert")
