@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f" ({r / base:.1f}x uhashring)" if base else ""
         out(f"- {label}: {r:,.0f}/s{ratio}")
     single1, batch1 = best["owners(key), r=1, single key"], best["owners_batch(keys), r=1"]
-    via = "single-key and batch" if single1 >= 500_000 else "batch path" if batch1 >= 500_000 else ""
+    via = "single-key and batch paths" if single1 >= 500_000 else "batch path" if batch1 >= 500_000 else ""
     out()
     out(
         f"goal >= 500k lookups/s: {'MET by the ' + via if via else 'NOT MET'} "

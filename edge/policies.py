@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kdn.errors import InvalidInput
+from kdn.keys import ROOT_KEY
 
 __all__ = [
     "POLICIES",
@@ -361,6 +362,9 @@ class PrefixAware(EvictionPolicy):
       only part of each chain (its parents live in another tier), where "parent not here" is normal.
     * **Admission** (``reject_orphans=True``): refuse a key whose parent is given but not resident.
 
+    ``parent`` may be ``None`` or :data:`kdn.keys.ROOT_KEY` for a chain's first chunk. Scores count
+    accesses, not bytes: chunks of one model are of similar size.
+
     ``victim`` is O(log n) amortised via a lazy heap of leaves (stale entries dropped on pop, the
     heap rebuilt when it holds more than ``4n`` entries).
     """
@@ -448,12 +452,14 @@ class PrefixAware(EvictionPolicy):
     # -- interface ---------------------------------------------------------------------------------
 
     def admit(self, key: Key, size: int, parent: Key | None = None) -> bool:
-        return not (self._reject_orphans and parent is not None and parent not in self._nodes)
+        return not (self._reject_orphans and parent not in (None, ROOT_KEY) and parent not in self._nodes)
 
     def insert(self, key: Key, size: int, parent: Key | None = None) -> None:
         if key in self._nodes:
             self.touch(key)
             return
+        if parent == ROOT_KEY:  # the fixed root of every chain is never stored: chunk 0 is a root
+            parent = None
         w = self._tick()
         node = _Node(parent, self._ghost.pop(key, 0.0) + w)
         self._nodes[key] = node

@@ -213,15 +213,18 @@ def test_prefix_keeps_a_shared_root_that_lru_drops_under_a_scan() -> None:
 
 
 def test_prefix_evicts_superseded_partial_chunk_first() -> None:
-    p = PrefixAware()
-    for k, parent in [(0, None), (1, 0), (2, 1), (99, 2)]:  # turn 1 ends in partial chunk 99
-        p.insert(k, 1, parent)
-    p.insert(50, 1, None)  # an unrelated root, older than what follows
-    for k in (0, 1, 2):  # turn 2 reads the prefix and adds the full chunk 3 instead of 99
-        p.touch(k)
-    p.insert(3, 1, 2)
-    assert p.victim() == 99
-    assert PrefixAware(supersede=False).victim() is None  # (and the switch exists)
+    def run(supersede: bool) -> object:
+        p = PrefixAware(supersede=supersede)
+        p.insert(50, 1, None)  # an unrelated root, older than everything below
+        for k, parent in [(0, None), (1, 0), (2, 1), (99, 2)]:  # turn 1 ends in partial chunk 99
+            p.insert(k, 1, parent)
+        for k in (0, 1, 2):  # turn 2 reads the prefix and adds the full chunk 3 instead of 99
+            p.touch(k)
+        p.insert(3, 1, 2)
+        return p.victim()
+
+    assert run(True) == 99  # superseded: goes before the older but still possible root
+    assert run(False) == 50  # plain score order
 
 
 def test_prefix_orphans_are_dead_and_go_first_and_revive_with_their_parent() -> None:
@@ -245,6 +248,20 @@ def test_prefix_orphans_are_dead_and_go_first_and_revive_with_their_parent() -> 
     q2.insert("y", 1, parent="elsewhere")  # parent in another tier: not dead
     q2.insert("z", 1)
     assert q2.victim() == "y"  # plain score order (older first), no dead-first rank
+
+
+def test_prefix_treats_the_root_key_as_no_parent() -> None:
+    from kdn.keys import ROOT_KEY
+
+    p = PrefixAware(reject_orphans=True)
+    k0, k1 = b"\x01" * 32, b"\x02" * 32
+    assert p.admit(k0, 1, ROOT_KEY)
+    p.insert(k0, 1, ROOT_KEY)  # chunk 0's parent is the fixed root, which is never stored
+    p.insert(k1, 1, k0)
+    p.insert("other", 1)
+    p.touch(k0)
+    p.touch(k1)
+    assert p.victim() == "other"  # k0's chain is alive, not dead-first
 
 
 def test_prefix_victim_skips_pinned_leaves_and_falls_back_when_all_leaves_are_pinned() -> None:
@@ -333,3 +350,32 @@ def test_prefix_policy_meets_the_goal_on_the_mooncake_trace() -> None:
     pre = [bench.replay(reqs, c, PrefixAware()) for c in caps]
     assert all(p >= l for p, l in zip(pre, lru)), (pre, lru)
     assert pre[0] >= 1.3 * lru[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from("itrv"), st.integers(0, 30), st.integers(-1, 30)), max_size=200))
+def test_prefix_random_ops_keep_leaves_first_and_drain_cleanly(ops) -> None:
+    """Inserts under random parents, touches, outside removals (orphaning subtrees), evictions:
+    a live victim never has a resident child, and draining visits every resident key once."""
+    p = PrefixAware(half_life=5.0)
+    parent_of: dict[int, int | None] = {}
+    for op, key, parent in ops:
+        if op == "i" and key not in p and parent != key:
+            p.insert(key, 1, None if parent < 0 else parent)
+            parent_of[key] = None if parent < 0 else parent
+        elif op == "t":
+            p.touch(key)
+        elif op == "r":
+            p.remove(key)
+        elif op == "v" and (v := p.victim()) is not None:
+            assert v in p
+            if not p._nodes[v].dead:
+                assert not any(parent_of.get(c) == v for c in p._nodes), "a live victim is a leaf"
+            p.remove(v)
+    left = set(p._nodes)
+    seen = set()
+    while (v := p.victim()) is not None:
+        assert v not in seen
+        seen.add(v)
+        p.remove(v)
+    assert seen == left and len(p) == 0
