@@ -1,0 +1,177 @@
+"""Overlay membership and failover, against in-process nodes (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from edge.clock import FakeClock
+from edge.overlay import Member, Overlay
+from edge.testing import InMemoryOverlay, make_chain, origin_with
+from edge.upstream import FetchSpec, NodeUpstream
+from kdn.errors import NotFound, Unavailable
+
+MEMBERS = [Member(f"n{i}", f"mem://n{i}") for i in range(5)]
+
+
+def _overlay(clock: FakeClock, members=MEMBERS, **kw) -> Overlay:  # type: ignore[no-untyped-def]
+    return Overlay(members[0], members, clock=clock, **kw)
+
+
+def test_owners_distinct_and_stable() -> None:
+    ov = _overlay(FakeClock(), replicas=3)
+    again = _overlay(FakeClock(), replicas=3)
+    for i in range(200):
+        key = i.to_bytes(32, "little")
+        owners = [m.node_id for m in ov.owners(key)]
+        assert len(owners) == 3 == len(set(owners))
+        assert owners == [m.node_id for m in again.owners(key)]
+
+
+def test_down_member_keys_move_to_next_owner_and_come_back() -> None:
+    clock = FakeClock()
+    ov = _overlay(clock, replicas=2, backoff_s=5.0)
+    keys = [i.to_bytes(32, "big") for i in range(300)]
+    before = {k: [m.node_id for m in ov.owners(k)] for k in keys}
+    ov.mark_down("n3")
+    during = {k: [m.node_id for m in ov.owners(k)] for k in keys}
+    for k in keys:
+        assert "n3" not in during[k]
+        if "n3" not in before[k]:
+            assert during[k] == before[k]  # only the down node's keys move
+        else:
+            assert [n for n in before[k] if n != "n3"] == during[k][: len(before[k]) - 1]
+    clock.advance(5.1)  # backoff over: offered again ("half-open")
+    assert {k: [m.node_id for m in ov.owners(k)] for k in keys} == before
+    ov.mark_down("n3")  # failed again: the backoff doubles
+    clock.advance(5.1)
+    assert not ov.is_up("n3")
+    clock.advance(5.0)
+    assert ov.is_up("n3")
+    ov.mark_up("n3")
+    ov.mark_down("n3")  # success resets the backoff
+    clock.advance(5.1)
+    assert ov.is_up("n3")
+
+
+def test_never_marks_itself_down_and_provider_refresh() -> None:
+    members = list(MEMBERS[:2])
+    ov = Overlay(members[0], lambda: list(members), clock=FakeClock())
+    ov.mark_down("n0")
+    assert ov.is_up("n0")
+    assert set(ov.members) == {"n0", "n1"}
+    members.append(Member("n9", "mem://n9", 2.0))
+    assert ov.refresh() is True
+    assert set(ov.members) == {"n0", "n1", "n9"}
+    assert ov.refresh() is False
+
+
+def test_fetch_fails_over_when_an_owner_is_killed_and_returns() -> None:
+    chain = make_chain(1)
+    origin = origin_with([chain])
+
+    async def main() -> None:
+        ov = InMemoryOverlay(5, origin=origin, peer_backoff_s=2.0)
+        await ov.start()
+        key = chain.keys[0]
+        primary, secondary, third = (m.node_id for m in ov.nodes["e0"].overlay.owners(key, 3))
+        client_node, other = (n for nid, n in ov.nodes.items() if nid not in (primary, secondary, third))
+        assert (await client_node.fetch_bytes(chain.spec(0)))[0] == chain.blobs[0]
+        assert origin.fetches == 1  # through the primary owner, which keeps a copy
+        assert await ov.nodes[primary].lookup_local([key], tenant="default") == ["memory"]
+
+        ov.kill(primary)  # as a SIGKILL would: every link to it fails
+        data, source = await other.fetch_bytes(chain.spec(0))
+        assert data == chain.blobs[0] and source == "peer"  # via the secondary, which refetched
+        assert primary in ov.nodes[secondary].overlay.down()
+        assert [m.node_id for m in ov.nodes[secondary].overlay.owners(key)] == [secondary, third]
+        assert origin.fetches == 2
+        other.store.delete(key, tenant="default")
+        data, source = await other.fetch_bytes(chain.spec(0))
+        assert data == chain.blobs[0] and source == "peer"
+        assert origin.fetches == 2  # the secondary kept it
+
+        ov.revive(primary)
+        ov.clock.advance(2.1)  # type: ignore[attr-defined]
+        assert [m.node_id for m in other.overlay.owners(key)][0] == primary
+        other.store.delete(key, tenant="default")
+        data, source = await other.fetch_bytes(chain.spec(0))
+        assert data == chain.blobs[0] and source == "peer"
+        assert primary not in other.overlay.down()
+        await ov.stop()
+
+    asyncio.run(main())
+
+
+class _CorruptPeer(NodeUpstream):
+    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
+        data = bytearray(await super().fetch(spec, token=token))
+        data[len(data) // 2] ^= 0x40
+        return bytes(data)
+
+
+def test_corrupt_bytes_from_a_peer_are_dropped_and_fetched_elsewhere() -> None:
+    chain = make_chain(1)
+    origin = origin_with([chain])
+
+    async def main() -> None:
+        ov = InMemoryOverlay(3, origin=origin)
+        await ov.start()
+        key = chain.keys[0]
+        primary = ov.owners(key)[0]
+        ov.nodes[primary].store.put(chain.blobs[0], tenant="default")
+        client_node = ov.non_owner(key)
+        ov.links[(client_node.node_id, primary)] = _CorruptPeer(primary, ov.nodes[primary])
+        data, source = await client_node.fetch_bytes(chain.spec(0))
+        assert data == chain.blobs[0]
+        assert source in ("peer", "origin")
+        counters, _ = await client_node.stats()
+        assert counters["kdn_edge_corrupt_upstream_total"] == 1
+        await ov.stop()
+
+    asyncio.run(main())
+
+
+def test_origin_down_serves_what_it_holds_and_reports_it() -> None:
+    chain = make_chain(2)
+    origin = origin_with([chain])
+
+    async def main() -> None:
+        ov = InMemoryOverlay(1, origin=origin)
+        await ov.start()
+        node = ov.nodes["e0"]
+        await node.fetch_bytes(chain.spec(0))
+        origin.up = False
+        assert (await node.fetch_bytes(chain.spec(0)))[0] == chain.blobs[0]
+        try:
+            await node.fetch_bytes(chain.spec(1))
+        except Unavailable:
+            pass
+        else:  # pragma: no cover
+            raise AssertionError("a miss with the origin down must be Unavailable")
+        counters, details = await node.stats()
+        assert counters["origin_available"] == 0.0 and details["origin"]["available"] is False
+        origin.up = True
+        counters, _ = await node.stats()
+        assert counters["origin_available"] == 1.0
+        await ov.stop()
+
+    asyncio.run(main())
+
+
+def test_local_only_never_goes_upstream() -> None:
+    chain = make_chain(1)
+    origin = origin_with([chain])
+
+    async def main() -> None:
+        ov = InMemoryOverlay(2, origin=origin)
+        await ov.start()
+        try:
+            await ov.nodes["e0"].fetch_bytes(chain.spec(0, local_only=True))
+        except NotFound:
+            pass
+        else:  # pragma: no cover
+            raise AssertionError("expected NotFound")
+        assert origin.fetches == 0
+        await ov.stop()
+
+    asyncio.run(main())
