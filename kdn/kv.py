@@ -86,5 +86,7 @@ def cache_from_layers(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], confi
 
 
 def cache_length(cache: Any) -> int:
+    """Tokens held by a cache; 0 for an empty one (whose layers have not allocated keys yet)."""
     layers = getattr(cache, "layers", None)
-    return int(layers[0].keys.shape[2]) if layers else 0
+    keys = getattr(layers[0], "keys", None) if layers else None
+    return int(keys.shape[2]) if keys is not None else 0
