@@ -1,0 +1,503 @@
+"""The edge's tiered store: budgets, demotion/promotion, pins, TTLs, priorities, tenants, disk faults."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge.clock import FakeClock
+from edge.policies import make_policy
+from edge.store import DiskTier, EntryId, MemoryTier, TieredStore, make_store
+from kdn import blobstore
+from kdn.artifact import encode_artifact
+from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, StorageFull, Unavailable
+from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
+
+FP = ModelFingerprint(bytes(range(32)))
+OTHER_FP = ModelFingerprint(bytes(32))
+
+
+def make_chain(n: int, *, seed: int = 0, tenant: str = "acme", tokens_per_chunk: int = 4) -> list[tuple[ChunkKey, bytes]]:
+    """``n`` chained artifacts of small random KV ``(L=2, 2, H=2, T, D=8)``, all of the same size.
+
+    ``chunk_index`` counts from 1 here: protobuf leaves a zero field out, so an index of 0 would
+    make the first header two bytes shorter than the others.
+    """
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50_000, (n * tokens_per_chunk,), generator=g).tolist()
+    keys = chunk_keys(tokens, fingerprint=FP, namespace=Namespace(tenant), chunk_size=tokens_per_chunk)
+    out, parent = [], ROOT_KEY
+    for i, key in enumerate(keys):
+        kv = torch.randn(2, 2, 2, tokens_per_chunk, 8, generator=g).to(torch.float16)  # (L, 2, H, T, D)
+        out.append((key, encode_artifact(kv, key=key, parent_key=parent, fingerprint=FP, chunk_index=i + 1)))
+        parent = key
+    return out
+
+
+CHAIN = make_chain(12)
+SIZE = len(CHAIN[0][1])
+assert all(len(d) == SIZE for _, d in CHAIN)
+
+
+def mem_disk(tmp_path: Path, mem_items: int, disk_items: int, *, policy: str = "lru", clock=None) -> TieredStore:
+    return TieredStore(
+        [MemoryTier(mem_items * SIZE), DiskTier(tmp_path / "disk", disk_items * SIZE, fsync=False)],
+        policy=policy,
+        clock=clock or FakeClock(),
+    )
+
+
+def tiers_of(store: TieredStore, keys, tenant: str = "acme") -> list[str | None]:
+    by_key = {s.meta.key: s.tier for s in store.entries(tenant=tenant)}
+    return [by_key.get(k) for k in keys]
+
+
+# ---------------------------------------------------------------------------------------------
+# put / get basics and verification
+
+
+def test_put_get_roundtrip_and_meta() -> None:
+    store = TieredStore([MemoryTier(10 * SIZE)], clock=FakeClock())
+    key, data = CHAIN[1]
+    meta = store.put(data, tenant="acme", expect_fingerprint=FP)
+    assert meta.key == key and meta.parent == CHAIN[0][0] and meta.size == SIZE
+    assert meta.chunk_index == 2 and meta.codec == "raw" and not meta.lossy and meta.fingerprint == FP
+    assert store.get(key, tenant="acme") == (data, "memory")
+    assert store.meta(key, tenant="acme") == meta
+    s = store.stats()
+    assert s["hits"] == 1 and s["hits_memory"] == 1 and s["bytes_memory"] == SIZE and s["entries"] == 1
+
+
+def test_put_refuses_corrupt_and_foreign_model_artifacts_and_stores_nothing() -> None:
+    store = TieredStore([MemoryTier(10 * SIZE)], clock=FakeClock())
+    key, data = CHAIN[0]
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x01
+    with pytest.raises(ArtifactCorrupt):
+        store.put(bytes(flipped), tenant="acme")
+    with pytest.raises(ArtifactCorrupt):
+        store.put(data[:-3], tenant="acme")
+    with pytest.raises(FingerprintMismatch):
+        store.put(data, tenant="acme", expect_fingerprint=OTHER_FP)
+    with pytest.raises(InvalidInput):
+        store.put(data, tenant="../etc")
+    assert store.get(key, tenant="acme") is None
+    assert store.stats()["entries"] == 0
+
+
+def test_duplicate_put_is_idempotent() -> None:
+    store = TieredStore([MemoryTier(10 * SIZE)], clock=FakeClock())
+    key, data = CHAIN[0]
+    store.put(data, tenant="acme")
+    store.put(memoryview(data), tenant="acme")
+    s = store.stats()
+    assert s["entries"] == 1 and s["bytes_memory"] == SIZE and s["duplicate_puts"] == 1
+
+
+def test_lookup_returns_tiers_of_the_leading_run(tmp_path: Path) -> None:
+    store = mem_disk(tmp_path, 2, 10)
+    for _, data in CHAIN[:4]:
+        store.put(data, tenant="acme")
+    keys = [k for k, _ in CHAIN[:6]]
+    assert store.lookup(keys, tenant="acme") == ["disk", "disk", "memory", "memory"]
+    store.delete(keys[1], tenant="acme")
+    assert store.lookup(keys, tenant="acme") == ["disk"]
+    assert store.lookup(keys[2:], tenant="acme") == ["memory", "memory"]
+    assert store.lookup(keys, tenant="other") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# budgets, demotion, promotion
+
+
+def test_budgets_hold_and_victims_are_demoted_then_dropped(tmp_path: Path) -> None:
+    store = mem_disk(tmp_path, 2, 3)
+    keys = [k for k, _ in CHAIN[:7]]
+    for _, data in CHAIN[:7]:
+        store.put(data, tenant="acme")
+        s = store.stats()
+        assert s["bytes_memory"] <= 2 * SIZE and s["bytes_disk"] <= 3 * SIZE
+    # LRU: newest 2 in memory, next 3 on disk, oldest 2 gone
+    assert tiers_of(store, keys) == [None, None, "disk", "disk", "disk", "memory", "memory"]
+    s = store.stats()
+    assert s["demotions"] == 5 and s["evictions"] == 2 and s["entries"] == 5
+    # what was demoted is really on disk, as a complete artifact
+    disk = store.tiers[1]
+    assert isinstance(disk, DiskTier)
+    assert disk.blob_path(EntryId("acme", keys[2])).read_bytes() == CHAIN[2][1]
+    assert not disk.blob_path(EntryId("acme", keys[0])).exists()
+
+
+def test_disk_hit_is_verified_and_promoted(tmp_path: Path) -> None:
+    store = mem_disk(tmp_path, 2, 5)
+    for _, data in CHAIN[:4]:
+        store.put(data, tenant="acme")
+    keys = [k for k, _ in CHAIN[:4]]
+    assert tiers_of(store, keys) == ["disk", "disk", "memory", "memory"]
+    assert store.get(keys[0], tenant="acme") == (CHAIN[0][1], "disk")
+    # promoted; the LRU memory victim (keys[2]) went down to disk in its place
+    assert tiers_of(store, keys) == ["memory", "disk", "disk", "memory"]
+    assert store.get(keys[0], tenant="acme") == (CHAIN[0][1], "memory")
+    s = store.stats()
+    assert s["promotions"] == 1 and s["hits_disk"] == 1 and s["hits_memory"] == 1 and s["misses_memory"] == 1
+    assert store.get(keys[1], tenant="acme", promote=False) == (CHAIN[1][1], "disk")
+    assert tiers_of(store, keys)[1] == "disk"
+
+
+def test_artifact_bigger_than_a_tier_skips_it(tmp_path: Path) -> None:
+    store = TieredStore(
+        [MemoryTier(SIZE - 1), DiskTier(tmp_path / "d", 3 * SIZE, fsync=False)], policy="lru", clock=FakeClock()
+    )
+    key, data = CHAIN[0]
+    store.put(data, tenant="acme")
+    assert store.get(key, tenant="acme") == (data, "disk")  # and no promotion into a too-small tier
+    assert tiers_of(store, [key]) == ["disk"]
+    with pytest.raises(StorageFull):
+        TieredStore([MemoryTier(SIZE - 1)], clock=FakeClock()).put(data, tenant="acme")
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "sieve", "prefix"])
+def test_every_policy_keeps_budgets_and_serves_correct_bytes(tmp_path: Path, policy: str) -> None:
+    chains = [make_chain(6, seed=s) for s in range(4)]
+    store = mem_disk(tmp_path, 4, 8, policy=policy)
+    import random
+
+    rng = random.Random(1)
+    for step in range(150):
+        chain = chains[rng.randrange(4)]
+        for key, data in chain[: rng.randrange(1, 7)]:
+            got = store.get(key, tenant="acme")
+            if got is None:
+                store.put(data, tenant="acme")
+            else:
+                assert got[0] == data
+        s = store.stats()
+        assert s["bytes_memory"] <= 4 * SIZE and s["bytes_disk"] <= 8 * SIZE
+        assert s["bytes_memory"] + s["bytes_disk"] == s["entries"] * SIZE
+    assert store.stats()["hits"] > 0
+
+
+def test_prefix_policy_keeps_chain_heads_in_memory(tmp_path: Path) -> None:
+    store = mem_disk(tmp_path, 3, 20, policy="prefix")
+    keys = [k for k, _ in CHAIN[:6]]
+    for _, data in CHAIN[:6]:
+        store.put(data, tenant="acme")
+    # leaves go first: the chain's tail is demoted, the root stays hot
+    assert tiers_of(store, keys)[0] == "memory"
+    assert store.lookup(keys, tenant="acme") != []
+    assert len(store.lookup(keys, tenant="acme")) == 6
+
+
+def test_unknown_policy_and_bad_tiers_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidInput, match="unknown eviction policy"):
+        TieredStore([MemoryTier(10)], policy="nope")
+    with pytest.raises(InvalidInput):
+        TieredStore([])
+    with pytest.raises(InvalidInput):
+        TieredStore([MemoryTier(10), MemoryTier(10)])
+    with pytest.raises(InvalidInput):
+        MemoryTier(-1)
+    store = TieredStore([MemoryTier(10 * SIZE)], policy=lambda i, n: make_policy("sieve"))
+    store.put(CHAIN[0][1], tenant="acme")
+    assert store.contains(CHAIN[0][0], tenant="acme")
+
+
+# ---------------------------------------------------------------------------------------------
+# pins, priorities, TTLs
+
+
+def test_pinned_entries_are_never_evicted_or_demoted(tmp_path: Path) -> None:
+    store = mem_disk(tmp_path, 2, 2)
+    k0, d0 = CHAIN[0]
+    store.put(d0, tenant="acme", pin=True)
+    assert store.pin([k0, CHAIN[11][0]], tenant="acme") == 1  # only resident keys count
+    for _, data in CHAIN[1:9]:
+        store.put(data, tenant="acme")
+    assert tiers_of(store, [k0]) == ["memory"]
+    assert store.get(k0, tenant="acme") == (d0, "memory")
+    assert store.stats()["pinned"] == 1
+    # unpinned, it becomes an ordinary LRU entry again: demoted, then dropped
+    assert store.unpin([k0], tenant="acme") == 1
+    for _, data in CHAIN[9:11]:
+        store.put(data, tenant="acme")
+    assert tiers_of(store, [k0]) == ["disk"]
+    for _, data in CHAIN[11:12] + CHAIN[1:2]:
+        store.put(data, tenant="acme")
+    assert tiers_of(store, [k0]) == [None]
+
+
+def test_when_everything_is_pinned_puts_go_down_then_fail(tmp_path: Path) -> None:
+    store = mem_disk(tmp_path, 2, 2)
+    for _, data in CHAIN[:2]:
+        store.put(data, tenant="acme", pin=True)
+    store.put(CHAIN[2][1], tenant="acme")
+    assert tiers_of(store, [CHAIN[2][0]]) == ["disk"]
+    store.put(CHAIN[3][1], tenant="acme", pin=True)
+    store.put(CHAIN[4][1], tenant="acme", pin=True)  # disk: evicts unpinned CHAIN[2]
+    assert tiers_of(store, [k for k, _ in CHAIN[:5]]) == ["memory", "memory", None, "disk", "disk"]
+    with pytest.raises(StorageFull, match="no tier can take"):
+        store.put(CHAIN[5][1], tenant="acme")
+    # nothing already stored was harmed
+    for key, data in CHAIN[:2] + CHAIN[3:5]:
+        assert store.get(key, tenant="acme", promote=False)[0] == data
+
+
+def test_higher_priority_is_evicted_after_lower(tmp_path: Path) -> None:
+    store = TieredStore([MemoryTier(3 * SIZE)], policy="lru", clock=FakeClock())
+    k = [key for key, _ in CHAIN]
+    store.put(CHAIN[0][1], tenant="acme", priority=5)  # oldest, but important
+    store.put(CHAIN[1][1], tenant="acme")
+    store.put(CHAIN[2][1], tenant="acme")
+    assert store.set_priority([k[2]], 1, tenant="acme") == 1
+    store.put(CHAIN[3][1], tenant="acme")  # evicts k1 (prio 0), not k0 (older, prio 5)
+    assert tiers_of(store, k[:4]) == ["memory", None, "memory", "memory"]
+    store.put(CHAIN[4][1], tenant="acme")  # k0 (5) and k2 (1) are passed over: k3 (0) goes
+    assert tiers_of(store, k[:5]) == ["memory", None, "memory", None, "memory"]
+    store.put(CHAIN[5][1], tenant="acme")  # k4 (0) goes
+    store.set_priority([k[5]], 1, tenant="acme")
+    # the newcomer is judged beside the residents: as the only class-0 entry it goes itself
+    store.put(CHAIN[6][1], tenant="acme")
+    assert tiers_of(store, k[:7]) == ["memory", None, "memory", None, None, "memory", None]
+    store.put(CHAIN[7][1], tenant="acme", priority=1)  # class 1 only above k0: its LRU (k2) goes
+    assert tiers_of(store, k[:8]) == ["memory", None, None, None, None, "memory", None, "memory"]
+    with pytest.raises(InvalidInput):
+        store.set_priority([k[0]], 1.5, tenant="acme")  # type: ignore[arg-type]
+
+
+def test_ttl_expires_lazily_and_in_bulk_with_a_fake_clock(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = mem_disk(tmp_path, 2, 10, clock=clock)
+    for _, data in CHAIN[:4]:
+        store.put(data, tenant="acme")
+    k = [key for key, _ in CHAIN[:4]]
+    assert store.set_ttl(k[:2], 60, tenant="acme") == 2  # these two are on disk
+    store.put(CHAIN[4][1], tenant="acme", ttl_s=30, pin=True)  # pinned, yet the TTL wins
+    assert store.set_ttl([k[3]], 10, tenant="acme") == 1
+    assert store.set_ttl([k[3]], None, tenant="acme") == 1  # cleared
+    clock.advance(29.9)
+    assert store.expire() == 0
+    clock.advance(0.2)
+    assert store.get(CHAIN[4][0], tenant="acme") is None  # lazily, on read
+    clock.advance(30)
+    assert store.expire() == 2
+    assert store.lookup(k, tenant="acme") == []
+    assert tiers_of(store, k) == [None, None, "disk", "memory"]  # k2 made room for CHAIN[4]
+    assert not any((tmp_path / "disk").rglob(k[0].hex()))  # the disk blob is gone too
+    assert store.stats()["expired"] == 3
+    for bad in (0, -1, float("inf"), float("nan"), "10"):
+        with pytest.raises(InvalidInput):
+            store.set_ttl(k, bad, tenant="acme")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# tenants
+
+
+def test_another_tenant_sees_exactly_what_an_absent_key_gives(tmp_path: Path) -> None:
+    store = mem_disk(tmp_path, 2, 10)
+    for _, data in CHAIN[:3]:
+        store.put(data, tenant="acme")
+    owned, absent = CHAIN[2][0], ChunkKey(b"\x07" * 32)
+
+    def view(key: ChunkKey) -> tuple:
+        return (
+            store.get(key, tenant="evil"),
+            store.contains(key, tenant="evil"),
+            store.meta(key, tenant="evil"),
+            store.lookup([key], tenant="evil"),
+            store.delete(key, tenant="evil"),
+            store.pin([key], tenant="evil"),
+            store.set_ttl([key], 1, tenant="evil"),
+            store.set_priority([key], 3, tenant="evil"),
+        )
+
+    assert view(owned) == view(absent) == (None, False, None, [], False, 0, 0, 0)
+    # the owner is untouched: not deleted, not pinned, no TTL
+    assert store.get(owned, tenant="acme")[0] == CHAIN[2][1]
+    assert [s.pinned or s.ttl_left_s is not None for s in store.entries(tenant="acme")] == [False] * 3
+    # a foreign put of the same key is a separate entry, not an overwrite
+    store.put(CHAIN[2][1], tenant="evil")
+    assert store.delete(owned, tenant="evil")
+    assert store.get(owned, tenant="acme")[0] == CHAIN[2][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# disk faults and restart
+
+
+def test_corrupt_disk_blob_is_detected_dropped_and_reported_as_a_miss(tmp_path: Path) -> None:
+    store = mem_disk(tmp_path, 1, 10)
+    for _, data in CHAIN[:3]:
+        store.put(data, tenant="acme")
+    key = CHAIN[0][0]
+    path = store.tiers[1].blob_path(EntryId("acme", key))  # type: ignore[attr-defined]
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+    assert store.get(key, tenant="acme") is None
+    assert not path.exists()
+    assert not store.contains(key, tenant="acme")
+    assert store.stats()["corrupt_dropped"] == 1
+    store.put(CHAIN[0][1], tenant="acme")  # fetched again
+    assert store.get(key, tenant="acme")[0] == CHAIN[0][1]
+    # a blob that vanished from under the store is a miss as well
+    path = store.tiers[1].blob_path(EntryId("acme", CHAIN[1][0]))  # type: ignore[attr-defined]
+    path.unlink()
+    assert store.get(CHAIN[1][0], tenant="acme") is None
+    assert store.stats()["lost"] == 1
+
+
+def test_restart_rebuilds_the_disk_index(tmp_path: Path) -> None:
+    store = mem_disk(tmp_path, 1, 10)
+    for _, data in CHAIN[:5]:
+        store.put(data, tenant="acme")
+    store.put(CHAIN[0][1], tenant="beta")
+    on_disk = {s.meta.key for s in store.entries(tenant="acme") if s.tier == "disk"}
+    assert len(on_disk) == 5  # beta's put pushed the last one down
+    assert [s.tier for s in store.entries(tenant="beta")] == ["memory"]
+    store.close()
+    with pytest.raises(Unavailable):
+        store.get(CHAIN[0][0], tenant="acme")
+
+    again = mem_disk(tmp_path, 1, 10)
+    assert {s.meta.key for s in again.entries(tenant="acme")} == on_disk
+    assert again.entries(tenant="beta") == []  # beta's entry was in memory only
+    for key, data in CHAIN[:5]:
+        assert again.get(key, tenant="acme", promote=False) == (data, "disk")
+    meta = again.meta(CHAIN[1][0], tenant="acme")
+    assert meta is not None and meta.parent == CHAIN[0][0] and meta.chunk_index == 2 and meta.size == SIZE
+    # a smaller budget on restart is enforced at once
+    third = mem_disk(tmp_path, 1, 2)
+    assert third.stats()["bytes_disk"] <= 2 * SIZE
+
+
+def test_restart_drops_partial_and_foreign_files_and_never_shows_a_killed_writers_tmp(tmp_path: Path) -> None:
+    store = mem_disk(tmp_path, 1, 10)
+    for _, data in CHAIN[:4]:
+        store.put(data, tenant="acme")
+    disk = store.tiers[1]
+    good = [k for k, _ in CHAIN[:3]]
+    store.close()
+    p0 = disk.blob_path(EntryId("acme", good[0]))  # type: ignore[attr-defined]
+    p1 = disk.blob_path(EntryId("acme", good[1]))  # type: ignore[attr-defined]
+    # 1) a writer killed mid-write (not atomic): truncated file under the final name
+    p0.write_bytes(p0.read_bytes()[: SIZE // 2])
+    # 2) a writer killed before its rename: a temporary next to the final name
+    tmp_key = CHAIN[7][0]
+    tmp_final = disk.blob_path(EntryId("acme", tmp_key))  # type: ignore[attr-defined]
+    tmp_final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_final.with_name(f".{tmp_final.name}.12345.abc.tmp")
+    tmp.write_bytes(CHAIN[7][1][:100])
+    # 3) a valid artifact under the wrong name, and garbage
+    wrong = p1.with_name("cd" * 32)
+    wrong.parent.mkdir(parents=True, exist_ok=True)
+    wrong.write_bytes(CHAIN[1][1])
+    junk_dir = tmp_path / "disk" / "acme" / "ff"
+    junk_dir.mkdir(parents=True, exist_ok=True)
+    (junk_dir / ("ff" * 32)).write_bytes(b"not an artifact at all")
+
+    again = mem_disk(tmp_path, 1, 10)
+    keys = {s.meta.key for s in again.entries(tenant="acme")}
+    assert keys == {good[1], good[2]}
+    assert again.tiers[1].dropped_on_open >= 3  # type: ignore[attr-defined]
+    assert again.tiers[1].swept_tmp == 1  # type: ignore[attr-defined]
+    assert not tmp.exists() and not p0.exists() and not wrong.exists()
+    assert again.get(tmp_key, tenant="acme") is None
+    assert again.get(good[1], tenant="acme")[0] == CHAIN[1][1]
+
+
+def test_disk_full_raises_storage_full_and_keeps_old_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = TieredStore([DiskTier(tmp_path / "d", 20 * SIZE, fsync=True)], policy="lru", clock=FakeClock())
+    for _, data in CHAIN[:3]:
+        store.put(data, tenant="acme")
+
+    def enospc(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(blobstore.os, "fsync", enospc)
+    with pytest.raises(StorageFull):
+        store.put(CHAIN[3][1], tenant="acme")
+    monkeypatch.undo()
+    assert not store.contains(CHAIN[3][0], tenant="acme")
+    s = store.stats()
+    assert s["write_failures"] == 1 and s["entries"] == 3 and s["bytes_disk"] == 3 * SIZE
+    assert not [p for p in (tmp_path / "d").rglob("*") if p.name.endswith(".tmp")]
+    for key, data in CHAIN[:3]:
+        assert store.get(key, tenant="acme") == (data, "disk")
+    store.put(CHAIN[3][1], tenant="acme")  # space back: works again
+    assert store.get(CHAIN[3][0], tenant="acme") == (CHAIN[3][1], "disk")
+
+
+def test_disk_full_during_demotion_loses_only_that_cache_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = mem_disk(tmp_path, 2, 10)
+    store.put(CHAIN[0][1], tenant="acme")
+    store.put(CHAIN[1][1], tenant="acme")
+    store.put(CHAIN[2][1], tenant="acme")  # CHAIN[0] on disk now
+
+    def enospc(*a: object, **k: object) -> None:
+        raise StorageFull("disk full (test)")
+
+    monkeypatch.setattr(store.tiers[1], "put", enospc)
+    store.put(CHAIN[3][1], tenant="acme")  # the put itself lands in memory; CHAIN[1]'s demotion fails
+    monkeypatch.undo()
+    k = [key for key, _ in CHAIN[:4]]
+    assert tiers_of(store, k) == ["disk", None, "memory", "memory"]
+    s = store.stats()
+    assert s["write_failures"] == 1 and s["bytes_disk"] == SIZE
+    assert store.get(k[0], tenant="acme", promote=False) == (CHAIN[0][1], "disk")
+
+
+def test_concurrent_readers_and_writers_see_only_correct_bytes(tmp_path: Path) -> None:
+    chains = [make_chain(5, seed=10 + s) for s in range(6)]
+    truth = {k: d for c in chains for k, d in c}
+    store = mem_disk(tmp_path, 5, 10, policy="prefix", clock=FakeClock())
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        import random
+
+        rng = random.Random(seed)
+        try:
+            for _ in range(120):
+                chain = chains[rng.randrange(len(chains))]
+                for key, data in chain[: rng.randrange(1, 6)]:
+                    got = store.get(key, tenant="acme")
+                    if got is None:
+                        store.put(data, tenant="acme")
+                    elif got[0] != truth[key]:
+                        raise AssertionError("wrong bytes served")
+                if rng.random() < 0.05:
+                    store.delete(chain[0][0], tenant="acme")
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    s = store.stats()
+    assert s["bytes_memory"] <= 5 * SIZE and s["bytes_disk"] <= 10 * SIZE
+    assert s["bytes_memory"] + s["bytes_disk"] == s["entries"] * SIZE
+    # the disk holds exactly the indexed disk entries, each intact
+    disk_keys = {e.meta.key for e in store.entries() if e.tier == "disk"}
+    files = {p.name for p in (tmp_path / "disk").rglob("*") if p.is_file()}
+    assert files == {k.hex() for k in disk_keys}
+    store.close()
+    reopened = mem_disk(tmp_path, 5, 10)
+    assert {e.meta.key for e in reopened.entries()} == disk_keys
+
+
+def test_make_store_builds_memory_over_disk(tmp_path: Path) -> None:
+    store = make_store(memory_bytes=2 * SIZE, disk_dir=tmp_path / "x", disk_bytes=4 * SIZE, fsync=False)
+    assert [t.name for t in store.tiers] == ["memory", "disk"]
+    for _, data in CHAIN[:3]:
+        store.put(data, tenant="acme")
+    assert store.stats()["bytes_disk"] == SIZE
+    assert [t.name for t in make_store(memory_bytes=SIZE).tiers] == ["memory"]
