@@ -1,0 +1,122 @@
+"""The ingest pipeline in-process (no Ray): bad input, skip-what-is-stored, keys, config."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdn.artifact import decode_artifact
+from kdn.errors import ConfigError, InvalidInput, UnknownModel
+from kdn.keys import Namespace, chunk_keys
+from kdn.prefill import document_tokens
+from origin.config import OriginConfig
+from origin.ingest import LocalExecutor, check_model_spec, discover, ingest, read_document
+from origin.store import OriginStore
+from origin.worker import PrefillWorker
+
+
+@pytest.fixture
+def docs(tmp_path):
+    d = tmp_path / "docs"
+    (d / "sub").mkdir(parents=True)
+    (d / "guide.md").write_text("# Guide\n\n" + "Reuse the KV cache of long contexts. " * 30)
+    (d / "sub" / "code.py").write_text("def double(x):\n    return 2 * x\n\n" * 25)
+    (d / ".hidden.md").write_text("never ingested " * 100)
+    (d / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 64)
+    return d
+
+
+@pytest.fixture
+def config(tmp_path):
+    return OriginConfig(store_dir=str(tmp_path / "store"), models=["tiny"], codecs=["raw"], fsync=False, namespace="acme")
+
+
+@pytest.fixture
+def executor(config, tiny_model):
+    ex = LocalExecutor(
+        PrefillWorker(store_dir=str(config.store_path), model="tiny", codecs=config.codecs, fsync=False, lm=tiny_model)
+    )
+    yield ex
+    ex.close()
+
+
+def test_read_document_refuses_bad_files(tmp_path):
+    cases = {
+        "empty.txt": (b"", "empty file"),
+        "blank.txt": (b"  \n\t\n", "only whitespace"),
+        "bin.txt": (b"ELF\x00\x01\x02" * 10, "binary file"),
+        "latin1.txt": ("café crème".encode("latin-1"), "not valid UTF-8"),
+    }
+    for name, (data, msg) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(InvalidInput, match=msg):
+            read_document(tmp_path / name)
+    (tmp_path / "ok.txt").write_text("héllo")
+    text, digest = read_document(tmp_path / "ok.txt")
+    assert text == "héllo" and len(digest) == 32
+
+
+def test_discover_walks_text_files_and_reports_missing(docs, tmp_path):
+    found = discover([docs, docs / "guide.md", tmp_path / "missing.txt"])
+    names = sorted(s.path.name for s in found.sources)
+    assert names == ["code.py", "guide.md"]  # no duplicate, hidden skipped, png ignored
+    assert [p.message for p in found.problems] == ["path does not exist"]
+    assert any(i.endswith("logo.png") for i in found.ignored)
+
+
+def test_unknown_model_is_refused_up_front():
+    with pytest.raises(UnknownModel, match="no-such-model"):
+        check_model_spec("no-such-model")
+
+
+def test_config_validates():
+    with pytest.raises(ConfigError, match="codecs"):
+        OriginConfig.build(codecs=["nope"])
+    with pytest.raises(ConfigError, match="bogus"):
+        OriginConfig.build(bogus=1)
+    assert OriginConfig.build(workers=2).workers == 2
+
+
+def test_bad_batch_reports_each_problem_and_the_rest_succeeds(docs, tmp_path, config, executor, tiny_model):
+    (docs / "empty.txt").write_bytes(b"")
+    (docs / "blob.txt").write_bytes(b"\x00\x01\x02binary")
+    (docs / "latin.txt").write_bytes("naïve façade ".encode("latin-1") * 40)
+    (docs / "long.txt").write_text("x" * (tiny_model.max_positions + 1000))
+    s = ingest([docs, tmp_path / "nope"], config, executor=executor)
+    by = {r.doc_id.rsplit("/", 1)[-1]: r for r in s.results}
+    assert by["empty.txt"].status == "failed" and "empty" in by["empty.txt"].message
+    assert by["blob.txt"].status == "failed" and "binary" in by["blob.txt"].message
+    assert by["latin.txt"].status == "failed" and "UTF-8" in by["latin.txt"].message
+    assert by["nope"].status == "failed" and "does not exist" in by["nope"].message
+    assert by["long.txt"].status == "truncated" and "beyond the model window" in by["long.txt"].message
+    assert by["long.txt"].n_chunks == tiny_model.max_positions // tiny_model.chunk_size
+    assert by["guide.md"].status == "stored" and by["code.py"].status == "stored"
+    assert s.failed == 4 and s.exit_code == 1
+    text = s.render()
+    for word in ("empty", "binary", "UTF-8", "does not exist", "beyond the model window"):
+        assert word in text
+
+
+def test_keys_match_the_inference_host_and_reingest_skips(docs, config, executor, tiny_model):
+    s1 = ingest([docs], config, executor=executor)
+    assert s1.exit_code == 0 and s1.computed_chunks > 0
+    ns = Namespace("acme")
+    store = OriginStore(config.store_path, verify="none")
+    for r in s1.results:
+        text = (docs / r.doc_id.split("/docs/", 1)[1]).read_text()
+        toks = document_tokens(tiny_model, text)
+        host = chunk_keys(toks, fingerprint=tiny_model.fingerprint, namespace=ns, chunk_size=tiny_model.chunk_size)
+        assert [bytes.fromhex(k) for k in r.keys] == host
+        for i, k in enumerate(host):
+            art = decode_artifact(store.get(k, "raw", tenant="acme"), expect_key=k)
+            assert art.header.chunk_index == i
+    n_blobs = len(list(store.blobs.scan()))
+    s2 = ingest([docs], config, executor=executor)
+    assert s2.computed_chunks == 0 and s2.bytes_written == 0
+    assert {r.status for r in s2.results} == {"skipped"}
+    # drop one artifact: only that chunk is recomputed
+    victim = bytes.fromhex(s1.results[0].keys[1])
+    assert store.delete(victim, "raw")
+    s3 = ingest([docs], config, executor=executor)
+    assert s3.computed_chunks == 1
+    assert len(list(store.blobs.scan())) == n_blobs
+    store.close()
