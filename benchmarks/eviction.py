@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge.policies import POLICIES, Belady, BoundedCache, EvictionPolicy, make_policy
+from edge.policies import POLICIES, Belady, BoundedCache, EvictionPolicy, PrefixAware, make_policy
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=Path(os.environ.get("KDN_TRACE", DEFAULT_TRACE)))
     ap.add_argument("--quick", action="store_true", help="first 3000 requests only")
     ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument(
+        "--sensitivity", action="store_true", help="also run the prefix policy at 0.5x and 2x its default half-life"
+    )
     ap.add_argument("--plot", type=Path, default=REPO / "benchmarks" / "results" / "eviction.png")
     args = ap.parse_args(argv)
 
@@ -127,11 +130,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:8s} {time.perf_counter() - t:6.1f}s")
     elapsed = time.perf_counter() - t0
 
+    plotted = dict(results)
+    if args.sensitivity:
+        default = PrefixAware().half_life
+        for mult in (0.5, 2.0):
+            hl = default * mult
+            results[f"prefix (half_life {hl:g})"] = [replay(reqs, cap, PrefixAware(half_life=hl)) for cap in caps]
     lru = results["lru"]
     head = "| policy | " + " | ".join(f"{100 * f:g}%" for f in FRACTIONS) + " |"
     lines = [head, "|---" * (len(FRACTIONS) + 1) + "|"]
     for name, rates in results.items():
-        cells = [f"{100 * r:.1f}% ({r / l:.2f}x)" if l else f"{100 * r:.1f}%" for r, l in zip(rates, lru)]
+        cells = [f"{100 * r:.2f}% ({r / l:.3f}x)" if l else f"{100 * r:.1f}%" for r, l in zip(rates, lru)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print("\nprefix-token hit rate (ratio vs LRU in this run):")
@@ -147,11 +156,13 @@ def main(argv: list[str] | None = None) -> int:
 
     suffix = "-quick" if args.quick else ""
     plot_path = args.plot.with_name(args.plot.stem + suffix + args.plot.suffix)
-    plot(results, FRACTIONS, plot_path, f"Mooncake conversation trace ({len(reqs)} requests)")
+    plot(plotted, FRACTIONS, plot_path, f"Mooncake conversation trace ({len(reqs)} requests)")
     print(f"plot: {plot_path.relative_to(REPO) if plot_path.is_relative_to(REPO) else plot_path}")
 
     if not args.no_append:
-        cmd = "python benchmarks/eviction.py" + (" --quick" if args.quick else "")
+        cmd = "python benchmarks/eviction.py" + (" --quick" if args.quick else "") + (
+            " --sensitivity" if args.sensitivity else ""
+        )
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         section = (
             f"\n## Eviction policies on the Mooncake conversation trace ({stamp})\n\n"

@@ -382,6 +382,7 @@ class PrefixAware(EvictionPolicy):
     ) -> None:
         if half_life <= 0 or ghost < 0:
             raise InvalidInput(f"prefix policy: half_life must be > 0 and ghost >= 0, got {half_life}, {ghost}")
+        self.half_life = half_life
         self._rate = 1.0 / half_life  # half-lives per access
         self._supersede = supersede
         self._newest_kid: dict[Key, Key] = {}  # resident parent -> its most recently inserted child
