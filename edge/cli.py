@@ -78,6 +78,9 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-id")
     p.add_argument("--listen", help="host:port to serve on (port 0 = any free port)")
     p.add_argument("--peers", type=parse_peers, help="static overlay members: id=host:port,...")
+    p.add_argument("--peers-file", help="peers file re-read periodically: JSON {id: host:port} or id=host:port lines")
+    p.add_argument("--refresh-s", type=float, help="how often the peers file is re-read (seconds)")
+    p.add_argument("--peer-backoff-s", type=float, help="a failed peer is retried after this long")
     p.add_argument("--origin", help="origin host:port")
     p.add_argument("--memory-bytes", type=parse_bytes)
     p.add_argument("--disk-dir")
@@ -102,7 +105,8 @@ def build_config(args: argparse.Namespace) -> Any:
     from edge.config import EdgeConfig
 
     overrides: dict[str, Any] = {
-        "node_id": args.node_id, "listen": args.listen, "peers": args.peers, "origin": args.origin,
+        "node_id": args.node_id, "listen": args.listen, "peers": args.peers, "peers_file": args.peers_file,
+        "membership_refresh_s": args.refresh_s, "peer_backoff_s": args.peer_backoff_s, "origin": args.origin,
         "memory_bytes": args.memory_bytes, "disk_dir": args.disk_dir, "disk_bytes": args.disk_bytes,
         "policy": args.policy, "replicas": args.replicas, "prefetch_depth": args.prefetch_depth,
         "metrics_port": args.metrics_port, "upstream_token": args.upstream_token,

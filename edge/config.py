@@ -38,6 +38,10 @@ class EdgeConfig(RoleConfig):
     node_id: str = Field("edge-0", min_length=1, max_length=128, description="this node's id in the overlay")
     listen: str = Field("127.0.0.1:0", description="gRPC listen address; port 0 picks a free port")
     peers: dict[str, str] = Field(default_factory=dict, description="static overlay members: node_id -> host:port")
+    peers_file: str | None = Field(
+        None, description="re-read on every membership refresh: JSON {id: host:port} or id=host:port lines"
+    )
+    membership_refresh_s: float = Field(2.0, gt=0, description="how often peers_file / the provider is re-read")
     peer_weights: dict[str, float] = Field(default_factory=dict, description="node_id -> placement weight (default 1)")
     weight: float = Field(1.0, gt=0, description="this node's placement weight")
     origin: str | None = Field(None, description="origin address host:port; None = no origin")

@@ -2,25 +2,25 @@
 
 Key hints go straight to the store (they apply to *resident* entries; ``affected`` says how many).
 A document is resolved to its chunk keys by the origin first. ``SCHEDULE_PREFETCH`` registers a
-cron schedule ("M H DOM MON DOW", UTC) with :class:`edge.hints.HintScheduler`; when it fires, the
-document (re-resolved each time, so re-ingested documents are followed) or key list is offered to
-the prefetcher. Schedules are persisted as JSON beside the disk tier (``schedules.json``) and
-re-registered on restart. Tokens are never written to disk: a schedule restored after a restart
-fetches with the edge's ``upstream_token`` (configure one when the origin requires auth).
+cron schedule ("M H DOM MON DOW", UTC) with :class:`edge.hints.HintScheduler` under the named
+action ``prefetch``; when it fires, the document (re-resolved each time, so a re-ingested document
+is followed) or key list is offered to the prefetcher. Named schedules are persisted by the
+scheduler as JSON beside the disk tier (``hints.json``) and come back on restart. Tokens are never
+written to disk: a schedule restored after a restart fetches with the edge's ``upstream_token``
+(configure one when the origin requires auth). ``SET_TTL`` with ``ttl_s == 0`` clears the TTL.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
-import os
 import secrets
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from edge.clock import Clock, MonotonicClock
-from kdn.errors import InvalidInput, KdnError, NotFound
+from edge.hints import HintScheduler
+from kdn.errors import InvalidInput, NotFound
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, parse_key
 from kdn.proto import kdn_pb2 as pb
 
@@ -30,98 +30,60 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 A = pb.HintRequest
-SCHEDULES_FILE = "schedules.json"
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduleSpec:
-    """What a scheduled prefetch fetches (JSON-able; no token)."""
-
-    schedule_id: str
-    cron: str
-    tenant: str
-    salt: str = ""
-    fingerprint: str = ""  # hex
-    document: str = ""
-    keys: tuple[str, ...] = field(default_factory=tuple)  # hex
-    codec: str = ""
+SCHEDULES_FILE = "hints.json"
+PREFETCH_ACTION = "prefetch"
 
 
 class HintService:
     def __init__(self, node: "EdgeNode", *, disk_dir: str | None, clock: Clock | None = None) -> None:
-        from edge.hints import HintScheduler
-
         self._node = node
         self._clock = clock or MonotonicClock()
-        self._path = Path(disk_dir) / SCHEDULES_FILE if disk_dir else None
-        self._specs: dict[str, ScheduleSpec] = {}
         self._tokens: dict[str, str | None] = {}  # in memory only
-        self.scheduler = HintScheduler(self._clock)
+        self.scheduler = HintScheduler(
+            self._clock,
+            path=Path(disk_dir) / SCHEDULES_FILE if disk_dir else None,
+            actions={PREFETCH_ACTION: self._fire},
+        )
         self.fired = 0
-        self._load()
 
-    # -- persistence ---------------------------------------------------------------------------
-
-    def _load(self) -> None:
-        if self._path is None or not self._path.exists():
-            return
-        try:
-            raw = json.loads(self._path.read_text())
-            specs = [ScheduleSpec(**{**d, "keys": tuple(d.get("keys", ()))}) for d in raw.get("schedules", [])]
-        except (OSError, ValueError, TypeError) as exc:
-            log.warning("ignoring unreadable %s: %s", self._path, exc)
-            return
-        for spec in specs:
-            try:
-                self._register(spec)
-            except KdnError as exc:
-                log.warning("dropping schedule %s: %s", spec.schedule_id, exc)
-
-    def _save(self) -> None:
-        if self._path is None:
-            return
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._path.with_suffix(".json.tmp")
-        body = json.dumps({"schedules": [asdict(s) for s in self._specs.values()]}, indent=1, sort_keys=True)
-        with open(tmp, "w") as fh:
-            fh.write(body)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self._path)
-
-    # -- scheduling ----------------------------------------------------------------------------
-
-    def _register(self, spec: ScheduleSpec) -> None:
-        self.scheduler.add(spec.schedule_id, spec.cron, lambda s=spec: self._fire(s))
-        self._specs[spec.schedule_id] = spec
-
-    async def _fire(self, spec: ScheduleSpec) -> int:
+    async def _fire(self, params: Mapping[str, Any]) -> int:
         node = self._node
-        ns = Namespace(spec.tenant, spec.salt)
-        fp = parse_fingerprint(spec.fingerprint) if spec.fingerprint else ModelFingerprint(bytes(32))
-        token = self._tokens.get(spec.schedule_id)
+        ns = Namespace(params["tenant"], params.get("salt", ""))
+        fp_hex = params.get("fingerprint", "")
+        fp = parse_fingerprint(fp_hex) if fp_hex else ModelFingerprint(bytes(32))
+        token = self._tokens.get(params.get("schedule_id", ""))
         keys = await node.resolve_keys(
-            [parse_key(k) for k in spec.keys], spec.document, fingerprint=fp, namespace=ns, token=token
+            [parse_key(k) for k in params.get("keys", ())], params.get("document", ""),
+            fingerprint=fp, namespace=ns, token=token,
         )
         self.fired += 1
-        return node.prefetch(keys, fingerprint=fp, namespace=ns, codec=spec.codec, token=token)
+        return node.prefetch(keys, fingerprint=fp, namespace=ns, codec=params.get("codec", ""), token=token)
 
     async def run_due(self) -> int:
-        """Run every schedule that is due now, and expire TTL'd entries; returns schedules run."""
+        """Expire TTL'd entries and run every schedule that is due; returns how many ran."""
         self._node.store.expire()
-        ran = 0
-        for action in self.scheduler.due(self._clock.now()):
-            try:
-                result = action()
-                if hasattr(result, "__await__"):
-                    await result
-                ran += 1
-            except KdnError as exc:
-                log.warning("%s: scheduled prefetch failed: %s", self._node.node_id, exc)
-        return ran
+        results = await self.scheduler.run_due()
+        return sum(1 for r in results.values() if r is None)
 
     def describe(self) -> list[dict[str, Any]]:
-        return [asdict(s) for s in self._specs.values()]
+        return [
+            {"schedule_id": i.schedule_id, "cron": i.cron, "next_fire": i.next_fire.isoformat(), "runs": i.runs,
+             "tenant": i.params.get("tenant", ""), "document": i.params.get("document", ""),
+             "keys": len(i.params.get("keys", ()))}
+            for i in self.scheduler.list()
+        ]
+
+    async def _fetch_missing(
+        self, keys: list[ChunkKey], fp: ModelFingerprint, ns: Namespace, token: str | None
+    ) -> None:
+        from edge.upstream import FetchSpec
+
+        node = self._node
+        missing = [k for k in keys if not node.store.contains(k, tenant=ns.tenant)]
+        for start in range(0, len(missing), 8):  # a few at a time: the RPC has a deadline
+            await asyncio.gather(
+                *(node.fetch_bytes(FetchSpec(k, fp, ns), token=token) for k in missing[start : start + 8])
+            )
 
     # -- the RPC -------------------------------------------------------------------------------
 
@@ -138,21 +100,20 @@ class HintService:
             if req.document and not fp_hex:
                 raise InvalidInput("a document schedule needs the model fingerprint")
             sid = req.schedule_id or secrets.token_hex(6)
-            spec = ScheduleSpec(sid, req.cron, ns.tenant, ns.salt, fp_hex, req.document, tuple(bytes(k).hex() for k in keys))
-            if sid in self._specs:
-                self.scheduler.cancel(sid)
-            self._register(spec)  # validates the cron expression (InvalidInput names the field)
+            existing = self.scheduler.get(sid)
+            if existing is not None and existing.params.get("tenant") != ns.tenant:
+                raise InvalidInput(f"schedule id {sid!r} is taken")
+            params = {"schedule_id": sid, "tenant": ns.tenant, "salt": ns.salt, "fingerprint": fp_hex,
+                      "document": req.document, "keys": [bytes(k).hex() for k in keys]}
+            self.scheduler.add(sid, req.cron, PREFETCH_ACTION, params=params)  # InvalidInput names a bad field
             self._tokens[sid] = token
-            self._save()
             return 1, sid
         if action == A.CANCEL_SCHEDULE:
-            spec = self._specs.get(req.schedule_id)
-            if spec is None or spec.tenant != ns.tenant:
+            info = self.scheduler.get(req.schedule_id)
+            if info is None or info.params.get("tenant") != ns.tenant:
                 raise NotFound(f"no schedule {req.schedule_id!r}")
             self.scheduler.cancel(req.schedule_id)
-            del self._specs[req.schedule_id]
             self._tokens.pop(req.schedule_id, None)
-            self._save()
             return 1, req.schedule_id
         if req.document and not keys:
             keys = await node.resolve_keys(
@@ -160,6 +121,8 @@ class HintService:
             )
         tenant = ns.tenant
         if action == A.PIN:
+            if req.fingerprint:  # with the model named, pinning also fetches what is not held yet
+                await self._fetch_missing(keys, parse_fingerprint(req.fingerprint), ns, token)
             return store.pin(keys, tenant=tenant), ""
         if action == A.UNPIN:
             return store.unpin(keys, tenant=tenant), ""

@@ -102,6 +102,7 @@ class EdgeNode:
 
     async def start(self) -> None:
         self.prefetcher.start()
+        self._tasks.append(asyncio.ensure_future(self._membership_loop()))
         if self.scheduler is not None:
             self._tasks.append(asyncio.ensure_future(self._schedule_loop()))
 
@@ -128,6 +129,8 @@ class EdgeNode:
     def _peer(self, member: Member) -> Upstream:
         up = self._peers.get(member.node_id)
         if up is None or getattr(up, "address", member.address) != member.address:
+            if up is not None:  # the member moved (restarted elsewhere): drop the old channel
+                self._tasks.append(asyncio.ensure_future(up.close()))
             up = self._connect(member)
             self._peers[member.node_id] = up
         return up
@@ -382,6 +385,17 @@ class EdgeNode:
             spec = FetchSpec(k, fingerprint, namespace, codec=codec)
             queued += self.prefetcher.offer(PrefetchJob(spec, token))
         return queued
+
+    async def _membership_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.membership_refresh_s)
+            try:
+                if self.overlay.refresh():
+                    log.info("%s: membership changed: %s", self.node_id, self.overlay.snapshot())
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a broken provider must not stop the node
+                log.exception("%s: membership refresh failed", self.node_id)
 
     async def _schedule_loop(self) -> None:
         assert self.scheduler is not None

@@ -13,7 +13,9 @@ that key, with down members left out; this node itself may be among them.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from edge.clock import Clock, MonotonicClock
@@ -128,6 +130,40 @@ class Overlay:
             "replicas": self.replicas,
             "version": self.version,
         }
+
+
+def file_members(path: str | Path, weights: Mapping[str, float] | None = None) -> MembershipProvider:
+    """A provider that re-reads a peers file on every refresh: JSON ``{"id": "host:port"}`` or
+    lines ``id=host:port`` (``#`` comments). A missing or unreadable file keeps the last good list,
+    so a half-written file never empties the overlay."""
+    p = Path(path)
+    last: list[Member] = []
+
+    def read() -> list[Member]:
+        nonlocal last
+        try:
+            text = p.read_text()
+        except OSError:
+            return last
+        try:
+            if text.lstrip().startswith("{"):
+                mapping = {str(k): str(v) for k, v in json.loads(text).items()}
+            else:
+                mapping = {}
+                for line in text.splitlines():
+                    line = line.split("#", 1)[0].strip()
+                    if not line:
+                        continue
+                    node, sep, addr = line.partition("=")
+                    if not sep:
+                        raise ValueError(f"bad line {line!r}")
+                    mapping[node.strip()] = addr.strip()
+        except ValueError:
+            return last
+        last = list(static_members(mapping, weights))
+        return last
+
+    return read
 
 
 def static_members(peers: Mapping[str, str], weights: Mapping[str, float] | None = None) -> Sequence[Member]:

@@ -34,7 +34,7 @@ from edge.clock import Clock, MonotonicClock
 from edge.config import EdgeConfig
 from edge.metrics import EdgeMetrics
 from edge.node import EdgeNode
-from edge.overlay import Member, Overlay, MembershipProvider, static_members
+from edge.overlay import Member, MembershipProvider, Overlay, file_members, static_members
 from edge.shm import ShmPool
 from edge.upstream import FetchSpec, GrpcUpstream, Upstream
 from kdn.errors import InvalidInput, KdnError, MessageTooLarge
@@ -281,7 +281,9 @@ class EdgeServer:
         self_member = Member(c.node_id, self.address, c.weight)
         overlay = Overlay(
             self_member,
-            self._members if self._members is not None else static_members(c.peers, c.peer_weights),
+            self._members if self._members is not None
+            else file_members(c.peers_file, c.peer_weights) if c.peers_file
+            else static_members(c.peers, c.peer_weights),
             replicas=c.replicas, backoff_s=c.peer_backoff_s, clock=self.clock,
         )
         origin = self._origin_override

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdn.artifact import verify_artifact
+from kdn.artifact import read_header, verify_artifact
 from kdn.errors import ArtifactCorrupt, InvalidInput, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint
 from kdn.proto import kdn_pb2 as pb
@@ -188,19 +188,19 @@ def open_segment(
         mm = mmap.mmap(fd, actual, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
+    view = memoryview(mm)
     try:
         if verify:
             header = verify_artifact(
-                memoryview(mm), expect_key=expect_key, expect_fingerprint=expect_fingerprint,
-                require_lossless=require_lossless,
+                view, expect_key=expect_key, expect_fingerprint=expect_fingerprint, require_lossless=require_lossless
             )
         else:
-            from kdn.artifact import read_header
-
-            header = read_header(memoryview(mm))
+            header = read_header(view)
     except BaseException:
+        view.release()
         mm.close()
         raise
+    view.release()
     return ShmArtifact(mm, header)
 
 

@@ -140,6 +140,8 @@ class InMemoryOverlay:
 
 def origin_with(chains: Sequence[Chain], **kw: object) -> InMemoryUpstream:
     artifacts: dict[bytes, bytes] = {}
+    tenants: dict[bytes, str] = {}
     for c in chains:
         artifacts.update(c.by_key())
-    return InMemoryUpstream(artifacts, **kw)  # type: ignore[arg-type]
+        tenants.update({bytes(k): c.namespace.tenant for k in c.keys})
+    return InMemoryUpstream(artifacts, tenants=tenants, **kw)  # type: ignore[arg-type]

@@ -244,9 +244,11 @@ class InMemoryUpstream(Upstream):
         kind: str = "origin",
         delay_s: float = 0.0,
         documents: Mapping[str, Sequence[ChunkKey]] | None = None,
+        tenants: Mapping[bytes, str] | None = None,
     ) -> None:
         self.name, self.kind = name, kind
         self.artifacts: dict[bytes, bytes] = dict(artifacts or {})
+        self.tenants: dict[bytes, str] = dict(tenants or {})  # key -> owning tenant (absent = any)
         self.documents: dict[str, list[ChunkKey]] = {d: list(ks) for d, ks in (documents or {}).items()}
         self.delay_s = delay_s
         self.up = True
@@ -265,7 +267,8 @@ class InMemoryUpstream(Upstream):
             await asyncio.sleep(self.delay_s)
         self._check_up()
         data = self.artifacts.get(bytes(spec.key))
-        if data is None:
+        owner = self.tenants.get(bytes(spec.key), spec.namespace.tenant)
+        if data is None or owner != spec.namespace.tenant:
             raise NotFound(f"{self.name} has no artifact {bytes(spec.key).hex()[:16]}")
         return data
 
