@@ -6,6 +6,7 @@ Importing this package registers the built-in codecs: ``raw``, ``lz4``, ``zstd``
 
 from kdn.codecs.base import CODECS, Codec, SectionInfo, get_codec, register_codec
 from kdn.codecs import int8, lossless  # noqa: F401  (registration)
+from kdn.codecs import kvq  # noqa: F401  (registration)
 
 __all__ = ["CODECS", "Codec", "SectionInfo", "get_codec", "register_codec", "lossless_codecs"]
 

@@ -1,0 +1,149 @@
+"""Lossy and lossless KV codecs judged by the model: size vs next-token agreement and KL.
+
+Drives :mod:`kdn.quality` (the same code as ``kdn eval-codec``) on the trained reference model
+(``kdn model train-reference``; default ``~/.cache/kdn/reference-model``) over its held-out
+stdlib text, for every ``kvq`` level, ``int8`` and the lossless codecs. The baseline is the same
+KV stored as fp16 (``raw``), measured in the same run; the model's outputs on exact fp32 KV are the
+reference for agreement and KL. The lossless codecs and ``kvq`` are also run on the KV of a
+seeded random-init twin (same architecture and tokenizer), beside the trained KV.
+
+    .venv/bin/python benchmarks/quality.py [--quick] [--model DIR] [--windows N] [--no-append] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kdn.codecs.kvq import DEFAULT_LEVEL, LEVELS
+from kdn.models import load_model
+from kdn.quality import CodecQuality, EvalSetup, evaluate, random_init_twin
+from kdn.reference import META_FILE, default_reference_dir
+
+REPO = Path(__file__).resolve().parents[1]
+PLOT = REPO / "benchmarks" / "results" / "quality.png"
+KVQ = [f"kvq:{lvl}" for lvl in LEVELS]
+LOSSLESS = ["raw", "lz4", "zstd:3"]
+DEFAULT_KVQ = f"kvq:{DEFAULT_LEVEL}"
+
+
+def _cross(r: CodecQuality) -> str:
+    if r.crossover_gbps <= 0:
+        return "never"
+    gbit = 8 * r.crossover_gbps
+    return "always" if math.isinf(gbit) else f"{r.crossover_gbps:.2f} GB/s ({gbit:.1f} Gbit/s)"
+
+
+def markdown(trained: list[CodecQuality], rand: dict[str, CodecQuality], info: dict, command: str, secs: float) -> str:
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    s = info["setup"]
+    lines = [
+        "", f"## KV codec quality on the trained reference model, kdn.quality ({now})", "",
+        f"Command: `{command}`  ",
+        f"Model: `{info['model']}` ({info['params'] / 1e6:.2f}M params, {info['layers']} layers, "
+        f"{info['kv_heads']} KV heads x {info['head_dim']}, held-out loss {info['heldout_loss']:.3f} nats/token "
+        f"vs uniform {info['uniform_loss']:.3f}). Text: held-out stdlib files (never trained on). "
+        f"{s['windows']} windows: {s['context_chunks']} chunk(s) of {info['chunk_size']} tokens of exact context "
+        f"encoded -> container -> decoded, then {s['continuation']} teacher-forced tokens compared with the "
+        f"exact-KV run ({trained[0].predictions} predictions per codec). Ratio = fp16 KV bytes / artifact "
+        f"bytes (same run); GB/s = fp16 KV bytes per second through encode_artifact / decode_artifact "
+        f"(checksums included), 2 shared CPU cores. Crossover: link bandwidth below which fetching the "
+        f"artifact and decoding it beats fetching fp16 KV, (S - S_c) / t_decode. Took {secs:.0f}s.", "",
+        "| codec | ratio vs fp16 (trained KV) | ratio (random-init KV) | bits/value | top-1 agreement | mean KL (nats) "
+        "| ppl change | encode GB/s | decode GB/s | crossover |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in trained:
+        rr = rand.get(r.codec)
+        lines.append(
+            f"| {r.codec}{' (default)' if r.codec == DEFAULT_KVQ else ''} | {r.size_ratio:.2f}x | "
+            f"{f'{rr.size_ratio:.2f}x' if rr else '-'} | {r.bits_per_value:.2f} | {100 * r.top1_agreement:.2f}% | "
+            f"{r.mean_kl:.5f} | {100 * r.ppl_change:+.2f}% | {r.encode_gbps:.2f} | {r.decode_gbps:.2f} | {_cross(r)} |"
+        )
+    d = next(r for r in trained if r.codec == DEFAULT_KVQ)
+    ok = d.size_ratio >= 4 and d.top1_agreement >= 0.99
+    lines += [
+        "",
+        f"goal (kvq default >= 4x smaller than fp16 with >= 99% top-1 agreement): {'MET' if ok else 'NOT MET'} "
+        f"({DEFAULT_KVQ}: {d.size_ratio:.2f}x, {100 * d.top1_agreement:.2f}%). "
+        f"ppl of the exact run: {d.ppl_exact:.2f}. Plot: `benchmarks/results/quality.png`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: list[CodecQuality], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in results:
+        color = "tab:blue" if r.codec.startswith("kvq") else "tab:orange" if r.lossy else "tab:green"
+        for ax, y in ((a1, 100 * r.top1_agreement), (a2, max(r.mean_kl, 1e-7))):
+            ax.scatter(r.size_ratio, y, color=color, s=30)
+            ax.annotate(r.codec, (r.size_ratio, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    a1.axhline(99, ls=":", color="grey")
+    a1.axvline(4, ls=":", color="grey")
+    a1.set(xlabel="size ratio vs fp16 KV", ylabel="top-1 next-token agreement (%)", title="agreement vs size")
+    a2.set(xlabel="size ratio vs fp16 KV", ylabel="mean KL(exact || codec), nats", yscale="log", title="KL vs size")
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3)
+    fig.suptitle("KV codecs on the trained reference model (blue: kvq ladder, orange: int8, green: lossless)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="benchmarks/quality.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model dir (default: the trained reference model)")
+    ap.add_argument("--quick", action="store_true", help="8 windows of 64 tokens")
+    ap.add_argument("--windows", type=int, default=None)
+    ap.add_argument("--no-append", action="store_true", help="print only: no BENCHMARKS.md section, no plot")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    spec = args.model or str(default_reference_dir())
+    if not (Path(spec) / "config.json").is_file():
+        print(f"no model at {spec}: run `kdn model train-reference` first", file=sys.stderr)
+        return 2
+    torch.set_num_threads(2)
+    setup = EvalSetup(windows=args.windows or (8 if args.quick else 32), continuation=64 if args.quick else 128)
+    lm = load_model(spec)
+    t0 = time.perf_counter()
+    codecs = LOSSLESS + ["int8"] + KVQ
+    report = evaluate(lm, codecs, setup)
+    print("trained done", flush=True)
+    rand = {r.codec: r for r in evaluate(random_init_twin(lm), LOSSLESS + ["int8", DEFAULT_KVQ], setup).results}
+    secs = time.perf_counter() - t0
+    meta = json.loads((Path(spec) / META_FILE).read_text())["result"] if (Path(spec) / META_FILE).is_file() else {}
+    info = {
+        "model": spec, "setup": report.as_dict()["setup"], "params": sum(p.numel() for p in lm.model.parameters()),
+        "layers": lm.kv_shape.num_layers, "kv_heads": lm.kv_shape.num_kv_heads, "head_dim": lm.kv_shape.head_dim,
+        "chunk_size": lm.chunk_size, "heldout_loss": meta.get("heldout_loss", float("nan")),
+        "uniform_loss": meta.get("uniform_loss", float("nan")),
+    }
+    command = "python benchmarks/quality.py" + (" --quick" if args.quick else "") + (
+        f" --windows {args.windows}" if args.windows else "")
+    text = markdown(report.results, rand, info, command, secs)
+    print(text)
+    if args.json:
+        print(json.dumps({"trained": report.as_dict(), "random_init": {k: v.as_dict() for k, v in rand.items()}},
+                         indent=1, default=str))
+    if not args.no_append:
+        plot(report.results, PLOT)
+        with open(REPO / "BENCHMARKS.md", "a") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""``kvq``: stated error bound, level ladder, bit plan, and the container's refusals.
+
+KV here is synthetic but shaped like the real thing: keys with a few outlier channels, values
+varying per token, and (for the delta path) strong locality along tokens.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from kdn.artifact import ArtifactReader, decode_artifact, encode_artifact, read_header
+from kdn.codecs import SectionInfo, get_codec
+from kdn.codecs.kvq import LEVELS, MODE_DELTA, MODE_DIRECT, BitPlan, KvqCodec
+from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, LossyRefused, UnknownCodec
+from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint
+
+FP = ModelFingerprint(bytes(range(32)))
+OTHER_FP = ModelFingerprint(bytes(range(1, 33)))
+KEY = ChunkKey(bytes(range(100, 132)))
+_HEAD = struct.Struct("<BBBBHI")
+
+
+def _smooth(heads: int = 2, tokens: int = 70, dim: int = 32, seed: int = 0) -> torch.Tensor:
+    """(H, T, D): a slow random walk along tokens plus outlier channels (delta coding pays off)."""
+    g = torch.Generator().manual_seed(seed)
+    walk = torch.randn(heads, tokens, dim, generator=g).mul(0.05).cumsum(1)
+    walk += torch.randn(heads, 1, dim, generator=g)
+    walk[:, :, :3] *= 8  # outlier channels
+    return walk
+
+
+def _noise(heads: int = 2, tokens: int = 70, dim: int = 32, seed: int = 1) -> torch.Tensor:
+    """(H, T, D): independent tokens (deltas do not pay off)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(heads, tokens, dim, generator=g) * torch.linspace(0.5, 3, tokens)[None, :, None]
+
+
+def _kv(layers: int = 4, tokens: int = 64, dtype=torch.float16, seed: int = 0) -> torch.Tensor:
+    """(L, 2, H, T, D) with smooth keys and values."""
+    return torch.stack(
+        [torch.stack((_smooth(tokens=tokens, seed=seed + 2 * l), _smooth(tokens=tokens, seed=seed + 2 * l + 1)))
+         for l in range(layers)]
+    ).to(dtype)
+
+
+def _bound(x: torch.Tensor, kind: str, bits: int, mode: int, group: int = 16, abits: int = 8) -> torch.Tensor:
+    """The stated per-element error bound, recomputed independently (fp32, before output rounding)."""
+    rd = 1 if kind == "k" else 2
+    qmax = (1 << (bits - 1)) - 1
+    if mode == MODE_DIRECT:
+        return (x.abs().amax(rd, keepdim=True) / qmax) / 2
+    anchors = x[:, ::group]
+    sa = anchors.abs().amax(rd, keepdim=True) / ((1 << (abits - 1)) - 1)
+    a_hat = torch.round(anchors / sa).clamp(-127, 127) * sa
+    delta = x - a_hat.repeat_interleave(group, 1)[:, : x.shape[1]]
+    sd = delta.abs().amax(rd, keepdim=True) / qmax
+    sa_full = sa if kind == "k" else sa.repeat_interleave(group, 1)[:, : x.shape[1]]
+    return sa_full / 2 + sd / 2
+
+
+@pytest.mark.parametrize("level", list(LEVELS))
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("data,mode", [(_smooth, MODE_DELTA), (_noise, MODE_DIRECT)])
+def test_round_trip_within_stated_error(level: str, kind: str, data, mode: int) -> None:
+    x = data()  # (H, T, D) fp32; T=70 is not a multiple of the group
+    info = SectionInfo(layer=3, num_layers=4, kind=kind, shape=tuple(x.shape), dtype=torch.float32)
+    codec = get_codec(f"kvq:{level}")
+    payload = codec.encode(x, info)
+    assert payload[1] == mode  # the encoder picked deltas exactly where tokens are alike
+    bits = payload[2]
+    assert bits == LEVELS[level][0 if kind == "k" else 1]  # layer 3 of 4 is not an early layer
+    y = codec.decode(memoryview(payload), info)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    err = (y - x).abs()
+    # fp16 scales: allow the scale's own rounding (2^-11 relative) on top of the bound
+    assert (err <= _bound(x, kind, bits, mode) * (1 + 2e-3) + 1e-6).all()
+    assert len(payload) <= codec.max_payload(info)
+
+
+def test_ladder_is_monotone_in_size_and_error() -> None:
+    kv = _kv()
+    sizes, errors = [], []
+    for level in LEVELS:
+        blob = encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec=f"kvq:{level}")
+        out = decode_artifact(blob, expect_fingerprint=FP).kv
+        sizes.append(len(blob))
+        errors.append(float((out.float() - kv.float()).norm() / kv.float().norm()))
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    assert errors == sorted(errors) and errors[0] < 0.005
+    # fp16 -> 4-bit symbols near their entropy, plus anchors and scales: well over 3x even on
+    # these small, uniformly-filled sections (real KV is peakier; see BENCHMARKS.md)
+    assert kv.numel() * 2 / sizes[list(LEVELS).index("q4")] >= 3.0
+
+
+def test_early_layers_get_more_bits_and_plan_travels_in_meta() -> None:
+    codec = KvqCodec("q3")
+    plan = BitPlan.from_bytes(codec.meta())
+    assert plan == codec.plan
+    bits = [plan.bits(layer, 8, "k") for layer in range(8)]
+    assert bits == [4, 4, 3, 3, 3, 3, 3, 3]  # ceil(0.25 * 8) early layers get +1
+    # the rule follows the model's shape, not its name
+    assert [plan.bits(layer, 12, "v") for layer in range(12)] == [4, 4, 4] + [3] * 9
+
+
+def test_explicit_table_from_calibration_round_trips() -> None:
+    kv = _kv(layers=2)
+    codec = KvqCodec("q4", BitPlan(4, 4, table=((6, 5), (3, 2))))
+    blob = encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec=codec)
+    h = read_header(blob)
+    assert BitPlan.from_bytes(h.codec_meta).table == ((6, 5), (3, 2))
+    out = decode_artifact(blob).kv
+    err = (out.float() - kv.float()).abs()  # (L, 2, H, T, D)
+    assert err[0].mean() < err[1].mean()  # layer 0 got more bits
+
+
+def test_level_recorded_in_header() -> None:
+    blob = encode_artifact(_kv(), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq:q3")
+    h = read_header(blob)
+    assert (h.codec, h.codec_level, h.lossy) == ("kvq", "q3", True)
+    assert BitPlan.from_bytes(h.codec_meta).k_bits == 3
+    assert read_header(encode_artifact(_kv(), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq")).codec_level == "q4"
+
+
+@pytest.mark.parametrize("spec", ["kvq:q9", "kvq:hi", "kvq:q1", "kvq:Q4"])
+def test_unknown_level_is_a_clear_error(spec: str) -> None:
+    with pytest.raises(InvalidInput, match="unknown kvq level"):
+        get_codec(spec)
+    with pytest.raises(InvalidInput):
+        encode_artifact(_kv(), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec=spec)
+
+
+def test_unknown_codec_is_a_clear_error() -> None:
+    with pytest.raises(UnknownCodec):
+        get_codec("kvqq:q4")
+
+
+def test_other_model_fingerprint_refused() -> None:
+    blob = encode_artifact(_kv(), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq:q4")
+    with pytest.raises(FingerprintMismatch):
+        ArtifactReader(expect_fingerprint=OTHER_FP).feed(blob)
+    assert decode_artifact(blob, expect_fingerprint=FP).kv.shape == (4, 2, 2, 64, 32)
+
+
+def _spy_decode(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    calls: list[tuple[int, str]] = []
+    real = KvqCodec.decode
+
+    def spy(self: KvqCodec, payload: memoryview, info: SectionInfo) -> torch.Tensor:
+        calls.append((info.layer, info.kind))
+        return real(self, payload, info)
+
+    monkeypatch.setattr(KvqCodec, "decode", spy)
+    return calls
+
+
+def test_corrupted_payload_caught_by_checksum_before_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    blob = bytearray(encode_artifact(_kv(), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq:q4"))
+    (hlen,) = struct.unpack_from("<I", blob, 8)
+    first_section = 12 + hlen + 8  # prefix, header, header checksum
+    (slen,) = struct.unpack_from("<I", blob, first_section)
+    layer0_v = first_section + 4 + slen + 8  # layer 0 K framed; next is layer 0 V
+    blob[layer0_v + 4 + 20] ^= 0x10  # flip a bit inside layer 0 V's payload
+    calls = _spy_decode(monkeypatch)
+    reader = ArtifactReader(expect_fingerprint=FP)
+    with pytest.raises(ArtifactCorrupt, match="layer 0 V section checksum"):
+        reader.feed(bytes(blob))
+    assert calls == [(0, "k")]  # the intact section before it decoded; the corrupted one never did
+
+
+def test_lossless_client_never_gets_kvq_silently(monkeypatch: pytest.MonkeyPatch) -> None:
+    blob = encode_artifact(_kv(), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq:q8")
+    calls = _spy_decode(monkeypatch)
+    with pytest.raises(LossyRefused, match="kvq:q8"):
+        decode_artifact(blob, require_lossless=True)
+    with pytest.raises(LossyRefused):
+        (hlen,) = struct.unpack_from("<I", blob, 8)
+        ArtifactReader(require_lossless=True, expect_fingerprint=FP).feed(blob[: 12 + hlen + 8])  # at the header
+    assert calls == []
+
+
+def test_hostile_section_fields_rejected() -> None:
+    x = _smooth()
+    info = SectionInfo(3, 4, "k", tuple(x.shape), torch.float32)
+    codec = KvqCodec("q4")
+    payload = bytearray(codec.encode(x, info))
+    bad_bits = bytearray(payload)
+    bad_bits[2] = 2  # claims fewer bits than the header's plan
+    with pytest.raises(ArtifactCorrupt, match="plan says"):
+        codec.decode(memoryview(bad_bits), info)
+    bad_len = bytearray(payload)
+    struct.pack_into("<I", bad_len, 6, 1 << 30)  # scale block "longer" than the section
+    with pytest.raises(ArtifactCorrupt):
+        codec.decode(memoryview(bad_len), info)
+    with pytest.raises(ArtifactCorrupt):
+        codec.decode(memoryview(payload[:-7]), info)  # truncated symbols
+    with pytest.raises(ArtifactCorrupt):
+        codec.decode(memoryview(payload[:5]), info)
+    with pytest.raises(ArtifactCorrupt, match="meta"):
+        codec.with_meta(b"{not json")
+    with pytest.raises(ArtifactCorrupt, match="meta"):
+        codec.with_meta(b'{"v":1,"k_bits":12,"v_bits":4,"group":16,"anchor_bits":8,"early_frac":0.25,"early_bonus":1}')
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dtypes_and_odd_shapes(dtype: torch.dtype) -> None:
+    kv = _kv(layers=1, tokens=1, dtype=dtype)  # a single token: no deltas possible
+    out = decode_artifact(encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq:q6")).kv
+    assert out.dtype == dtype and out.shape == kv.shape
+    step = kv.float().abs().amax() / 31  # 6 bits; one token, so every scale is at most this
+    assert ((out.float() - kv.float()).abs() <= step / 2 * 1.01 + 0.01).all()
+    zeros = torch.zeros(1, 2, 1, 5, 3, dtype=dtype)
+    assert torch.equal(decode_artifact(encode_artifact(zeros, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq")).kv, zeros)
