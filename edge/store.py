@@ -48,7 +48,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
+import logging
 import math
+import os
 import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -80,6 +83,11 @@ __all__ = [
     "TieredStore",
     "make_store",
 ]
+
+log = logging.getLogger(__name__)
+
+HINTS_FILE = ".entry-hints.json"
+"""Where pins, priorities and TTLs are saved: in the first tier with a state directory (the disk)."""
 
 PolicyFactory = Callable[[int, int], EvictionPolicy]
 """``factory(tier_index, tier_count)`` -> a fresh policy for that tier."""
@@ -152,7 +160,13 @@ class TieredStore:
         self._hits = [0] * n
         self._misses = [0] * n
         self._count: Counter[str] = Counter()
+        self._pinned_count = 0
         self._closed = False
+        state_dirs = [d for d in (t.state_dir() for t in self._tiers) if d is not None]
+        self._hints_path: Path | None = state_dirs[0] / HINTS_FILE if state_dirs else None
+        self._hints_seq = 0  # bumped (under the lock) whenever a hint changes
+        self._hints_written = 0
+        self._hints_write_lock = threading.Lock()
         self._rebuild()
 
     @property
@@ -199,6 +213,7 @@ class TieredStore:
         while True:
             writes: list[_Write] = []
             wait_for: _Write | None = None
+            hinted = False
             try:
                 with self._lock:
                     self._check_open()
@@ -207,18 +222,20 @@ class TieredStore:
                     if existing is not None:
                         self._count["duplicate_puts"] += 1
                         self._policies[existing.tier].touch(eid)
-                        self._apply_hints(eid, existing, pin, ttl_s, priority, now)
+                        hinted = self._apply_hints(eid, existing, pin, ttl_s, priority, now)
                         return existing.meta
                     wait_for = self._staging.get(eid)
                     if wait_for is None:
                         entry = _Entry(meta, priority=priority or 0)
                         if self._place_new(eid, entry, blob, writes):
-                            self._apply_hints(eid, entry, pin, ttl_s, None, now)
+                            hinted = self._apply_hints(eid, entry, pin, ttl_s, priority, now)
                         return meta
             finally:
                 error = self._run_writes(writes)
                 if error is not None:
                     raise StorageFull(f"could not store artifact {meta.key.hex()[:16]}…: {error}") from error
+                if hinted:
+                    self._save_hints()
             # A deleted copy of this entry is still being written out: let that finish first.
             wait_for.done.wait()
 
@@ -292,22 +309,21 @@ class TieredStore:
 
     def pin(self, keys: Iterable[ChunkKey], *, tenant: str) -> int:
         """Protect resident entries from eviction and demotion. Returns how many are resident."""
-        return self._for_each(keys, tenant, lambda eid, e: self._set_pinned(e, True))
+        return self._hint(keys, tenant, lambda eid, e, now: self._set_pinned(e, True))
 
     def unpin(self, keys: Iterable[ChunkKey], *, tenant: str) -> int:
-        return self._for_each(keys, tenant, lambda eid, e: self._set_pinned(e, False))
+        return self._hint(keys, tenant, lambda eid, e, now: self._set_pinned(e, False))
 
     def set_ttl(self, keys: Iterable[ChunkKey], ttl_s: float | None, *, tenant: str) -> int:
         """Expire resident entries ``ttl_s`` seconds from now (None clears the TTL)."""
         if ttl_s is not None:
             _check_ttl(ttl_s)
-        now = self._clock.monotonic()
-        return self._for_each(keys, tenant, lambda eid, e: self._set_ttl(eid, e, ttl_s, now))
+        return self._hint(keys, tenant, lambda eid, e, now: self._set_ttl(eid, e, ttl_s, now))
 
     def set_priority(self, keys: Iterable[ChunkKey], priority: int, *, tenant: str) -> int:
         """Set the eviction class of resident entries (higher is evicted later; default 0)."""
         _check_priority(priority)
-        return self._for_each(keys, tenant, lambda eid, e: self._set_priority(eid, e, priority))
+        return self._hint(keys, tenant, lambda eid, e, now: self._set_priority(eid, e, priority))
 
     def expire(self) -> int:
         """Drop every entry whose TTL has passed; returns how many were dropped."""
@@ -356,7 +372,7 @@ class TieredStore:
                 "write_failures",
             ):
                 out[name] = self._count[name]
-            out["pinned"] = sum(1 for e in self._entries.values() if e.pinned)
+            out["pinned"] = self._pinned_count
             out["entries"] = len(self._entries)
             return out
 
@@ -399,6 +415,7 @@ class TieredStore:
                         entry = _Entry(meta)
                         self._entries[eid] = entry
                         self._attach(i, eid, entry)
+                self._load_hints()  # pins first, so the budget trim below respects them
                 for i in range(len(self._tiers)):
                     self._shrink(i, writes)
         finally:
@@ -489,7 +506,7 @@ class TieredStore:
                     # since _fits counted the pins): take it back out and try the next tier.
                     self._detach(i, eid, entry)
                     self._tiers[i].delete(eid)
-                    del self._entries[eid]
+                    self._forget(eid, entry)
                     no_room.append(f"{tier.name}: could not make room")
                     continue
             self._count["puts"] += 1
@@ -546,12 +563,12 @@ class TieredStore:
             self._place(nxt, eid, entry, data, writes)
             self._count["demotions"] += 1
         else:
-            del self._entries[eid]
+            self._forget(eid, entry)
             self._count["evictions"] += 1
 
     def _drop(self, eid: EntryId, entry: _Entry) -> None:
         """Remove a resident entry for good (delete, expiry, corruption)."""
-        del self._entries[eid]
+        self._forget(eid, entry)
         self._detach(entry.tier, eid, entry)
         if eid not in self._staging:  # else the writer sees it gone and removes the blob
             try:
@@ -632,7 +649,7 @@ class TieredStore:
                 else:
                     self._count["write_failures"] += 1
                     if current is w.entry:
-                        del self._entries[w.eid]
+                        self._forget(w.eid, w.entry)
                         self._detach(w.tier, w.eid, w.entry)
                         if not w.own:
                             self._count["evictions"] += 1
@@ -641,7 +658,8 @@ class TieredStore:
                 own_error = error
         return own_error
 
-    def _for_each(self, keys: Iterable[ChunkKey], tenant: str, fn: Callable[[EntryId, _Entry], None]) -> int:
+    def _hint(self, keys: Iterable[ChunkKey], tenant: str, fn: Callable[[EntryId, _Entry, float], None]) -> int:
+        """Apply ``fn`` to each resident entry of ``keys``; persist the hints if any applied."""
         n = 0
         with self._lock:
             self._check_open()
@@ -650,23 +668,122 @@ class TieredStore:
                 eid = EntryId(tenant, key)
                 entry = self._live(eid, now)
                 if entry is not None:
-                    fn(eid, entry)
+                    fn(eid, entry, now)
                     n += 1
+            if n:
+                self._hints_seq += 1
+        if n:
+            self._save_hints()
         return n
+
+    # -- hint persistence ----------------------------------------------------------------------
+
+    def _save_hints(self) -> None:
+        """Write the pins, priorities and TTLs of resident entries beside the disk tier.
+
+        Called without the lock: the snapshot is taken under it, the file written outside it,
+        and a snapshot older than one already written is skipped. The write is atomic (temp
+        file, fsync, rename); a failure is logged and counted, never raised: hints are advice.
+        """
+        if self._hints_path is None:
+            return
+        with self._lock:
+            seq = self._hints_seq
+            now_mono, now_wall = self._clock.monotonic(), self._clock.now().timestamp()
+            records = [
+                {
+                    "tenant": eid.tenant,
+                    "key": bytes(eid.key).hex(),
+                    "pinned": e.pinned,
+                    "priority": e.priority,
+                    "expires_unix": None if e.expires_at is None else now_wall + (e.expires_at - now_mono),
+                }
+                for eid, e in self._entries.items()
+                if e.pinned or e.priority or e.expires_at is not None
+            ]
+        with self._hints_write_lock:
+            if seq <= self._hints_written:
+                return
+            path = self._hints_path
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            try:
+                with open(tmp, "w", encoding="utf-8") as fh:
+                    json.dump({"version": 1, "entries": records}, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, path)
+                self._hints_written = seq
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                self._count["hint_save_failures"] += 1
+                log.warning("could not save entry hints to %s: %s", path, exc)
+
+    def _load_hints(self) -> None:
+        """Re-apply saved hints to entries the durable tiers brought back (caller holds the lock).
+
+        An entry whose saved TTL ran out while the edge was down is dropped now.
+        """
+        path = self._hints_path
+        if path is None:
+            return
+        for stale in path.parent.glob(f"{path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            records = doc["entries"]
+            if not isinstance(records, list):
+                raise ValueError("'entries' is not a list")
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring unreadable entry hints %s: %s", path, exc)
+            return
+        now_mono, now_wall = self._clock.monotonic(), self._clock.now().timestamp()
+        for rec in records:
+            try:
+                eid = EntryId(str(rec["tenant"]), ChunkKey(bytes.fromhex(rec["key"])))
+                entry = self._entries.get(eid)
+                if entry is None:
+                    continue
+                expires = rec.get("expires_unix")
+                if expires is not None and float(expires) <= now_wall:
+                    self._drop(eid, entry)
+                    self._count["expired"] += 1
+                    continue
+                priority = int(rec.get("priority", 0))
+                _check_priority(priority)
+                self._set_priority(eid, entry, priority)
+                self._set_pinned(entry, bool(rec.get("pinned", False)))
+                if expires is not None:
+                    self._set_ttl(eid, entry, float(expires) - now_wall, now_mono)
+            except (KdnError, ValueError, KeyError, TypeError):
+                continue
 
     def _apply_hints(
         self, eid: EntryId, entry: _Entry, pin: bool, ttl_s: float | None, priority: int | None, now: float
-    ) -> None:
+    ) -> bool:
+        """Apply a put's hints; True (and the persisted hints marked stale) if there were any."""
         if pin:
             self._set_pinned(entry, True)
         if ttl_s is not None:
             self._set_ttl(eid, entry, ttl_s, now)
         if priority is not None:
             self._set_priority(eid, entry, priority)
+        hinted = pin or ttl_s is not None or priority is not None
+        if hinted:
+            self._hints_seq += 1
+        return hinted
+
+    def _forget(self, eid: EntryId, entry: _Entry) -> None:
+        """Take an entry out of the index (it is already detached from its tier)."""
+        del self._entries[eid]
+        if entry.pinned:
+            self._pinned_count -= 1
 
     def _set_pinned(self, entry: _Entry, pinned: bool) -> None:
         if entry.pinned != pinned:
             entry.pinned = pinned
+            self._pinned_count += 1 if pinned else -1
             self._pinned_bytes[entry.tier] += entry.meta.size if pinned else -entry.meta.size
 
     def _set_ttl(self, eid: EntryId, entry: _Entry, ttl_s: float | None, now: float) -> None:

@@ -148,6 +148,11 @@ class StorageTier(ABC):
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release resources. The default does nothing."""
 
+    def state_dir(self) -> Path | None:
+        """A directory that survives restarts with this tier, where the store may keep its own
+        small state files (pins, TTLs). None for volatile tiers."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, capacity_bytes={self.capacity_bytes})"
 
@@ -307,6 +312,9 @@ class DiskTier(StorageTier):
     def metas(self) -> Iterable[EntryMeta]:
         with self._lock:
             return list(self._index.values())
+
+    def state_dir(self) -> Path | None:
+        return self.root  # blobs live in tenant subdirectories; files at the root are ours
 
     def blob_path(self, eid: EntryId) -> Path:
         """Where the entry's file lives (tests and the shared-memory path use it)."""

@@ -501,3 +501,35 @@ def test_make_store_builds_memory_over_disk(tmp_path: Path) -> None:
         store.put(data, tenant="acme")
     assert store.stats()["bytes_disk"] == SIZE
     assert [t.name for t in make_store(memory_bytes=SIZE).tiers] == ["memory"]
+
+
+def test_pins_priorities_and_ttls_survive_restart(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = mem_disk(tmp_path, 1, 10, clock=clock)
+    for _, data in CHAIN[:6]:
+        store.put(data, tenant="acme")
+    k = [key for key, _ in CHAIN[:6]]
+    assert store.pin(k[:2], tenant="acme") == 2
+    assert store.set_priority([k[2]], 7, tenant="acme") == 1
+    assert store.set_ttl([k[3]], 100, tenant="acme") == 1
+    assert store.set_ttl([k[4]], 1000, tenant="acme") == 1
+    store.close()
+    clock.advance(500)  # the edge is down for a while: k3's TTL runs out meanwhile
+
+    again = mem_disk(tmp_path, 1, 10, clock=clock)
+    state = {s.meta.key: s for s in again.entries(tenant="acme")}
+    assert k[3] not in state and again.stats()["expired"] == 1
+    assert state[k[0]].pinned and state[k[1]].pinned and not state[k[2]].pinned
+    assert state[k[2]].priority == 7
+    assert state[k[4]].ttl_left_s == pytest.approx(500)
+    assert again.stats()["pinned"] == 2
+    again.close()
+
+    # a smaller disk budget on restart trims unpinned, low-priority entries first
+    third = mem_disk(tmp_path, 1, 3, clock=clock)
+    assert {s.meta.key for s in third.entries(tenant="acme")} == {k[0], k[1], k[2]}
+    # an unreadable hints file is ignored, not fatal
+    third.close()
+    (tmp_path / "disk" / ".entry-hints.json").write_text("{broken")
+    fourth = mem_disk(tmp_path, 1, 10, clock=clock)
+    assert fourth.stats()["pinned"] == 0 and fourth.stats()["entries"] == 3
