@@ -1,0 +1,234 @@
+"""TTFT with KDN: full recompute vs an edge hit over gRPC vs over shared memory vs the in-process floor.
+
+    .venv/bin/python benchmarks/ttft.py            # small-125m, 1024 / 4096 / 8192 tokens of context
+    .venv/bin/python benchmarks/ttft.py --quick    # 1024 / 4096, one repetition
+
+For each context length a shared document of N tokens is followed by a short question (the part
+that differs between requests). TTFT runs from the request (token ids in hand) to the first
+generated token and includes chunk-key hashing, Lookup, Fetch, verify + decode, cache assembly,
+the remainder prefill and choosing the first token.
+
+- recompute: prefill of the whole prompt (no KDN);
+- kdn-grpc:  the document's chunks are held by a local edge (a separate `kdn edge` process on
+  loopback), fetched over gRPC streaming, raw codec;
+- kdn-shm:   the same edge, same-host shared-memory answers;
+- floor:     the document's KV already in this process's memory (what an engine's own prefix
+  cache would give): cache assembly + remainder prefill + first token.
+
+Goals (DESIGN.md): kdn ≥ 20x faster than recompute at 4096 tokens; kdn ≤ 1.5x the floor.
+Figures are medians of the repetitions, as ratios against baselines measured in the same run;
+appends a dated section to BENCHMARKS.md and saves benchmarks/results/ttft.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kdn.artifact import encode_artifact  # noqa: E402
+from kdn.client import ClientConfig, KdnClient  # noqa: E402
+from kdn.integrations.transformers import generate  # noqa: E402
+from kdn.keys import ROOT_KEY  # noqa: E402
+from kdn.kv import cache_from_layers  # noqa: E402
+from kdn.models import load_model  # noqa: E402
+from kdn.prefill import prefill_chunks  # noqa: E402
+
+QUESTION = "\n\nQuestion: which clause covers this case, and what does it say? Answer:"
+
+
+def corpus_tokens(lm, n: int) -> list[int]:
+    samples = sorted((ROOT / "kdn" / "samples").glob("*.txt"))
+    text = "\n\n".join(p.read_text() for p in samples)
+    toks: list[int] = []
+    while len(toks) < n:
+        toks += lm.tokenizer.encode(text)
+    return toks[:n]
+
+
+def start_edge() -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-c", "import sys; from edge.cli import main; sys.exit(main(sys.argv[1:]))",
+           "--listen", "127.0.0.1:0", "--node-id", "ttft-bench", "--memory-bytes", "4G"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                raise RuntimeError(f"edge exited with {proc.returncode}")
+            continue
+        try:
+            msg = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if msg.get("event") == "ready":
+            return proc, msg["address"]
+    proc.kill()
+    raise RuntimeError("edge did not become ready within 60 s")
+
+
+def floor_ttft(lm, kv: torch.Tensor, tokens: list[int], n_doc: int) -> tuple[float, int]:
+    """Reuse of KV already in memory: cache assembly + remainder prefill + first token."""
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        cache = cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])],
+                                  lm.config)  # kv (L, 2, H, N, D) -> per layer (1, H, N, D)
+        ids = torch.tensor([tokens[n_doc:]], dtype=torch.long)
+        out = lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        first = int(torch.argmax(out.logits[0, -1]).item())
+    return time.perf_counter() - t0, first
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="small-125m")
+    ap.add_argument("--sizes", default="1024,4096,8192")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="1024,4096 and one repetition")
+    ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    sizes = [1024, 4096] if args.quick else [int(s) for s in args.sizes.split(",")]
+    reps = 1 if args.quick else args.reps
+
+    lm = load_model(args.model)
+    q = lm.tokenizer.encode(QUESTION)
+    proc, address = start_edge()
+    rows = []
+    try:
+        cfg_grpc = ClientConfig(edge=address, tenant="bench", shm="off", write_back=False)
+        cfg_shm = ClientConfig(edge=address, tenant="bench", shm="on", write_back=False)
+        with KdnClient(cfg_grpc) as grpc_client, KdnClient(cfg_shm) as shm_client:
+            generate(lm, corpus_tokens(lm, 300), max_new_tokens=1)  # warm up kernels
+            for n in sizes:
+                doc = corpus_tokens(lm, n)
+                tokens = doc + q
+                chunks = prefill_chunks(lm, doc)  # n/C × (L, 2, H, C, D)
+                kv = torch.cat(chunks, dim=3)  # (L, 2, H, n, D)
+                keys = grpc_client.keys_for(doc, lm.fingerprint, lm.chunk_size)
+                for i, (key, c) in enumerate(zip(keys, chunks)):
+                    data = encode_artifact(c, key=key, parent_key=keys[i - 1] if i else ROOT_KEY,
+                                           fingerprint=lm.fingerprint, codec="raw", chunk_index=i)
+                    assert grpc_client.put(lm.fingerprint, key, data)
+                kv_bytes = kv.numel() * kv.element_size()
+                del chunks
+                base_tokens = None
+                t: dict[str, list[float]] = {"recompute": [], "kdn-grpc": [], "kdn-shm": [], "floor": []}
+                detail: dict[str, dict[str, float]] = {}
+                for _ in range(reps):
+                    r = generate(lm, tokens, max_new_tokens=1)
+                    t["recompute"].append(r.timings.ttft_s)
+                    base_tokens = r.tokens
+                    for name, client in (("kdn-grpc", grpc_client), ("kdn-shm", shm_client)):
+                        r = generate(lm, tokens, client=client, max_new_tokens=1)
+                        assert r.reused_tokens == n and not r.warnings, (name, r.reused_tokens, r.warnings)
+                        assert r.tokens == base_tokens, f"{name}: output differs from recompute"
+                        t[name].append(r.timings.ttft_s)
+                        detail[name] = r.timings.as_dict()
+                    s, first = floor_ttft(lm, kv, tokens, n)
+                    assert first == base_tokens[0]
+                    t["floor"].append(s)
+                med = {k: statistics.median(v) for k, v in t.items()}
+                row = {
+                    "tokens": n, "kv_mb": kv_bytes / 1e6, **{f"{k}_s": v for k, v in med.items()},
+                    "speedup_grpc": med["recompute"] / med["kdn-grpc"],
+                    "speedup_shm": med["recompute"] / med["kdn-shm"],
+                    "grpc_vs_floor": med["kdn-grpc"] / med["floor"],
+                    "shm_vs_floor": med["kdn-shm"] / med["floor"],
+                    "grpc_detail": detail["kdn-grpc"], "shm_detail": detail["kdn-shm"],
+                }
+                rows.append(row)
+                print(
+                    f"{n:>6} tokens ({row['kv_mb']:.0f} MB KV): recompute {med['recompute'] * 1e3:8.1f} ms | "
+                    f"grpc {med['kdn-grpc'] * 1e3:6.1f} ms ({row['speedup_grpc']:5.1f}x, {row['grpc_vs_floor']:.2f}x floor) | "
+                    f"shm {med['kdn-shm'] * 1e3:6.1f} ms ({row['speedup_shm']:5.1f}x, {row['shm_vs_floor']:.2f}x floor) | "
+                    f"floor {med['floor'] * 1e3:6.1f} ms", flush=True,
+                )
+                print("        grpc breakdown ms: " + ", ".join(
+                    f"{k[:-2]}={v * 1e3:.1f}" for k, v in detail["kdn-grpc"].items() if k != "total_s"))
+                print("        shm  breakdown ms: " + ", ".join(
+                    f"{k[:-2]}={v * 1e3:.1f}" for k, v in detail["kdn-shm"].items() if k != "total_s"))
+                del kv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    out_dir = ROOT / "benchmarks" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ttft.json").write_text(json.dumps(rows, indent=1))
+    png = plot(rows, out_dir / "ttft.png", args.model)
+    if not args.no_append:
+        append(rows, args, png)
+    return 0
+
+
+def plot(rows: list[dict], path: Path, model: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [("recompute_s", "full recompute"), ("kdn-grpc_s", "KDN hit, gRPC"), ("kdn-shm_s", "KDN hit, shm"),
+             ("floor_s", "in-process floor")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.2
+    for j, (key, label) in enumerate(modes):
+        xs = [i + (j - 1.5) * width for i in range(len(rows))]
+        ax.bar(xs, [r[key] * 1e3 for r in rows], width, label=label)
+    ax.set_xticks(range(len(rows)), [f"{r['tokens']} tokens" for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token (ms, log)")
+    ax.set_title(f"TTFT, {model} on CPU, shared context + short question")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def append(rows: list[dict], args: argparse.Namespace, png: Path) -> None:
+    cmd = "benchmarks/ttft.py" + (" --quick" if args.quick else "") + (f" --model {args.model}" if args.model != "small-125m" else "")
+    lines = [
+        "", f"## TTFT with KDN reuse ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
+        f"Command: `.venv/bin/python {cmd}` — model `{args.model}` fp32, chunk 256, raw codec, edge as a",
+        f"separate `kdn edge` process on loopback; medians of {1 if args.quick else args.reps} run(s); "
+        f"{os.cpu_count()} CPU cores shared with other work.",
+        "", "| context | KV | recompute | KDN gRPC | KDN shm | floor (in-process) | speedup gRPC / shm | vs floor gRPC / shm |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']} | {r['kv_mb']:.0f} MB | {r['recompute_s'] * 1e3:.0f} ms | {r['kdn-grpc_s'] * 1e3:.0f} ms | "
+            f"{r['kdn-shm_s'] * 1e3:.0f} ms | {r['floor_s'] * 1e3:.0f} ms | {r['speedup_grpc']:.1f}x / {r['speedup_shm']:.1f}x | "
+            f"{r['grpc_vs_floor']:.2f}x / {r['shm_vs_floor']:.2f}x |"
+        )
+    at = next((r for r in rows if r["tokens"] == 4096), None)
+    if at:
+        best = max(at["speedup_grpc"], at["speedup_shm"])
+        lines += ["", f"Goals at 4096 tokens: KDN hit ≥ 20x faster than recompute — {best:.1f}x "
+                      f"({'met' if best >= 20 else 'NOT met'}); KDN hit ≤ 1.5x the floor — gRPC "
+                      f"{at['grpc_vs_floor']:.2f}x, shm {at['shm_vs_floor']:.2f}x "
+                      f"({'met' if min(at['grpc_vs_floor'], at['shm_vs_floor']) <= 1.5 else 'NOT met'})."]
+        d = at["shm_detail"]
+        lines += [f"Breakdown of a shm hit at 4096 (ms): " + ", ".join(
+            f"{k[:-2]} {v * 1e3:.1f}" for k, v in d.items() if k not in ("total_s",))]
+    lines += ["", f"![TTFT]({png.relative_to(ROOT).as_posix()})", ""]
+    with open(ROOT / "BENCHMARKS.md", "a") as fh:
+        fh.write("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""kdn.client against the in-memory edge transport: reuse, pipelined fetch, fallback, write-back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from kdn.artifact import encode_artifact
+from kdn.client import AsyncKdnClient, ClientConfig, KdnClient
+from kdn.client_transport import MemoryEdgeTransport
+from kdn.errors import ConfigError
+from kdn.keys import ROOT_KEY, Namespace, chunk_keys
+from kdn.kv import split_cache
+from kdn.models import load_model
+
+CHUNK = 32
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_model("tiny", chunk_size=CHUNK)
+
+
+def prefill_kv(lm, tokens):
+    """(L, 2, H, N, D) KV of a plain prefill, and its full chunks."""
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        out = lm.model(input_ids=torch.tensor([tokens]), cache=DynamicCache(config=lm.config), use_cache=True)
+    return split_cache(out.cache, CHUNK)
+
+
+def publish(edge: MemoryEdgeTransport, lm, tokens, namespace: Namespace, codec: str = "raw", fingerprint=None):
+    """Do what the origin does: prefill, cut into chunks, encode, store under the chained keys."""
+    keys = chunk_keys(tokens, fingerprint=lm.fingerprint, namespace=namespace, chunk_size=CHUNK)
+    chunks = prefill_kv(lm, tokens)
+    for i, (key, kv) in enumerate(zip(keys, chunks)):
+        data = encode_artifact(kv, key=key, parent_key=keys[i - 1] if i else ROOT_KEY,
+                               fingerprint=fingerprint or lm.fingerprint, codec=codec, chunk_index=i)
+        edge.store[(namespace.tenant, bytes(key))] = data
+    return keys, chunks
+
+
+DOC = list(range(3, 3 + 5 * CHUNK))  # 5 full chunks
+
+
+def test_reuse_fetches_the_longest_available_prefix_bit_exactly(lm):
+    edge = MemoryEdgeTransport(piece=4096)  # many pieces per container: sections complete mid-stream
+    cfg = ClientConfig(edge="mem", tenant="acme")
+    keys, chunks = publish(edge, lm, DOC[: 3 * CHUNK], cfg.namespace)
+    with KdnClient(cfg, transport=edge) as client:
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+    assert (r.available, r.chunks, r.tokens) == (3, 3, 3 * CHUNK)
+    assert r.warning is None and r.via == "memory" and r.bytes == sum(len(v) for v in edge.store.values())
+    assert torch.equal(r.kv, torch.cat(chunks, dim=3))  # (L, 2, H, 3*T, D), every bit
+    assert len(r.keys) == 5 and list(r.keys[:3]) == keys
+
+
+def test_max_tokens_cuts_inside_a_chunk(lm):
+    edge = MemoryEdgeTransport()
+    cfg = ClientConfig(edge="mem")
+    _, chunks = publish(edge, lm, DOC[: 2 * CHUNK], cfg.namespace)
+    with KdnClient(cfg, transport=edge) as client:
+        r = client.reuse(DOC[: 2 * CHUNK], fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK,
+                         max_tokens=2 * CHUNK - 1)
+    assert r.tokens == 2 * CHUNK - 1 and r.chunks == 2
+    assert torch.equal(r.kv, torch.cat(chunks, dim=3)[:, :, :, : 2 * CHUNK - 1])
+
+
+def test_a_corrupt_middle_chunk_keeps_the_verified_prefix_and_warns_once(lm, caplog):
+    edge = MemoryEdgeTransport()
+    cfg = ClientConfig(edge="mem")
+    keys, chunks = publish(edge, lm, DOC, cfg.namespace)
+    edge.corrupt.add(bytes(keys[2]))
+    with caplog.at_level(logging.WARNING, logger="kdn.client"), KdnClient(cfg, transport=edge) as client:
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+    assert r.chunks == 2 and r.tokens == 2 * CHUNK and r.available == 5
+    assert torch.equal(r.kv, torch.cat(chunks[:2], dim=3))
+    assert "ArtifactCorrupt" in r.warning and "chunk 2" in r.warning
+    assert len([rec for rec in caplog.records if rec.name == "kdn.client"]) == 1
+
+
+@pytest.mark.parametrize("fault", ["down", "slow", "foreign-fingerprint", "lossy", "wrong-geometry"])
+def test_faults_fall_back_to_recompute_with_one_warning(lm, fault, caplog):
+    edge = MemoryEdgeTransport()
+    cfg = ClientConfig(edge="mem", lookup_timeout_s=0.2, fetch_timeout_s=0.2)
+    if fault == "foreign-fingerprint":
+        publish(edge, lm, DOC, cfg.namespace, fingerprint=bytes(32))  # right keys, another model's artifacts
+    elif fault == "lossy":
+        publish(edge, lm, DOC, cfg.namespace, codec="int8")
+    elif fault == "wrong-geometry":
+        other = load_model("tiny-mha", chunk_size=CHUNK)
+        keys = chunk_keys(DOC, fingerprint=lm.fingerprint, namespace=cfg.namespace, chunk_size=CHUNK)
+        for i, kv in enumerate(prefill_kv(other, DOC)):
+            edge.store[(cfg.namespace.tenant, bytes(keys[i]))] = encode_artifact(
+                kv, key=keys[i], parent_key=keys[i - 1] if i else ROOT_KEY, fingerprint=lm.fingerprint)
+    else:
+        publish(edge, lm, DOC, cfg.namespace)
+        edge.down = fault == "down"
+        edge.delay_s = 1.0 if fault == "slow" else 0.0
+    with caplog.at_level(logging.WARNING, logger="kdn.client"), KdnClient(cfg, transport=edge) as client:
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+    assert r.kv is None and r.tokens == 0 and r.warning
+    expected = {"down": "Unavailable", "slow": "Unavailable", "foreign-fingerprint": "FingerprintMismatch",
+                "lossy": "LossyRefused", "wrong-geometry": "FingerprintMismatch"}[fault]
+    assert expected in r.warning
+    assert len([rec for rec in caplog.records if rec.name == "kdn.client"]) == 1
+
+
+def test_lossy_artifacts_are_used_when_allowed(lm):
+    edge = MemoryEdgeTransport()
+    cfg = ClientConfig(edge="mem", require_lossless=False)
+    _, chunks = publish(edge, lm, DOC, cfg.namespace, codec="int8")
+    with KdnClient(cfg, transport=edge) as client:
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+    assert r.chunks == 5 and r.warning is None
+    exact = torch.cat(chunks, dim=3)
+    assert not torch.equal(r.kv, exact) and torch.allclose(r.kv, exact, atol=0.1 * exact.abs().max().item())
+
+
+class _Recording(MemoryEdgeTransport):
+    asked: list[bytes]
+
+    async def lookup(self, fingerprint, namespace, keys, *, timeout):
+        self.asked.extend(bytes(k) for k in keys)
+        return await super().lookup(fingerprint, namespace, keys, timeout=timeout)
+
+
+def test_a_second_tenant_never_names_or_reuses_the_first_tenants_chunks(lm):
+    edge = _Recording()
+    edge.asked = []
+    a, b = ClientConfig(edge="mem", tenant="alice"), ClientConfig(edge="mem", tenant="bob")
+    keys_a, _ = publish(edge, lm, DOC, a.namespace)
+    # an edge that ignored tenants would still not help bob: his keys are other keys
+    for (tenant, key), data in list(edge.store.items()):
+        edge.store[("bob", key)] = data
+    with KdnClient(b, transport=edge) as client:
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+    assert r.tokens == 0 and r.warning is None
+    assert not set(edge.asked) & {bytes(k) for k in keys_a}
+
+
+def test_write_back_stores_new_full_chunks_that_the_next_request_reuses(lm):
+    edge = MemoryEdgeTransport()
+    cfg = ClientConfig(edge="mem", put_codec="lz4")
+    _, chunks = publish(edge, lm, DOC[: 2 * CHUNK], cfg.namespace)
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        out = lm.model(input_ids=torch.tensor([DOC]), cache=DynamicCache(config=lm.config), use_cache=True)
+    layers = [(l.keys, l.values) for l in out.cache.layers]
+    with KdnClient(cfg, transport=edge) as client:
+        keys = client.keys_for(DOC, lm.fingerprint, CHUNK)
+        assert client.schedule_write_back(layers, keys, fingerprint=lm.fingerprint, chunk_size=CHUNK, start=2)
+        client.flush(10)
+        assert edge.calls["put"] == 3 and client.counters["written_back"] == 3
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+    assert r.chunks == 5
+    assert torch.equal(r.kv[:, :, :, : 2 * CHUNK], torch.cat(chunks[:2], dim=3))
+
+
+def test_write_back_to_a_dead_edge_is_quiet_and_bounded(lm):
+    edge = MemoryEdgeTransport(down=True)
+    cfg = ClientConfig(edge="mem")
+    layers = [(torch.zeros(1, lm.kv_shape.num_kv_heads, 2 * CHUNK, lm.kv_shape.head_dim),) * 2
+              for _ in range(lm.kv_shape.num_layers)]
+    with KdnClient(cfg, transport=edge) as client:
+        keys = client.keys_for(DOC[: 2 * CHUNK], lm.fingerprint, CHUNK)
+        assert client.write_back(layers, keys, fingerprint=lm.fingerprint, chunk_size=CHUNK, start=0) == 0
+        assert edge.calls["put"] == 1  # gave up after the first failure
+        assert client.counters["write_back_errors"] == 1
+
+
+def test_no_edge_configured_means_plain_recompute(lm):
+    with KdnClient(ClientConfig()) as client:
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+    assert r.kv is None and r.warning is None and not r.edge_usable
+
+
+def test_async_client_directly(lm):
+    edge = MemoryEdgeTransport()
+    cfg = ClientConfig(edge="mem", fetch_concurrency=2)
+    _, chunks = publish(edge, lm, DOC, cfg.namespace)
+
+    async def go():
+        async with AsyncKdnClient(cfg, transport=edge) as client:
+            return await client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+
+    r = asyncio.run(go())
+    assert torch.equal(r.kv, torch.cat(chunks, dim=3))
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError):
+        ClientConfig.build({"tenant": "no spaces allowed"})
+    with pytest.raises(ConfigError):
+        ClientConfig.build({"fetch_concurrency": 0})
+    with pytest.raises(ConfigError):
+        ClientConfig.build({"unknown_field": 1})
+    assert ClientConfig(edge="127.0.0.1:1").use_shm() and not ClientConfig(edge="10.0.0.2:1").use_shm()
+    assert not ClientConfig(edge="127.0.0.1:1", shm="off").use_shm()

@@ -1,0 +1,114 @@
+"""Greedy outputs with KDN equal outputs without it (kdn.integrations.transformers, in-memory edge)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdn.client import ClientConfig, KdnClient
+from kdn.client_transport import MemoryEdgeTransport
+from kdn.integrations.transformers import generate, prepare
+from kdn.models import load_model
+
+CHUNK = 32
+DOC = ("KDN keeps the KV cache of long contexts close to the GPUs that read them again. " * 4)[: 4 * CHUNK]
+assert len(DOC) == 4 * CHUNK  # byte tokenizer: one token per character
+
+
+def prompts() -> dict[str, tuple[str, int]]:
+    """name -> (prompt, tokens KDN must reuse once DOC is cached)."""
+    return {
+        "shares-0-tokens": ("An unrelated question about something else entirely?", 0),
+        "shares-part-of-a-chunk": (DOC[:20] + " and then a different ending", 0),
+        "exactly-k-chunks": (DOC[: 3 * CHUNK], 3 * CHUNK - 1),  # the last token is always computed
+        "k-chunks-plus-tail": (DOC + " Question: what does KDN keep?", 4 * CHUNK),
+        "k-chunks-plus-partial-chunk": (DOC[: 2 * CHUNK + 7], 2 * CHUNK),
+    }
+
+
+def _cache_document(km, client: KdnClient) -> None:
+    """Publish DOC's chunks the way an inference host does: one request, then write-back."""
+    r = generate(km, DOC, client=client, max_new_tokens=1)
+    client.flush(10)
+    assert r.written_back and client.counters["written_back"] == 4
+
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny-mha"])
+def test_fp32_outputs_equal_recompute_exactly(spec):
+    lm = load_model(spec, chunk_size=CHUNK)
+    edge = MemoryEdgeTransport()
+    with KdnClient(ClientConfig(edge="mem", write_back=True), transport=edge) as client:
+        _cache_document(lm, client)
+        for name, (prompt, reused) in prompts().items():
+            base = generate(lm, prompt, max_new_tokens=6)
+            got = generate(lm, prompt, client=client, max_new_tokens=6)
+            assert got.reused_tokens == reused, name
+            assert got.computed_tokens == len(prompt) - reused
+            assert got.tokens == base.tokens, name
+            assert got.text == base.text and not got.warnings
+            client.flush(10)
+
+
+def test_bf16_greedy_tokens_equal_on_the_test_prompts():
+    """bf16: KV reused from the edge is the prefill's KV bit for bit, so greedy tokens agree here;
+    a bf16 prefill split in two forwards may still round differently from one forward, which is
+    why the benchmark documents the logit bound (see BENCHMARKS.md)."""
+    lm = load_model("tiny", dtype="bfloat16", chunk_size=CHUNK)
+    edge = MemoryEdgeTransport()
+    with KdnClient(ClientConfig(edge="mem"), transport=edge) as client:
+        _cache_document(lm, client)
+        for name, (prompt, reused) in prompts().items():
+            base = generate(lm, prompt, max_new_tokens=6)
+            got = generate(lm, prompt, client=client, max_new_tokens=6)
+            assert got.reused_tokens == reused
+            assert got.tokens == base.tokens, name
+
+
+def test_a_second_tenant_does_not_reuse_the_first_tenants_document():
+    lm = load_model("tiny", chunk_size=CHUNK)
+    edge = MemoryEdgeTransport()
+    with KdnClient(ClientConfig(edge="mem", tenant="alice"), transport=edge) as alice:
+        _cache_document(lm, alice)
+        assert generate(lm, DOC + "?", client=alice, max_new_tokens=2).reused_tokens == 4 * CHUNK
+    with KdnClient(ClientConfig(edge="mem", tenant="bob", write_back=False), transport=edge) as bob:
+        r = generate(lm, DOC + "?", client=bob, max_new_tokens=2)
+    assert r.reused_tokens == 0 and not r.warnings
+
+
+def test_dead_edge_gives_the_recompute_answer_and_one_warning():
+    lm = load_model("tiny", chunk_size=CHUNK)
+    edge = MemoryEdgeTransport()
+    with KdnClient(ClientConfig(edge="mem"), transport=edge) as client:
+        _cache_document(lm, client)
+        edge.down = True
+        got = generate(lm, DOC + " tail", client=client, max_new_tokens=8)
+    assert got.tokens == generate(lm, DOC + " tail", max_new_tokens=8).tokens
+    assert got.reused_tokens == 0 and len(got.warnings) == 1 and "Unavailable" in got.warnings[0]
+    assert not got.written_back
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_any_local_hf_causal_lm_directory(arch, tmp_path):
+    """Not a built-in spec: a Qwen2 / Mistral model saved to a directory and loaded by transformers."""
+    from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(1)
+    model = (Qwen2ForCausalLM(Qwen2Config(**common)) if arch == "qwen2"
+             else MistralForCausalLM(MistralConfig(**common, sliding_window=None))).eval()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    km = prepare(loaded, chunk_size=CHUNK)
+    assert prepare(AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True), chunk_size=CHUNK).fingerprint \
+        == km.fingerprint  # the same directory names the same weights
+    doc = [(7 * i) % 290 + 5 for i in range(3 * CHUNK)]
+    edge = MemoryEdgeTransport()
+    with KdnClient(ClientConfig(edge="mem"), transport=edge) as client:
+        generate(km, doc, client=client, max_new_tokens=1)
+        client.flush(10)
+        prompt = torch.tensor([doc + [11, 12, 13]])
+        got = generate(km, prompt, client=client, max_new_tokens=10, eos_token_id=-1)
+    base = generate(km, prompt, max_new_tokens=10, eos_token_id=-1)
+    assert got.reused_tokens == 3 * CHUNK and got.tokens == base.tokens and len(got.tokens) == 10
+    assert got.text is None
