@@ -161,6 +161,7 @@ class TieredStore:
         self._misses = [0] * n
         self._count: Counter[str] = Counter()
         self._pinned_count = 0
+        self._hinted: set[EntryId] = set()  # entries with a pin, a priority or a TTL
         self._closed = False
         state_dirs = [d for d in (t.state_dir() for t in self._tiers) if d is not None]
         self._hints_path: Path | None = state_dirs[0] / HINTS_FILE if state_dirs else None
@@ -309,10 +310,10 @@ class TieredStore:
 
     def pin(self, keys: Iterable[ChunkKey], *, tenant: str) -> int:
         """Protect resident entries from eviction and demotion. Returns how many are resident."""
-        return self._hint(keys, tenant, lambda eid, e, now: self._set_pinned(e, True))
+        return self._hint(keys, tenant, lambda eid, e, now: self._set_pinned(eid, e, True))
 
     def unpin(self, keys: Iterable[ChunkKey], *, tenant: str) -> int:
-        return self._hint(keys, tenant, lambda eid, e, now: self._set_pinned(e, False))
+        return self._hint(keys, tenant, lambda eid, e, now: self._set_pinned(eid, e, False))
 
     def set_ttl(self, keys: Iterable[ChunkKey], ttl_s: float | None, *, tenant: str) -> int:
         """Expire resident entries ``ttl_s`` seconds from now (None clears the TTL)."""
@@ -698,8 +699,8 @@ class TieredStore:
                     "priority": e.priority,
                     "expires_unix": None if e.expires_at is None else now_wall + (e.expires_at - now_mono),
                 }
-                for eid, e in self._entries.items()
-                if e.pinned or e.priority or e.expires_at is not None
+                for eid in self._hinted
+                for e in (self._entries[eid],)
             ]
         with self._hints_write_lock:
             if seq <= self._hints_written:
@@ -753,7 +754,7 @@ class TieredStore:
                 priority = int(rec.get("priority", 0))
                 _check_priority(priority)
                 self._set_priority(eid, entry, priority)
-                self._set_pinned(entry, bool(rec.get("pinned", False)))
+                self._set_pinned(eid, entry, bool(rec.get("pinned", False)))
                 if expires is not None:
                     self._set_ttl(eid, entry, float(expires) - now_wall, now_mono)
             except (KdnError, ValueError, KeyError, TypeError):
@@ -764,33 +765,45 @@ class TieredStore:
     ) -> bool:
         """Apply a put's hints; True (and the persisted hints marked stale) if there were any."""
         if pin:
-            self._set_pinned(entry, True)
+            self._set_pinned(eid, entry, True)
         if ttl_s is not None:
             self._set_ttl(eid, entry, ttl_s, now)
         if priority is not None:
             self._set_priority(eid, entry, priority)
         hinted = pin or ttl_s is not None or priority is not None
         if hinted:
+            self._note_hinted(eid, entry)
             self._hints_seq += 1
         return hinted
 
     def _forget(self, eid: EntryId, entry: _Entry) -> None:
         """Take an entry out of the index (it is already detached from its tier)."""
         del self._entries[eid]
+        self._hinted.discard(eid)
         if entry.pinned:
             self._pinned_count -= 1
 
-    def _set_pinned(self, entry: _Entry, pinned: bool) -> None:
+    def _note_hinted(self, eid: EntryId, entry: _Entry) -> None:
+        """Keep ``_hinted`` = the entries with a non-default pin, priority or TTL."""
+        if entry.pinned or entry.priority or entry.expires_at is not None:
+            self._hinted.add(eid)
+        else:
+            self._hinted.discard(eid)
+
+    def _set_pinned(self, eid: EntryId, entry: _Entry, pinned: bool) -> None:
         if entry.pinned != pinned:
             entry.pinned = pinned
             self._pinned_count += 1 if pinned else -1
             self._pinned_bytes[entry.tier] += entry.meta.size if pinned else -entry.meta.size
+            self._note_hinted(eid, entry)
 
     def _set_ttl(self, eid: EntryId, entry: _Entry, ttl_s: float | None, now: float) -> None:
         if ttl_s is None:
             entry.expires_at = None
+            self._note_hinted(eid, entry)
             return
         entry.expires_at = now + ttl_s
+        self._hinted.add(eid)
         heapq.heappush(self._ttl_heap, (entry.expires_at, next(self._ttl_seq), eid, entry))
         if len(self._ttl_heap) > 4 * len(self._entries) + 64:
             self._ttl_heap = [
@@ -809,6 +822,7 @@ class TieredStore:
             del counter[entry.priority]
         counter[priority] += 1
         entry.priority = priority
+        self._note_hinted(eid, entry)
 
 
 _MOVED = object()

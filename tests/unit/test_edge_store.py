@@ -513,23 +513,29 @@ def test_pins_priorities_and_ttls_survive_restart(tmp_path: Path) -> None:
     assert store.set_priority([k[2]], 7, tenant="acme") == 1
     assert store.set_ttl([k[3]], 100, tenant="acme") == 1
     assert store.set_ttl([k[4]], 1000, tenant="acme") == 1
+    assert store.pin([k[5]], tenant="acme") == 1 and store.unpin([k[5]], tenant="acme") == 1
+    store.put(CHAIN[6][1], tenant="acme", ttl_s=5000, priority=2)  # hints given with a put are kept too
+    store.put(CHAIN[7][1], tenant="acme", priority=3)  # pushes CHAIN[6] down to disk
+    assert tiers_of(store, [CHAIN[6][0]]) == ["disk"]
     store.close()
     clock.advance(500)  # the edge is down for a while: k3's TTL runs out meanwhile
 
     again = mem_disk(tmp_path, 1, 10, clock=clock)
     state = {s.meta.key: s for s in again.entries(tenant="acme")}
     assert k[3] not in state and again.stats()["expired"] == 1
-    assert state[k[0]].pinned and state[k[1]].pinned and not state[k[2]].pinned
+    assert state[k[0]].pinned and state[k[1]].pinned and not state[k[2]].pinned and not state[k[5]].pinned
     assert state[k[2]].priority == 7
     assert state[k[4]].ttl_left_s == pytest.approx(500)
     assert again.stats()["pinned"] == 2
+    assert state[CHAIN[6][0]].ttl_left_s == pytest.approx(4500) and state[CHAIN[6][0]].priority == 2
+    assert CHAIN[7][0] not in state  # it was in memory
     again.close()
 
     # a smaller disk budget on restart trims unpinned, low-priority entries first
-    third = mem_disk(tmp_path, 1, 3, clock=clock)
-    assert {s.meta.key for s in third.entries(tenant="acme")} == {k[0], k[1], k[2]}
+    third = mem_disk(tmp_path, 1, 4, clock=clock)
+    assert {s.meta.key for s in third.entries(tenant="acme")} == {k[0], k[1], k[2], CHAIN[6][0]}
     # an unreadable hints file is ignored, not fatal
     third.close()
     (tmp_path / "disk" / ".entry-hints.json").write_text("{broken")
     fourth = mem_disk(tmp_path, 1, 10, clock=clock)
-    assert fourth.stats()["pinned"] == 0 and fourth.stats()["entries"] == 3
+    assert fourth.stats()["pinned"] == 0 and fourth.stats()["entries"] == 4
