@@ -27,7 +27,14 @@ Operator hints (all idempotent, all return how many *resident* entries they appl
   wins over a pin (both are explicit operator intent; "pin until tonight" is pin + TTL).
 * **priority** — an integer, default 0. Eviction in a tier takes its policy's victim among the
   lowest-priority class present; a higher class is touched only when every lower-class entry of
-  the tier is pinned. Within a class the policy's order rules. Keep the number of classes small.
+  the tier is pinned (or being written). Within a class the policy's order rules. A newcomer is
+  judged with the residents, so a priority-0 put into a memory tier full of higher-priority
+  entries goes straight down to disk. Keep the number of classes small (each costs a victim scan).
+
+Hints are saved (atomically, as JSON: :data:`HINTS_FILE`) in the state directory of the first tier
+that has one — the disk tier's root — whenever they change, and re-applied on restart to the
+entries the disk brought back; a TTL is saved as a wall-clock deadline, so an entry whose TTL ran
+out while the edge was down is dropped on start. Hints of memory-only entries die with them.
 
 Concurrency: every method is thread-safe behind one lock, and no big disk I/O happens under it —
 reads of disk blobs and their verification run outside; writes to a disk tier (a put that lands
