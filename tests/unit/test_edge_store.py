@@ -539,3 +539,52 @@ def test_pins_priorities_and_ttls_survive_restart(tmp_path: Path) -> None:
     (tmp_path / "disk" / ".entry-hints.json").write_text("{broken")
     fourth = mem_disk(tmp_path, 1, 10, clock=clock)
     assert fourth.stats()["pinned"] == 0 and fourth.stats()["entries"] == 4
+
+
+_KILLED_WRITER = r"""
+import sys, time
+from kdn import blobstore
+from edge.store import DiskTier, TieredStore
+
+def stall(fd):
+    print("in-fsync", flush=True)  # the bytes are written to the temp file; the rename has not happened
+    time.sleep(60)
+
+store = TieredStore([DiskTier(sys.argv[1], 1 << 30, fsync=True)], policy="lru")
+blobstore.os.fsync = stall
+store.put(sys.stdin.buffer.read(), tenant="acme")
+print("finished", flush=True)
+"""
+
+
+def test_a_writer_killed_mid_write_leaves_nothing_visible(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "disk"
+    store = TieredStore([DiskTier(root, 1 << 30, fsync=False)], policy="lru", clock=FakeClock())
+    store.put(CHAIN[0][1], tenant="acme")
+    store.close()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(root)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(CHAIN[1][1])
+        child.stdin.close()
+        line = child.stdout.readline()
+        assert line == b"in-fsync\n", (line, child.stderr.read() if child.stderr else b"")
+        assert [p for p in root.rglob("*") if p.name.endswith(".tmp")]  # caught in the act
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+    again = TieredStore([DiskTier(root, 1 << 30, fsync=False)], policy="lru", clock=FakeClock())
+    assert again.get(CHAIN[1][0], tenant="acme") is None
+    assert again.get(CHAIN[0][0], tenant="acme") == (CHAIN[0][1], "disk")
+    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+    assert again.tiers[0].swept_tmp == 1  # type: ignore[attr-defined]
