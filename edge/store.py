@@ -234,9 +234,15 @@ class TieredStore:
                         return existing.meta
                     wait_for = self._staging.get(eid)
                     if wait_for is None:
-                        entry = _Entry(meta, priority=priority or 0)
-                        if self._place_new(eid, entry, blob, writes):
-                            hinted = self._apply_hints(eid, entry, pin, ttl_s, priority, now)
+                        # Pin and priority count from the start: a pinned newcomer is never the
+                        # victim of its own placement.
+                        entry = _Entry(meta, pinned=pin, priority=priority or 0)
+                        if self._place_new(eid, entry, blob, writes) and self._entries.get(eid) is entry:
+                            if ttl_s is not None:
+                                self._set_ttl(eid, entry, ttl_s, now)
+                            hinted = eid in self._hinted
+                            if hinted:
+                                self._hints_seq += 1
                         return meta
             finally:
                 error = self._run_writes(writes)
@@ -421,7 +427,7 @@ class TieredStore:
                             tier.delete(eid)
                             continue
                         entry = _Entry(meta)
-                        self._entries[eid] = entry
+                        self._remember(eid, entry)
                         self._attach(i, eid, entry)
                 self._load_hints()  # pins first, so the budget trim below respects them
                 for i in range(len(self._tiers)):
@@ -504,10 +510,10 @@ class TieredStore:
                 if not self._make_room(i, size, writes):
                     no_room.append(f"{tier.name}: could not make room")
                     continue
-                self._entries[eid] = entry
+                self._remember(eid, entry)
                 self._place(i, eid, entry, data, writes, own=True)
             else:
-                self._entries[eid] = entry
+                self._remember(eid, entry)
                 self._place(i, eid, entry, data, writes)
                 if not self._shrink(i, writes) and self._entries.get(eid) is entry and entry.tier == i:
                     # Nothing else evictable (cannot happen with a policy that keeps its contract,
@@ -782,6 +788,13 @@ class TieredStore:
             self._note_hinted(eid, entry)
             self._hints_seq += 1
         return hinted
+
+    def _remember(self, eid: EntryId, entry: _Entry) -> None:
+        """Put a new entry into the index (its tier is attached separately)."""
+        self._entries[eid] = entry
+        if entry.pinned:
+            self._pinned_count += 1
+        self._note_hinted(eid, entry)
 
     def _forget(self, eid: EntryId, entry: _Entry) -> None:
         """Take an entry out of the index (it is already detached from its tier)."""

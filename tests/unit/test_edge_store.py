@@ -588,3 +588,69 @@ def test_a_writer_killed_mid_write_leaves_nothing_visible(tmp_path: Path) -> Non
     assert again.get(CHAIN[0][0], tenant="acme") == (CHAIN[0][1], "disk")
     assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
     assert again.tiers[0].swept_tmp == 1  # type: ignore[attr-defined]
+
+
+def check_invariants(store: TieredStore, tmp_path: Path | None = None) -> None:
+    """Accounting agrees with the entries, budgets hold, and the disk holds exactly its entries."""
+    s = store.stats()
+    states = store.entries()
+    for tier in store.tiers:
+        mine = [e for e in states if e.tier == tier.name]
+        assert s[f"bytes_{tier.name}"] == sum(e.meta.size for e in mine) == tier.bytes_used
+        assert s[f"bytes_{tier.name}"] <= tier.capacity_bytes
+        assert s[f"pinned_bytes_{tier.name}"] == sum(e.meta.size for e in mine if e.pinned)
+        assert s[f"entries_{tier.name}"] == len(mine)
+    assert s["pinned"] == sum(e.pinned for e in states)
+    assert s["entries"] == len(states)
+    if tmp_path is not None:
+        files = {p.name for p in (tmp_path / "disk").rglob("*") if p.is_file() and not p.name.startswith(".")}
+        assert files == {e.meta.key.hex() for e in states if e.tier == "disk"}
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix"])
+def test_random_operations_keep_every_invariant(tmp_path: Path, policy: str) -> None:
+    import random
+
+    rng = random.Random(7)
+    clock = FakeClock()
+    chains = [make_chain(4, seed=100 + s) for s in range(4)]
+    items = [item for c in chains for item in c]
+    store = mem_disk(tmp_path, 3, 6, policy=policy, clock=clock)
+    for step in range(400):
+        key, data = items[rng.randrange(len(items))]
+        op = rng.random()
+        if op < 0.35:
+            try:
+                store.put(data, tenant="acme", pin=rng.random() < 0.1, priority=rng.choice([None, 0, 0, 1, 2]))
+            except StorageFull:
+                pass
+        elif op < 0.7:
+            got = store.get(key, tenant="acme", promote=rng.random() < 0.8)
+            assert got is None or got[0] == data
+        elif op < 0.78:
+            store.unpin([key], tenant="acme")
+        elif op < 0.83:
+            store.pin([key], tenant="acme")
+        elif op < 0.88:
+            store.set_ttl([key], rng.choice([None, 5, 50]), tenant="acme")
+        elif op < 0.92:
+            store.set_priority([key], rng.choice([0, 1, 3]), tenant="acme")
+        elif op < 0.96:
+            store.delete(key, tenant="acme")
+        else:
+            clock.advance(rng.choice([1, 10, 30]))
+            store.expire()
+        check_invariants(store, tmp_path)
+    assert store.stats()["demotions"] > 0 and store.stats()["promotions"] > 0
+    store.close()
+    check_invariants(mem_disk(tmp_path, 3, 6, policy=policy, clock=clock), tmp_path)
+
+
+def test_a_pinned_newcomer_is_never_the_victim_of_its_own_put() -> None:
+    store = TieredStore([MemoryTier(2 * SIZE)], policy="prefix", clock=FakeClock())
+    store.put(CHAIN[0][1], tenant="acme")
+    store.put(CHAIN[1][1], tenant="acme")
+    store.put(CHAIN[5][1], tenant="acme", pin=True)  # an orphan: the prefix policy's first choice
+    assert store.contains(CHAIN[5][0], tenant="acme")
+    assert store.stats()["pinned"] == 1 and store.stats()["pinned_bytes_memory"] == SIZE
+    check_invariants(store)
