@@ -1,0 +1,201 @@
+"""KDN's roles as Ray actors, placed by the nodes' custom resources.
+
+- one origin actor per ``kdn_origin`` node (:class:`origin.ray_origin._OriginActor`: the origin gRPC
+  server, its store and its model);
+- one :class:`EdgeActor` per ``kdn_edge`` node: an :class:`edge.server.EdgeServer` on its own
+  event loop thread, registered in the cluster registry (:mod:`kdn.registry`) and refreshed there
+  by a heartbeat, with its overlay membership read back from the registry.
+
+Actors are detached, named by role and index (``kdn-edge-0`` ...) and restarted by Ray when their
+process dies (``max_restarts=-1``). A restarted edge keeps its node id and disk directory, so it
+rejoins the overlay under the same id, takes its keys back, and finds its disk tier again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kdn.registry import (
+    DEFAULT_TTL_S,
+    RAY_NAMESPACE,
+    RESOURCE_EDGE,
+    RESOURCE_ORIGIN,
+    get_or_create_registry,
+    get_registry,
+)
+
+ROLE_PREFIX = "kdn-"
+HEARTBEAT_S = DEFAULT_TTL_S / 5
+
+
+class EdgeActor:
+    """Hosts one EdgeServer inside a Ray actor process."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from edge.config import EdgeConfig
+        from edge.overlay import Member
+
+        self._config = EdgeConfig.build(config)
+        self._members: list[Member] = []
+        self._registry = get_registry()
+        self._refresh_members()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._server: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        threading.Thread(target=self._serve, name="kdn-edge", daemon=True).start()
+        if not self._ready.wait(120) or self._error is not None:
+            raise RuntimeError(f"edge {self._config.node_id} did not start: {self._error!r}")
+        self._register()
+        threading.Thread(target=self._heartbeat, name="kdn-edge-heartbeat", daemon=True).start()
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def _refresh_members(self) -> None:
+        import ray
+
+        from edge.overlay import Member
+
+        entries = ray.get(self._registry.members.remote("edge"), timeout=10)
+        self._members = [Member(e["node_id"], e["address"], 1.0) for e in entries]
+
+    def _provider(self):
+        return list(self._members)
+
+    def _register(self) -> None:
+        import ray
+
+        metrics = f"{self._config.metrics_host}:{self._server.metrics_port}" if self._server.metrics_port else ""
+        ray.get(self._registry.register.remote("edge", self._config.node_id, self._server.address, metrics), timeout=10)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._register()
+                self._refresh_members()
+            except Exception:  # registry briefly unavailable: keep serving, try again next beat
+                continue
+
+    # -- server thread -------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        from edge.server import EdgeServer
+
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            try:
+                self._server = EdgeServer(self._config, members=self._provider)
+                await self._server.start()
+            except BaseException as exc:
+                self._error = exc
+                self._ready.set()
+                return
+            self._ready.set()
+            await self._server.wait()
+
+        asyncio.run(main())
+
+    # -- actor API -----------------------------------------------------------------------------
+
+    def address(self) -> str:
+        return self._server.address
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "node_id": self._config.node_id,
+            "address": self._server.address,
+            "metrics_address": f"{self._config.metrics_host}:{self._server.metrics_port}" if self._server.metrics_port else "",
+            "pid": os.getpid(),
+        }
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def deploy_roles(config: Any, *, progress=print) -> tuple[list[dict], list[dict]]:
+    """Place the registry, origin(s) and edges on the connected cluster; returns their endpoints."""
+    import ray
+
+    from origin.config import OriginConfig
+    from origin.ray_origin import _OriginActor
+
+    registry = get_or_create_registry()
+    ray.get(registry.ping.remote(), timeout=config.wait_s)
+    state_dir = Path(config.state_dir)
+    bind = config.bind_host
+
+    origins = []
+    for i in range(max(config.origin_nodes, 1 if config.address is None else 0)):
+        node_id = f"origin-{i}"
+        progress(f"placing {node_id} (model {config.model})")
+        ocfg = OriginConfig.build(
+            node_id=node_id, store_dir=str(state_dir / "origin-store"), models=[config.model],
+            codecs=[config.codec], listen=f"{bind}:0", workers=1,
+        )
+        actor = ray.remote(_OriginActor).options(
+            name=f"{ROLE_PREFIX}{node_id}", namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
+            resources={RESOURCE_ORIGIN: 1}, num_cpus=0, max_restarts=-1,
+        ).remote(ocfg.model_dump())
+        address = ray.get(actor.address.remote(), timeout=config.wait_s)
+        ray.get(registry.register.remote("origin", node_id, address), timeout=10)
+        origins.append({"node_id": node_id, "address": address})
+    origin_address = origins[0]["address"] if origins else _registered_origin(registry)
+
+    edges = []
+    actors = []
+    for i in range(config.edge_nodes):
+        node_id = f"edge-{i}"
+        progress(f"placing {node_id}")
+        ecfg = dict(
+            node_id=node_id, listen=f"{bind}:0", origin=origin_address,
+            memory_bytes=config.edge_memory_bytes, disk_dir=str(state_dir / "edges" / node_id),
+            disk_bytes=config.edge_disk_bytes, replicas=config.replicas, metrics_port=0,
+        )
+        actors.append(ray.remote(EdgeActor).options(
+            name=f"{ROLE_PREFIX}{node_id}", namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
+            resources={RESOURCE_EDGE: 1}, num_cpus=0, max_restarts=-1, max_task_retries=3,
+        ).remote(ecfg))
+    for actor in actors:
+        edges.append(ray.get(actor.info.remote(), timeout=config.wait_s))
+    return origins, edges
+
+
+def _registered_origin(registry: Any) -> str | None:
+    import ray
+
+    entries = ray.get(registry.members.remote("origin"), timeout=10)
+    return entries[0]["address"] if entries else None
+
+
+def kill_roles() -> list[str]:
+    """Kill every KDN actor (names starting with ``kdn-``) in the KDN namespace."""
+    import ray
+    from ray.util import list_named_actors
+
+    killed = []
+    for entry in list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == RAY_NAMESPACE and entry["name"].startswith(ROLE_PREFIX):
+            ray.kill(ray.get_actor(entry["name"], namespace=RAY_NAMESPACE), no_restart=True)
+            killed.append(entry["name"])
+    return killed
+
+
+def wait_for_edges(count: int, timeout_s: float = 60.0) -> list[dict]:
+    """Block until ``count`` edges are registered and fresh; returns them."""
+    import ray
+
+    registry = get_registry()
+    deadline = time.monotonic() + timeout_s
+    entries: list[dict] = []
+    while time.monotonic() < deadline:
+        entries = ray.get(registry.members.remote("edge"), timeout=10)
+        if len(entries) >= count:
+            return entries
+        time.sleep(0.5)
+    raise TimeoutError(f"only {len(entries)} of {count} edges registered within {timeout_s:.0f}s")
