@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from edge.shm import ShmArtifact, open_segment
+from edge.wire import decode_chunk, identity
 from kdn.errors import ArtifactCorrupt, MessageTooLarge, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb
@@ -100,6 +101,10 @@ class AsyncEdgeClient:
         self._deadline = deadline_s
         self._channel = aio_channel(address, tls=tls, max_message=max_message)
         self._stub = pbg.EdgeServiceStub(self._channel)
+        self._fetch = self._channel.unary_stream(
+            "/kdn.v1.EdgeService/Fetch", request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=identity,
+        )
 
     async def __aenter__(self) -> "AsyncEdgeClient":
         return self
@@ -138,16 +143,17 @@ class AsyncEdgeClient:
         """Container bytes (not verified here: the caller decodes with ArtifactReader) and the source tier."""
         req = fetch_request(key, fingerprint=fingerprint, namespace=namespace, next_keys=next_keys,
                             require_lossless=require_lossless)
-        pieces: list[bytes] = []
+        pieces: list[memoryview] = []
         source, total = "", 0
         try:
-            async for chunk in self._stub.Fetch(req, timeout=self._deadline, metadata=self._md):
+            async for raw in self._fetch(req, timeout=self._deadline, metadata=self._md):
+                chunk = decode_chunk(raw)
                 if not pieces:
                     source, total = chunk.source, chunk.total_size
                 pieces.append(chunk.data)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, peer=self.address) from exc
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        data = b"".join(pieces)  # the one copy: views of the received messages into one buffer
         if len(data) != total:
             raise ArtifactCorrupt(f"edge announced {total} bytes and sent {len(data)}")
         return data, source
@@ -157,7 +163,7 @@ class AsyncEdgeClient:
         """Same-host path: the edge hands over a shared-memory segment; mapped and verified here."""
         req = fetch_request(key, fingerprint=fingerprint, namespace=namespace, shm=True)
         try:
-            chunks = [c async for c in self._stub.Fetch(req, timeout=self._deadline, metadata=self._md)]
+            chunks = [decode_chunk(c) async for c in self._fetch(req, timeout=self._deadline, metadata=self._md)]
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, peer=self.address) from exc
         first = chunks[0]

@@ -37,6 +37,7 @@ from edge.node import EdgeNode
 from edge.overlay import Member, MembershipProvider, Overlay, file_members, static_members
 from edge.shm import ShmPool
 from edge.upstream import FetchSpec, GrpcUpstream, Upstream
+from edge.wire import encode_chunk, serialize_chunk
 from kdn.errors import InvalidInput, KdnError, MessageTooLarge
 from kdn.keys import ChunkKey, Namespace, parse_fingerprint, parse_key
 from kdn.proto import kdn_pb2 as pb
@@ -61,10 +62,6 @@ def make_store(config: EdgeConfig, clock: Clock) -> Any:
 
 def _namespace(msg: pb.Namespace) -> Namespace:
     return Namespace(msg.tenant, msg.salt)
-
-
-class _Refused(Exception):
-    """Internal: carries the status of a refused call out of a handler."""
 
 
 class EdgeServicer(pbg.EdgeServiceServicer):
@@ -97,7 +94,7 @@ class EdgeServicer(pbg.EdgeServiceServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
 
-    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchChunk]:
+    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         t0 = time.perf_counter()
         try:
             ns = _namespace(request.namespace)
@@ -122,13 +119,15 @@ class EdgeServicer(pbg.EdgeServiceServicer):
         metrics = self.node.metrics
         if shm_name:
             metrics.bytes_out.labels("shm").inc(len(data))
-            yield pb.FetchChunk(total_size=len(data), source=source, shm_name=shm_name)
+            yield encode_chunk(b"", total_size=len(data), source=source, shm_name=shm_name)
         else:
+            # pre-encoded FetchChunk frames straight from the stored bytes: one copy per byte
             piece = self._s.config.stream_piece_bytes
             total = len(data)
-            yield pb.FetchChunk(data=data[:piece], total_size=total, source=source)
+            view = memoryview(data)
+            yield encode_chunk(view[:piece], total_size=total, source=source)
             for start in range(piece, total, piece):
-                yield pb.FetchChunk(data=data[start : start + piece])
+                yield encode_chunk(view[start : start + piece])
             metrics.bytes_out.labels("grpc").inc(total)
         metrics.latency.labels("Fetch", source).observe(time.perf_counter() - t0)
 
@@ -222,6 +221,27 @@ class EdgeServicer(pbg.EdgeServiceServicer):
         )
 
 
+def _add_servicer(servicer: EdgeServicer, server: grpc.aio.Server) -> None:
+    """As the generated ``add_EdgeServiceServicer_to_server``, except that Fetch yields pre-encoded
+    ``FetchChunk`` bytes (:mod:`edge.wire`); the bytes on the wire are the same."""
+    u, s_, su = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler, grpc.stream_unary_rpc_method_handler
+    handlers = {
+        "Lookup": u(servicer.Lookup, request_deserializer=pb.LookupRequest.FromString,
+                    response_serializer=pb.LookupResponse.SerializeToString),
+        "Fetch": s_(servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=serialize_chunk),
+        "Put": su(servicer.Put, request_deserializer=pb.PutChunk.FromString,
+                  response_serializer=pb.PutResponse.SerializeToString),
+        "Prefetch": u(servicer.Prefetch, request_deserializer=pb.PrefetchRequest.FromString,
+                      response_serializer=pb.PrefetchResponse.SerializeToString),
+        "Hint": u(servicer.Hint, request_deserializer=pb.HintRequest.FromString,
+                  response_serializer=pb.HintResponse.SerializeToString),
+        "Stats": u(servicer.Stats, request_deserializer=pb.StatsRequest.FromString,
+                   response_serializer=pb.StatsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class EdgeServer:
     """One edge node served over gRPC. ``start()`` / ``address`` / ``stop()``."""
 
@@ -303,7 +323,7 @@ class EdgeServer:
         self.node.scheduler = self.hints
         if c.shm:
             self.shm = ShmPool(c.node_id, directory=c.shm_dir, max_segments=c.shm_max_segments)
-        pbg.add_EdgeServiceServicer_to_server(EdgeServicer(self), self._server)
+        _add_servicer(EdgeServicer(self), self._server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         await self.node.start()

@@ -11,6 +11,7 @@ import pytest
 
 from edge.auth import TokenAuth
 from edge.server import EdgeServicer
+from edge.wire import decode_chunk
 from edge.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.errors import Unauthorized
 from kdn.keys import Namespace
@@ -63,7 +64,7 @@ def test_foreign_namespace_refused_identically_whether_or_not_it_exists() -> Non
         out: list[bytes] = []
         try:
             async for chunk in servicer.Fetch(req, ctx):  # type: ignore[arg-type]
-                out.append(chunk.data)
+                out.append(bytes(decode_chunk(chunk).data))
         except _Aborted:
             pass
         return ctx.code, ctx.details, out
