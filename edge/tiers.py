@@ -91,10 +91,13 @@ class EntryMeta:
 
 
 def check_tenant(tenant: str) -> str:
-    """Tenants name disk directories too: same rule as :class:`kdn.keys.Namespace`."""
+    """Tenants name disk directories too: the rule of :class:`kdn.keys.Namespace`, minus a
+    leading dot (the disk tier keeps its own state in dot-files beside the tenant directories)."""
     if not isinstance(tenant, str):
         raise InvalidInput(f"tenant must be a string, got {type(tenant).__name__}")
     Namespace(tenant)  # raises InvalidInput naming the rule
+    if tenant.startswith("."):
+        raise InvalidInput(f"tenant {tenant!r}: names starting with '.' are reserved for the edge's own files")
     return tenant
 
 

@@ -86,6 +86,8 @@ def test_put_refuses_corrupt_and_foreign_model_artifacts_and_stores_nothing() ->
         store.put(data, tenant="acme", expect_fingerprint=OTHER_FP)
     with pytest.raises(InvalidInput):
         store.put(data, tenant="../etc")
+    with pytest.raises(InvalidInput, match="reserved"):
+        store.put(data, tenant=".entry-hints.json")
     assert store.get(key, tenant="acme") is None
     assert store.stats()["entries"] == 0
 
