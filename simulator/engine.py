@@ -60,7 +60,7 @@ class PolicyResult:
     lookup_hit_ratio_local: float  # chunks the local edge held at lookup (used or not)
     wan_bytes: float
     network_bytes: float
-    gpu_s: float
+    gpu_s: float  # GPU-seconds of prefill + first token (x gpus_per_replica)
     gpu_s_saved: float
     cost_usd: float
     cost_breakdown: dict[str, float]
@@ -103,10 +103,12 @@ class Simulation:
         storage = presets.codecs[sc.cache.storage_codec]
         self.stored = max(1, int(raw_block * storage.ratio))  # bytes a chunk takes in an edge cache
         self.local_s = self.stored / topo.local_read_Bps + storage.decode_s(raw_block)
-        flops = gpu.flops_per_s
+        tp = sc.gpus_per_replica
+        self.tp = tp
+        flops = gpu.flops_per_s * tp
         self.pa = 2.0 * model.params / flops
         self.pb = 4.0 * model.layers * model.q_heads * model.head_dim / flops
-        self.first_token_s = model.params * model.dtype_bytes / (gpu.hbm_tbps * 1e12)
+        self.first_token_s = model.params * model.dtype_bytes / (gpu.hbm_tbps * 1e12 * tp)
         self.decision = sc.params.decision
         self.loop = EventLoop()
         self.links = Links(topo.uplink_Bps)
@@ -116,6 +118,7 @@ class Simulation:
         self.nearest_origin: list[int] = topo.nearest_origin.tolist()
         self.capacity = int(sc.cache.edge_cache_gb * GB)
         self.caches: list[BoundedCache] = []
+        self.resident: list = []  # live key views of the caches: `key in view` without a method call
         self.published: set[int] = set()
         self.preloaded = reqs.origin_preloaded
         # per-request inputs as Python lists (cheap indexing in the hot loop)
@@ -145,6 +148,7 @@ class Simulation:
     def make_caches(self) -> None:
         name = self.sc.cache.eviction
         self.caches = [BoundedCache(self.capacity, make_policy(name)) for _ in range(self.topo.n_edges)]
+        self.resident = [c.keys() for c in self.caches]
 
     def chain(self, i: int) -> list[int]:
         """Request ``i``'s chunk keys, in chain order."""
@@ -253,7 +257,7 @@ class Simulation:
         )
         breakdown = {
             "wan": self.wan_bytes / GB * self.sc.prices.wan_per_gb,
-            "gpu": self.gpu_s / 3600.0 * self.gpu_price,
+            "gpu": self.gpu_s * self.tp / 3600.0 * self.gpu_price,
             "edge_storage": edge_cost,
         }
         served_edge = self.served_local + self.served_peer
@@ -275,8 +279,8 @@ class Simulation:
             lookup_hit_ratio_local=self.lookup_local / blocks,
             wan_bytes=self.wan_bytes,
             network_bytes=self.net_bytes,
-            gpu_s=self.gpu_s,
-            gpu_s_saved=self.gpu_s_saved,
+            gpu_s=self.gpu_s * self.tp,
+            gpu_s_saved=self.gpu_s_saved * self.tp,
             cost_usd=sum(breakdown.values()),
             cost_breakdown=breakdown,
             fetch_chosen=self.fetch_chosen,

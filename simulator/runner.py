@@ -46,7 +46,7 @@ class SimulationReport:
 def prepare(path: str | Path, *, limit: int | None = None) -> Prepared:
     """Validate the scenario (all errors before any work), then build topology and workload."""
     t0 = time.perf_counter()
-    cities = CityIndex()
+    cities = CityIndex.default()
     presets = load_presets()
     sc = load_scenario(path, cities=cities, presets=presets)
     topo = build_topology(sc, cities)

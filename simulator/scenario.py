@@ -205,7 +205,8 @@ class Scenario(_Strict):
     seed: int = 0
     model: str
     gpu: str
-    block_tokens: int = Field(512, ge=1, description="tokens per cached KV chunk")
+    gpus_per_replica: int = Field(1, ge=1, description="GPUs serving one request (tensor parallel); prefill speed scales linearly")
+    block_tokens: int = Field(512, ge=1, description="tokens per cached KV chunk (synthetic workloads; a trace brings its own)")
     topology: TopologySpec
     workload: Workload
     cache: CacheSpec = CacheSpec()
@@ -301,7 +302,7 @@ def parse_scenario(
     if not isinstance(data, dict):
         raise ConfigError(f"invalid scenario {source}: the top level must be a mapping, got {type(data).__name__}")
     ctx = {
-        "cities": cities if cities is not None else CityIndex(),
+        "cities": cities if cities is not None else CityIndex.default(),
         "presets": presets if presets is not None else load_presets(),
         "base_dirs": base_dirs if base_dirs is not None else [Path.cwd(), REPO_ROOT],
     }

@@ -21,7 +21,7 @@ from simulator.workload import Requests, build_workload
 
 @pytest.fixture(scope="module")
 def cities() -> CityIndex:
-    return CityIndex()
+    return CityIndex.default()
 
 
 @pytest.fixture(scope="module")
