@@ -155,12 +155,18 @@ class ArtifactReader:
         require_lossless: bool = False,
         max_bytes: int = DEFAULT_MAX_BYTES,
         decode: bool = True,
+        assemble: bool = False,
     ) -> None:
+        """``assemble``: decode every section straight into one ``(L, 2, H, T, D)`` tensor,
+        :attr:`kv` (allocated when the first section has been verified); the yielded sections
+        are views into it. Saves a copy per section when the whole chunk is wanted."""
         self._expect_fp = expect_fingerprint
         self._expect_key = expect_key
         self._require_lossless = require_lossless
         self._max_bytes = max_bytes
         self._decode = decode
+        self._assemble = assemble and decode
+        self.kv: torch.Tensor | None = None  # (L, 2, H, T, D) when assembling
         self._buf = bytearray()
         self._pos = 0  # bytes of _buf consumed
         self._total = 0
@@ -306,7 +312,17 @@ class ArtifactReader:
         self._next += 1
         if not self._decode:
             return True
-        return Section(info.layer, info.kind, self._codec.decode(framed[4:], info))
+        if not self._assemble:
+            return Section(info.layer, info.kind, self._codec.decode(framed[4:], info))
+        if self.kv is None:
+            assert self.header is not None
+            h = self.header
+            self.kv = torch.empty(
+                (h.num_layers, 2, h.num_kv_heads, h.token_count, h.head_dim), dtype=info.dtype
+            )  # (L, 2, H, T, D)
+        out = self.kv[info.layer, 0 if info.kind == "k" else 1]  # (H, T, D), contiguous view
+        self._codec.decode_into(framed[4:], info, out)
+        return Section(info.layer, info.kind, out)
 
     def _parse_trailer(self) -> None:
         if len(self._buf) - self._pos < TRAILER_BYTES:
@@ -331,16 +347,11 @@ def iter_sections(pieces: Iterable[bytes], **reader_kw: object) -> Iterator[Sect
 
 def decode_artifact(data: bytes | memoryview, **reader_kw: object) -> Artifact:
     """Verify and decode a whole container into ``(L, 2, H, T, D)``."""
-    reader = ArtifactReader(**reader_kw)  # type: ignore[arg-type]
-    sections = reader.feed(data)
+    reader = ArtifactReader(assemble=True, **reader_kw)  # type: ignore[arg-type]
+    reader.feed(data)
     header = reader.finish()
-    dtype = PB_TO_DTYPE[header.dtype]
-    kv = torch.empty(
-        (header.num_layers, 2, header.num_kv_heads, header.token_count, header.head_dim), dtype=dtype
-    )  # (L, 2, H, T, D)
-    for s in sections:
-        kv[s.layer, 0 if s.kind == "k" else 1] = s.tensor
-    return Artifact(header, kv)
+    assert reader.kv is not None  # a verified header declares at least one layer
+    return Artifact(header, reader.kv)
 
 
 def verify_artifact(data: bytes | memoryview, **reader_kw: object) -> pb.ArtifactHeader:

@@ -67,6 +67,12 @@ class Codec(ABC):
     def decode(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
         """Back to a ``(H, T, D)`` tensor of ``info.dtype``. Raises ArtifactCorrupt on bad bytes."""
 
+    def decode_into(self, payload: memoryview, info: SectionInfo, out: torch.Tensor) -> None:
+        """Decode into ``out``, a ``(H, T, D)`` tensor of ``info.dtype`` (a view into a larger
+        buffer, e.g. one layer's K of a whole chunk). Codecs that can write in place override
+        this to skip the intermediate tensor; the default decodes and copies."""
+        out.copy_(self.decode(payload, info))
+
     def max_payload(self, info: SectionInfo) -> int:
         """Upper bound on an encoded section's size; larger declared lengths are rejected."""
         return info.raw_bytes + info.raw_bytes // 4 + 4096

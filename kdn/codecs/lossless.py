@@ -73,6 +73,20 @@ def merge_planes(planes: list[np.ndarray], width: int) -> np.ndarray:
     return words.view(np.uint8)
 
 
+def merge_planes_into(planes: list[np.ndarray], width: int, out: np.ndarray) -> None:
+    """:func:`merge_planes` written into ``out``, a writable ``(N*w,)`` uint8 array."""
+    if width == 1:
+        np.copyto(out, planes[0])
+        return
+    words = out.view(_UINT[width])  # (N,)
+    np.left_shift(planes[-1], 8 * (width - 1), out=words, dtype=words.dtype)
+    for j in range(width - 2, -1, -1):
+        if j == 0:
+            np.bitwise_or(words, planes[0], out=words)
+        else:
+            np.bitwise_or(words, np.left_shift(planes[j], 8 * j, dtype=words.dtype), out=words)
+
+
 def shuffle(raw: np.ndarray, width: int) -> np.ndarray:
     """All planes concatenated: ``(N*w,)`` -> ``(w*N,)``."""
     return np.concatenate(split_planes(raw, width)) if width > 1 else raw
@@ -94,6 +108,15 @@ class RawCodec(Codec):
 
     def decode(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
         return bytes_tensor(bytearray(payload), info)
+
+    def decode_into(self, payload: memoryview, info: SectionInfo, out: torch.Tensor) -> None:
+        src = np.frombuffer(payload, dtype=np.uint8)
+        if src.size != info.raw_bytes:
+            raise ArtifactCorrupt(f"section decodes to {src.size} bytes, header says {info.raw_bytes}")
+        if out.is_contiguous():
+            np.copyto(out.view(torch.uint8).numpy().reshape(-1), src)
+        else:
+            out.copy_(torch.from_numpy(src.copy()).view(info.dtype).reshape(info.shape))
 
     def max_payload(self, info: SectionInfo) -> int:
         return info.raw_bytes
@@ -126,13 +149,29 @@ class _PlaneCodec(Codec):
         return b"".join(table + blobs)
 
     def decode(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
+        planes = self._planes(payload, info)
+        if len(planes) == 1:
+            return bytes_tensor(planes[0], info)
+        return bytes_tensor(merge_planes(planes, info.dtype.itemsize), info)
+
+    def decode_into(self, payload: memoryview, info: SectionInfo, out: torch.Tensor) -> None:
+        planes = self._planes(payload, info)
+        if out.dtype != info.dtype or tuple(out.shape) != info.shape:
+            raise ValueError(f"decode_into needs a {info.shape} {info.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+        if not out.is_contiguous():
+            out.copy_(self.decode(payload, info))
+            return
+        merge_planes_into(planes, info.dtype.itemsize, out.view(torch.uint8).numpy().reshape(-1))
+
+    def _planes(self, payload: memoryview, info: SectionInfo) -> list[np.ndarray]:
+        """The section's byte planes (one block for 1-byte dtypes), each ``(N,)`` uint8, checked."""
         payload = memoryview(payload).cast("B")
         width = info.dtype.itemsize
         if len(payload) < 1:
             raise ArtifactCorrupt(f"{self.name} section is empty")
         layout = payload[0]
         if layout == _LAYOUT_BLOCK and width == 1:
-            return bytes_tensor(self._decompress(payload[1:], info.raw_bytes), info)
+            return [np.frombuffer(self._decompress(payload[1:], info.raw_bytes), dtype=np.uint8)]
         if layout != _LAYOUT_PLANES or width == 1:
             raise ArtifactCorrupt(f"{self.name} section has unknown layout {layout} for {info.dtype}")
         n = info.raw_bytes // width
@@ -156,7 +195,7 @@ class _PlaneCodec(Codec):
                 raise ArtifactCorrupt(f"{self.name} plane {j} has unknown mode {mode}")
         if pos != len(payload):
             raise ArtifactCorrupt(f"{self.name} section has {len(payload) - pos} stray bytes after its planes")
-        return bytes_tensor(merge_planes(planes, width), info)
+        return planes
 
     def max_payload(self, info: SectionInfo) -> int:
         return info.raw_bytes + info.raw_bytes // 4 + 4096

@@ -377,3 +377,17 @@ def test_oversized_stream_is_refused() -> None:
     with pytest.raises(MessageTooLarge):
         for i in range(0, len(blob), 100):
             reader.feed(blob[i : i + 100])
+
+
+def test_assembling_reader_yields_views_of_one_chunk_tensor() -> None:
+    kv = _kv(layers=3, dtype=torch.bfloat16)
+    blob = _encode(kv, "zstd")
+    reader = ArtifactReader(assemble=True)
+    sections = []
+    for i in range(0, len(blob), 64):
+        sections += reader.feed(blob[i : i + 64])
+    reader.finish()
+    assert reader.kv is not None and torch.equal(reader.kv, kv)
+    assert all(s.tensor.data_ptr() == reader.kv[s.layer, "kv".index(s.kind)].data_ptr() for s in sections)
+    plain = ArtifactReader()
+    assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(plain.feed(blob), sections))

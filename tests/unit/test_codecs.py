@@ -276,3 +276,30 @@ def test_int8_refuses_a_payload_of_the_wrong_size() -> None:
     payload = get_codec("int8").encode(x, _info(x))
     with pytest.raises(ArtifactCorrupt):
         get_codec("int8").decode(memoryview(payload[:-1]), _info(x))
+
+
+@pytest.mark.parametrize("spec", sorted(CODECS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_into_a_view_equals_decode(spec: str, dtype: torch.dtype) -> None:
+    """``decode_into`` writes exactly what ``decode`` returns into a slice of a bigger buffer, and
+    touches nothing else (the artifact reader assembles whole chunks this way)."""
+    codec = get_codec(spec)
+    x = _kv_like(dtype, shape=(2, 32, 16))
+    info = _info(x, "v")
+    payload = memoryview(codec.encode(x, info))
+    big = torch.full((3, 2, 2, 32, 16), 7.0, dtype=dtype)  # (L, 2, H, T, D)
+    codec.decode_into(payload, info, big[1, 1])
+    assert _bits(big[1, 1]) == _bits(codec.decode(payload, info))
+    untouched = torch.ones(3, 2, dtype=torch.bool)
+    untouched[1, 1] = False
+    assert (big[untouched] == 7.0).all()
+
+
+@pytest.mark.parametrize("spec", ["raw", "lz4", "zstd"])
+def test_decode_into_rejects_a_wrong_size_payload(spec: str) -> None:
+    x = _kv_like(torch.float16)
+    info = _info(x)
+    payload = get_codec(spec).encode(x, info)
+    other = _info(torch.empty(4, 65, 32, dtype=torch.float16))
+    with pytest.raises(ArtifactCorrupt):
+        get_codec(spec).decode_into(memoryview(payload), other, torch.empty(4, 65, 32, dtype=torch.float16))
