@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from edge.shm import ShmArtifact, open_segment
+from edge.shm import DEFAULT_SHM_DIR, SegmentCache, ShmArtifact
 from edge.wire import decode_chunk, identity
 from kdn.errors import ArtifactCorrupt, MessageTooLarge, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
@@ -94,7 +94,7 @@ class AsyncEdgeClient:
 
     def __init__(
         self, address: str, *, token: str | None = None, tls: TlsFiles | None = None,
-        deadline_s: float = DEFAULT_DEADLINE_S, max_message: int = MAX_MESSAGE,
+        deadline_s: float = DEFAULT_DEADLINE_S, max_message: int = MAX_MESSAGE, shm_dir: str = DEFAULT_SHM_DIR,
     ) -> None:
         self.address = address
         self._md = auth_metadata(token)
@@ -105,6 +105,7 @@ class AsyncEdgeClient:
             "/kdn.v1.EdgeService/Fetch", request_serializer=pb.FetchRequest.SerializeToString,
             response_deserializer=identity,
         )
+        self.segments = SegmentCache(shm_dir)
 
     async def __aenter__(self) -> "AsyncEdgeClient":
         return self
@@ -113,6 +114,7 @@ class AsyncEdgeClient:
         await self.close()
 
     async def close(self) -> None:
+        self.segments.close()
         await self._channel.close(grace=None)
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
@@ -169,8 +171,8 @@ class AsyncEdgeClient:
         first = chunks[0]
         if not first.shm_name:
             raise Unavailable("edge did not offer shared memory")
-        return open_segment(first.shm_name, size=first.total_size, expect_key=key, expect_fingerprint=fingerprint,
-                            verify=verify)
+        return self.segments.open(first.shm_name, size=first.total_size, expect_key=key,
+                                  expect_fingerprint=fingerprint, verify=verify)
 
     async def put(self, data: bytes, *, key: ChunkKey, fingerprint: ModelFingerprint, namespace: Namespace,
                   piece: int = STREAM_PIECE) -> bool:

@@ -141,8 +141,9 @@ class ShmPool:
 class ShmArtifact:
     """A verified artifact mapped from shared memory. ``data`` is valid until ``close()``."""
 
-    def __init__(self, mm: mmap.mmap, header: pb.ArtifactHeader) -> None:
+    def __init__(self, mm: mmap.mmap, header: pb.ArtifactHeader, *, owns_map: bool = True) -> None:
         self._mm = mm
+        self._owns = owns_map
         self.header = header
         self.data = memoryview(mm)
 
@@ -157,20 +158,11 @@ class ShmArtifact:
 
     def close(self) -> None:
         self.data.release()
-        self._mm.close()
+        if self._owns:
+            self._mm.close()
 
 
-def open_segment(
-    name: str,
-    *,
-    size: int | None = None,
-    directory: str = DEFAULT_SHM_DIR,
-    expect_key: ChunkKey | None = None,
-    expect_fingerprint: ModelFingerprint | None = None,
-    require_lossless: bool = False,
-    verify: bool = True,
-) -> ShmArtifact:
-    """Map and verify a segment the edge named. Raises Unavailable if it is already gone."""
+def _map(name: str, size: int | None, directory: str) -> mmap.mmap:
     if not _NAME.match(name):
         raise InvalidInput(f"not a KDN shared-memory segment name: {name[:80]!r}")
     path = Path(directory) / name
@@ -185,23 +177,109 @@ def open_segment(
         if actual == 0:
             raise ArtifactCorrupt("shared-memory segment is empty")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(fd, actual, flags=flags, prot=mmap.PROT_READ)
+        return mmap.mmap(fd, actual, flags=flags, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
+
+
+def _check(
+    mm: mmap.mmap, *, verify: bool, expect_key: ChunkKey | None, expect_fingerprint: ModelFingerprint | None,
+    require_lossless: bool,
+) -> pb.ArtifactHeader:
     view = memoryview(mm)
     try:
         if verify:
-            header = verify_artifact(
+            return verify_artifact(
                 view, expect_key=expect_key, expect_fingerprint=expect_fingerprint, require_lossless=require_lossless
             )
-        else:
-            header = read_header(view)
-    except BaseException:
+        return read_header(view)
+    finally:
         view.release()
+
+
+def open_segment(
+    name: str,
+    *,
+    size: int | None = None,
+    directory: str = DEFAULT_SHM_DIR,
+    expect_key: ChunkKey | None = None,
+    expect_fingerprint: ModelFingerprint | None = None,
+    require_lossless: bool = False,
+    verify: bool = True,
+) -> ShmArtifact:
+    """Map and verify a segment the edge named. Raises Unavailable if it is already gone."""
+    mm = _map(name, size, directory)
+    try:
+        header = _check(mm, verify=verify, expect_key=expect_key, expect_fingerprint=expect_fingerprint,
+                        require_lossless=require_lossless)
+    except BaseException:
         mm.close()
         raise
-    view.release()
     return ShmArtifact(mm, header)
+
+
+class SegmentCache:
+    """Client side: keeps up to ``max_maps`` segment mappings open, by name.
+
+    A published segment's bytes never change (the edge writes a new, randomly named file for every
+    publication and only ever unlinks old ones; a mapping outlives the unlink), so a hot artifact
+    is mapped once instead of once per fetch. Checksums are still verified on every fetch unless
+    the caller asks otherwise.
+    """
+
+    def __init__(self, directory: str = DEFAULT_SHM_DIR, max_maps: int = 32) -> None:
+        self.directory = directory
+        self._max = max_maps
+        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def open(
+        self,
+        name: str,
+        *,
+        size: int | None = None,
+        expect_key: ChunkKey | None = None,
+        expect_fingerprint: ModelFingerprint | None = None,
+        require_lossless: bool = False,
+        verify: bool = True,
+    ) -> ShmArtifact:
+        with self._lock:
+            mm = self._maps.get(name)
+            if mm is not None:
+                self._maps.move_to_end(name)
+        if mm is None or (size is not None and len(mm) != size):
+            mm = _map(name, size, self.directory)
+            with self._lock:
+                self._maps[name] = mm
+                while len(self._maps) > self._max:
+                    _, old = self._maps.popitem(last=False)
+                    _close_quietly(old)
+        try:
+            header = _check(mm, verify=verify, expect_key=expect_key, expect_fingerprint=expect_fingerprint,
+                            require_lossless=require_lossless)
+        except BaseException:
+            with self._lock:
+                if self._maps.get(name) is mm:
+                    del self._maps[name]
+            _close_quietly(mm)
+            raise
+        return ShmArtifact(mm, header, owns_map=False)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), OrderedDict()
+        for mm in maps:
+            _close_quietly(mm)
+
+
+def _close_quietly(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a caller still holds a view: the mapping goes when that view does
+        pass
 
 
 def _alive(pid: int) -> bool:

@@ -429,6 +429,31 @@ def test_tokens_and_tls(origin: Any, tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_cli_stats_and_hints(origin: Any, cluster: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    from edge.cli import main, main_stats
+
+    chain = seed_origin(origin, 2, seed=109)
+    address = cluster["edges"]["c"].address
+    keys = [bytes(k).hex() for k in chain.keys]
+    fp = bytes(chain.fingerprint).hex()
+    assert main(["pin", "--edge", address, "--fingerprint", fp, "--json", *keys]) == 0
+    assert json.loads(capsys.readouterr().out) == {"command": "pin", "affected": 2, "schedule_id": ""}
+    assert main(["ttl", "--edge", address, "--seconds", "3600", "--json", keys[0]]) == 0
+    assert json.loads(capsys.readouterr().out)["affected"] == 1
+    assert main(["schedule", "--edge", address, "--cron", "0 8 * * 1-5", "--json", *keys]) == 0
+    sid = json.loads(capsys.readouterr().out)["schedule_id"]
+    assert main(["cancel", "--edge", address, "--schedule-id", sid, "--json"]) == 0
+    assert main(["schedule", "--edge", address, "--cron", "99 * * * *", "--json", keys[0]]) == 1
+    assert "minute" in json.loads(capsys.readouterr().out.splitlines()[-1])["message"]
+    assert main(["pin", "--edge", address, "--json", "nothex"]) == 1
+    capsys.readouterr()
+    assert main_stats(["--edge", address, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["node_id"] == "c" and stats["counters"]["store_pinned"] >= 2
+    assert main_stats(["--edge", address]) == 0
+    assert "origin: available" in capsys.readouterr().out
+
+
 def test_origin_down_edges_serve_what_they_hold(origin: Any, cluster: dict[str, Any]) -> None:
     """Runs last in this module: it stops the shared origin."""
     chain = seed_origin(origin, 3, seed=108)

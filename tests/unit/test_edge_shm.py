@@ -68,3 +68,24 @@ def test_names_cannot_escape_and_dead_writers_are_swept(tmp_path: Path) -> None:
     live.write_bytes(b"y")
     pool = ShmPool("e1", directory=str(tmp_path))
     assert pool.swept == 1 and not stale.exists() and live.exists()
+
+
+def test_segment_cache_maps_once_and_still_verifies(tmp_path: Path) -> None:
+    from edge.shm import SegmentCache
+
+    chain = make_chain(3)
+    pool = ShmPool("e0", directory=str(tmp_path))
+    cache = SegmentCache(str(tmp_path), max_maps=2)
+    names = [pool.publish("default", k, b) for k, b in zip(chain.keys, chain.blobs)]
+    for _ in range(3):
+        with cache.open(names[0], expect_key=chain.keys[0]) as art:
+            assert bytes(art.data) == chain.blobs[0]
+    assert len(cache) == 1
+    for n in names:
+        cache.open(n).close()
+    assert len(cache) == 2  # bounded
+    with pytest.raises(ArtifactCorrupt):
+        cache.open(names[1], expect_key=chain.keys[2])  # verification still runs on a cached map
+    assert len(cache) == 1  # and a map that failed it is dropped
+    cache.close()
+    pool.close()
