@@ -52,6 +52,8 @@ from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 
 log = logging.getLogger(__name__)
 
+_MAX_LOOKUP_HOPS = 8  # peer Lookups per chain before the rest is asked of the origin
+
 
 @dataclass(frozen=True, slots=True)
 class Located:
@@ -308,7 +310,9 @@ class EdgeNode:
             return found
         tok = self.config.upstream_token or token
         i = len(found)
-        while i < len(keys):
+        hops = 0
+        while i < len(keys) and hops < _MAX_LOOKUP_HOPS:
+            hops += 1
             peers = self.overlay.peer_owners(keys[i])
             n = 0
             for member in peers:

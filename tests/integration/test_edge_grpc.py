@@ -429,6 +429,37 @@ def test_tokens_and_tls(origin: Any, tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_metrics_endpoint_per_server(origin: Any) -> None:
+    import urllib.request
+
+    from edge.config import EdgeConfig
+    from edge.server import EdgeServer
+
+    chain = seed_origin(origin, 2, seed=110)
+
+    async def main() -> None:
+        servers = [EdgeServer(EdgeConfig(node_id=f"m{i}", origin=origin.address, metrics_port=0, shm=False)) for i in range(2)]
+        for srv in servers:
+            await srv.start()
+        try:
+            async with AsyncEdgeClient(servers[0].address) as c:
+                for _ in range(3):
+                    await c.fetch(chain.keys[0], fingerprint=chain.fingerprint, namespace=chain.namespace)
+            texts = [
+                await asyncio.to_thread(lambda p=srv.metrics_port: urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=5).read().decode())
+                for srv in servers
+            ]
+        finally:
+            for srv in servers:
+                await srv.stop()
+        assert 'kdn_edge_hits_total{tier="memory"} 2.0' in texts[0]
+        assert 'kdn_edge_upstream_fetches_total{outcome="ok",target="origin"} 1.0' in texts[0]
+        assert "kdn_edge_rpc_seconds_bucket" in texts[0] and "kdn_edge_store_evictions" in texts[0]
+        assert "kdn_edge_hits_total{" not in texts[1]  # its own registry: nothing leaks between servers
+
+    asyncio.run(main())
+
+
 def test_cli_stats_and_hints(origin: Any, cluster: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
     from edge.cli import main, main_stats
 
