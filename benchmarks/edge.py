@@ -343,7 +343,7 @@ def report(res: dict, command: str) -> str:
         f"Command: `{command}`  ",
         f"Artifacts: {r['artifact_bytes'] / 1e6:.1f} MB each (one 256-token chunk, 125M-shape model, fp16, raw codec), "
         "served from the edge's memory tier; edge, TCP server and Redis each in their own process; one client, "
-        f"sequential fetches, best of several rounds. Load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.",
+        f"sequential fetches, best of interleaved rounds (shm maps cached by name, checksums verified on every fetch). Load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.",
         "",
         "| path | GB/s | ratio | goal |",
         "|---|---|---|---|",
