@@ -13,13 +13,16 @@ If anything fails half-way, everything started so far is stopped again before th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -80,6 +83,12 @@ class ClusterState:
 
 
 # -- process management -------------------------------------------------------------------------
+
+
+def ray_temp_dir(state_dir: Path) -> Path:
+    """Ray's session files for this cluster. Kept short: Ray's socket paths must fit in 107 bytes."""
+    digest = hashlib.blake2b(str(Path(state_dir).resolve()).encode(), digest_size=4).hexdigest()
+    return Path(tempfile.gettempdir()) / f"kdn-ray-{digest}"
 
 
 def _ray_bin() -> str:
@@ -216,7 +225,7 @@ def up(config: ClusterConfig, *, progress=print) -> ClusterState:
             progress(f"starting Ray head on port {port}")
             procs.append(_start_node(
                 ["--head", f"--port={port}", "--include-dashboard=false",
-                 f"--ray-client-server-port={_free_port()}", f"--temp-dir={state_dir / 'ray'}",
+                 f"--ray-client-server-port={_free_port()}", f"--temp-dir={ray_temp_dir(state_dir)}",
                  f"--resources={json.dumps({RESOURCE_HEAD: 1})}", *common],
                 logs / "head.log", auth,
             ))
@@ -280,6 +289,8 @@ def down(state_dir: Path) -> dict:
         _remove_roles(state)
     stopped = stop_sessions(state.session_pids)
     (Path(state_dir) / "cluster.json").unlink(missing_ok=True)
+    if state.started_head:
+        shutil.rmtree(ray_temp_dir(Path(state_dir)), ignore_errors=True)
     return {"stopped": stopped, "message": f"stopped {len(stopped)} processes"}
 
 
@@ -325,10 +336,13 @@ def main_up(argv: list[str]) -> int:
     except KdnError as exc:
         print(f"kdn up: {exc}", file=sys.stderr)
         return 1
+    env = {"RAY_ADDRESS": state.address, **(ray_auth_env(Path(state.state_dir)) if state.started_head else {})}
     if a.json:
-        print(json.dumps(asdict(state)))
+        print(json.dumps({**asdict(state), "env": env}))
     else:
         print(f"Ray cluster: {state.address}")
+        print("drivers (kdn ingest --workers N, ray status) connect with:")
+        print("  export " + " ".join(f"{k}={v}" for k, v in env.items()))
         for o in state.origins:
             print(f"origin {o['node_id']}: {o['address']}")
         for e in state.edges:

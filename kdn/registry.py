@@ -28,6 +28,7 @@ class Member:
     address: str
     metrics_address: str = ""
     updated_unix: float = 0.0
+    expires: bool = True
 
 
 class Registry:
@@ -37,8 +38,9 @@ class Registry:
         self._ttl_s = ttl_s
         self._members: dict[tuple[str, str], Member] = {}
 
-    def register(self, role: str, node_id: str, address: str, metrics_address: str = "") -> None:
-        self._members[(role, node_id)] = Member(role, node_id, address, metrics_address, time.time())
+    def register(self, role: str, node_id: str, address: str, metrics_address: str = "", expires: bool = True) -> None:
+        """``expires=False`` for members that do not heartbeat (they stay until deregistered)."""
+        self._members[(role, node_id)] = Member(role, node_id, address, metrics_address, time.time(), expires)
 
     def deregister(self, role: str, node_id: str) -> None:
         self._members.pop((role, node_id), None)
@@ -49,7 +51,7 @@ class Registry:
             {"role": m.role, "node_id": m.node_id, "address": m.address, "metrics_address": m.metrics_address,
              "age_s": round(now - m.updated_unix, 3)}
             for m in sorted(self._members.values(), key=lambda m: (m.role, m.node_id))
-            if (role is None or m.role == role) and now - m.updated_unix <= self._ttl_s
+            if (role is None or m.role == role) and (not m.expires or now - m.updated_unix <= self._ttl_s)
         ]
 
     def ping(self) -> bool:

@@ -42,6 +42,7 @@ class EdgeActor:
 
         self._config = EdgeConfig.build(config)
         self._members: list[Member] = []
+        self._gauges: dict[str, Any] = {}
         self._registry = get_registry()
         self._refresh_members()
         self._ready = threading.Event()
@@ -79,8 +80,24 @@ class EdgeActor:
             try:
                 self._register()
                 self._refresh_members()
+                self._export_ray_metrics()
             except Exception:  # registry briefly unavailable: keep serving, try again next beat
                 continue
+
+    def _export_ray_metrics(self) -> None:
+        """Mirror the edge's counters into Ray's metrics, so they appear where Ray's own do
+        (Ray's Prometheus endpoint / dashboard), tagged by role and node id."""
+        from ray.util.metrics import Gauge
+
+        if self._loop is None or self._server is None or self._server.node is None:
+            return
+        counters, _ = asyncio.run_coroutine_threadsafe(self._server.node.stats(), self._loop).result(timeout=5)
+        for name, value in counters.items():
+            gauge = self._gauges.get(name)
+            if gauge is None:
+                gauge = self._gauges[name] = Gauge(f"kdn_edge_{name}", description=f"KDN edge {name}",
+                                                   tag_keys=("role", "node_id"))
+            gauge.set(float(value), tags={"role": "edge", "node_id": self._config.node_id})
 
     # -- server thread -------------------------------------------------------------------------
 
@@ -122,29 +139,12 @@ def deploy_roles(config: Any, *, progress=print) -> tuple[list[dict], list[dict]
     """Place the registry, origin(s) and edges on the connected cluster; returns their endpoints."""
     import ray
 
-    from origin.config import OriginConfig
-    from origin.ray_origin import _OriginActor
-
     registry = get_or_create_registry()
     ray.get(registry.ping.remote(), timeout=config.wait_s)
     state_dir = Path(config.state_dir)
     bind = config.bind_host
-
-    origins = []
-    for i in range(max(config.origin_nodes, 1 if config.address is None else 0)):
-        node_id = f"origin-{i}"
-        progress(f"placing {node_id} (model {config.model})")
-        ocfg = OriginConfig.build(
-            node_id=node_id, store_dir=str(state_dir / "origin-store"), models=[config.model],
-            codecs=[config.codec], listen=f"{bind}:0", workers=1,
-        )
-        actor = ray.remote(_OriginActor).options(
-            name=f"{ROLE_PREFIX}{node_id}", namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
-            resources={RESOURCE_ORIGIN: 1}, num_cpus=0, max_restarts=-1,
-        ).remote(ocfg.model_dump())
-        address = ray.get(actor.address.remote(), timeout=config.wait_s)
-        ray.get(registry.register.remote("origin", node_id, address), timeout=10)
-        origins.append({"node_id": node_id, "address": address})
+    origins = [place_origin(config, i, registry, progress=progress)
+               for i in range(max(config.origin_nodes, 1 if config.address is None else 0))]
     origin_address = origins[0]["address"] if origins else _registered_origin(registry)
 
     edges = []
@@ -164,6 +164,34 @@ def deploy_roles(config: Any, *, progress=print) -> tuple[list[dict], list[dict]
     for actor in actors:
         edges.append(ray.get(actor.info.remote(), timeout=config.wait_s))
     return origins, edges
+
+
+def place_origin(config: Any, index: int, registry: Any = None, *, progress=print) -> dict:
+    """Start (or find) origin ``index`` on a ``kdn_origin`` node and register its address."""
+    import ray
+
+    from origin.config import OriginConfig
+    from origin.ray_origin import _OriginActor
+
+    from kdn.cluster import _free_port
+
+    registry = registry or get_registry()
+    node_id = f"origin-{index}"
+    progress(f"placing {node_id} (model {config.model})")
+    # A fixed port keeps the origin's address stable across restarts: edges hold it in their config.
+    known = {e["node_id"]: e["address"] for e in ray.get(registry.members.remote("origin"), timeout=10)}
+    port = int(known[node_id].rpartition(":")[2]) if node_id in known else _free_port()
+    ocfg = OriginConfig.build(
+        node_id=node_id, store_dir=str(Path(config.state_dir) / "origin-store"), models=[config.model],
+        codecs=[config.codec], listen=f"{config.bind_host}:{port}", workers=1,
+    )
+    actor = ray.remote(_OriginActor).options(
+        name=f"{ROLE_PREFIX}{node_id}", namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
+        resources={RESOURCE_ORIGIN: 1}, num_cpus=0, max_restarts=-1,
+    ).remote(ocfg.model_dump())
+    address = ray.get(actor.address.remote(), timeout=config.wait_s)
+    ray.get(registry.register.remote("origin", node_id, address, "", False), timeout=10)
+    return {"node_id": node_id, "address": address}
 
 
 def _registered_origin(registry: Any) -> str | None:
