@@ -89,7 +89,7 @@ class EdgeNode:
         self.clock = clock or MonotonicClock()
         self._connect = connect
         self._peers: dict[str, Upstream] = {}
-        self._flight: SingleFlight[tuple[str, bytes], tuple[bytes, str]] = SingleFlight()
+        self._flight: SingleFlight[tuple[str, bytes, bool], tuple[bytes, str]] = SingleFlight()
         self.prefetcher = Prefetcher(self._run_prefetch, queue_size=config.prefetch_queue, workers=config.prefetch_workers)
         self.origin_available: bool | None = None
         self.address = ""
@@ -168,9 +168,19 @@ class EdgeNode:
             raise LossyRefused(f"artifact {bytes(spec.key).hex()[:16]} is lossy ({header.codec})")
 
     async def fetch_bytes(
-        self, spec: FetchSpec, *, token: str | None = None, next_keys: Sequence[ChunkKey] = ()
+        self,
+        spec: FetchSpec,
+        *,
+        token: str | None = None,
+        next_keys: Sequence[ChunkKey] = (),
+        forwarded: bool = False,
     ) -> tuple[bytes, str]:
-        """Verified container bytes of ``spec.key`` and the source that served them."""
+        """Verified container bytes of ``spec.key`` and the source that served them.
+
+        ``forwarded``: another edge sent this miss here to be fetched on its behalf. A forwarded
+        miss is never forwarded again and does not join a flight that forwards, so two edges
+        with momentarily different membership views cannot send a key back and forth.
+        """
         tenant = spec.namespace.tenant
         got = await self._local_get(spec.key, tenant)
         if got is not None:
@@ -182,7 +192,7 @@ class EdgeNode:
         else:
             self.metrics.misses.inc()
             (data, tier), shared = await self._flight.do(
-                (tenant, bytes(spec.key)), lambda: self._fetch_upstream(spec, token)
+                (tenant, bytes(spec.key), forwarded), lambda: self._fetch_upstream(spec, token, forwarded)
             )
             if shared:
                 self.metrics.coalesced.inc()
@@ -195,7 +205,7 @@ class EdgeNode:
         ahead = list(next_keys[: self.config.prefetch_depth])
         held = len(self.store.lookup(ahead, tenant=spec.namespace.tenant))
         for key in ahead[held:]:
-            if self._flight.in_flight((spec.namespace.tenant, bytes(key))):
+            if self._flight.in_flight((spec.namespace.tenant, bytes(key), False)):
                 continue
             self.prefetcher.offer(PrefetchJob(replace(spec, key=key, local_only=False), token))
 
@@ -211,13 +221,13 @@ class EdgeNode:
             raise
         self.metrics.prefetch.labels("fetched").inc()
 
-    async def _fetch_upstream(self, spec: FetchSpec, token: str | None) -> tuple[bytes, str]:
+    async def _fetch_upstream(self, spec: FetchSpec, token: str | None, forwarded: bool = False) -> tuple[bytes, str]:
         """Owners, then the origin. Runs once per key per burst (under SingleFlight)."""
         owners = self.overlay.owners(spec.key)
         peers = [m for m in owners if m.node_id != self.node_id]
         # A non-owner asks the first owner that answers to fetch on its behalf (so the owner keeps
         # a copy and the overlay goes to the origin once); owners only ask each other's copies.
-        forward = bool(peers) and len(peers) == len(owners)
+        forward = not forwarded and bool(peers) and len(peers) == len(owners)
         plan: list[Member | None] = [*peers, None]
         errors: list[str] = []
         unavailable = False

@@ -36,7 +36,7 @@ from edge.metrics import EdgeMetrics
 from edge.node import EdgeNode
 from edge.overlay import Member, MembershipProvider, Overlay, file_members, static_members
 from edge.shm import ShmPool
-from edge.upstream import FetchSpec, GrpcUpstream, Upstream
+from edge.upstream import FORWARDED_HEADER, FetchSpec, GrpcUpstream, Upstream
 from edge.wire import encode_chunk, serialize_chunk
 from kdn.errors import InvalidInput, KdnError, MessageTooLarge
 from kdn.keys import ChunkKey, Namespace, parse_fingerprint, parse_key
@@ -108,7 +108,8 @@ class EdgeServicer(pbg.EdgeServiceServicer):
                 local_only=request.local_only,
             )
             next_keys = self._keys(request.next_keys)
-            data, source = await self.node.fetch_bytes(spec, token=token, next_keys=next_keys)
+            forwarded = any(k == FORWARDED_HEADER for k, _ in context.invocation_metadata() or ())
+            data, source = await self.node.fetch_bytes(spec, token=token, next_keys=next_keys, forwarded=forwarded)
             shm_name = ""
             if request.shm and self._s.shm is not None:
                 shm_name = await asyncio.to_thread(self._s.shm.publish, ns.tenant, spec.key, data) \

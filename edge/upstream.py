@@ -32,6 +32,9 @@ from kdn.transport.errors import from_rpc_error
 from edge.wire import decode_chunk, identity
 
 K = TypeVar("K", bound=Hashable)
+
+FORWARDED_HEADER = "kdn-forwarded"
+"""Metadata on a Fetch one edge sends to an owner to fetch on its behalf (never forwarded again)."""
 V = TypeVar("V")
 
 
@@ -182,7 +185,10 @@ class GrpcUpstream(Upstream):
         pieces: list[memoryview] = []
         got = 0
         try:
-            call = self._fetch(spec.to_proto(), timeout=self._fetch_deadline, metadata=self._md(token))
+            md = self._md(token)
+            if self.kind == "peer" and not spec.local_only:
+                md = (*md, (FORWARDED_HEADER, "1"))
+            call = self._fetch(spec.to_proto(), timeout=self._fetch_deadline, metadata=md)
             async for raw in call:
                 chunk = decode_chunk(raw)
                 if chunk.shm_name:
@@ -305,7 +311,9 @@ class InMemoryUpstream(Upstream):
 class _PeerNode(Protocol):
     """What :class:`NodeUpstream` needs of an :class:`edge.node.EdgeNode`."""
 
-    async def fetch_bytes(self, spec: FetchSpec, *, token: str | None = None) -> tuple[bytes, str]: ...
+    async def fetch_bytes(
+        self, spec: FetchSpec, *, token: str | None = None, forwarded: bool = False
+    ) -> tuple[bytes, str]: ...
 
     async def lookup_local(self, keys: Sequence[ChunkKey], *, tenant: str) -> list[str]: ...
 
@@ -325,7 +333,7 @@ class NodeUpstream(Upstream):
         if not self.up:
             raise Unavailable(f"peer {self.name} is down")
         self.fetches += 1
-        data, _source = await self.node.fetch_bytes(spec, token=token)
+        data, _source = await self.node.fetch_bytes(spec, token=token, forwarded=not spec.local_only)
         return data
 
     async def lookup(

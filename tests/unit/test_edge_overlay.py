@@ -175,3 +175,26 @@ def test_local_only_never_goes_upstream() -> None:
         await ov.stop()
 
     asyncio.run(main())
+
+
+def test_inconsistent_views_do_not_bounce_a_key_between_edges() -> None:
+    """Two edges that each think the other owns a key: one forward, then the origin, no loop."""
+    chain = make_chain(1)
+    origin = origin_with([chain], delay_s=0.01)
+
+    async def main() -> None:
+        ov = InMemoryOverlay(2, origin=origin, replicas=1)
+        await ov.start()
+        key = chain.keys[0]
+        owner = ov.owners(key)[0]
+        other = next(n for n in ov.ids if n != owner)
+        # the owner's view is stale: it believes the other node owns everything
+        ov.nodes[owner].overlay.owners = lambda k, r=None: [ov.nodes[owner].overlay.members[other]]  # type: ignore[method-assign]
+        results = await asyncio.wait_for(
+            asyncio.gather(*(ov.nodes[n].fetch_bytes(chain.spec(0)) for n in (owner, other) for _ in range(5))), 5
+        )
+        assert all(data == chain.blobs[0] for data, _ in results)
+        assert 1 <= origin.fetches <= 2
+        await ov.stop()
+
+    asyncio.run(main())
