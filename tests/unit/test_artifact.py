@@ -391,3 +391,19 @@ def test_assembling_reader_yields_views_of_one_chunk_tensor() -> None:
     assert all(s.tensor.data_ptr() == reader.kv[s.layer, "kv".index(s.kind)].data_ptr() for s in sections)
     plain = ArtifactReader()
     assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(plain.feed(blob), sections))
+
+
+@pytest.mark.parametrize("assemble", [False, True])
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_multi_megabyte_stream_in_pieces(codec: str, assemble: bool) -> None:
+    """Past 1 MiB the reader compacts its buffer while sections stream out; nothing may break."""
+    kv = _kv(layers=8, heads=4, tokens=256, dim=64, dtype=torch.float16)  # 2 MiB
+    blob = _encode(kv, codec)
+    reader = ArtifactReader(assemble=assemble)
+    sections = []
+    for i in range(0, len(blob), 65536):
+        sections += reader.feed(blob[i : i + 65536])
+    reader.finish()
+    assert len(sections) == 16
+    for s in sections:
+        assert torch.equal(s.tensor, kv[s.layer, "kv".index(s.kind)])
