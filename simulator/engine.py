@@ -13,7 +13,8 @@ between the prediction and the commit.
 Simplifications, stated: a lookup's answer (who holds what) is known without a round trip (a
 directory or digest of each edge's keys); fetched segments arrive in parallel and prefill starts
 when the last one has arrived (no layer pipelining); caches are updated when the request arrives
-(pull-through and write-back fill at once, as if coalesced); GPU pools never queue.
+(pull-through and write-back fill at once, as if coalesced); GPU pools never queue; the origins
+are replicas of one store (a chunk published at one is at all), each edge uses its nearest.
 """
 
 from __future__ import annotations
@@ -145,9 +146,13 @@ class Simulation:
 
     # -- helpers the policies use ------------------------------------------------------------------
 
-    def make_caches(self) -> None:
+    def make_caches(self, *, whole_chains: bool = True) -> None:
+        """One byte-budget cache per edge, driven by the scenario's ``edge.policies`` policy.
+        ``whole_chains=False``: an edge holds scattered chunks of each chain (consistent hashing),
+        so the prefix-aware policy must not treat a chunk whose parent lives elsewhere as dead."""
         name = self.sc.cache.eviction
-        self.caches = [BoundedCache(self.capacity, make_policy(name)) for _ in range(self.topo.n_edges)]
+        kw = {"track_orphans": False} if (name == "prefix" and not whole_chains) else {}
+        self.caches = [BoundedCache(self.capacity, make_policy(name, **kw)) for _ in range(self.topo.n_edges)]
         self.resident = [c.keys() for c in self.caches]
 
     def chain(self, i: int) -> list[int]:

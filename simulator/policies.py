@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-
-import numpy as np
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from simulator.workload import TAIL_BASE
 
 if TYPE_CHECKING:
     from simulator.engine import Simulation
@@ -49,8 +51,6 @@ def _origin_run(sim: Simulation, keys: list[int], start: int) -> int:
     k = 0
     pre = sim.preloaded
     pub = sim.published
-    from simulator.workload import TAIL_BASE
-
     for key in keys[start:] if start else keys:
         if (pre and key < TAIL_BASE) or key in pub:
             k += 1
@@ -247,7 +247,7 @@ class ConsistentHash(Policy):
         from kdn.placement import Node, Placement
 
         sim = self.sim
-        sim.make_caches()
+        sim.make_caches(whole_chains=False)
         topo = sim.topo
         reqs = sim.reqs
         r = sim.sc.params.replicas

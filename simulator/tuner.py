@@ -2,7 +2,8 @@
 and report the Pareto front of cost vs p90 TTFT, with a recommended configuration.
 
 The grid is the product of the scenario's ``tune`` lists; knobs a policy ignores (replicas outside
-``consistent_hash``, prefetch depth outside ``hint_prefetch``) are collapsed, lossy codecs are
+``consistent_hash``, prefetch depth outside ``hint_prefetch``; ``hint_prefetch`` with depth 0 is
+``nearest_edge``) are collapsed, lossy codecs are
 dropped unless ``allow_lossy``. A grid larger than ``max_configs`` is sampled with the scenario's
 seed (same seed, same sample). Recommendation: the cheapest configuration whose p90 TTFT meets
 ``p90_target_s``; without a target, the Pareto point nearest the ideal corner once cost and p90 are
@@ -74,6 +75,8 @@ def grid(p: Prepared) -> list[TuneConfig]:
     seen: set[TuneConfig] = set()
     out: list[TuneConfig] = []
     for pol, r, gb, rc, lc, d in itertools.product(t.policies, t.replicas or [1], t.edge_cache_gb, reg, lh, t.prefetch_depth or [0]):
+        if pol == "hint_prefetch" and d == 0:
+            pol = "nearest_edge"  # prefetching nothing is plain pull-through
         cfg = TuneConfig(
             policy=pol,
             replicas=max(1, r) if pol == "consistent_hash" else p.scenario.params.replicas,

@@ -67,25 +67,27 @@ class Requests:
         return int(np.unique(self.keys).size)
 
 
-def _pick_edges(rng: np.random.Generator, t: np.ndarray, topo: Topology, amplitude: float) -> np.ndarray:
-    """Edge per arrival by user share x a daily cycle peaking at local 14:00 (thinning)."""
+def _arrivals(rng: np.random.Generator, n: int, duration_s: float, topo: Topology, amplitude: float) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` (time, edge) pairs, unsorted: each edge's rate is its user share times a daily cycle
+    ``1 + amplitude * cos(2 pi (local hour - 14) / 24)`` (local solar time from the longitude,
+    t = 0 is midnight UTC). Rejection sampling of the joint density, so both the mix of regions
+    and the total rate follow the sun."""
     cdf = np.cumsum(topo.edge_users)
     cdf[-1] = 1.0
-    out = np.empty(len(t), dtype=np.int64)
-    todo = np.arange(len(t))
-    for _ in range(200):
-        if todo.size == 0:
-            break
-        cand = np.searchsorted(cdf, rng.random(todo.size), side="right")
-        cand = np.minimum(cand, len(cdf) - 1)
-        local_h = (t[todo] / 3600.0 + topo.edge_lon[cand] / 15.0) % 24.0
+    t_out = np.empty(n)
+    e_out = np.empty(n, dtype=np.int64)
+    filled = 0
+    while filled < n:
+        m = max(1024, int((n - filled) * 1.2 * (1 + amplitude)))
+        t = rng.random(m) * duration_s
+        e = np.minimum(np.searchsorted(cdf, rng.random(m), side="right"), len(cdf) - 1)
+        local_h = (t / 3600.0 + topo.edge_lon[e] / 15.0) % 24.0
         f = 1.0 + amplitude * np.cos(2 * np.pi * (local_h - 14.0) / 24.0)
-        ok = rng.random(todo.size) * (1.0 + amplitude) <= f
-        out[todo[ok]] = cand[ok]
-        todo = todo[~ok]
-    if todo.size:  # vanishingly unlikely; fall back to the base shares
-        out[todo] = np.minimum(np.searchsorted(cdf, rng.random(todo.size), side="right"), len(cdf) - 1)
-    return out
+        ok = np.flatnonzero(rng.random(m) * (1.0 + amplitude) <= f)[: n - filled]
+        t_out[filled : filled + ok.size] = t[ok]
+        e_out[filled : filled + ok.size] = e[ok]
+        filled += ok.size
+    return t_out, e_out
 
 
 def _build_csr(
@@ -127,7 +129,7 @@ def synthetic(w: SyntheticWorkload, topo: Topology, block_tokens: int, seed: int
     if n_sess_target:
         n_sessions = max(1, int(round(n_sess_target / w.session_turns_mean)))
         turns = 1 + rng.poisson(w.session_turns_mean - 1, n_sessions)
-        start = rng.random(n_sessions) * w.duration_s
+        start, sess_edge = _arrivals(rng, n_sessions, w.duration_s, topo, w.diurnal_amplitude)
         sid = np.repeat(np.arange(n_sessions), turns)
         toff = np.zeros(n_sessions + 1, dtype=np.int64)
         np.cumsum(turns, out=toff[1:])
@@ -148,12 +150,11 @@ def synthetic(w: SyntheticWorkload, topo: Topology, block_tokens: int, seed: int
     sid = np.concatenate(s_id).astype(np.int64) if s_id else np.zeros(0, dtype=np.int64)
     sturn = np.concatenate(s_turn).astype(np.int64) if s_turn else np.zeros(0, dtype=np.int64)
     n_single = n - st.size
-    single_t = rng.random(n_single) * w.duration_s
-
+    single_t, single_edge = _arrivals(rng, n_single, w.duration_s, topo, w.diurnal_amplitude)
     # Sessions keep their edge and document for all turns.
-    sess_edge = _pick_edges(rng, rng.random(n_sessions) * w.duration_s, topo, w.diurnal_amplitude) if n_sessions else np.zeros(0, dtype=np.int64)
+    if not n_sessions:
+        sess_edge = np.zeros(0, dtype=np.int64)
     sess_doc = draw_docs(sess_edge) if n_sessions else np.zeros(0, dtype=np.int64)
-    single_edge = _pick_edges(rng, single_t, topo, w.diurnal_amplitude)
     single_doc = draw_docs(single_edge)
 
     t = np.concatenate([single_t, st])

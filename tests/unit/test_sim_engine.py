@@ -212,3 +212,39 @@ def test_trace_replay_keeps_conversations_on_one_edge(cities: CityIndex, presets
     assert r.input_tokens.tolist() == [1100, 600, 1600]
     assert [r.keys[r.key_off[i] : r.key_off[i + 1]].tolist() for i in range(3)] == [[0, 1], [0], [0, 1, 2]]
     assert r.edge[0] == r.edge[2]
+
+
+def test_lru_hit_ratio_grows_with_cache_size(cities: CityIndex, presets: Any) -> None:
+    """LRU is a stack algorithm and pull-through reads the same chunks whatever the size, so a
+    bigger edge never holds less: lookup hits are monotone in the cache size."""
+    p = make(cities, presets, workload__hint_coverage=0.0)
+    from simulator.runner import with_overrides
+
+    hits = []
+    for gb in (1, 4, 16, 64, 256):
+        sc = with_overrides(p.scenario, edge_cache_gb=gb)
+        hits.append(run_policy(sc, p.topology, p.requests, presets, "nearest_edge").lookup_hit_ratio_local)
+    assert hits == sorted(hits) and hits[0] < hits[-1]
+
+
+def test_synthetic_workload_shape(cities: CityIndex, presets: Any) -> None:
+    p = make(
+        cities,
+        presets,
+        workload={"kind": "synthetic", "requests": 20000, "duration_s": 86400, "documents": 1000, "zipf_s": 1.1,
+                  "diurnal_amplitude": 0.9, "session_fraction": 0.5, "regional_locality": 0.0},
+    )
+    r = p.requests
+    assert len(r) == 20000 and np.all(np.diff(r.t) >= 0)
+    # daily cycle: New York's requests peak in its afternoon (UTC-5), not at night
+    ny = np.isin(r.edge, [0, 1])
+    local_h = (r.t / 3600 - 5) % 24
+    day = (local_h > 10) & (local_h < 18)
+    night = (local_h > 22) | (local_h < 6)
+    assert (ny & day).sum() > 4 * (ny & night).sum()
+    # Zipf popularity: the most requested first chunk is far above the median one
+    first = r.keys[r.key_off[:-1][np.diff(r.key_off) > 0]]
+    _, counts = np.unique(first, return_counts=True)
+    assert counts.max() > 20 * np.median(counts)
+    # sessions grow their context: some chains extend others (same prefix, longer)
+    assert r.input_tokens.max() > 3 * np.median(r.input_tokens)

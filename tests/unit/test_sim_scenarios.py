@@ -180,3 +180,21 @@ def test_cli_tune_prints_pareto_front(tmp_path: Path, capsys: pytest.CaptureFixt
     rc = cli.main_tune([str(write(tmp_path, TINY)), "--out", str(tmp_path / "o"), "--no-progress", "--p90-target", "1000"])
     text = capsys.readouterr().out
     assert rc == 0 and "Pareto front" in text and "recommended (cheapest with p90 TTFT <= 1000 s)" in text
+
+
+def test_pareto_front_and_recommendation() -> None:
+    from simulator.tuner import TuneConfig, TunePoint, _recommend, pareto_front
+
+    def pt(cost: float, p90: float, gb: float) -> TunePoint:
+        cfg = TuneConfig("nearest_edge", 1, gb, "raw", "zstd", 0)
+        return TunePoint(cfg, cost, p90, p90 / 2, 0.5, 0.0, 1.0)
+
+    pts = [pt(10, 0.9, 1), pt(20, 0.5, 2), pt(15, 0.95, 3), pt(30, 0.5, 4), pt(40, 0.2, 5), pt(25, 0.6, 6)]
+    front = pareto_front(pts)
+    assert [q.config.edge_cache_gb for q in front] == [1, 2, 5]  # 3, 4, 6 are dominated
+    best, rule = _recommend(front, 0.6)
+    assert best.config.edge_cache_gb == 2 and "cheapest" in rule
+    best, rule = _recommend(front, 0.1)
+    assert best.config.edge_cache_gb == 5 and "no configuration meets" in rule
+    best, _ = _recommend(front, None)
+    assert best.config.edge_cache_gb == 2  # the knee
