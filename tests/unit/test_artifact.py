@@ -407,3 +407,20 @@ def test_multi_megabyte_stream_in_pieces(codec: str, assemble: bool) -> None:
     assert len(sections) == 16
     for s in sections:
         assert torch.equal(s.tensor, kv[s.layer, "kv".index(s.kind)])
+
+
+_STREAM_BLOB = encode_artifact(_kv(layers=3, seed=5), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="zstd")
+
+
+@FUZZ
+@given(cuts=st.lists(st.integers(0, len(_STREAM_BLOB)), max_size=30))
+def test_any_split_of_the_stream_gives_the_same_sections(cuts: list[int]) -> None:
+    bounds = [0, *sorted(cuts), len(_STREAM_BLOB)]
+    reader = ArtifactReader(expect_fingerprint=FP)
+    got = []
+    for a, b in zip(bounds, bounds[1:]):
+        got += reader.feed(_STREAM_BLOB[a:b])
+    reader.finish()
+    kv = _kv(layers=3, seed=5)
+    assert [(s.layer, s.kind) for s in got] == [(l, k) for l in range(3) for k in "kv"]
+    assert all(torch.equal(s.tensor, kv[s.layer, "kv".index(s.kind)]) for s in got)
