@@ -198,3 +198,17 @@ def test_inconsistent_views_do_not_bounce_a_key_between_edges() -> None:
         await ov.stop()
 
     asyncio.run(main())
+
+
+def test_peers_file_provider_keeps_last_good_list(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from edge.overlay import file_members
+
+    f = tmp_path / "peers"
+    read = file_members(f, {"b": 2.0})
+    assert read() == []  # missing file: nothing yet
+    f.write_text('{"a": "127.0.0.1:1", "b": "127.0.0.1:2"}')
+    assert [(m.node_id, m.weight) for m in read()] == [("a", 1.0), ("b", 2.0)]
+    f.write_text("# lines work too\nc=127.0.0.1:3\n")
+    assert [m.node_id for m in read()] == ["c"]
+    f.write_text('{"a": ')  # half-written
+    assert [m.node_id for m in read()] == ["c"]
