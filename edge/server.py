@@ -36,7 +36,7 @@ from edge.metrics import EdgeMetrics
 from edge.node import EdgeNode
 from edge.overlay import Member, MembershipProvider, Overlay, file_members, static_members
 from edge.shm import ShmPool
-from edge.upstream import FORWARDED_HEADER, FetchSpec, GrpcUpstream, Upstream
+from edge.upstream import FORWARDED_HEADER, FetchSpec, OriginUpstream, PeerUpstream, Upstream
 from edge.wire import encode_chunk, serialize_chunk
 from kdn.errors import InvalidInput, KdnError, MessageTooLarge
 from kdn.keys import ChunkKey, Namespace, parse_fingerprint, parse_key
@@ -280,8 +280,8 @@ class EdgeServer:
 
     def _connect(self, member: Member) -> Upstream:
         c = self.config
-        return GrpcUpstream(
-            member.node_id, member.address, kind="peer", tls=c.upstream_tls, token=c.upstream_token,
+        return PeerUpstream(
+            member.node_id, member.address, tls=c.upstream_tls, token=c.upstream_token,
             fetch_deadline_s=c.peer_deadline_s * 4, call_deadline_s=c.peer_deadline_s,
             max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
         )
@@ -309,8 +309,8 @@ class EdgeServer:
         )
         origin = self._origin_override
         if origin is None and c.origin:
-            origin = GrpcUpstream(
-                "origin", c.origin, kind="origin", tls=c.upstream_tls, token=c.upstream_token,
+            origin = OriginUpstream(
+                c.origin, tls=c.upstream_tls, token=c.upstream_token,
                 fetch_deadline_s=c.fetch_deadline_s, call_deadline_s=c.admin_deadline_s,
                 max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
             )

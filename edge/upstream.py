@@ -2,8 +2,8 @@
 
 ``Upstream`` is the interface (fetch / lookup / document / close). Implementations:
 
-- :class:`GrpcUpstream` — a peer edge (``EdgeService``) or the origin (``OriginService``) over
-  gRPC, with a deadline on every call and status codes converted to :mod:`kdn.errors` at the one
+- :class:`PeerUpstream` / :class:`OriginUpstream` (both :class:`GrpcUpstream`) — a peer edge
+  (``EdgeService``) or the origin (``OriginService``) over gRPC, with a deadline on every call and status codes converted to :mod:`kdn.errors` at the one
   boundary (:func:`kdn.transport.errors.from_rpc_error`);
 - :class:`InMemoryUpstream` — a dict of artifacts with a fetch counter, latency and an on/off
   switch: the fake origin of unit tests (httpx ``MockTransport`` style);
@@ -240,6 +240,20 @@ class GrpcUpstream(Upstream):
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
+
+
+class PeerUpstream(GrpcUpstream):
+    """Another edge's ``EdgeService``."""
+
+    def __init__(self, name: str, address: str, **kw: object) -> None:
+        super().__init__(name, address, kind="peer", **kw)  # type: ignore[arg-type]
+
+
+class OriginUpstream(GrpcUpstream):
+    """The origin's ``OriginService``."""
+
+    def __init__(self, address: str, **kw: object) -> None:
+        super().__init__("origin", address, kind="origin", **kw)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
