@@ -96,7 +96,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key")
     p.add_argument("--tls-ca", help="require client certificates signed by this CA (mTLS)")
     p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory path")
-    p.add_argument("--json", action="store_true", help="log events as JSON lines")
+    p.add_argument("--json", action="store_true", help="accepted for uniformity: the ready/stopped events are always JSON lines")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
