@@ -323,7 +323,7 @@ class EdgeServer:
         self.hints = HintService(self.node, disk_dir=c.disk_dir, clock=self.clock)
         self.node.scheduler = self.hints
         if c.shm:
-            self.shm = ShmPool(c.node_id, directory=c.shm_dir, max_segments=c.shm_max_segments)
+            self.shm = ShmPool(c.node_id, directory=c.shm_dir, max_segments=c.shm_max_segments, max_bytes=c.shm_max_bytes)
         _add_servicer(EdgeServicer(self), self._server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
