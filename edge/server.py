@@ -38,7 +38,7 @@ from edge.overlay import Member, MembershipProvider, Overlay, file_members, stat
 from edge.shm import ShmPool
 from edge.upstream import FORWARDED_HEADER, FetchSpec, OriginUpstream, PeerUpstream, Upstream
 from edge.wire import encode_chunk, serialize_chunk
-from kdn.errors import InvalidInput, KdnError, MessageTooLarge
+from kdn.errors import InvalidInput, KdnError, MessageTooLarge, Unavailable
 from kdn.keys import ChunkKey, Namespace, parse_fingerprint, parse_key
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
@@ -112,8 +112,11 @@ class EdgeServicer(pbg.EdgeServiceServicer):
             data, source = await self.node.fetch_bytes(spec, token=token, next_keys=next_keys, forwarded=forwarded)
             shm_name = ""
             if request.shm and self._s.shm is not None:
-                shm_name = await asyncio.to_thread(self._s.shm.publish, ns.tenant, spec.key, data) \
-                    if len(data) > (4 << 20) else self._s.shm.publish(ns.tenant, spec.key, data)
+                try:
+                    shm_name = await asyncio.to_thread(self._s.shm.publish, ns.tenant, spec.key, data) \
+                        if len(data) > (4 << 20) else self._s.shm.publish(ns.tenant, spec.key, data)
+                except Unavailable as exc:  # no room in shared memory: stream the bytes instead
+                    log.info("%s: shm refused (%s); streaming", self._s.config.node_id, exc)
         except Exception as exc:
             await self._fail(context, "Fetch", exc)
             return
