@@ -303,7 +303,7 @@ def _remove_roles(state: ClusterState) -> None:
 
         ray.init(address=state.address, namespace=RAY_NAMESPACE, logging_level="ERROR", log_to_driver=False)
         try:
-            kill_roles()
+            kill_roles([m["node_id"] for m in state.origins + state.edges])
         finally:
             ray.shutdown()
     except Exception as exc:  # the cluster may be gone already; stopping our nodes still proceeds

@@ -149,8 +149,10 @@ def deploy_roles(config: Any, *, progress=print) -> tuple[list[dict], list[dict]
 
     edges = []
     actors = []
-    for i in range(config.edge_nodes):
-        node_id = f"edge-{i}"
+    taken = {e["node_id"] for e in ray.get(registry.members.remote("edge"), timeout=10)}
+    free_ids = (f"edge-{i}" for i in range(10_000) if f"edge-{i}" not in taken)
+    for _ in range(config.edge_nodes):
+        node_id = next(free_ids)  # joining a running cluster adds edges under new ids
         progress(f"placing {node_id}")
         ecfg = dict(
             node_id=node_id, listen=f"{bind}:0", origin=origin_address,
@@ -201,16 +203,20 @@ def _registered_origin(registry: Any) -> str | None:
     return entries[0]["address"] if entries else None
 
 
-def kill_roles() -> list[str]:
-    """Kill every KDN actor (names starting with ``kdn-``) in the KDN namespace."""
+def kill_roles(node_ids: list[str]) -> list[str]:
+    """Kill the KDN actors of these node ids (and deregister them); other actors are left alone."""
     import ray
-    from ray.util import list_named_actors
 
+    registry = get_registry()
     killed = []
-    for entry in list_named_actors(all_namespaces=True):
-        if entry.get("namespace") == RAY_NAMESPACE and entry["name"].startswith(ROLE_PREFIX):
-            ray.kill(ray.get_actor(entry["name"], namespace=RAY_NAMESPACE), no_restart=True)
-            killed.append(entry["name"])
+    for node_id in node_ids:
+        try:
+            ray.kill(ray.get_actor(f"{ROLE_PREFIX}{node_id}", namespace=RAY_NAMESPACE), no_restart=True)
+        except ValueError:  # no such actor (already gone)
+            continue
+        role = "origin" if node_id.startswith("origin-") else "edge"
+        ray.get(registry.deregister.remote(role, node_id), timeout=10)
+        killed.append(node_id)
     return killed
 
 

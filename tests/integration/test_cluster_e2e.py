@@ -158,6 +158,25 @@ def test_cluster_end_to_end(cluster, tmp_path):
     r = _generate(lm, edges["edge-0"], DOCS_NEW + "\nQuestion: where?")
     assert r.reused_tokens > 0, r.warnings
 
+    # A new edge node joins the running cluster, enters the overlay and takes keys; its own
+    # `kdn down` stops only what that `kdn up` started.
+    state2 = tmp_path / "joined"
+    join = _run(["up", "--address", info["address"], "--origin-nodes", "0", "--edge-nodes", "1",
+                 "--state-dir", str(state2), "--json"], env, timeout=300)
+    assert join.returncode == 0, join.stderr[-3000:]
+    joined = json.loads(join.stdout)
+    (new_edge,) = joined["edges"]
+    assert new_edge["node_id"] not in edges
+    assert new_edge["node_id"] in {m["node_id"] for m in _ray(env, "members")}
+    r = _generate(lm, new_edge["address"], _prompt("policy.md"))
+    assert r.tokens == expected["policy.md"] and r.reused_tokens > 0, r.warnings
+    down2 = _run(["down", "--state-dir", str(state2), "--json"], env, timeout=120)
+    assert down2.returncode == 0, down2.stderr
+    from kdn.cluster import session_members
+
+    assert session_members(set(joined["session_pids"])) == []
+    assert session_members(set(info["session_pids"])), "the first cluster must still run"
+
 
 DOCS_NEW = "A brand new document about tide tables and harbour pilots. " * 40
 
