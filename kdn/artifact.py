@@ -7,11 +7,14 @@ Layout (all integers little-endian)::
     hcheck    xxh3_64(prefix ‖ header)                                      8 bytes
     2·L sections, in order layer 0 K, layer 0 V, layer 1 K, ...:
       length u32 | payload (codec bytes) | xxh3_64(length ‖ payload) u64
-    trailer   b"KDNE" | xxh3_128(everything before the trailer)            20 bytes
+    trailer   b"KDNE" | xxh3_128(hcheck ‖ every section's check)            20 bytes
 
 Invariants:
 - a reader verifies every checksum before it uses the bytes they cover: the header before it is
-  parsed, each section before it is decoded, the whole-artifact digest at the end;
+  parsed, each section before it is decoded, the whole-artifact digest at the end. The checks
+  cover every byte (each section's covers its length field too), and the whole-artifact digest
+  is taken over the checks, in order: it catches dropped, repeated or reordered sections without
+  a second pass over the payload — which keeps verification at one hash pass per byte;
 - no length is trusted before it is bounded: the header by ``MAX_HEADER``, a section by what its
   codec can produce for the shape the (already verified) header declares, the whole artifact and
   the KV its header declares (what compressed sections may expand to) by ``max_bytes`` — so a
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import struct
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Literal
 
@@ -128,15 +132,18 @@ def encode_artifact(
         raise InvalidInput(f"artifact header of {len(hbytes)} bytes exceeds {MAX_HEADER}")
     parts = [_PREFIX.pack(MAGIC, VERSION, 0, len(hbytes)), hbytes]
     parts.append(_U64.pack(xxhash.xxh3_64_intdigest(parts[0] + hbytes)))
+    tree = xxhash.xxh3_128(parts[-1])  # digest over the checks, in order
     for info in section_infos(header):
         x = kv[info.layer, 0 if info.kind == "k" else 1].contiguous()  # (H, T, D)
         payload = codec.encode(x, info)
         length = _U32.pack(len(payload))
         h = xxhash.xxh3_64(length)
         h.update(payload)
-        parts += [length, payload, _U64.pack(h.intdigest())]
-    body = b"".join(parts)
-    return body + TRAILER_MAGIC + xxhash.xxh3_128_digest(body)
+        check = _U64.pack(h.intdigest())
+        tree.update(check)
+        parts += [length, payload, check]
+    parts += [TRAILER_MAGIC, tree.digest()]
+    return b"".join(parts)
 
 
 class ArtifactReader:
@@ -167,10 +174,11 @@ class ArtifactReader:
         self._decode = decode
         self._assemble = assemble and decode
         self.kv: torch.Tensor | None = None  # (L, 2, H, T, D) when assembling
-        self._buf = bytearray()
-        self._pos = 0  # bytes of _buf consumed
+        self._buf = bytearray()  # bytes that arrived but belong to an unfinished part
+        self._view: memoryview = memoryview(b"")  # what the current feed() parses
+        self._pos = 0  # bytes of _view consumed
         self._total = 0
-        self._digest = xxhash.xxh3_128()
+        self._tree = xxhash.xxh3_128()
         self.header: pb.ArtifactHeader | None = None
         self._codec: Codec | None = None
         self._infos: list[SectionInfo] = []
@@ -189,21 +197,39 @@ class ArtifactReader:
         self._total += len(data)
         if self._total > self._max_bytes:
             raise MessageTooLarge(f"artifact exceeds {self._max_bytes} bytes")
-        self._buf += data
+        fresh = self._pos >= len(self._buf)
+        if fresh:  # nothing pending: parse the caller's bytes in place, copy only a leftover
+            self._buf = bytearray()
+            self._view = memoryview(data).cast("B")
+        else:
+            self._buf += data
+            self._view = memoryview(self._buf)
+        self._pos = 0 if fresh else self._pos
         out: list[Section] = []
-        while True:
-            if self.header is None:
-                if not self._parse_header():
+        try:
+            while True:
+                if self.header is None:
+                    if not self._parse_header():
+                        break
+                elif self._next < len(self._infos):
+                    section = self._parse_section()
+                    if section is None:
+                        break
+                    if section is not True:
+                        out.append(section)
+                else:
+                    self._parse_trailer()
                     break
-            elif self._next < len(self._infos):
-                section = self._parse_section()
-                if section is None:
-                    break
-                if section is not True:
-                    out.append(section)
-            else:
-                self._parse_trailer()
-                break
+        except BaseException as exc:
+            # the failed step's frames hold slices of the caller's buffer; drop them so the caller
+            # can close an mmap or resize a bytearray right away
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        finally:
+            if fresh:
+                self._buf = bytearray(self._view[self._pos :])
+                self._pos = 0
+            self._view = memoryview(b"")
         if self._pos > (1 << 20) and self._pos > len(self._buf) // 2:
             del self._buf[: self._pos]
             self._pos = 0
@@ -217,22 +243,22 @@ class ArtifactReader:
 
     # -- parsing steps: each returns None when more bytes are needed ---------------------------
 
-    def _take(self, n: int) -> memoryview | None:
-        if len(self._buf) - self._pos < n:
-            return None
-        view = memoryview(self._buf)[self._pos : self._pos + n]
-        self._digest.update(view)
+    def _avail(self) -> int:
+        return len(self._view) - self._pos
+
+    def _take(self, n: int) -> memoryview:
+        view = self._view[self._pos : self._pos + n]
         self._pos += n
         return view
 
     def _parse_header(self) -> bool:
-        avail = len(self._buf) - self._pos
+        avail = self._avail()
         if avail < _PREFIX.size:
             # check the magic early so garbage fails fast
-            if avail >= 4 and bytes(self._buf[self._pos : self._pos + 4]) != MAGIC:
+            if avail >= 4 and bytes(self._view[self._pos : self._pos + 4]) != MAGIC:
                 raise ArtifactCorrupt("not a KDN artifact (bad magic)")
             return False
-        magic, version, _flags, hlen = _PREFIX.unpack_from(self._buf, self._pos)
+        magic, version, _flags, hlen = _PREFIX.unpack_from(self._view, self._pos)
         if magic != MAGIC:
             raise ArtifactCorrupt("not a KDN artifact (bad magic)")
         if version > VERSION:
@@ -243,14 +269,14 @@ class ArtifactReader:
             raise ArtifactCorrupt(f"artifact header declares {hlen} bytes (limit {MAX_HEADER})")
         if avail < _PREFIX.size + hlen + 8:
             return False
-        start = self._pos
         prefix_and_header = self._take(_PREFIX.size + hlen)
-        (check,) = _U64.unpack(self._take(8))
-        if xxhash.xxh3_64_intdigest(prefix_and_header) != check:
+        check = self._take(8)
+        if xxhash.xxh3_64_intdigest(prefix_and_header) != _U64.unpack(check)[0]:
             raise ArtifactCorrupt("artifact header checksum mismatch")
+        self._tree.update(check)
         header = pb.ArtifactHeader()
         try:
-            header.ParseFromString(bytes(self._buf[start + _PREFIX.size : start + _PREFIX.size + hlen]))
+            header.ParseFromString(bytes(prefix_and_header[_PREFIX.size :]))
         except Exception as exc:  # protobuf's DecodeError; checksum passed, so the writer was wrong
             raise ArtifactCorrupt(f"artifact header does not parse: {exc}") from exc
         self._validate_header(header)
@@ -292,10 +318,10 @@ class ArtifactReader:
 
     def _parse_section(self) -> Section | bool | None:
         info = self._infos[self._next]
-        avail = len(self._buf) - self._pos
+        avail = self._avail()
         if avail < 4:
             return None
-        (length,) = _U32.unpack_from(self._buf, self._pos)
+        (length,) = _U32.unpack_from(self._view, self._pos)
         assert self._codec is not None
         bound = self._codec.max_payload(info)
         if length > bound:
@@ -306,9 +332,10 @@ class ArtifactReader:
         if avail < 4 + length + 8:
             return None
         framed = self._take(4 + length)
-        (check,) = _U64.unpack(self._take(8))
-        if xxhash.xxh3_64_intdigest(framed) != check:
+        check = self._take(8)
+        if xxhash.xxh3_64_intdigest(framed) != _U64.unpack(check)[0]:
             raise ArtifactCorrupt(f"layer {info.layer} {info.kind.upper()} section checksum mismatch")
+        self._tree.update(check)
         self._next += 1
         if not self._decode:
             return True
@@ -325,14 +352,12 @@ class ArtifactReader:
         return Section(info.layer, info.kind, out)
 
     def _parse_trailer(self) -> None:
-        if len(self._buf) - self._pos < TRAILER_BYTES:
+        if self._avail() < TRAILER_BYTES:
             return
-        expected = self._digest.digest()
-        tail = bytes(self._buf[self._pos : self._pos + TRAILER_BYTES])
-        self._pos += TRAILER_BYTES
-        if tail[:4] != TRAILER_MAGIC or tail[4:] != expected:
+        tail = bytes(self._take(TRAILER_BYTES))
+        if tail[:4] != TRAILER_MAGIC or tail[4:] != self._tree.digest():
             raise ArtifactCorrupt("artifact digest mismatch")
-        if len(self._buf) > self._pos:
+        if self._avail() > 0:
             raise ArtifactCorrupt("bytes after the artifact trailer")
         self._done = True
 

@@ -64,11 +64,14 @@ def _encode(kv: torch.Tensor, codec: str = "raw") -> bytes:
 def _frame(header: bytes, sections: list[bytes], *, version: int = 1, flags: int = 0, header_len: int | None = None,
            magic: bytes = b"KDNA") -> bytes:
     prefix = struct.pack("<4sHHI", magic, version, flags, len(header) if header_len is None else header_len)
-    body = prefix + header + struct.pack("<Q", xxhash.xxh3_64_intdigest(prefix + header))
+    checks = [struct.pack("<Q", xxhash.xxh3_64_intdigest(prefix + header))]
+    body = prefix + header + checks[0]
     for payload in sections:
         framed = struct.pack("<I", len(payload)) + payload
-        body += framed + struct.pack("<Q", xxhash.xxh3_64_intdigest(framed))
-    return body + b"KDNE" + xxhash.xxh3_128_digest(body)
+        checks.append(struct.pack("<Q", xxhash.xxh3_64_intdigest(framed)))
+        body += framed + checks[-1]
+    # the whole-artifact digest is taken over the checks, in order
+    return body + b"KDNE" + xxhash.xxh3_128_digest(b"".join(checks))
 
 
 def _split(blob: bytes) -> tuple[pb.ArtifactHeader, list[bytes]]:
