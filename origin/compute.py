@@ -94,7 +94,7 @@ class LocalCompute:
 
     def close(self) -> None:
         for w in self._workers.values():
-            w.store.close()
+            w.close()
 
 
 class RayCompute:

@@ -146,7 +146,7 @@ class LocalExecutor:
                 on_result(DocumentResult(t.doc_id, "failed", f"{type(exc).__name__}: {exc}"))
 
     def close(self) -> None:
-        self.worker.store.close()
+        self.worker.close()
 
 
 class RayExecutor:

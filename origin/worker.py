@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -98,6 +99,7 @@ class PrefillWorker:
         fsync: bool = True,
         threads: int | None = None,
         lm: LoadedModel | None = None,
+        writers: int = 4,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)
@@ -105,6 +107,7 @@ class PrefillWorker:
         # the driver/server checks the store on open; a worker must not sweep others' temp files
         self.store = OriginStore(store_dir, fsync=fsync, verify="none")
         self.codecs = [get_codec(c).spec for c in codecs]
+        self._writers = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="kdn-origin-write")
 
     # -- introspection (also Ray actor methods) -------------------------------------------------
 
@@ -120,6 +123,10 @@ class PrefillWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def close(self) -> None:
+        self._writers.shutdown(wait=True)
+        self.store.close()
 
     # -- work -----------------------------------------------------------------------------------
 
@@ -203,16 +210,19 @@ class PrefillWorker:
         if not missing:
             return keys, 0, 0
         chunks = prefill_chunks(lm, tokens, max_chunks=missing[-1] + 1)  # each (L, 2, H, C, D)
-        written = 0
-        for i in missing:
-            parent = keys[i - 1] if i else ROOT_KEY
-            for spec in codecs:
-                if self.store.artifact(keys[i], spec) is not None:
-                    continue
-                blob = encode_artifact(chunks[i], key=keys[i], parent_key=parent, fingerprint=lm.fingerprint,
-                                       codec=spec, chunk_index=i)
-                self.store.put(blob, tenant=ns.tenant)
-                written += len(blob)
+
+        def write(i: int, spec: str) -> int:
+            if self.store.artifact(keys[i], spec) is not None:
+                return 0
+            blob = encode_artifact(chunks[i], key=keys[i], parent_key=keys[i - 1] if i else ROOT_KEY,
+                                   fingerprint=lm.fingerprint, codec=spec, chunk_index=i)
+            self.store.put(blob, tenant=ns.tenant)
+            return len(blob)
+
+        # encode + fsynced writes overlap (codecs and fsync release the GIL); all are done, and
+        # durable, before this returns: a result never reports a chunk that is not stored
+        jobs = [self._writers.submit(write, i, spec) for i in missing for spec in codecs]
+        written = sum(j.result() for j in jobs)
         return keys, len(missing), written
 
 
