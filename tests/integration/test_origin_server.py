@@ -184,3 +184,41 @@ def test_restart_serves_everything_and_drops_a_corrupted_blob(tmp_path, tiny_mod
         ch.close()
     finally:
         srv2.stop()
+
+
+def test_kdn_origin_command_serves_until_sigterm(tmp_path):
+    """`kdn origin` as a process: prints one JSON ready line, serves health, exits 0 on SIGTERM."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kdn.cli", "origin", "--model", "tiny", "--store", str(tmp_path), "--listen", "127.0.0.1:0",
+         "--codec", "raw", "--token", "tok=acme", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()  # blocks until ready (or the process dies: empty line)
+        assert line, proc.stderr.read()
+        ready = json.loads(line)
+        assert ready["event"] == "ready" and ready["port"] > 0
+        ch = sync_channel(ready["address"])
+        h = health_pb2_grpc.HealthStub(ch)
+        assert h.Check(health_pb2.HealthCheckRequest(service="kdn.v1.OriginService"), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        stub = pbg.OriginServiceStub(ch)
+        fp = bytes.fromhex(next(iter(ready["models"])))
+        r = _call(stub.Compute, pb.ComputeRequest(fingerprint=fp, namespace=pb.Namespace(tenant="acme"), tokens=[9] * 600),
+                  token="tok")
+        assert r.computed == 2
+        with pytest.raises(Unauthorized):
+            _call(stub.Compute, pb.ComputeRequest(fingerprint=fp, namespace=pb.Namespace(tenant="acme"), tokens=[9] * 600),
+                  token=None)
+        ch.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
