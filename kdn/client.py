@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Coroutine, Literal, Sequence, TypeVar
@@ -217,7 +218,7 @@ class AsyncKdnClient:
         )
         lo, hi = i * chunk_size, (i + 1) * chunk_size
         checked = False
-        async for piece, via in self.transport.fetch(
+        stream = self.transport.fetch(
             fingerprint,
             self.config.namespace,
             keys[i],
@@ -225,18 +226,20 @@ class AsyncKdnClient:
             next_keys=keys[i + 1 : i + 1 + _PREFETCH_HINT],
             require_lossless=self.config.require_lossless,
             codec=self.config.codec,
-        ):
-            t0 = time.perf_counter()
-            sections = reader.feed(piece)
-            if not checked and reader.header is not None:
-                _check_geometry(reader.header, shape, chunk_size, i)
-                checked = True
-            for s in sections:
-                # s.tensor (H, T, D) -> out[layer, k|v, :, chunk i's T tokens, :]
-                out[s.layer, 0 if s.kind == "k" else 1, :, lo:hi].copy_(s.tensor)
-            tally.decode_s += time.perf_counter() - t0
-            tally.bytes += len(piece)
-            tally.via = via
+        )
+        async with aclosing(stream):  # a refused artifact ends its call now, not at garbage collection
+            async for piece, via in stream:
+                t0 = time.perf_counter()
+                sections = reader.feed(piece)
+                if not checked and reader.header is not None:
+                    _check_geometry(reader.header, shape, chunk_size, i)
+                    checked = True
+                for s in sections:
+                    # s.tensor (H, T, D) -> out[layer, k|v, :, chunk i's T tokens, :]
+                    out[s.layer, 0 if s.kind == "k" else 1, :, lo:hi].copy_(s.tensor)
+                tally.decode_s += time.perf_counter() - t0
+                tally.bytes += len(piece)
+                tally.via = via
         reader.finish()
 
     async def put(self, fingerprint: ModelFingerprint, key: ChunkKey, data: bytes) -> bool:

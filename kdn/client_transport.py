@@ -154,6 +154,9 @@ class GrpcEdgeTransport(EdgeTransport):
                     return
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc, peer=self.address) from exc
+            finally:
+                if not call.done():
+                    call.cancel()
             use_shm = False
 
     async def put(
