@@ -118,7 +118,7 @@ class TraceWorkload(_Strict):
     def _exists(cls, v: str, info: ValidationInfo) -> str:
         bases: list[Path] = _ctx(info, "base_dirs") or [Path.cwd()]
         p = Path(v).expanduser()
-        cands = [p] if p.is_absolute() else [b / p for b in bases]
+        cands = [p] if p.is_absolute() else list(dict.fromkeys((b / p).resolve() for b in bases))
         for c in cands:
             if c.is_file():
                 return str(c.resolve())
