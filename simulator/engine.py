@@ -13,7 +13,8 @@ between the prediction and the commit.
 Simplifications, stated: a lookup's answer (who holds what) is known without a round trip (a
 directory or digest of each edge's keys); fetched segments arrive in parallel and prefill starts
 when the last one has arrived (no layer pipelining); caches are updated when the request arrives
-(pull-through and write-back fill at once, as if coalesced); GPU pools never queue; the origins
+(pull-through and write-back fill at once, as if coalesced); GPU pools queue (FIFO over
+``gpu_replicas_per_edge`` replicas per edge) only when that is set, else they are unlimited; the origins
 are replicas of one store (a chunk published at one is at all), each edge uses its nearest.
 """
 
@@ -111,6 +112,9 @@ class Simulation:
         self.pb = 4.0 * model.layers * model.q_heads * model.head_dim / flops
         self.first_token_s = model.params * model.dtype_bytes / (gpu.hbm_tbps * 1e12 * tp)
         self.decision = sc.params.decision
+        pool = sc.gpu_replicas_per_edge
+        # per edge, when each GPU replica is next free; None: unlimited GPUs, no queueing
+        self.gpu_free: list[list[float]] | None = None if pool is None else [[0.0] * pool for _ in range(topo.n_edges)]
         self.loop = EventLoop()
         self.links = Links(topo.uplink_Bps)
         self.lat: list[list[float]] = topo.latency_s.tolist()
@@ -193,32 +197,47 @@ class Simulation:
         if self.is_wan[e][dst]:
             self.wan_bytes += nbytes
 
-    def decide(self, now: float, n_in: int, ready: list[float], sizes: list[int]) -> int:
+    def gpu_start(self, e: int) -> float:
+        """When the earliest-free GPU replica of edge ``e`` is free (-inf: unlimited pool)."""
+        if self.gpu_free is None:
+            return float("-inf")
+        return min(self.gpu_free[e])
+
+    def decide(self, now: float, e: int, n_in: int, ready: list[float], sizes: list[int]) -> int:
         """How many leading segments to use (0 = recompute everything). ``ready[j]`` is when
-        segment ``j`` (``sizes[j]`` chunks) would be at the GPU."""
+        segment ``j`` (``sizes[j]`` chunks) would be at edge ``e``'s GPUs; prefill starts once the
+        data is there and a GPU replica is free (FIFO)."""
         B = self.B
         if self.decision == "recompute" or not sizes:
             return 0
         if self.decision == "fetch":
             return len(sizes)
+        free = self.gpu_start(e)
         best_m = 0
-        best = self.prefill_s(0, n_in)
+        best = (free if free > now else now) + self.prefill_s(0, n_in)
         t_ready = now
         cov = 0
         for m in range(len(sizes)):
             if ready[m] > t_ready:
                 t_ready = ready[m]
             cov += sizes[m]
-            total = (t_ready - now) + self.prefill_s(cov * B, n_in - cov * B)
+            total = (t_ready if t_ready > free else free) + self.prefill_s(cov * B, n_in - cov * B)
             if total < best:
                 best = total
                 best_m = m + 1
         return best_m
 
-    def finish(self, now: float, n_in: int, covered: int, t_ready: float, had_remote: bool, fetched_remote: bool) -> None:
-        """Record a served request: ``covered`` leading chunks reused, ready at ``t_ready``."""
+    def finish(self, now: float, e: int, n_in: int, covered: int, t_ready: float, had_remote: bool, fetched_remote: bool) -> None:
+        """Record a served request: ``covered`` leading chunks reused, their data at the GPUs at
+        ``t_ready``; prefill runs on edge ``e``'s earliest-free GPU replica."""
         start = covered * self.B
         pf = self.prefill_s(start, n_in - start) + self.first_token_s
+        if self.gpu_free is not None:
+            free = self.gpu_free[e]
+            k = free.index(min(free))
+            if free[k] > t_ready:
+                t_ready = free[k]
+            free[k] = t_ready + pf
         self.ttft.append(t_ready - now + pf)
         self.gpu_s += pf
         self.gpu_s_saved += self.prefill_s(0, n_in) + self.first_token_s - pf

@@ -72,7 +72,7 @@ class OriginOnly(Policy):
         nb = len(keys)
         o = sim.nearest_origin[e]
         k = _origin_run(sim, keys, 0)
-        m = sim.decide(now, n_in, [sim.fetch_ready(o, e, k, now, False)], [k]) if k else 0
+        m = sim.decide(now, e, n_in, [sim.fetch_ready(o, e, k, now, False)], [k]) if k else 0
         t = now
         covered = 0
         if m:
@@ -81,7 +81,7 @@ class OriginOnly(Policy):
             sim.served_origin += k
         sim.blocks += nb
         sim.recomputed += nb - covered
-        sim.finish(now, n_in, covered, t, k > 0, m > 0)
+        sim.finish(now, e, n_in, covered, t, k > 0, m > 0)
         sim.publish(e, keys[covered:], now)
 
 
@@ -119,7 +119,7 @@ class NearestEdge(Policy):
         if k2:
             ready.append(sim.fetch_ready(o, e, k2, now, False))
             sizes.append(k2)
-        m = sim.decide(now, n_in, ready, sizes)
+        m = sim.decide(now, e, n_in, ready, sizes)
         t = now
         covered = 0
         if m >= 1 and h:
@@ -134,7 +134,7 @@ class NearestEdge(Policy):
             sim.served_origin += k2
         sim.blocks += nb
         sim.recomputed += nb - covered
-        sim.finish(now, n_in, covered, t, k2 > 0, covered > h)
+        sim.finish(now, e, n_in, covered, t, k2 > 0, covered > h)
         access = cache.access
         stored = sim.stored
         parent = None
@@ -307,7 +307,7 @@ class ConsistentHash(Policy):
         if k2:
             ready.append(sim.fetch_ready(oi, e, k2, now, False))
             sizes.append(k2)
-        m = sim.decide(now, n_in, ready, sizes)
+        m = sim.decide(now, e, n_in, ready, sizes)
         t = now
         covered = 0
         if m >= 1 and h:
@@ -326,7 +326,7 @@ class ConsistentHash(Policy):
             sim.served_origin += k2
         sim.blocks += nb
         sim.recomputed += nb - covered
-        sim.finish(now, n_in, covered, t, k2 > 0, covered > h)
+        sim.finish(now, e, n_in, covered, t, k2 > 0, covered > h)
         stored = sim.stored
         parent = None
         uploads: dict[int, int] = {}

@@ -206,6 +206,9 @@ class Scenario(_Strict):
     model: str
     gpu: str
     gpus_per_replica: int = Field(1, ge=1, description="GPUs serving one request (tensor parallel); prefill speed scales linearly")
+    gpu_replicas_per_edge: int | None = Field(
+        None, ge=1, description="GPU replicas at each edge site; requests queue for them (FIFO). Unset: unlimited, no queueing"
+    )
     block_tokens: int = Field(512, ge=1, description="tokens per cached KV chunk (synthetic workloads; a trace brings its own)")
     topology: TopologySpec
     workload: Workload

@@ -162,10 +162,11 @@ def test_both_outcomes_of_the_decision_occur(cities: CityIndex, presets: Any) ->
     assert near < near_rc and far > far_rc
 
 
-def test_auto_decision_beats_both_fixed_rules_under_load(cities: CityIndex, presets: Any) -> None:
+@pytest.mark.parametrize("pool", [None, 1])
+def test_auto_decision_beats_both_fixed_rules_under_load(cities: CityIndex, presets: Any, pool: int | None) -> None:
     p90 = {}
     for d in ("auto", "fetch", "recompute"):
-        p = make(cities, presets, params__decision=d, topology__origins=[{"city": "London, GB", "uplink_gbps": 5}])
+        p = make(cities, presets, params__decision=d, topology__origins=[{"city": "London, GB", "uplink_gbps": 5}], gpu_replicas_per_edge=pool)
         p90[d] = run_policy(p.scenario, p.topology, p.requests, presets, "nearest_edge").ttft_mean_s
     assert p90["auto"] <= p90["fetch"] and p90["auto"] <= p90["recompute"]
 
@@ -248,3 +249,18 @@ def test_synthetic_workload_shape(cities: CityIndex, presets: Any) -> None:
     assert counts.max() > 20 * np.median(counts)
     # sessions grow their context: some chains extend others (same prefix, longer)
     assert r.input_tokens.max() > 3 * np.median(r.input_tokens)
+
+
+@pytest.mark.parametrize("pool, expected", [(1, [1, 2, 3]), (2, [1, 1, 2]), (None, [1, 1, 1])])
+def test_gpu_pool_queues_prefills_fifo(cities: CityIndex, presets: Any, tmp_path: Any, pool: int | None, expected: list[int]) -> None:
+    """Three requests arrive at once, nothing to reuse: with one GPU replica the second waits for
+    the first prefill and the third for both."""
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 2048, "output_length": 1, "hash_ids": [10 * i + j for j in range(4)]} for i in range(3)]
+    trace.write_text("\n".join(__import__("json").dumps(r) for r in rows) + "\n")
+    p = make(cities, presets, workload={"kind": "trace", "path": str(trace)}, gpu_replicas_per_edge=pool,
+             topology__regions=[{"name": "solo", "city": "Paris"}])
+    sim = Simulation(p.scenario, p.topology, p.requests, presets, "nearest_edge")
+    res = sim.run()
+    pf = sim.prefill_s(0, 2048) + sim.first_token_s
+    assert sorted(res.ttft.tolist()) == pytest.approx([k * pf for k in expected], rel=1e-9)
