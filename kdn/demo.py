@@ -205,21 +205,27 @@ def _quietly(fn: Any) -> None:
         pass
 
 
+def _secs(s: float) -> str:
+    return f"{s:.2f} s" if s < 10 else f"{s:.1f} s"
+
+
 def render(out: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from rich import box
+
     console = Console()
-    table = Table(title=f"KDN demo — time to first token, {out['model']} on CPU")
+    table = Table(title=f"KDN demo — time to first token, {out['model']} on CPU", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True)
     for col, just in (("document", "left"), ("tokens", "right"), ("reused", "right"),
                       ("recompute", "right"), ("KDN cold", "right"), ("KDN hit", "right"),
                       ("speedup", "right"), ("same", "center")):
-        table.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
+        table.add_column(col, justify=just, min_width=len(col))  # type: ignore[arg-type]
     for q in out["queries"]:
         table.add_row(
             q["document"].removesuffix(".txt"), str(q["prompt_tokens"]), str(q["reused_tokens"]),
-            f"{q['ttft_recompute_s'] * 1e3:.0f} ms", f"{q['ttft_kdn_cold_s'] * 1e3:.0f} ms",
-            f"{q['ttft_kdn_s'] * 1e3:.0f} ms", f"{q['speedup']:.1f}x",
+            _secs(q["ttft_recompute_s"]), _secs(q["ttft_kdn_cold_s"]), _secs(q["ttft_kdn_s"]), f"{q['speedup']:.1f}x",
             "[green]yes[/green]" if q["outputs_match"] else "[red]NO[/red]",
         )
     console.print(table)
