@@ -85,7 +85,8 @@ def main() -> int:
     plot = report.plot_ttft_cdf(results, out / "sim_scale_ttft_cdf.png", f"({sc.name}, {len(reqs):,} req)")
     print(f"plot: {plot.relative_to(ROOT)}")
 
-    tables = [] if (args.quick or args.no_tables) else scenario_tables(out)
+    tables = core_comparison(50_000 if args.quick else 200_000)
+    tables += [] if (args.quick or args.no_tables) else scenario_tables(out)
 
     if not args.no_append:
         cmd = "python benchmarks/simulator.py" + (" --quick" if args.quick else "") + (f" --requests {args.requests}" if args.requests else "")
@@ -107,6 +108,87 @@ def main() -> int:
             f.write("\n".join(lines) + "\n")
         print("appended to BENCHMARKS.md")
     return 0
+
+
+def core_comparison(n: int = 200_000) -> list[str]:
+    """The same FIFO link (M/M/1 at rho = 0.8) simulated three ways: SimPy processes with a
+    Resource, this simulator's event loop with an arrival and a departure event per transfer, and
+    the Lindley recursion the simulator actually uses (:class:`simulator.links.Links`, no events).
+    All three see the same random numbers, so their mean time in system must agree."""
+    import numpy as np
+
+    from simulator.links import Links
+
+    rng = np.random.default_rng(0)
+    lam, mu = 80.0, 100.0
+    gaps = rng.exponential(1 / lam, n).tolist()
+    service = rng.exponential(1 / mu, n).tolist()
+    arrivals = np.cumsum(gaps).tolist()
+    rows = []
+
+    try:
+        import simpy
+    except ImportError:
+        simpy = None
+    if simpy is not None:
+        env = simpy.Environment()
+        link = simpy.Resource(env, capacity=1)
+        soj: list[float] = []
+
+        def transfer(k: int):  # type: ignore[no-untyped-def]
+            t0 = env.now
+            with link.request() as req:
+                yield req
+                yield env.timeout(service[k])
+            soj.append(env.now - t0)
+
+        def source():  # type: ignore[no-untyped-def]
+            for k in range(n):
+                yield env.timeout(gaps[k])
+                env.process(transfer(k))
+
+        env.process(source())
+        c0 = time.process_time()
+        env.run()
+        rows.append(("SimPy 4 (process per transfer, Resource)", time.process_time() - c0, sum(soj) / n))
+
+    loop = EventLoop()
+    busy = [0.0]
+    soj2: list[float] = []
+
+    def depart(arg: tuple[float, float]) -> None:
+        soj2.append(loop.now - arg[0])
+
+    def arrive(k: int) -> None:
+        now = loop.now
+        start = busy[0] if busy[0] > now else now
+        busy[0] = start + service[k]
+        loop.schedule(busy[0], depart, (now, 0.0))
+
+    c0 = time.process_time()
+    loop.run(arrivals, arrive)
+    rows.append(("simulator.core EventLoop (arrival + departure event)", time.process_time() - c0, sum(soj2) / n))
+
+    links = Links([1.0])
+    c0 = time.process_time()
+    tot = 0.0
+    for t, sv in zip(arrivals, service):
+        tot += links.commit(0, t, sv) - t
+    rows.append(("simulator.links Lindley recursion (what the simulator uses)", time.process_time() - c0, tot / n))
+
+    print(f"\nevent core, {n:,} transfers through one FIFO link (M/M/1, rho 0.8; theory: mean time in system {1 / (mu - lam):.4f} s)")
+    lines = [
+        f"\n### Event core vs SimPy ({n:,} transfers through one FIFO link, M/M/1 at rho = 0.8)\n",
+        "| implementation | CPU s | transfers/s | mean time in system s |",
+        "|---|---|---|---|",
+    ]
+    base = rows[0][1] if simpy is not None else None
+    for name, cpu, mean in rows:
+        speed = f" ({base / cpu:.1f}x SimPy)" if base else ""
+        print(f"  {name:62s} {cpu:6.2f} s CPU  {n / cpu:12,.0f}/s{speed}  mean {mean:.4f} s")
+        lines.append(f"| {name} | {cpu:.2f} | {n / cpu:,.0f}{speed} | {mean:.4f} |")
+    lines.append(f"\nTheory: 1/(mu - lambda) = {1 / (mu - lam):.4f} s. " + ("" if simpy is not None else "SimPy not installed: its row is missing. "))
+    return lines
 
 
 def scenario_tables(out: Path) -> list[str]:

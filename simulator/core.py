@@ -4,8 +4,11 @@ Why not SimPy: SimPy drives generator-based processes, one Python generator and 
 object per step. The simulator's requests need no process state between events (a transfer's
 completion time on a FIFO link is known when it starts, see :mod:`simulator.links`), so a plain
 heap of tuples is all that is needed, and it is several times cheaper per event than SimPy's
-``Event`` + ``Process`` objects. The million-request scale run (``benchmarks/simulator.py``)
-depends on that.
+``Event`` + ``Process`` objects. Measured (``benchmarks/simulator.py``, one FIFO link, 200k
+transfers, same random numbers, same mean time in system): SimPy 4 with a process per transfer and
+a ``Resource`` ran 0.15M transfers/s, this loop with an arrival and a departure event per transfer
+2.5M/s (16x), and the event-free FIFO recursion the simulator uses 9.6M/s. The million-request
+scale run depends on that.
 
 Invariants:
 
