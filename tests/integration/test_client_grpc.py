@@ -60,12 +60,12 @@ def origin(tmp_path_factory):
     srv.stop()
 
 
-def start_edge(loop: LoopThread, origin_address: str | None, tmp: Path, node_id: str = "e1"):
+def start_edge(loop: LoopThread, origin_address: str | None, tmp: Path, node_id: str = "e1", **extra):
     from edge.config import EdgeConfig
     from edge.server import EdgeServer
 
     cfg = EdgeConfig(node_id=node_id, listen="127.0.0.1:0", origin=origin_address, memory_bytes=256 << 20,
-                     disk_dir=str(tmp / node_id), fetch_deadline_s=10.0)
+                     disk_dir=str(tmp / node_id), fetch_deadline_s=10.0, **extra)
     server = EdgeServer(cfg)
     loop.run(server.start())
     return server
@@ -193,3 +193,31 @@ def _blob_path(origin, key) -> Path:
     hits = [p for p in Path(origin.config.store_dir).rglob("*") if p.is_file() and hexkey in p.name]
     assert hits, f"no blob file for {hexkey[:16]} under {origin.config.store_dir}"
     return hits[0]
+
+
+def test_a_token_for_one_tenant_cannot_read_another_tenants_chunks(lm, tmp_path):
+    """With tokens on the edge: bob's token naming alice's tenant is refused; bob still gets the
+    right answer (recomputed) and one warning; alice with her token reuses her chunks."""
+    from kdn.artifact import encode_artifact
+    from kdn.keys import ROOT_KEY
+    from kdn.prefill import prefill_chunks
+
+    loop = LoopThread()
+    server = start_edge(loop, None, tmp_path, node_id="guarded", tokens={"tok-a": ["alice"], "tok-b": ["bob"]})
+    try:
+        tokens = lm.tokenizer.encode(DOC)
+        with KdnClient(ClientConfig(edge=server.address, tenant="alice", token="tok-a")) as alice:
+            keys = alice.keys_for(tokens, lm.fingerprint, CHUNK)
+            for i, kv in enumerate(prefill_chunks(lm, tokens)):
+                assert alice.put(lm.fingerprint, keys[i], encode_artifact(
+                    kv, key=keys[i], parent_key=keys[i - 1] if i else ROOT_KEY, fingerprint=lm.fingerprint,
+                    chunk_index=i))
+            mine = generate(lm, DOC + QUESTION, client=alice, max_new_tokens=4)
+        with KdnClient(ClientConfig(edge=server.address, tenant="alice", token="tok-b")) as bob:
+            stolen = generate(lm, DOC + QUESTION, client=bob, max_new_tokens=4)
+    finally:
+        loop.run(server.stop(grace=0))
+        loop.close()
+    assert mine.reused_tokens == len(keys) * CHUNK and not mine.warnings
+    assert stolen.reused_tokens == 0 and len(stolen.warnings) == 1 and "Unauthorized" in stolen.warnings[0]
+    assert stolen.tokens == mine.tokens
