@@ -236,7 +236,7 @@ class AsyncKdnClient:
                     checked = True
                 for s in sections:
                     # s.tensor (H, T, D) -> out[layer, k|v, :, chunk i's T tokens, :]
-                    out[s.layer, 0 if s.kind == "k" else 1, :, lo:hi].copy_(s.tensor)
+                    _place(out[s.layer, 0 if s.kind == "k" else 1, :, lo:hi], s.tensor)
                 tally.decode_s += time.perf_counter() - t0
                 tally.bytes += len(piece)
                 tally.via = via
@@ -485,6 +485,21 @@ def _encode_chunk(
     return encode_artifact(
         kv, key=keys[c], parent_key=keys[c - 1] if c else ROOT_KEY, fingerprint=fingerprint, codec=codec, chunk_index=c
     )
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _place(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into the strided view ``dst`` bit for bit, on this thread only.
+
+    numpy's copy, not ``Tensor.copy_``: torch would hand a copy this size to its intra-op thread
+    pool, and a second OpenMP team on the client's loop thread fights the model's own team for
+    the same cores (measured 3-10x slower on 2 busy cores). Same-width integer views keep bf16
+    (unknown to numpy) and every float bit pattern exact.
+    """
+    as_int = _SAME_WIDTH_INT[src.element_size()]
+    np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy(), casting="no")
 
 
 def _check_geometry(h: pb.ArtifactHeader, shape: KVShape, chunk_size: int, index: int) -> None:
