@@ -177,6 +177,9 @@ def generate(
     """Greedy generation that reuses the edge's KV for the prompt's longest cached prefix.
 
     ``client=None`` is a plain full recompute through the same code path (the baseline).
+    ``model``: a :class:`KdnModel` from :func:`prepare` (do that once: naming the weights of a
+    model that did not come from a local directory hashes every parameter), a
+    :class:`~kdn.models.LoadedModel`, or a bare HF model (prepared on every call).
     """
     t_start = time.perf_counter()
     km = prepare(model, tokenizer)
