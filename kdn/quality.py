@@ -51,10 +51,11 @@ class EvalSetup:
     continuation: int = 128
     kv_dtype: str = "float16"  # the dtype KV is stored in (sizes are measured against fp16)
     max_text_chars: int = 2_000_000
+    timing_repeats: int = 3  # encode/decode timings: best of this many passes
 
     def __post_init__(self) -> None:
-        if self.windows <= 0 or self.context_chunks <= 0 or self.continuation < 2:
-            raise InvalidInput("windows and context_chunks must be positive, continuation at least 2")
+        if self.windows <= 0 or self.context_chunks <= 0 or self.continuation < 2 or self.timing_repeats < 1:
+            raise InvalidInput("windows, context_chunks and timing_repeats must be positive, continuation at least 2")
         if self.kv_dtype not in DTYPES:
             raise InvalidInput(f"unknown kv dtype {self.kv_dtype!r}; choose one of {sorted(DTYPES)}")
 
@@ -157,7 +158,9 @@ def _chain_keys(n: int) -> list[tuple[ChunkKey, ChunkKey]]:
     return [(keys[i + 1], keys[i]) for i in range(n)]
 
 
-def evaluate_codec(lm: LoadedModel, runs: Sequence[ExactRun], codec: Codec | str, setup: EvalSetup) -> CodecQuality:
+def evaluate_codec(
+    lm: LoadedModel, runs: Sequence[ExactRun], codec: Codec | str, setup: EvalSetup, *, label: str | None = None
+) -> CodecQuality:
     """Send every exact chunk through ``codec`` (container included) and compare the model's outputs."""
     codec = get_codec(codec) if isinstance(codec, str) else codec
     kv_dtype = DTYPES[setup.kv_dtype]
@@ -168,19 +171,24 @@ def evaluate_codec(lm: LoadedModel, runs: Sequence[ExactRun], codec: Codec | str
     fp16_bytes = enc_bytes = 0
     t_enc = t_dec = 0.0
     for run in runs:
-        decoded = []
-        for i, chunk in enumerate(run.chunks):
-            x = chunk.to(kv_dtype).contiguous()  # (L, 2, H, T, D)
-            key, parent = _chain_keys(i + 1)[i]
+        xs = [chunk.to(kv_dtype).contiguous() for chunk in run.chunks]  # each (L, 2, H, T, D)
+        keys = _chain_keys(len(xs))
+        # best of `timing_repeats` passes over the window's chunks: a busy machine only adds time
+        te = td = math.inf
+        for _ in range(setup.timing_repeats):
             t0 = time.perf_counter()
-            blob = encode_artifact(x, key=key, parent_key=parent, fingerprint=lm.fingerprint, codec=codec, chunk_index=i)
+            blobs = [
+                encode_artifact(x, key=k, parent_key=p, fingerprint=lm.fingerprint, codec=codec, chunk_index=i)
+                for i, (x, (k, p)) in enumerate(zip(xs, keys))
+            ]
             t1 = time.perf_counter()
-            art = decode_artifact(blob, expect_fingerprint=lm.fingerprint, expect_key=key)
+            arts = [decode_artifact(b, expect_fingerprint=lm.fingerprint, expect_key=k) for b, (k, _) in zip(blobs, keys)]
             t2 = time.perf_counter()
-            t_enc, t_dec = t_enc + (t1 - t0), t_dec + (t2 - t1)
-            fp16_bytes += x.numel() * 2
-            enc_bytes += len(blob)
-            decoded.append(art.kv)
+            te, td = min(te, t1 - t0), min(td, t2 - t1)
+        t_enc, t_dec = t_enc + te, t_dec + td
+        fp16_bytes += sum(x.numel() * 2 for x in xs)
+        enc_bytes += sum(len(b) for b in blobs)
+        decoded = [a.kv for a in arts]
         logits = _continue(lm, decoded, run.window.continuation)  # (W, V)
         ref = run.logits  # (W, V)
         agree += float((logits.argmax(-1) == ref.argmax(-1)).sum())
@@ -197,7 +205,7 @@ def evaluate_codec(lm: LoadedModel, runs: Sequence[ExactRun], codec: Codec | str
     saved = fp16_bytes - enc_bytes
     crossover = math.inf if t_dec <= 0 else saved / t_dec / 1e9
     return CodecQuality(
-        codec=codec.spec, lossy=codec.lossy, predictions=n_pred,
+        codec=label or codec.spec, lossy=codec.lossy, predictions=n_pred,
         top1_agreement=agree / n_pred, mean_kl=kl_sum / n_pred, max_kl=kl_max,
         ppl_exact=ppl_e, ppl_codec=ppl_c, ppl_change=ppl_c / ppl_e - 1,
         fp16_bytes=fp16_bytes, encoded_bytes=enc_bytes, size_ratio=fp16_bytes / enc_bytes,
@@ -205,6 +213,55 @@ def evaluate_codec(lm: LoadedModel, runs: Sequence[ExactRun], codec: Codec | str
         encode_gbps=fp16_bytes / t_enc / 1e9, decode_gbps=fp16_bytes / t_dec / 1e9,
         crossover_gbps=max(0.0, crossover),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """Per-layer sensitivity of K and V, and the bit plan it leads to."""
+
+    level: str
+    probe_bits: int
+    kl: tuple[tuple[float, float], ...]  # per layer: (mean KL with only its K coarse, only its V coarse)
+    plan: Any  # kdn.codecs.kvq.BitPlan
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"level": self.level, "probe_bits": self.probe_bits, "kl": [list(x) for x in self.kl],
+                "table": [list(x) for x in self.plan.table]}
+
+
+def calibrate_kvq(lm: LoadedModel, runs: Sequence[ExactRun], level: str, setup: EvalSetup) -> Calibration:
+    """A calibration run: which layers' K and V hurt most when coarse, and a plan that spends bits there.
+
+    Every (layer, K|V) slot is probed alone at ``probe_bits`` (the level's bits minus one) with
+    everything else at 8 bits; the slots whose probe moves the next-token distribution most (KL)
+    get one extra bit — as many slots as the shape rule's early-layer bonus would give, so the
+    budget stays comparable, but spent where this model needs it.
+    """
+    from kdn.codecs.kvq import LEVELS, BitPlan, KvqCodec
+
+    if level not in LEVELS:
+        raise InvalidInput(f"unknown kvq level {level!r}; choose one of {', '.join(LEVELS)}")
+    k_bits, v_bits = LEVELS[level]
+    n = lm.kv_shape.num_layers
+    probe = max(2, min(k_bits, v_bits) - 1)
+    quick = EvalSetup(setup.windows, setup.context_chunks, setup.continuation, setup.kv_dtype, setup.max_text_chars, 1)
+    kl = []
+    for layer in range(n):
+        row = []
+        for slot in (0, 1):
+            table = [(8, 8)] * n
+            table[layer] = (probe, 8) if slot == 0 else (8, probe)
+            codec = KvqCodec(level, BitPlan(k_bits, v_bits, table=tuple(table)))
+            row.append(evaluate_codec(lm, runs, codec, quick).mean_kl)
+        kl.append((row[0], row[1]))
+    rule = BitPlan(k_bits, v_bits)
+    bonus_slots = 2 * math.ceil(rule.early_frac * n)
+    ranked = sorted(((kl[l][s], l, s) for l in range(n) for s in (0, 1)), reverse=True)[:bonus_slots]
+    table = [[k_bits, v_bits] for _ in range(n)]
+    for _, layer, slot in ranked:
+        table[layer][slot] = min(8, table[layer][slot] + rule.early_bonus)
+    plan = BitPlan(k_bits, v_bits, table=tuple((k, v) for k, v in table))
+    return Calibration(level, probe, tuple(kl), plan)
 
 
 def random_init_twin(lm: LoadedModel, seed: int = 0) -> LoadedModel:
@@ -267,9 +324,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=sorted(DTYPES))
     parser.add_argument("--text", type=Path, action="append", help="text file(s) to read (default: held-out stdlib)")
+    parser.add_argument("--calibrate", metavar="LEVEL", default=None,
+                        help="also run a kvq calibration at LEVEL (per-layer sensitivity) and judge its bit plan")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     codecs = [c for spec in args.codec for c in spec.split(",") if c]
+    calibration = None
     try:
         setup = EvalSetup(args.windows, args.context_chunks, args.continuation, args.kv_dtype)
         spec = args.model or str(default_reference_dir())
@@ -277,13 +337,27 @@ def main(argv: list[str]) -> int:
             get_codec(c)
         lm = load_model(spec, chunk_size=args.chunk_size)
         texts = [p.read_text(encoding="utf-8", errors="replace") for p in args.text] if args.text else None
-        report = evaluate(lm, codecs, setup, texts)
+        runs = exact_runs(lm, make_windows(lm, default_texts() if texts is None else texts, setup))
+        report = Report(lm.spec, setup, [evaluate_codec(lm, runs, c, setup) for c in codecs])
+        if args.calibrate:
+            from kdn.codecs.kvq import KvqCodec
+
+            calibration = calibrate_kvq(lm, runs, args.calibrate, setup)
+            report.results.append(evaluate_codec(
+                lm, runs, KvqCodec(args.calibrate, calibration.plan), setup, label=f"kvq:{args.calibrate}+cal"))
     except (KdnError, OSError) as exc:
         print(f"kdn eval-codec: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(report.as_dict(), indent=2, default=str))
+        out = report.as_dict()
+        if calibration is not None:
+            out["calibration"] = calibration.as_dict()
+        print(json.dumps(out, indent=2, default=str))
     else:
+        if calibration is not None:
+            print(f"calibration at {calibration.level} (probe {calibration.probe_bits} bits), mean KL per layer (K, V):")
+            for layer, ((kk, vv), bits) in enumerate(zip(calibration.kl, calibration.plan.table)):
+                print(f"  layer {layer:>2}: K {kk:.5f}  V {vv:.5f}  -> bits K {bits[0]} V {bits[1]}")
         print(f"model {report.model}: {setup.windows} windows x {setup.continuation} tokens after "
               f"{setup.context_chunks} chunk(s) of {lm.chunk_size}; sizes vs {setup.kv_dtype} KV stored as fp16")
         print(format_table(report.results))

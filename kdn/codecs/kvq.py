@@ -5,29 +5,37 @@ KV has structure that plain quantisation ignores; ``kvq`` uses four pieces of it
 1. **Locality along tokens.** Tokens are cut into groups of ``group`` tokens; the first token of a
    group is its *anchor*, stored at ``anchor_bits`` (8), and the others are stored as deltas
    against the *decoded* anchor, so errors never accumulate. Whether deltas pay off is decided per
-   section by the encoder (smaller quantisation steps win) and recorded in the section, so a layer
-   whose neighbouring tokens are not alike is stored directly instead.
+   scale slice (a key channel, a value token) by the encoder — smaller residuals win — and recorded
+   as a bit mask: RoPE'd key channels that rotate fast, or tokens unlike their anchor, are stored
+   directly instead.
 2. **Layers differ.** Early layers get more bits (CacheGen finds shallow layers more sensitive):
    ``bits(layer) = base + early_bonus`` for the first ``ceil(early_frac · num_layers)`` layers,
    ``base`` after — derived from the model's shape, never from its name. An explicit per-layer
    table (from a calibration run, :mod:`kdn.quality`) may replace the rule.
 3. **Keys have outlier channels, values vary per token**: keys get one scale per
    ``(head, channel)``, values one per ``(head, token)`` — for the anchors and for the deltas.
-4. **Entropy coding.** Symbols (one signed byte each) go through zstd, whose Huffman literal coder
-   brings them close to their order-0 entropy; scales (fp16) go through a second zstd frame.
+4. **Entropy coding.** Symbols are packed base-``(2·qmax+1)`` several to a byte (5 two-bit, 2
+   three- or four-bit symbols) and go through zstd, whose Huffman literal coder then gets close to
+   (on real KV, below) the symbols' order-0 entropy; scales (fp16) and anchors get their own frames.
+   Whether a section uses deltas at all is decided by size: the delta form (same steps, so the
+   same error bound) is kept only when it is no larger than the direct form.
 
-Levels form a ladder ``q8 > q6 > q5 > q4 > q3 > q2`` (the base bits of keys/values); the level is
-recorded in the artifact header (``codec_level``) and the full bit schedule in ``codec_meta``.
+Levels form a ladder ``q8 > q6 > q5 > q4 > q3 > q2`` (named by the keys' bits; see ``LEVELS``), the
+default ``q5``; the level is recorded in the artifact header (``codec_level``) and the full bit
+schedule in ``codec_meta``.
 
-Stated error, per element, before rounding to the output dtype::
-
-    direct mode:  |x - x̂| <= s / 2                       (s: the element's scale)
-    delta mode:   |x - x̂| <= s_anchor / 2 + s_delta / 2
+Stated error, per element, before rounding to the output dtype: ``|x - x̂| <= s / 2`` with
+``s = max|x| / qmax`` over the element's slice (fp16-rounded), ``qmax = 2^(bits-1) - 1`` — in
+both forms: a delta slice quantises ``x - â`` (``â`` the *decoded* anchor, so the anchor's own error
+does not add up) with the same step, so deltas buy size (small, peaky symbols), not accuracy.
 
 Section payload (little-endian)::
 
-    u8 format | u8 mode (0 direct, 1 delta) | u8 bits | u8 anchor_bits | u16 group | u32 scales_len
-    zstd(scales as fp16) | zstd(symbols as int8)
+    u8 format | u8 mode (0 direct, 1 delta) | u8 bits | u8 anchor_bits | u16 group
+    | u32 side_len | u32 anchors_len
+    zstd(delta mask bits ‖ anchor scales ‖ scales, fp16) ‖ zstd(anchor symbols, int8) ‖ zstd(packed symbols)
+
+In direct mode (every slice direct, or a single token) the mask and the anchors are left out.
 """
 
 from __future__ import annotations
@@ -45,19 +53,21 @@ from kdn.codecs.base import Codec, SectionInfo, register_codec
 from kdn.errors import ArtifactCorrupt
 
 FORMAT = 1
-_HEAD = struct.Struct("<BBBBHI")
+_HEAD = struct.Struct("<BBBBHII")
 MODE_DIRECT, MODE_DELTA = 0, 1
 
-# level -> (key bits, value bits) for the non-early layers
+# level -> (key bits, value bits) of the non-early layers. Keys get more bits than values: a
+# calibration run on the reference model (kdn eval-codec --calibrate) finds coarse keys move the
+# next-token distribution 10-20x more than equally coarse values, except in the first layer.
 LEVELS: dict[str, tuple[int, int]] = {
-    "q8": (8, 8),
-    "q6": (6, 6),
-    "q5": (5, 5),
-    "q4": (4, 4),
-    "q3": (3, 3),
+    "q8": (8, 6),
+    "q6": (6, 4),
+    "q5": (5, 3),
+    "q4": (4, 3),
+    "q3": (3, 2),
     "q2": (2, 2),
 }
-DEFAULT_LEVEL = "q4"
+DEFAULT_LEVEL = "q5"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +79,7 @@ class BitPlan:
     group: int = 16
     anchor_bits: int = 8
     early_frac: float = 0.25
-    early_bonus: int = 1
+    early_bonus: int = 2
     table: tuple[tuple[int, int], ...] | None = None  # explicit (k, v) bits per layer, overrides the rule
 
     def __post_init__(self) -> None:
@@ -119,16 +129,75 @@ def _qmax(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
-def _quantise(x: torch.Tensor, reduce_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric max-scaled quantisation of ``x`` with one scale per slice along ``reduce_dim``.
+@dataclass(frozen=True, slots=True)
+class _Packing:
+    """``per`` symbols of ``2·qmax + 1`` values in one byte (base-``nv`` digits), and the inverse table.
 
-    Scales are rounded to fp16 first, so the decoder multiplies by exactly what the encoder used.
+    Huffman codes (zstd's literal coder) spend a whole number of bits per byte, which wastes up to
+    a third of a bit per symbol on the flat distributions of 2- to 4-bit symbols; coding 2 to 5
+    symbols per byte spreads that waste over all of them (and lets neighbours share statistics).
+    """
+
+    nv: int
+    per: int
+    values: np.ndarray  # (256, per) float32: the signed symbols a byte holds (rows >= nv**per invalid)
+
+    @classmethod
+    def for_bits(cls, bits: int) -> "_Packing":
+        nv = 2 * _qmax(bits) + 1
+        per = max(1, int(math.floor(math.log(256) / math.log(nv) + 1e-9)))
+        codes = np.arange(256)
+        digits = np.stack([(codes // nv ** (per - 1 - j)) % nv for j in range(per)], axis=1)
+        return cls(nv, per, (digits - nv // 2).astype(np.float32))
+
+    def pack(self, q: np.ndarray) -> np.ndarray:
+        """``(n,)`` int8 symbols in ``[-qmax, qmax]`` -> ``(ceil(n / per),)`` uint8."""
+        u = (q.astype(np.int16) + self.nv // 2).astype(np.uint16)  # 0 .. nv-1
+        pad = (-u.size) % self.per
+        if pad:
+            u = np.concatenate([u, np.zeros(pad, np.uint16)])
+        u = u.reshape(-1, self.per)  # (m, per)
+        out = u[:, 0].copy()
+        for j in range(1, self.per):
+            out *= self.nv
+            out += u[:, j]
+        return out.astype(np.uint8)
+
+    def unpack(self, packed: np.ndarray, n: int) -> np.ndarray:
+        """The inverse of :meth:`pack`, as ``(n,)`` float32. Raises ArtifactCorrupt on impossible bytes."""
+        if int(packed.max(initial=0)) >= self.nv**self.per:
+            raise ArtifactCorrupt(f"kvq packed symbol out of range for {self.nv}-valued symbols")
+        return self.values[packed].reshape(-1)[:n]  # one table lookup per byte
+
+
+_PACKINGS = {bits: _Packing.for_bits(bits) for bits in range(2, 9)}
+
+
+def _scale(x: np.ndarray, axis: int, bits: int) -> np.ndarray:
+    """One fp16 step per slice along ``axis``: ``max|x| / qmax`` (fp16-rounded, so the decoder
+    multiplies by exactly what the encoder divided by; never zero or subnormal)."""
+    scale = (np.abs(x).max(axis=axis, keepdims=True) / _qmax(bits)).astype(np.float16)
+    np.maximum(scale, np.finfo(np.float16).smallest_normal, out=scale)
+    return scale
+
+
+def _quantise(x: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
+    """``round(x / scale)`` clipped to ``[-qmax, qmax]``, as int8.
+
+    numpy, not torch: single-threaded elementwise work is faster on small sections than waking
+    (and, on a busy machine, waiting for) an intra-op thread pool.
     """
     qmax = _qmax(bits)
-    scale = (x.abs().amax(dim=reduce_dim, keepdim=True) / qmax).to(torch.float16)
-    scale = scale.clamp_min(torch.finfo(torch.float16).tiny)  # no zero, no subnormals
-    q = torch.round(x / scale.float()).clamp_(-qmax, qmax)
-    return q.to(torch.int8), scale
+    q = np.rint(x / scale.astype(np.float32))
+    np.clip(q, -qmax, qmax, out=q)
+    return q.astype(np.int8)
+
+
+def _as_f32(x: torch.Tensor) -> np.ndarray:
+    """``(H, T, D)`` as a float32 numpy array (numpy has no bfloat16: torch converts that one)."""
+    if x.dtype in (torch.float16, torch.float32):
+        return x.numpy().astype(np.float32, copy=False)
+    return x.float().numpy()
 
 
 @register_codec
@@ -163,48 +232,68 @@ class KvqCodec(Codec):
         return 1 if kind == "k" else 2  # keys: over tokens (one scale per channel); values: over channels
 
     @staticmethod
-    def _scale_counts(info: SectionInfo, mode: int, group: int) -> tuple[int, int]:
-        """(anchor scales, delta-or-direct scales) for a section."""
+    def _slices(info: SectionInfo) -> int:
+        """Scale slices of a section: keys one per (head, channel), values one per (head, token)."""
         h, t, d = info.shape
-        if mode == MODE_DIRECT:
-            return 0, h * d if info.kind == "k" else h * t
-        n_groups = -(-t // group)
-        anchors = h * d if info.kind == "k" else h * n_groups
-        return anchors, h * d if info.kind == "k" else h * t
+        return h * d if info.kind == "k" else h * t
+
+    def _anchor_scales(self, info: SectionInfo) -> int:
+        h, t, d = info.shape
+        return h * d if info.kind == "k" else h * -(-t // self.plan.group)
 
     # -- encode ------------------------------------------------------------------------------------
 
     def encode(self, x: torch.Tensor, info: SectionInfo) -> bytes:
         bits = self.plan.bits(info.layer, info.num_layers, info.kind)
-        group, abits = self.plan.group, self.plan.anchor_bits
         rd = self._reduce_dim(info.kind)
-        xf = x.float()  # (H, T, D)
-        t = xf.shape[1]
+        xf = _as_f32(x.contiguous())  # (H, T, D)
+        direct = self._encode_direct(xf, rd, bits)
+        if xf.shape[1] < 2:
+            return direct
+        delta = self._encode_delta(xf, rd, bits)
+        # both forms have the same steps, so the same error bound: keep whichever is smaller
+        return delta if delta is not None and len(delta) <= len(direct) else direct
+
+    def _frame(self, mode: int, bits: int, side: bytes, anchors: bytes, packed: np.ndarray) -> bytes:
+        zs = self._cctx.compress(side)
+        za = self._cctx.compress(anchors) if anchors else b""
+        zq = self._cctx.compress(packed.tobytes())
+        head = _HEAD.pack(FORMAT, mode, bits, self.plan.anchor_bits, self.plan.group, len(zs), len(za))
+        return head + zs + za + zq
+
+    def _encode_direct(self, xf: np.ndarray, rd: int, bits: int) -> bytes:
+        s = _scale(xf, rd, bits)  # keys (H, 1, D), values (H, T, 1)
+        q = _quantise(xf, s, bits)  # (H, T, D)
+        return self._frame(MODE_DIRECT, bits, s.astype("<f2").tobytes(), b"", _PACKINGS[bits].pack(q.reshape(-1)))
+
+    def _encode_delta(self, xf: np.ndarray, rd: int, bits: int) -> bytes | None:
+        group, t = self.plan.group, xf.shape[1]
         anchors = xf[:, ::group]  # (H, G, D), G = ceil(T / group)
-        qa, sa = _quantise(anchors, rd, abits)  # (H, G, D) int8; keys (H, 1, D), values (H, G, 1) fp16
-        a_hat = qa.float() * sa.float()  # (H, G, D)
-        base = a_hat.repeat_interleave(group, dim=1)[:, :t]  # (H, T, D)
-        delta = xf - base  # (H, T, D)
-        # one scale per slice either way: pick the mode with the smaller steps (smaller error, peakier symbols)
-        use_delta = t > 1 and float(delta.abs().amax(dim=rd).sum()) < float(xf.abs().amax(dim=rd).sum())
-        if use_delta:
-            q, s = _quantise(delta, rd, bits)
-            scales = torch.cat([sa.reshape(-1), s.reshape(-1)])
-            symbols = torch.cat([qa.reshape(-1), q.reshape(-1)])
-        else:
-            q, s = _quantise(xf, rd, bits)
-            scales, symbols = s.reshape(-1), q.reshape(-1)
-        zs = self._cctx.compress(scales.numpy().astype("<f2").tobytes())
-        zq = self._cctx.compress(symbols.numpy().tobytes())
-        mode = MODE_DELTA if use_delta else MODE_DIRECT
-        return _HEAD.pack(FORMAT, mode, bits, abits, group, len(zs)) + zs + zq
+        sa = _scale(anchors, rd, self.plan.anchor_bits)  # keys (H, 1, D), values (H, G, 1)
+        qa = _quantise(anchors, sa, self.plan.anchor_bits)  # (H, G, D)
+        a_hat = qa.astype(np.float32) * sa.astype(np.float32)  # (H, G, D)
+        base = np.repeat(a_hat, group, axis=1)[:, :t]  # (H, T, D)
+        r = xf - base  # (H, T, D)
+        # The step stays the direct form's (same error bound); a slice (key channel / value token)
+        # takes the delta where that is smaller on average — fewer, peakier symbols — and never larger
+        # than the step's range allows.
+        ax, ar = np.abs(xf), np.abs(r)
+        use = (ar.mean(axis=rd, keepdims=True) < ax.mean(axis=rd, keepdims=True)) & (
+            ar.max(axis=rd, keepdims=True) <= ax.max(axis=rd, keepdims=True)
+        )  # keys (H, 1, D), values (H, T, 1)
+        if not use.any():
+            return None
+        s = _scale(xf, rd, bits)
+        q = _quantise(xf - base * use, s, bits)  # (H, T, D)
+        side = np.packbits(use.reshape(-1)).tobytes() + sa.astype("<f2").tobytes() + s.astype("<f2").tobytes()
+        return self._frame(MODE_DELTA, bits, side, qa.tobytes(), _PACKINGS[bits].pack(q.reshape(-1)))
 
     # -- decode ------------------------------------------------------------------------------------
 
     def decode(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
         if len(payload) < _HEAD.size:
             raise ArtifactCorrupt(f"kvq section of {len(payload)} bytes is shorter than its header")
-        fmt, mode, bits, abits, group, zs_len = _HEAD.unpack_from(payload, 0)
+        fmt, mode, bits, abits, group, zs_len, za_len = _HEAD.unpack_from(payload, 0)
         want_bits = self.plan.bits(info.layer, info.num_layers, info.kind)
         if fmt != FORMAT or mode not in (MODE_DIRECT, MODE_DELTA):
             raise ArtifactCorrupt(f"kvq section has unknown format {fmt} or mode {mode}")
@@ -213,26 +302,31 @@ class KvqCodec(Codec):
                 f"kvq layer {info.layer} {info.kind.upper()} section says bits={bits} anchor={abits} group={group}, "
                 f"the header's plan says bits={want_bits} anchor={self.plan.anchor_bits} group={self.plan.group}"
             )
-        if _HEAD.size + zs_len > len(payload):
-            raise ArtifactCorrupt("kvq section's scale block runs past its end")
+        if _HEAD.size + zs_len + za_len > len(payload):
+            raise ArtifactCorrupt("kvq section's side blocks run past its end")
         h, t, d = info.shape
-        n_groups = -(-t // group) if mode == MODE_DELTA else 0
-        n_as, n_s = self._scale_counts(info, mode, group)
-        n_sym = n_groups * h * d + h * t * d
-        scales = self._unzstd(payload[_HEAD.size : _HEAD.size + zs_len], 2 * (n_as + n_s))
-        symbols = self._unzstd(payload[_HEAD.size + zs_len :], n_sym)
-        sc = np.frombuffer(scales, dtype="<f2").astype(np.float32)  # (n_as + n_s,)
-        sym = np.frombuffer(symbols, dtype=np.int8)  # (n_sym,)
-        qmax = _qmax(bits)
-        if np.abs(sym[n_groups * h * d :].astype(np.int16)).max(initial=0) > qmax:
-            raise ArtifactCorrupt(f"kvq symbols exceed the {bits}-bit range")
         key = info.kind == "k"
+        n_sl = self._slices(info)
+        delta = mode == MODE_DELTA
+        n_groups = -(-t // group) if delta else 0
+        n_mask = -(-n_sl // 8) if delta else 0
+        n_as = self._anchor_scales(info) if delta else 0
+        n = h * t * d
+        pk = _PACKINGS[bits]
+        o = _HEAD.size
+        side = self._unzstd(payload[o : o + zs_len], n_mask + 2 * (n_as + n_sl))
+        o += zs_len
+        packed = np.frombuffer(self._unzstd(payload[o + za_len :], -(-n // pk.per)), dtype=np.uint8)
+        sc = np.frombuffer(side, dtype="<f2", offset=n_mask).astype(np.float32)  # (n_as + n_sl,)
         s = sc[n_as:].reshape((h, 1, d) if key else (h, t, 1))
-        out = sym[n_groups * h * d :].reshape(h, t, d).astype(np.float32) * s  # (H, T, D)
-        if mode == MODE_DELTA:
+        out = pk.unpack(packed, n).reshape(h, t, d) * s  # (H, T, D)
+        if delta:
+            qa = np.frombuffer(self._unzstd(payload[o : o + za_len], n_groups * h * d), dtype=np.int8)
+            use = np.unpackbits(np.frombuffer(side, np.uint8, count=n_mask), count=n_sl).astype(bool)
             sa = sc[:n_as].reshape((h, 1, d) if key else (h, n_groups, 1))
-            a_hat = sym[: n_groups * h * d].reshape(h, n_groups, d).astype(np.float32) * sa  # (H, G, D)
-            out += np.repeat(a_hat, group, axis=1)[:, :t]  # (H, T, D)
+            a_hat = qa.reshape(h, n_groups, d).astype(np.float32) * sa  # (H, G, D)
+            base = np.repeat(a_hat, group, axis=1)[:, :t]  # (H, T, D)
+            out += base * use.reshape((h, 1, d) if key else (h, t, 1))
         return torch.from_numpy(out).to(info.dtype)
 
     def _unzstd(self, blob: memoryview, size: int) -> bytes:
@@ -249,6 +343,6 @@ class KvqCodec(Codec):
 
     def max_payload(self, info: SectionInfo) -> int:
         h, t, d = info.shape
-        n_as, n_s = self._scale_counts(info, MODE_DELTA, self.plan.group)
-        raw = 2 * (n_as + n_s) + (-(-t // self.plan.group) + t) * h * d
+        n_sl = self._slices(info)
+        raw = -(-n_sl // 8) + 2 * (self._anchor_scales(info) + n_sl) + (-(-t // self.plan.group) + t) * h * d
         return _HEAD.size + raw + raw // 64 + 1024  # zstd's worst case expansion is far below this

@@ -18,7 +18,7 @@ TEXT = [
 
 
 def _setup(**kw) -> EvalSetup:
-    return EvalSetup(**{"windows": 3, "continuation": 12, **kw})
+    return EvalSetup(**{"windows": 2, "continuation": 10, "timing_repeats": 1, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +32,10 @@ def test_lossless_codecs_change_nothing(tiny32) -> None:
     report = evaluate(tiny32, ["raw", "zstd"], _setup(kv_dtype="float32"), TEXT)
     for r in report.results:
         assert r.top1_agreement == 1.0 and r.mean_kl == 0.0 and r.ppl_change == 0.0  # bit-exact KV
-        assert r.predictions == 3 * 12
+        assert r.predictions == 2 * 10
     raw, zstd = report.results
     assert 0.45 < raw.size_ratio < 0.5  # stored as fp32: twice the fp16 bytes, plus framing
-    assert raw.fp16_bytes == zstd.fp16_bytes == 3 * 2 * 2 * 2 * 32 * 32 * 2  # windows·L·2·H·T·D·2 bytes
+    assert raw.fp16_bytes == zstd.fp16_bytes == 2 * 2 * 2 * 2 * 32 * 32 * 2  # windows·L·2·H·T·D·2 bytes
 
 
 def test_lossy_codecs_measured_not_assumed(tiny32) -> None:
@@ -89,3 +89,19 @@ def test_cli_json(tmp_path, capsys) -> None:
     assert [r["codec"] for r in out["results"]] == ["raw", "kvq:q4", "int8"]
     assert main(["--model", "tiny", "--codec", "kvq:q9"]) == 2
     assert "unknown kvq level" in capsys.readouterr().err
+
+
+def test_calibration_spends_bits_where_the_model_is_sensitive(tiny32) -> None:
+    from kdn.quality import calibrate_kvq, exact_runs
+
+    runs = exact_runs(tiny32, make_windows(tiny32, TEXT, _setup()))
+    cal = calibrate_kvq(tiny32, runs, "q3", _setup())
+    assert cal.probe_bits == 2 and len(cal.kl) == 2 and all(k > 0 and v > 0 for k, v in cal.kl)
+    flat = sorted(((cal.kl[l][s], l, s) for l in range(2) for s in (0, 1)), reverse=True)
+    _, layer, slot = flat[0]
+    from kdn.codecs.kvq import LEVELS
+
+    assert cal.plan.table[layer][slot] == LEVELS["q3"][slot] + 2  # the most sensitive slot got the bonus
+    assert sum(b for row in cal.plan.table for b in row) == 2 * sum(LEVELS["q3"]) + 2 * 2  # the rule's budget
+    with pytest.raises(InvalidInput):
+        calibrate_kvq(tiny32, runs, "q9", _setup())
