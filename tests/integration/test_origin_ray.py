@@ -1,6 +1,7 @@
 """The origin on a real local Ray cluster with two origin workers (issue 3's "Must show").
 
-One Ray cluster for the module (``kdn_origin: 2``), temp dir, no dashboard, always shut down.
+One Ray cluster for the module (``kdn_origin: 4``, 3 logical CPUs: the two prefill workers of the
+scenario, plus room for an origin server actor and a compute worker), temp dir, no dashboard, always shut down.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def ray_cluster():
 
     tmp = tempfile.mkdtemp(prefix="kdnray")  # short: Ray's socket paths must stay under 108 bytes
     ray.init(
-        num_cpus=2, resources={"kdn_origin": 2}, include_dashboard=False, log_to_driver=False,
+        num_cpus=3, resources={"kdn_origin": 4}, include_dashboard=False, log_to_driver=False,
         _temp_dir=tmp, configure_logging=False,
     )
     try:
@@ -46,19 +47,17 @@ def ray_cluster():
 def _mixed_docs_extra(root: Path, n: int) -> Path:
     d = root / "docs"
     for i in range(n):
-        (d / f"extra-{i:02d}.md").write_text(f"Document {i}. " + "Chunk keys are chained over the prefix. " * 60)
+        (d / f"extra-{i:02d}.md").write_text(f"Document {i}. " + "Chunk keys are chained over the prefix. " * 130)
     return d
 
 
-def _mixed_docs(root: Path, n_extra: int = 0) -> Path:
+def _mixed_docs(root: Path) -> Path:
     d = root / "docs"
     (d / "src").mkdir(parents=True)
     (d / "README.md").write_text("# KDN\n\nA CDN for KV caches: origins, edges, an overlay. " * 25)
     (d / "notes.txt").write_text("Plain notes about reuse and time to first token.\n" * 30)
     (d / "src" / "lib.py").write_text("def area(r: float) -> float:\n    return 3.14159 * r * r\n\n" * 25)
     (d / "src" / "main.c").write_text("int main(void) {\n    return puts(\"kdn\");\n}\n" * 40)
-    for i in range(n_extra):
-        (d / f"extra-{i:02d}.md").write_text(f"Document {i}. " + "Chunk keys are chained over the prefix. " * 60)
     return d
 
 
@@ -140,8 +139,10 @@ def test_sigkill_a_worker_during_ingest(pool, tiny_model):
     killed: list[int] = []
 
     def on_result(r):
-        # right after a result, the *other* worker is in the middle of a document
-        if not killed and r.worker_pid in pids and r.status == "stored":
+        # Documents go out in name order: README.md (already stored: skipped in milliseconds) to
+        # one worker, extra-00.md (new, long: a prefill and 40 writes) to the other. When the
+        # skip comes back, the other worker is in the middle of extra-00: kill it there.
+        if not killed and r.worker_pid in pids and r.status == "skipped":
             victim = next(p for p in pids if p != r.worker_pid)
             os.kill(victim, signal.SIGKILL)
             killed.append(victim)
@@ -184,3 +185,49 @@ def test_restarted_origin_serves_everything_over_grpc(pool, tiny_model):
         ch.close()
     finally:
         srv.stop()
+
+
+def test_origin_server_on_ray(pool, tiny_model):
+    """The origin server as a Ray actor (serves the store), and an origin whose Compute runs on a
+    Ray worker (``kdn origin --workers N``)."""
+    import ray
+
+    from kdn.proto import kdn_pb2 as pb
+    from kdn.proto import kdn_pb2_grpc as pbg
+    from kdn.transport.channel import sync_channel
+    from origin.compute import RayCompute
+    from origin.ray_origin import start_origin_actor
+    from origin.server import OriginServer
+
+    root, cfg, _ = pool
+    lm = tiny_model
+    ns = pb.Namespace(tenant="acme", salt="pepper")
+    actor, address = start_origin_actor(cfg.model_copy(update={"listen": "127.0.0.1:0", "verify_on_start": "size"}))
+    try:
+        text = "Served by an origin living in a Ray actor. " * 20
+        keys = ray.get(actor.ingest_text.remote(text, "actor-doc", "acme", "pepper"), timeout=120)
+        expect = chunk_keys(document_tokens(lm, text), fingerprint=lm.fingerprint, namespace=NS, chunk_size=lm.chunk_size)
+        assert [bytes.fromhex(k) for k in keys] == expect
+        ch = sync_channel(address)
+        stub = pbg.OriginServiceStub(ch)
+        data = b"".join(m.data for m in stub.Fetch(pb.FetchRequest(fingerprint=bytes(lm.fingerprint), namespace=ns,
+                                                                   key=bytes(expect[0])), timeout=30))
+        assert verify_artifact(data, expect_key=expect[0]).chunk_index == 0
+        ch.close()
+    finally:
+        ray.get(actor.stop.remote(), timeout=60)
+        ray.kill(actor)
+
+    rc = RayCompute(cfg.model_copy(update={"workers": 1}))
+    srv = OriginServer(cfg.model_copy(update={"listen": "127.0.0.1:0", "verify_on_start": "size"}), compute=rc)
+    try:
+        srv.start()
+        ch = sync_channel(srv.address)
+        stub = pbg.OriginServiceStub(ch)
+        toks = document_tokens(lm, "Computed on demand by a Ray origin worker. " * 14)
+        r = stub.Compute(pb.ComputeRequest(fingerprint=bytes(lm.fingerprint), namespace=ns, tokens=toks), timeout=120)
+        assert [bytes(k) for k in r.keys] == chunk_keys(toks, fingerprint=lm.fingerprint, namespace=NS, chunk_size=lm.chunk_size)
+        assert r.computed == len(r.keys) > 0
+        ch.close()
+    finally:
+        srv.stop()  # also kills the RayCompute actors
