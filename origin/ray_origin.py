@@ -36,7 +36,7 @@ def ensure_ray(
     return True
 
 
-class _OriginActor:
+class OriginActor:
     """An OriginServer living in a Ray actor (in-process compute on that node)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
@@ -70,6 +70,9 @@ class _OriginActor:
         self._server.stop()
 
 
+_OriginActor = OriginActor  # the name kdn/roles.py imports
+
+
 def start_origin_actor(
     config: OriginConfig, *, name: str | None = None, max_restarts: int = 3, timeout_s: float = 120.0
 ) -> tuple[Any, str]:
@@ -80,7 +83,7 @@ def start_origin_actor(
     """
     import ray
 
-    actor_cls = ray.remote(_OriginActor)
+    actor_cls = ray.remote(OriginActor)
     opts: dict[str, Any] = dict(resources={"kdn_origin": 0.01}, num_cpus=0, max_restarts=max_restarts)
     if name:
         opts.update(name=name, get_if_exists=True)
