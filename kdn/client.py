@@ -43,7 +43,7 @@ from pydantic import Field, model_validator
 from kdn.artifact import ArtifactReader, PB_TO_DTYPE, encode_artifact
 from kdn.client_transport import EdgeTransport, GrpcEdgeTransport, is_loopback
 from kdn.config import RoleConfig
-from kdn.errors import FingerprintMismatch, KdnError, Unavailable
+from kdn.errors import FingerprintMismatch, Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.kv import KVShape
 from kdn.proto import kdn_pb2 as pb
@@ -280,7 +280,7 @@ class AsyncKdnClient:
         t0 = time.perf_counter()
         try:
             available = await self.lookup(fingerprint, wanted)
-        except KdnError as exc:
+        except Exception as exc:  # KdnError by contract; anything else must not fail the request either
             self.counters["edge_errors"] += 1
             warning = f"KDN edge {where} unusable ({type(exc).__name__}: {exc}); recomputing all {len(tokens)} tokens locally"
             LOG.warning(warning)
@@ -335,7 +335,7 @@ class AsyncKdnClient:
                 )
                 if await self.put(fingerprint, keys[c], data):
                     stored += 1
-            except KdnError as exc:
+            except Exception as exc:  # KdnError by contract; a write-back never raises into the request
                 self.counters["write_back_errors"] += 1
                 LOG.debug("KDN write-back of chunk %d to %s failed: %s", c, self.transport.name, exc)
                 break
