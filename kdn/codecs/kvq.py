@@ -281,7 +281,7 @@ class KvqCodec(Codec):
         use = (ar.mean(axis=rd, keepdims=True) < ax.mean(axis=rd, keepdims=True)) & (
             ar.max(axis=rd, keepdims=True) <= ax.max(axis=rd, keepdims=True)
         )  # keys (H, 1, D), values (H, T, 1)
-        if not use.any():
+        if use.mean() < 0.25:  # anchors would cost more than so few deltas save: skip the second encode
             return None
         s = _scale(xf, rd, bits)
         q = _quantise(xf - base * use, s, bits)  # (H, T, D)
