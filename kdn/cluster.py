@@ -32,6 +32,7 @@ from pydantic import Field
 from kdn.config import RoleConfig
 from kdn.errors import ConfigError, KdnError, Unavailable
 from kdn.registry import RAY_NAMESPACE, RESOURCE_EDGE, RESOURCE_HEAD, RESOURCE_ORIGIN
+from kdn.transport.channel import free_port
 
 
 def default_state_dir() -> Path:
@@ -93,12 +94,6 @@ def ray_temp_dir(state_dir: Path) -> Path:
 
 def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _port_in_use(port: int) -> bool:
@@ -221,11 +216,11 @@ def up(config: ClusterConfig, *, progress=print) -> ClusterState:
     try:
         common = [f"--num-cpus={config.cpus_per_node:g}"]
         if config.address is None:
-            port = config.head_port or _free_port()
+            port = config.head_port or free_port()
             progress(f"starting Ray head on port {port}")
             procs.append(_start_node(
                 ["--head", f"--port={port}", "--include-dashboard=false",
-                 f"--ray-client-server-port={_free_port()}", f"--temp-dir={ray_temp_dir(state_dir)}",
+                 f"--ray-client-server-port={free_port()}", f"--temp-dir={ray_temp_dir(state_dir)}",
                  f"--resources={json.dumps({RESOURCE_HEAD: 1})}", *common],
                 logs / "head.log", auth,
             ))

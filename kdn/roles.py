@@ -175,14 +175,14 @@ def place_origin(config: Any, index: int, registry: Any = None, *, progress=prin
     from origin.config import OriginConfig
     from origin.ray_origin import _OriginActor
 
-    from kdn.cluster import _free_port
+    from kdn.transport.channel import free_port
 
     registry = registry or get_registry()
     node_id = f"origin-{index}"
     progress(f"placing {node_id} (model {config.model})")
     # A fixed port keeps the origin's address stable across restarts: edges hold it in their config.
     known = {e["node_id"]: e["address"] for e in ray.get(registry.members.remote("origin"), timeout=10)}
-    port = int(known[node_id].rpartition(":")[2]) if node_id in known else _free_port()
+    port = int(known[node_id].rpartition(":")[2]) if node_id in known else free_port()
     ocfg = OriginConfig.build(
         node_id=node_id, store_dir=str(Path(config.state_dir) / "origin-store"), models=[config.model],
         codecs=[config.codec], listen=f"{config.bind_host}:{port}", workers=1,

@@ -6,6 +6,7 @@ single message may exceed ``MAX_MESSAGE``. Tokens travel as ``authorization: Bea
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,13 @@ STREAM_PIECE = 1 << 20  # 1 MiB per streamed message
 MAX_MESSAGE = 8 << 20  # hard bound on any single message, either direction
 DEFAULT_DEADLINE_S = 10.0
 AUTH_HEADER = "authorization"
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that is free right now (for services that must know their port before binding)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def grpc_options(max_message: int = MAX_MESSAGE) -> list[tuple[str, int]]:
