@@ -12,7 +12,7 @@ line ``{"event": "ready", "address": ..., "port": ..., "node_id": ..., "metrics_
 
 The servicer only translates: it parses and bounds every field (malformed keys/fingerprints ->
 INVALID_ARGUMENT, oversized declarations -> RESOURCE_EXHAUSTED), checks the caller's token for the
-request's tenant (:mod:`edge.auth`), calls the node, and converts KdnErrors to statuses with
+request's tenant (:mod:`kdn.transport.auth`), calls the node, and converts KdnErrors to statuses with
 :func:`kdn.transport.errors.abort_for` — the one mapping. An unexpected exception becomes
 INTERNAL for that call and is logged; the server keeps serving.
 """
@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from edge.auth import TokenAuth
+from kdn.transport.auth import TokenAuth
 from edge.clock import Clock, MonotonicClock
 from edge.config import EdgeConfig
 from edge.metrics import EdgeMetrics

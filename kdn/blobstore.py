@@ -115,12 +115,35 @@ class BlobStore:
                     yield BlobInfo(prefix_dir.name, f.name, st.st_size, st.st_mtime)
 
     def _sweep_tmp(self) -> int:
-        """Remove temporaries of writers that died mid-write. Returns how many were removed."""
+        """Remove temporaries of writers that died mid-write. Returns how many were removed.
+
+        A temporary's name carries its writer's pid; one whose writer is still alive (another
+        process writing into the same store right now) is left alone."""
         removed = 0
         for tmp in self.root.glob(f"*/*/.*{_TMP_SUFFIX}"):
+            if _writer_alive(tmp.name):
+                continue
             tmp.unlink(missing_ok=True)
             removed += 1
         return removed
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """``.<name>.<pid>.<id>.tmp``: is that pid a live process other than a recycled one of ours?"""
+    parts = tmp_name.split(".")
+    try:
+        pid = int(parts[-3])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False  # this process is opening the store: none of its writes are in flight yet
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fsync_dir(path: Path) -> None:

@@ -23,7 +23,7 @@ RPCs (kdn/proto/kdn.proto):
 - ``Stats``: counters.
 
 Auth: ``OriginConfig.tokens`` maps bearer tokens to tenants (same rule as the edge,
-:mod:`edge.auth`): with tokens configured, every call's namespace must be granted to its token,
+:mod:`kdn.transport.auth`): with tokens configured, every call's namespace must be granted to its token,
 checked before anything is looked up; a key of another tenant is ``NOT_FOUND``.
 
 Errors: handlers raise KdnErrors; :func:`kdn.transport.errors.abort_for` turns them into statuses.
@@ -45,7 +45,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from edge.auth import TokenAuth
+from kdn.transport.auth import TokenAuth
 from kdn.artifact import decode_artifact, encode_artifact
 from kdn.codecs import get_codec
 from kdn.errors import ConfigError, FingerprintMismatch, InvalidInput, KdnError, LossyRefused, MessageTooLarge, NotFound

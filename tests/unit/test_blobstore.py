@@ -150,3 +150,27 @@ def test_durable_mode_fsyncs_file_and_directory(tmp_path: Path, monkeypatch: pyt
     store.put("t", "abc", b"data")
     assert len(synced) >= 2  # the file, then its directory
     assert store.get("t", "abc") == b"data"
+
+
+def test_sweep_leaves_a_live_writers_temporary_alone(tmp_path):
+    import subprocess
+    import sys
+
+    from kdn.blobstore import BlobStore
+
+    store = BlobStore(tmp_path)
+    final = store.path("t", "ab" * 32)
+    final.parent.mkdir(parents=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        mine = final.with_name(f".{final.name}.{live.pid}.1.tmp")  # a writer in another live process
+        dead = final.with_name(f".{final.name}.999999999.1.tmp")  # a writer that died
+        mine.write_bytes(b"partial")
+        dead.write_bytes(b"partial")
+        reopened = BlobStore(tmp_path)
+        assert mine.exists() and not dead.exists()
+        assert reopened.swept == 1
+        assert list(reopened.scan()) == []  # neither temporary is ever visible as a blob
+    finally:
+        live.kill()
+        live.wait()

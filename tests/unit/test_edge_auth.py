@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from edge.auth import TokenAuth
+from kdn.transport.auth import TokenAuth
 from edge.server import EdgeServicer
 from edge.wire import decode_chunk
 from edge.testing import InMemoryOverlay, make_chain, origin_with
