@@ -53,6 +53,8 @@ class QueryRow:
     via: str
     text: str
     warnings: list[str]
+    kdn_timings: dict[str, float]  # breakdown of the edge-hit request (kdn.integrations.transformers.Timings)
+    kdn_cold_timings: dict[str, float]
 
 
 class _EdgeActor:
@@ -182,6 +184,8 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
                 via=hot.via,
                 text=hot.text or "",
                 warnings=[*cold.warnings, *hot.warnings],
+                kdn_timings=hot.timings.as_dict(),
+                kdn_cold_timings=cold.timings.as_dict(),
             ))
         progress.step("shutting down edge, origin and Ray")
     return {
