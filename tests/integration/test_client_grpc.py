@@ -221,3 +221,46 @@ def test_a_token_for_one_tenant_cannot_read_another_tenants_chunks(lm, tmp_path)
     assert mine.reused_tokens == len(keys) * CHUNK and not mine.warnings
     assert stolen.reused_tokens == 0 and len(stolen.warnings) == 1 and "Unauthorized" in stolen.warnings[0]
     assert stolen.tokens == mine.tokens
+
+
+def test_edge_process_sigkilled_between_requests(lm, origin, tmp_path, capsys):
+    """A real `kdn edge` process, SIGKILLed: a long-lived client and a fresh `kdn query` both
+    answer exactly like a recompute and say the edge was unavailable."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ingest(origin, "killed")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from edge.cli import main; sys.exit(main(sys.argv[1:]))",
+         "--listen", "127.0.0.1:0", "--node-id", "victim", "--origin", origin.address],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        address = None
+        while address is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                pytest.fail(f"edge exited with {proc.returncode}")
+            if line.startswith("{") and json.loads(line).get("event") == "ready":
+                address = json.loads(line)["address"]
+        assert address, "edge did not become ready"
+        prompt = DOC + QUESTION
+        base = generate(lm, prompt, max_new_tokens=6)
+        with KdnClient(ClientConfig(edge=address, tenant="killed", fetch_timeout_s=3, lookup_timeout_s=2)) as client:
+            hit = generate(lm, prompt, client=client, max_new_tokens=6)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            after = generate(lm, prompt, client=client, max_new_tokens=6)
+        assert hit.reused_tokens > 0 and hit.tokens == base.tokens
+        assert after.reused_tokens == 0 and after.tokens == base.tokens
+        assert len(after.warnings) == 1 and "Unavailable" in after.warnings[0]
+        out = _query(capsys, "--edge", address, "--tenant", "killed", "--prompt", prompt, "--timeout", "2")
+        assert out["outputs_match"] and out["reused_tokens"] == 0 and "Unavailable" in out["warnings"][0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
