@@ -141,7 +141,7 @@ def main_tune(argv: list[str]) -> int:
     for q in res.front:
         mark = " *" if q is res.recommended else ""
         table.add_row(q.config.label() + mark, f"{q.cost_usd:,.0f}", f"{q.ttft_p90_s:.3f}", f"{q.ttft_p50_s:.3f}",
-                      f"{q.hit_ratio:.1%}", f"{q.wan_bytes / 1e12:.2f}", f"{q.min_agreement:.3f}")
+                      f"{q.hit_ratio:.1%}", f"{q.wan_bytes / 1e12:.2f}", f"{q.min_agreement:.2%}")
     Console(width=max(Console().width, 140)).print(table)
     c = res.recommended.config
     print(f"recommended ({res.rule}):")
