@@ -41,7 +41,7 @@ import torch
 from pydantic import Field, model_validator
 
 from kdn.artifact import ArtifactReader, PB_TO_DTYPE, encode_artifact
-from kdn.client_transport import EdgeTransport, GrpcEdgeTransport, is_loopback
+from kdn.client_transport import EdgeTransport, FailoverEdgeTransport, GrpcEdgeTransport, is_loopback
 from kdn.config import RoleConfig
 from kdn.errors import FingerprintMismatch, Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
@@ -60,6 +60,10 @@ class ClientConfig(RoleConfig):
     """Settings of one inference host's client. Defaults live here and nowhere else."""
 
     edge: str | None = Field(None, description="host:port of the local edge; None: never reuse, always recompute")
+    fallback_edges: list[str] = Field(
+        default_factory=list, description="further edges, in order, used while the edges before them are unavailable"
+    )
+    edge_backoff_s: float = Field(5.0, gt=0, description="an unavailable edge sits out this long before it is retried")
     token: str | None = Field(None, description="bearer token for the edge")
     tenant: str = Field("default", description="namespace tenant folded into every chunk key")
     salt: str = Field("", description="optional per-tenant secret folded into every chunk key")
@@ -95,8 +99,9 @@ class ClientConfig(RoleConfig):
             return None
         return TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)
 
-    def use_shm(self) -> bool:
-        return bool(self.edge) and (self.shm == "on" or (self.shm == "auto" and is_loopback(self.edge)))
+    def use_shm(self, address: str | None = None) -> bool:
+        address = address or self.edge
+        return bool(address) and (self.shm == "on" or (self.shm == "auto" and is_loopback(address)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +144,10 @@ class AsyncKdnClient:
     def __init__(self, config: ClientConfig | None = None, *, transport: EdgeTransport | None = None) -> None:
         self.config = config or ClientConfig()
         if transport is None and self.config.edge:
-            transport = GrpcEdgeTransport(
-                self.config.edge, token=self.config.token, shm=self.config.use_shm(), tls=self.config.tls()
-            )
+            c = self.config
+            edges = [GrpcEdgeTransport(a, token=c.token, shm=c.use_shm(a), tls=c.tls())
+                     for a in [c.edge, *c.fallback_edges]]
+            transport = edges[0] if len(edges) == 1 else FailoverEdgeTransport(edges, backoff_s=c.edge_backoff_s)
         self.transport = transport
         self._pending: set[asyncio.Task[int]] = set()
         self.counters: dict[str, float] = {

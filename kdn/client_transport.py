@@ -10,6 +10,8 @@ takes a deadline and raises only :mod:`kdn.errors` exceptions: gRPC statuses are
 - :class:`GrpcEdgeTransport` speaks ``EdgeService`` over gRPC; on the same host it asks for the
   shared-memory answer (``FetchRequest.shm``) and maps ``/dev/shm/<name>`` read-only instead of
   streaming the bytes through the socket. It never unlinks a segment: the edge owns their lifetime.
+- :class:`FailoverEdgeTransport` puts several edges in preference order: a call whose edge is
+  unavailable moves on to the next one, and that edge sits out a backoff before it is tried again.
 - :class:`MemoryEdgeTransport` keeps artifacts in a dict: the transport for unit tests (no sockets),
   with fault injection (down, corrupt, slow).
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
@@ -179,6 +182,82 @@ class GrpcEdgeTransport(EdgeTransport):
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
+
+
+class FailoverEdgeTransport(EdgeTransport):
+    """Edges in preference order (the local edge first). Only ``Unavailable`` moves a call on: a
+    refused or missing artifact is an answer from a live edge, not a reason to ask another. A fetch
+    that fails after its first piece arrived is not retried elsewhere (the reader already holds
+    part of one container); the client then reuses what it verified and recomputes the rest."""
+
+    def __init__(self, transports: Sequence[EdgeTransport], *, backoff_s: float = 5.0) -> None:
+        if not transports:
+            raise ValueError("FailoverEdgeTransport needs at least one edge")
+        self.transports = list(transports)
+        self.name = ",".join(getattr(t, "name", "?") for t in self.transports)
+        self.shm = any(getattr(t, "shm", False) for t in self.transports)
+        self._backoff_s = backoff_s
+        self._down_until: dict[int, float] = {}
+        self.failovers = 0
+
+    def _order(self) -> list[int]:
+        now = time.monotonic()
+        up = [i for i in range(len(self.transports)) if self._down_until.get(i, 0.0) <= now]
+        down = sorted((i for i in range(len(self.transports)) if i not in up), key=lambda i: self._down_until[i])
+        return up + down  # when every edge sits out a backoff, still try them, soonest-back first
+
+    def _failed(self, i: int) -> None:
+        self._down_until[i] = time.monotonic() + self._backoff_s
+        self.failovers += 1
+
+    async def _each(self, call):
+        last: Unavailable | None = None
+        for i in self._order():
+            try:
+                result = await call(self.transports[i])
+            except Unavailable as exc:
+                self._failed(i)
+                last = exc
+                continue
+            self._down_until.pop(i, None)
+            return result
+        assert last is not None
+        raise last
+
+    async def lookup(
+        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
+    ) -> int:
+        return await self._each(lambda t: t.lookup(fingerprint, namespace, keys, timeout=timeout))
+
+    async def fetch(self, fingerprint, namespace, key, *, timeout, next_keys=(), require_lossless=True, codec=""):
+        last: Unavailable | None = None
+        for i in self._order():
+            started = False
+            try:
+                async for piece in self.transports[i].fetch(
+                    fingerprint, namespace, key, timeout=timeout, next_keys=next_keys,
+                    require_lossless=require_lossless, codec=codec,
+                ):
+                    started = True
+                    yield piece
+                self._down_until.pop(i, None)
+                return
+            except Unavailable as exc:
+                self._failed(i)
+                if started:
+                    raise
+                last = exc
+        assert last is not None
+        raise last
+
+    async def put(
+        self, fingerprint: ModelFingerprint, namespace: Namespace, key: ChunkKey, data: bytes, *, timeout: float
+    ) -> bool:
+        return await self._each(lambda t: t.put(fingerprint, namespace, key, data, timeout=timeout))
+
+    async def close(self) -> None:
+        for t in self.transports:
+            await t.close()
 
 
 class _ShmSegment:

@@ -22,7 +22,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
@@ -55,32 +54,6 @@ class QueryRow:
     warnings: list[str]
     kdn_timings: dict[str, float]  # breakdown of the edge-hit request (kdn.integrations.transformers.Timings)
     kdn_cold_timings: dict[str, float]
-
-
-class _EdgeActor:
-    """An EdgeServer (async) in a Ray actor: its own event loop on a thread."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        import asyncio
-
-        from edge.config import EdgeConfig
-        from edge.server import EdgeServer
-
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="edge-loop")
-        self._thread.start()
-        self._server = EdgeServer(EdgeConfig.build(config))
-        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(60)
-
-    def address(self) -> str:
-        return self._server.address
-
-    def stop(self) -> None:
-        import asyncio
-
-        asyncio.run_coroutine_threadsafe(self._server.stop(grace=0.5), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
 
 class _Progress:
@@ -127,11 +100,13 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
         work.mkdir(parents=True, exist_ok=True)
         if args.keep is None:
             stack.callback(shutil.rmtree, work, ignore_errors=True)
+        from kdn.registry import RESOURCE_EDGE, RESOURCE_ORIGIN
+
         progress.step(f"starting a local Ray cluster (roles kdn_origin, kdn_edge; work dir {work})")
         cpus = max(2, os.cpu_count() or 2)
         ray.init(
             num_cpus=cpus,
-            resources={"kdn_origin": 2, "kdn_edge": 1},
+            resources={RESOURCE_ORIGIN: 2, RESOURCE_EDGE: 1},
             include_dashboard=False,
             log_to_driver=False,
             logging_level="ERROR",
@@ -149,9 +124,12 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
 
         origin_actor, origin_address = start_origin_actor(ocfg, max_restarts=0)
         stack.callback(lambda: _quietly(lambda: ray.get(origin_actor.stop.remote(), timeout=30)))
-        edge_cls = ray.remote(_EdgeActor)
-        edge_actor = edge_cls.options(resources={"kdn_edge": 1}, num_cpus=0, max_restarts=0).remote(
-            {"node_id": "demo-edge", "listen": "127.0.0.1:0", "origin": origin_address, "memory_bytes": 2 << 30})
+        from kdn.roles import EdgeActor
+
+        edge_cls = ray.remote(EdgeActor)
+        edge_actor = edge_cls.options(resources={RESOURCE_EDGE: 1}, num_cpus=0, max_restarts=0).remote(
+            {"node_id": "demo-edge", "listen": "127.0.0.1:0", "origin": origin_address, "memory_bytes": 2 << 30},
+            registered=False)
         edge_address = ray.get(edge_actor.address.remote(), timeout=120)
         stack.callback(lambda: _quietly(lambda: ray.get(edge_actor.stop.remote(), timeout=30)))
         progress.step(f"origin at {origin_address}, edge at {edge_address}; loading {args.model} on this host")

@@ -24,6 +24,8 @@ from kdn.errors import KdnError
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kdn query", description=__doc__.split("\n\n")[0])
     p.add_argument("--edge", help="host:port of the local edge (omit: recompute only)")
+    p.add_argument("--fallback-edge", action="append", dest="fallback_edges", metavar="ADDR",
+                   help="another edge to use while the ones before it are unavailable (repeatable)")
     p.add_argument("--model", default="tiny", help="built-in spec or local HF model directory (default: tiny)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default 256)")
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kdn.models import load_model
 
     prompt = _prompt(args)
-    overrides = dict(edge=args.edge, tenant=args.tenant, salt=args.salt, token=args.token, shm=args.shm,
+    overrides = dict(edge=args.edge, fallback_edges=args.fallback_edges, tenant=args.tenant, salt=args.salt, token=args.token, shm=args.shm,
                      fetch_timeout_s=args.timeout, write_back=False if args.no_write_back else None)
     cfg = ClientConfig.from_file(args.config, **overrides) if args.config else ClientConfig.build(**overrides)
     lm = load_model(args.model, dtype=args.dtype, chunk_size=args.chunk_size or DEFAULT_CHUNK_SIZE)

@@ -34,27 +34,35 @@ HEARTBEAT_S = DEFAULT_TTL_S / 5
 
 
 class EdgeActor:
-    """Hosts one EdgeServer inside a Ray actor process."""
+    """Hosts one EdgeServer inside a Ray actor process, on its own event-loop thread.
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    ``registered=True`` (what `kdn up` places): the edge heartbeats into the cluster registry and
+    reads its overlay members back from it. ``registered=False``: a lone edge whose peers come
+    from its config (what `kdn demo` runs).
+    """
+
+    def __init__(self, config: dict[str, Any], registered: bool = True) -> None:
         from edge.config import EdgeConfig
         from edge.overlay import Member
 
         self._config = EdgeConfig.build(config)
         self._members: list[Member] = []
         self._gauges: dict[str, Any] = {}
-        self._registry = get_registry()
-        self._refresh_members()
+        self._registry = get_registry() if registered else None
+        if self._registry is not None:
+            self._refresh_members()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._server: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        threading.Thread(target=self._serve, name="kdn-edge", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="kdn-edge", daemon=True)
+        self._thread.start()
         if not self._ready.wait(120) or self._error is not None:
             raise RuntimeError(f"edge {self._config.node_id} did not start: {self._error!r}")
-        self._register()
-        threading.Thread(target=self._heartbeat, name="kdn-edge-heartbeat", daemon=True).start()
+        if self._registry is not None:
+            self._register()
+            threading.Thread(target=self._heartbeat, name="kdn-edge-heartbeat", daemon=True).start()
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -107,7 +115,8 @@ class EdgeActor:
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             try:
-                self._server = EdgeServer(self._config, members=self._provider)
+                members = self._provider if self._registry is not None else None
+                self._server = EdgeServer(self._config, members=members)
                 await self._server.start()
             except BaseException as exc:
                 self._error = exc
@@ -133,6 +142,17 @@ class EdgeActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def stop(self) -> None:
+        """Stop serving (graceful), deregister, and end the server thread."""
+        self._stop.set()
+        if self._registry is not None:
+            import ray
+
+            ray.get(self._registry.deregister.remote("edge", self._config.node_id), timeout=10)
+        if self._loop is not None and self._server is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace=0.5), self._loop).result(30)
+        self._thread.join(5)
 
 
 def deploy_roles(config: Any, *, progress=print) -> tuple[list[dict], list[dict]]:

@@ -57,13 +57,14 @@ def _prompt(doc: str) -> str:
     return DOCS[doc] + "\nQuestion: summarise the above."
 
 
-def _generate(lm, edge: str | None, text: str):
+def _generate(lm, edge: str | None, text: str, fallbacks: list[str] = ()):
     from kdn.client import ClientConfig, KdnClient
     from kdn.integrations.transformers import generate
 
     if edge is None:
         return generate(lm, text, client=None, max_new_tokens=8)
-    with KdnClient(ClientConfig(edge=edge, fetch_timeout_s=5, lookup_timeout_s=2)) as client:
+    cfg = ClientConfig(edge=edge, fallback_edges=list(fallbacks), fetch_timeout_s=5, lookup_timeout_s=2)
+    with KdnClient(cfg) as client:
         return generate(lm, text, client=client, max_new_tokens=8)
 
 
@@ -98,11 +99,12 @@ def test_cluster_end_to_end(cluster, tmp_path):
 
     def client_loop(edge_id: str) -> None:
         addr = edges[edge_id]
+        others = [a for e, a in sorted(edges.items()) if e != edge_id]  # clients move on to these
         for _ in range(40):
             if stop.is_set():
                 return
             for d in DOCS:
-                r = _generate(lm, addr, _prompt(d))
+                r = _generate(lm, addr, _prompt(d), others)
                 results.append((time.monotonic(), edge_id, r.reused_tokens, bool(r.warnings)))
                 if r.tokens != expected[d]:
                     wrong.append((edge_id, d))
@@ -130,11 +132,16 @@ def test_cluster_end_to_end(cluster, tmp_path):
         t.join(timeout=120)
     assert new_addr is not None, "killed edge was not replaced"
     assert wrong == [], f"wrong outputs: {wrong}"
-    survivors_after = [r for r in results if r[0] > killed_at and r[1] != "edge-1"]
-    assert survivors_after and all(r[2] > 0 for r in survivors_after), "survivors stopped serving hits"
-    victim_fallbacks = [r for r in results if r[0] > killed_at and r[1] == "edge-1" and r[3]]
-    print(f"\nedge-1 replaced and re-registered {rejoin_s:.1f}s after SIGKILL; "
-          f"{len(victim_fallbacks)} requests to it fell back to recompute meanwhile (all correct)")
+    after = [r for r in results if r[0] > killed_at]
+    assert after and all(r[2] > 0 for r in after if r[1] != "edge-1"), "survivors stopped serving hits"
+    # the killed edge's client moved on to the next edge: only a request caught mid-fetch by the
+    # kill may have recomputed (still with the right answer)
+    victim_after = [r for r in after if r[1] == "edge-1"]
+    missed = [r for r in victim_after if r[2] == 0]
+    assert victim_after and len(missed) <= 1, missed
+    gap = max((r[0] for r in missed), default=killed_at) - killed_at
+    print(f"\nedge-1 replaced and re-registered {rejoin_s:.1f}s after SIGKILL; its client made "
+          f"{len(victim_after)} requests meanwhile, {len(missed)} without reuse (failover took {gap:.2f}s); all correct")
 
     # The replacement takes keys again.
     r = _generate(lm, new_addr, _prompt("policy.md"))

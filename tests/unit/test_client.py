@@ -202,3 +202,37 @@ def test_config_validation():
         ClientConfig.build({"unknown_field": 1})
     assert ClientConfig(edge="127.0.0.1:1").use_shm() and not ClientConfig(edge="10.0.0.2:1").use_shm()
     assert not ClientConfig(edge="127.0.0.1:1", shm="off").use_shm()
+
+
+def test_failover_moves_to_the_next_edge_and_back(lm):
+    from kdn.client_transport import FailoverEdgeTransport
+
+    local, other = MemoryEdgeTransport(name="local"), MemoryEdgeTransport(name="other")
+    cfg = ClientConfig(edge="mem", tenant="acme")
+    _, chunks = publish(local, lm, DOC[: 3 * CHUNK], cfg.namespace)
+    publish(other, lm, DOC[: 3 * CHUNK], cfg.namespace)
+    both = FailoverEdgeTransport([local, other], backoff_s=3600)
+    with KdnClient(cfg, transport=both) as client:
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+        assert r.chunks == 3 and r.via == "memory" and other.calls["lookup"] == 0  # local edge first
+        local.down = True  # the local edge dies: the same request is answered by the next edge
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+        assert r.warning is None and r.chunks == 3 and torch.equal(r.kv, torch.cat(chunks, dim=3))
+        assert other.calls["fetch"] == 3 and both.failovers == 1
+        before = local.calls["lookup"]
+        client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+        assert local.calls["lookup"] == before  # still sitting out its backoff: not asked again
+        local.down = other.down = True  # nobody answers: the cache failed, the caller recomputes
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+        assert r.chunks == 0 and r.warning
+
+
+def test_failover_does_not_hide_answers_of_a_live_edge(lm):
+    from kdn.client_transport import FailoverEdgeTransport
+
+    local, other = MemoryEdgeTransport(name="local"), MemoryEdgeTransport(name="other")
+    cfg = ClientConfig(edge="mem")
+    publish(other, lm, DOC[: 2 * CHUNK], cfg.namespace)  # only the second edge holds the chunks
+    with KdnClient(cfg, transport=FailoverEdgeTransport([local, other])) as client:
+        r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+    assert r.chunks == 0 and other.calls["lookup"] == 0  # "0 available" is an answer, not an outage
