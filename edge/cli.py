@@ -29,6 +29,7 @@ import signal
 import sys
 from typing import Any, Sequence
 
+from kdn.cli import report_error
 from kdn.errors import ConfigError, KdnError
 
 HINT_COMMANDS = ("pin", "unpin", "ttl", "priority", "schedule", "cancel", "prefetch")
@@ -207,10 +208,7 @@ def _hint(command: str, argv: list[str]) -> int:
                 ))
                 result = {"command": command, "affected": resp.affected, "schedule_id": resp.schedule_id}
     except KdnError as exc:
-        if args.json:
-            print(json.dumps({"command": command, "error": type(exc).__name__, "message": str(exc)}))
-        else:
-            print(f"kdn edge {command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        report_error(f"edge {command}", exc, as_json=args.json, command=command)
         return 1
     if args.json:
         print(json.dumps(result))
@@ -243,10 +241,7 @@ def main_stats(argv: list[str] | None = None) -> int:
         with EdgeClient(args.edge, token=args.token, deadline_s=args.deadline) as client:
             stats = client.stats()
     except KdnError as exc:
-        if args.json:
-            print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
-        else:
-            print(f"kdn stats: {type(exc).__name__}: {exc}", file=sys.stderr)
+        report_error("stats", exc, as_json=args.json)
         return 1
     if args.json:
         print(json.dumps(stats.as_dict(), sort_keys=True))

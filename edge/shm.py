@@ -28,6 +28,7 @@ from pathlib import Path
 from kdn.artifact import read_header, verify_artifact
 from kdn.errors import ArtifactCorrupt, InvalidInput, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint
+from kdn.procs import pid_alive
 from kdn.proto import kdn_pb2 as pb
 
 DEFAULT_SHM_DIR = "/dev/shm"
@@ -68,7 +69,7 @@ class ShmPool:
             if not m:
                 continue
             pid = int(m.group(1))
-            if pid == os.getpid() or _alive(pid):
+            if pid == os.getpid() or pid_alive(pid):
                 continue
             try:
                 path.unlink()
@@ -280,16 +281,6 @@ def _close_quietly(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:  # a caller still holds a view: the mapping goes when that view does
         pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink(path: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kdn.errors import InvalidInput, StorageFull
+from kdn.procs import pid_alive
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 _TMP_SUFFIX = ".tmp"
@@ -137,13 +138,7 @@ def _writer_alive(tmp_name: str) -> bool:
         return False
     if pid == os.getpid():
         return False  # this process is opening the store: none of its writes are in flight yet
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def _fsync_dir(path: Path) -> None:

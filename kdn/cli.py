@@ -8,6 +8,7 @@ of work fills in says so instead of pretending.
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from dataclasses import dataclass
 
@@ -33,6 +34,15 @@ COMMANDS: tuple[Command, ...] = (
     Command("model", "kdn.reference:main", "model tools: `kdn model train-reference`, `kdn model info`"),
     Command("eval-codec", "kdn.quality:main", "judge a codec by what the model does with decoded KV"),
 )
+
+
+def report_error(command: str, exc: BaseException, *, as_json: bool, **extra: object) -> None:
+    """How every command reports a failure: one JSON object on stdout with ``--json``
+    (``{"error": <exception class>, "message": ...}``), else one line on stderr."""
+    if as_json:
+        print(json.dumps({**extra, "error": type(exc).__name__, "message": str(exc)}))
+    else:
+        print(f"kdn {command}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 def _usage() -> str:

@@ -32,7 +32,7 @@ import threading
 import time
 from concurrent.futures import Future
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Coroutine, Literal, Sequence, TypeVar
 

@@ -18,7 +18,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pydantic import Field
 
 from kdn.config import RoleConfig
 from kdn.errors import ConfigError, KdnError, Unavailable
+from kdn.procs import session_members, stop_sessions
 from kdn.registry import RAY_NAMESPACE, RESOURCE_EDGE, RESOURCE_HEAD, RESOURCE_ORIGIN
 from kdn.transport.channel import free_port
 
@@ -132,48 +132,6 @@ def _start_node(args: list[str], log: Path, env: dict[str, str]) -> subprocess.P
         stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, **env},
     )
-
-
-def session_members(sids: set[int]) -> list[int]:
-    """Pids of every live process whose session id is in ``sids`` (reads /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # field 6 is the session id; the command name (field 2) may hold spaces, so split after ')'
-        fields = stat.rsplit(")", 1)[1].split()
-        state, sid = fields[0], int(fields[3])
-        if sid in sids and state != "Z":
-            out.append(int(entry))
-    return out
-
-
-def stop_sessions(session_pids: list[int], *, grace_s: float = 10.0) -> list[int]:
-    """SIGTERM every process in those sessions, then SIGKILL what is left. Returns what was signalled."""
-    sids = set(session_pids)
-    victims = session_members(sids)
-    for pid in victims:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and session_members(sids):
-        time.sleep(0.2)
-    for pid in session_members(sids):
-        _signal(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and session_members(sids):
-        time.sleep(0.1)
-    return victims
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _wait_for_resources(want: dict[str, float], timeout_s: float) -> None:

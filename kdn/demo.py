@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kdn.cli import report_error
 from kdn.errors import KdnError
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
@@ -231,10 +231,7 @@ def main(argv: list[str]) -> int:
     try:
         out = run(args, progress)
     except KdnError as exc:
-        if args.json:
-            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-        else:
-            print(f"kdn demo: {exc}", file=sys.stderr)
+        report_error("demo", exc, as_json=args.json)
         return 1
     if args.json:
         print(json.dumps(out))

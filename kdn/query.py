@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
+from kdn.cli import report_error
 from kdn.errors import KdnError
 
 
@@ -138,10 +138,7 @@ def main(argv: list[str]) -> int:
     try:
         out = run(args)
     except KdnError as exc:
-        if args.json:
-            print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-        else:
-            print(f"kdn query: {exc}", file=sys.stderr)
+        report_error("query", exc, as_json=args.json)
         return 2
     finally:
         logging.getLogger("kdn.client").propagate = True

@@ -13,6 +13,7 @@ import sys
 import threading
 from typing import Any
 
+from kdn.cli import report_error
 from kdn.errors import KdnError
 from origin.config import OriginConfig
 
@@ -44,15 +45,13 @@ def _config(args: argparse.Namespace, **extra: Any) -> OriginConfig:
 
 
 def _fatal(args: argparse.Namespace, exc: BaseException) -> int:
-    if getattr(args, "json", False):
-        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
-    else:
-        print(f"error: {exc}", file=sys.stderr)
+    report_error(args.command, exc, as_json=getattr(args, "json", False))
     return 2
 
 
 def main_ingest(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kdn ingest", description="Turn documents into KV artifacts in the origin store.")
+    p.set_defaults(command="ingest")
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories (recursive)")
     p.add_argument("--model", help="model spec: built-in name or local model directory")
     p.add_argument("--namespace", help="TENANT or TENANT:SALT")
@@ -94,6 +93,7 @@ def main_ingest(argv: list[str]) -> int:
 
 def main_origin(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kdn origin", description="Run an origin: gRPC serving + compute on demand.")
+    p.set_defaults(command="origin")
     p.add_argument("--model", dest="models", action="append", help="model spec to serve (repeatable)")
     p.add_argument("--listen", help="address to bind, e.g. 127.0.0.1:50061 (port 0 = any free port)")
     p.add_argument("--node-id", help="name reported in Stats and Lookup")

@@ -48,7 +48,7 @@ def cluster(tmp_path_factory):
     yield state, info, env
     down = _run(["down", "--state-dir", str(state), "--json"], env, timeout=120)
     assert down.returncode == 0, down.stderr
-    from kdn.cluster import session_members
+    from kdn.procs import session_members
 
     assert session_members(set(info["session_pids"])) == [], "kdn down left processes behind"
 
@@ -179,7 +179,7 @@ def test_cluster_end_to_end(cluster, tmp_path):
     assert r.tokens == expected["policy.md"] and r.reused_tokens > 0, r.warnings
     down2 = _run(["down", "--state-dir", str(state2), "--json"], env, timeout=120)
     assert down2.returncode == 0, down2.stderr
-    from kdn.cluster import session_members
+    from kdn.procs import session_members
 
     assert session_members(set(joined["session_pids"])) == []
     assert session_members(set(info["session_pids"])), "the first cluster must still run"

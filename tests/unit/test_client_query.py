@@ -27,10 +27,10 @@ def test_query_renders_a_table(capsys, tmp_path):
 
 def test_query_errors_are_clear(capsys, tmp_path):
     assert main(["--model", "tiny", "--json"]) == 2
-    assert "--prompt" in json.loads(capsys.readouterr().out)["error"]
+    assert "--prompt" in json.loads(capsys.readouterr().out)["message"]
     assert main(["--model", "tiny", "--prompt-file", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read" in capsys.readouterr().err
     assert main(["--model", "no-such-model", "--prompt", "x", "--json"]) == 2
     assert "UnknownModel" in json.loads(capsys.readouterr().out)["error"]
     assert main(["--model", "tiny", "--prompt", "x", "--tenant", "bad tenant!", "--json"]) == 2
-    assert "tenant" in json.loads(capsys.readouterr().out)["error"]
+    assert "tenant" in json.loads(capsys.readouterr().out)["message"]
