@@ -39,7 +39,7 @@ def _protoc(cwd: Path) -> None:
     """Run grpc_tools' protoc in ``cwd`` exactly as the regenerate command does."""
     import os
 
-    protoc = pytest.importorskip("grpc_tools.protoc")
+    from grpc_tools import protoc  # a dev dependency: a missing one must fail, not skip, this check
     include = Path(protoc.__file__).parent / "_proto"  # google/protobuf/*.proto
     args = ["grpc_tools.protoc", "-I.", f"-I{include}", "--python_out=.", "--pyi_out=.", "--grpc_python_out=.", str(PROTO)]
     old = os.getcwd()
