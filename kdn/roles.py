@@ -1,6 +1,6 @@
 """KDN's roles as Ray actors, placed by the nodes' custom resources.
 
-- one origin actor per ``kdn_origin`` node (:class:`origin.ray_origin._OriginActor`: the origin gRPC
+- one origin actor per ``kdn_origin`` node (:class:`origin.ray_origin.OriginActor`: the origin gRPC
   server, its store and its model);
 - one :class:`EdgeActor` per ``kdn_edge`` node: an :class:`edge.server.EdgeServer` on its own
   event loop thread, registered in the cluster registry (:mod:`kdn.registry`) and refreshed there
@@ -163,8 +163,11 @@ def deploy_roles(config: Any, *, progress=print) -> tuple[list[dict], list[dict]
     ray.get(registry.ping.remote(), timeout=config.wait_s)
     state_dir = Path(config.state_dir)
     bind = config.bind_host
-    origins = [place_origin(config, i, registry, progress=progress)
-               for i in range(max(config.origin_nodes, 1 if config.address is None else 0))]
+    # Joining a running cluster adds roles under fresh ids, so its `kdn down` removes only them.
+    taken = {e["node_id"] for e in ray.get(registry.members.remote("origin"), timeout=10)}
+    free_origins = (i for i in range(10_000) if f"origin-{i}" not in taken)
+    origins = [place_origin(config, next(free_origins), registry, progress=progress)
+               for _ in range(max(config.origin_nodes, 1 if config.address is None else 0))]
     origin_address = origins[0]["address"] if origins else _registered_origin(registry)
 
     edges = []
@@ -172,7 +175,7 @@ def deploy_roles(config: Any, *, progress=print) -> tuple[list[dict], list[dict]
     taken = {e["node_id"] for e in ray.get(registry.members.remote("edge"), timeout=10)}
     free_ids = (f"edge-{i}" for i in range(10_000) if f"edge-{i}" not in taken)
     for _ in range(config.edge_nodes):
-        node_id = next(free_ids)  # joining a running cluster adds edges under new ids
+        node_id = next(free_ids)
         progress(f"placing {node_id}")
         ecfg = dict(
             node_id=node_id, listen=f"{bind}:0", origin=origin_address,
@@ -193,7 +196,7 @@ def place_origin(config: Any, index: int, registry: Any = None, *, progress=prin
     import ray
 
     from origin.config import OriginConfig
-    from origin.ray_origin import _OriginActor
+    from origin.ray_origin import OriginActor
 
     from kdn.transport.channel import free_port
 
@@ -207,7 +210,7 @@ def place_origin(config: Any, index: int, registry: Any = None, *, progress=prin
         node_id=node_id, store_dir=str(Path(config.state_dir) / "origin-store"), models=[config.model],
         codecs=[config.codec], listen=f"{config.bind_host}:{port}", workers=1,
     )
-    actor = ray.remote(_OriginActor).options(
+    actor = ray.remote(OriginActor).options(
         name=f"{ROLE_PREFIX}{node_id}", namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
         resources={RESOURCE_ORIGIN: 1}, num_cpus=0, max_restarts=-1,
     ).remote(ocfg.model_dump())

@@ -70,7 +70,6 @@ class OriginActor:
         self._server.stop()
 
 
-_OriginActor = OriginActor  # the name kdn/roles.py imports
 
 
 def start_origin_actor(
