@@ -36,13 +36,13 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
-def report_error(command: str, exc: BaseException, *, as_json: bool, **extra: object) -> None:
+def report_error(prog: str, exc: BaseException, /, *, as_json: bool, **extra: object) -> None:
     """How every command reports a failure: one JSON object on stdout with ``--json``
     (``{"error": <exception class>, "message": ...}``), else one line on stderr."""
     if as_json:
         print(json.dumps({**extra, "error": type(exc).__name__, "message": str(exc)}))
     else:
-        print(f"kdn {command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"kdn {prog}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 def _usage() -> str:
