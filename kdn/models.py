@@ -19,7 +19,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -157,7 +157,8 @@ def load_model(
         b = BUILTIN_SPECS[spec]
         cfg = LlamaConfig(**b.config)
         cfg._attn_implementation = attn
-        with _seeded(b.seed):
+        with torch.random.fork_rng(devices=[]):  # seeded init that leaves the caller's RNG as it was
+            torch.manual_seed(b.seed)
             model = LlamaForCausalLM(cfg)
         tokenizer: Tokenizer = ByteTokenizer()
         weights_id = f"builtin:{b.name}:seed={b.seed}:torch={torch.__version__.split('+')[0]}"
@@ -216,24 +217,3 @@ def _load_dir_tokenizer(path: Path) -> Tokenizer:
         return HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
     except (OSError, ValueError) as exc:
         raise UnknownModel(f"model directory {path} has no usable tokenizer: {exc}") from exc
-
-
-class _seeded:
-    """Seed torch's global RNG for a block and restore it afterwards."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def __enter__(self) -> None:
-        self._state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.random.set_rng_state(self._state)
-
-
-def builtin_names() -> list[str]:
-    return list(BUILTIN_SPECS)
-
-
-ModelLoader = Callable[..., LoadedModel]
