@@ -74,11 +74,15 @@ def next_key(
     parent: ChunkKey, fingerprint: ModelFingerprint, namespace: Namespace, tokens: Sequence[int] | np.ndarray
 ) -> ChunkKey:
     """The key of one chunk given its parent's key."""
+    return _step(parent, bytes(fingerprint), namespace.encode(), _as_u32(tokens).tobytes())
+
+
+def _step(parent: bytes, fingerprint: bytes, namespace: bytes, tokens_le_u32: bytes) -> ChunkKey:
     h = hashlib.blake2b(digest_size=KEY_BYTES)
     h.update(parent)
     h.update(fingerprint)
-    h.update(namespace.encode())
-    h.update(_tokens_le_u32(tokens))
+    h.update(namespace)
+    h.update(tokens_le_u32)
     return ChunkKey(h.digest())
 
 
@@ -99,12 +103,7 @@ def chunk_keys(
     keys: list[ChunkKey] = []
     parent = ROOT_KEY
     for start in range(0, len(arr) - chunk_size + 1, chunk_size):
-        h = hashlib.blake2b(digest_size=KEY_BYTES)
-        h.update(parent)
-        h.update(fp)
-        h.update(ns)
-        h.update(arr[start : start + chunk_size].tobytes())
-        parent = ChunkKey(h.digest())
+        parent = _step(parent, fp, ns, arr[start : start + chunk_size].tobytes())
         keys.append(parent)
     return keys
 
@@ -138,7 +137,3 @@ def _as_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise InvalidInput("tokens must be integers in [0, 2**32)")
     return arr.astype("<u4", copy=False)
-
-
-def _tokens_le_u32(tokens: Sequence[int] | np.ndarray) -> bytes:
-    return _as_u32(tokens).tobytes()
