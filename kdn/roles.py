@@ -112,20 +112,18 @@ class EdgeActor:
     def _serve(self) -> None:
         from edge.server import EdgeServer
 
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            try:
-                members = self._provider if self._registry is not None else None
-                self._server = EdgeServer(self._config, members=members)
-                await self._server.start()
-            except BaseException as exc:
-                self._error = exc
-                self._ready.set()
-                return
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        members = self._provider if self._registry is not None else None
+        try:
+            self._server = EdgeServer(self._config, members=members)
+            self._loop.run_until_complete(self._server.start())
+        except BaseException as exc:
+            self._error = exc
             self._ready.set()
-            await self._server.wait()
-
-        asyncio.run(main())
+            return
+        self._ready.set()
+        self._loop.run_forever()  # until stop() stops it
 
     # -- actor API -----------------------------------------------------------------------------
 
@@ -152,6 +150,7 @@ class EdgeActor:
             ray.get(self._registry.deregister.remote("edge", self._config.node_id), timeout=10)
         if self._loop is not None and self._server is not None:
             asyncio.run_coroutine_threadsafe(self._server.stop(grace=0.5), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
 
