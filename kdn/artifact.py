@@ -163,17 +163,23 @@ class ArtifactReader:
         max_bytes: int = DEFAULT_MAX_BYTES,
         decode: bool = True,
         assemble: bool = False,
+        out: torch.Tensor | None = None,
     ) -> None:
         """``assemble``: decode every section straight into one ``(L, 2, H, T, D)`` tensor,
         :attr:`kv` (allocated when the first section has been verified); the yielded sections
-        are views into it. Saves a copy per section when the whole chunk is wanted."""
+        are views into it. Saves a copy per section when the whole chunk is wanted.
+
+        ``out``: decode into this caller-owned ``(L, 2, H, T, D)`` tensor instead (any strides,
+        e.g. chunk i's token range of a whole prefix's KV); the header must declare exactly that
+        geometry and dtype, or the artifact is refused (FingerprintMismatch) before any byte is
+        written to ``out``."""
         self._expect_fp = expect_fingerprint
         self._expect_key = expect_key
         self._require_lossless = require_lossless
         self._max_bytes = max_bytes
         self._decode = decode
-        self._assemble = assemble and decode
-        self.kv: torch.Tensor | None = None  # (L, 2, H, T, D) when assembling
+        self._assemble = (assemble or out is not None) and decode
+        self.kv: torch.Tensor | None = out  # (L, 2, H, T, D) when assembling
         self._buf = bytearray()  # bytes that arrived but belong to an unfinished part
         self._view: memoryview = memoryview(b"")  # what the current feed() parses
         self._pos = 0  # bytes of _view consumed
@@ -315,6 +321,14 @@ class ArtifactReader:
             raise ArtifactCorrupt(f"header says lossy={h.lossy} but codec {h.codec} is lossy={codec.lossy}")
         self._codec = codec.with_meta(h.codec_meta)
         self._infos = section_infos(h)
+        if self.kv is not None:
+            want = (h.num_layers, 2, h.num_kv_heads, h.token_count, h.head_dim)
+            if tuple(self.kv.shape) != want or self.kv.dtype != PB_TO_DTYPE[h.dtype]:
+                # checksummed and fingerprinted, yet not the KV the reader's model makes
+                raise FingerprintMismatch(
+                    f"artifact holds KV {want} {PB_TO_DTYPE[h.dtype]}, this model needs "
+                    f"{tuple(self.kv.shape)} {self.kv.dtype}"
+                )
 
     def _parse_section(self) -> Section | bool | None:
         info = self._infos[self._next]
@@ -347,7 +361,7 @@ class ArtifactReader:
             self.kv = torch.empty(
                 (h.num_layers, 2, h.num_kv_heads, h.token_count, h.head_dim), dtype=info.dtype
             )  # (L, 2, H, T, D)
-        out = self.kv[info.layer, 0 if info.kind == "k" else 1]  # (H, T, D), contiguous view
+        out = self.kv[info.layer, 0 if info.kind == "k" else 1]  # (H, T, D) view
         self._codec.decode_into(framed[4:], info, out)
         return Section(info.layer, info.kind, out)
 

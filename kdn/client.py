@@ -40,13 +40,12 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from kdn.artifact import ArtifactReader, PB_TO_DTYPE, encode_artifact
+from kdn.artifact import ArtifactReader, encode_artifact
 from kdn.client_transport import EdgeTransport, FailoverEdgeTransport, GrpcEdgeTransport, is_loopback
 from kdn.config import RoleConfig
-from kdn.errors import FingerprintMismatch, Unavailable
+from kdn.errors import Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.kv import KVShape
-from kdn.proto import kdn_pb2 as pb
 from kdn.transport.channel import TlsFiles
 
 __all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "LOG"]
@@ -194,7 +193,7 @@ class AsyncKdnClient:
         async def one(i: int) -> None:
             async with sem:
                 await _deadline(
-                    self._fetch_into(out, i, keys, fingerprint, kv_shape, chunk_size, tally),
+                    self._fetch_into(out, i, keys, fingerprint, chunk_size, tally),
                     self.config.fetch_timeout_s, f"Fetch of chunk {i}",
                 )
 
@@ -214,16 +213,16 @@ class AsyncKdnClient:
         i: int,
         keys: Sequence[ChunkKey],
         fingerprint: ModelFingerprint,
-        shape: KVShape,
         chunk_size: int,
         tally: _FetchTally,
     ) -> None:
         assert self.transport is not None
-        reader = ArtifactReader(
-            expect_fingerprint=fingerprint, expect_key=keys[i], require_lossless=self.config.require_lossless
-        )
         lo, hi = i * chunk_size, (i + 1) * chunk_size
-        checked = False
+        # sections decode straight into chunk i's token range of the prefix KV: (L, 2, H, T, D) view
+        reader = ArtifactReader(
+            expect_fingerprint=fingerprint, expect_key=keys[i], require_lossless=self.config.require_lossless,
+            out=out[:, :, :, lo:hi],
+        )
         stream = self.transport.fetch(
             fingerprint,
             self.config.namespace,
@@ -236,13 +235,8 @@ class AsyncKdnClient:
         async with aclosing(stream):  # a refused artifact ends its call now, not at garbage collection
             async for piece, via in stream:
                 t0 = time.perf_counter()
-                sections = reader.feed(piece)
-                if not checked and reader.header is not None:
-                    _check_geometry(reader.header, shape, chunk_size, i)
-                    checked = True
-                for s in sections:
-                    # s.tensor (H, T, D) -> out[layer, k|v, :, chunk i's T tokens, :]
-                    _place(out[s.layer, 0 if s.kind == "k" else 1, :, lo:hi], s.tensor)
+                # verifies, refuses a geometry other than out's, writes each complete section into out
+                reader.feed(piece)
                 tally.decode_s += time.perf_counter() - t0
                 tally.bytes += len(piece)
                 tally.via = via
@@ -491,28 +485,6 @@ def _encode_chunk(
     return encode_artifact(
         kv, key=keys[c], parent_key=keys[c - 1] if c else ROOT_KEY, fingerprint=fingerprint, codec=codec, chunk_index=c
     )
-
-
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _place(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into the strided view ``dst`` bit for bit, on this thread only.
-
-    numpy's copy, not ``Tensor.copy_``: torch would hand a copy this size to its intra-op thread
-    pool, and a second OpenMP team on the client's loop thread fights the model's own team for
-    the same cores (measured 3-10x slower on 2 busy cores). Same-width integer views keep bf16
-    (unknown to numpy) and every float bit pattern exact.
-    """
-    as_int = _SAME_WIDTH_INT[src.element_size()]
-    np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy(), casting="no")
-
-
-def _check_geometry(h: pb.ArtifactHeader, shape: KVShape, chunk_size: int, index: int) -> None:
-    got = (h.num_layers, h.num_kv_heads, h.head_dim, h.token_count, PB_TO_DTYPE.get(h.dtype))
-    want = (shape.num_layers, shape.num_kv_heads, shape.head_dim, chunk_size, shape.dtype)
-    if got != want:
-        raise FingerprintMismatch(f"chunk {index} has geometry {got}, this model needs {want}")
 
 
 async def _deadline(aw: Awaitable[T], seconds: float, what: str) -> T:

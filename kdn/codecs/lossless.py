@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import zstandard
 
-from kdn.codecs.base import Codec, SectionInfo, register_codec
+from kdn.codecs.base import Codec, SectionInfo, copy_exact, register_codec
 from kdn.errors import ArtifactCorrupt
 
 _LAYOUT_BLOCK, _LAYOUT_PLANES = 0, 1
@@ -113,10 +113,9 @@ class RawCodec(Codec):
         src = np.frombuffer(payload, dtype=np.uint8)
         if src.size != info.raw_bytes:
             raise ArtifactCorrupt(f"section decodes to {src.size} bytes, header says {info.raw_bytes}")
-        if out.is_contiguous():
-            np.copyto(out.view(torch.uint8).numpy().reshape(-1), src)
-        else:
-            out.copy_(torch.from_numpy(src.copy()).view(info.dtype).reshape(info.shape))
+        if tuple(out.shape) != info.shape or out.dtype != info.dtype:
+            raise ValueError(f"decode_into needs a {info.shape} {info.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+        copy_exact(out, src)  # one copy, straight from the payload, whatever out's strides
 
     def max_payload(self, info: SectionInfo) -> int:
         return info.raw_bytes
@@ -159,7 +158,7 @@ class _PlaneCodec(Codec):
         if out.dtype != info.dtype or tuple(out.shape) != info.shape:
             raise ValueError(f"decode_into needs a {info.shape} {info.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
         if not out.is_contiguous():
-            out.copy_(self.decode(payload, info))
+            copy_exact(out, self.decode(payload, info))
             return
         merge_planes_into(planes, info.dtype.itemsize, out.view(torch.uint8).numpy().reshape(-1))
 

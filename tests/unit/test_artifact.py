@@ -427,3 +427,25 @@ def test_any_split_of_the_stream_gives_the_same_sections(cuts: list[int]) -> Non
     kv = _kv(layers=3, seed=5)
     assert [(s.layer, s.kind) for s in got] == [(l, k) for l in range(3) for k in "kv"]
     assert all(torch.equal(s.tensor, kv[s.layer, "kv".index(s.kind)]) for s in got)
+
+
+def test_reader_decodes_into_a_strided_caller_buffer() -> None:
+    kv = _kv()  # (L, 2, H, T, D)
+    L, _, H, T, D = kv.shape
+    whole = torch.zeros((L, 2, H, 3 * T, D), dtype=kv.dtype)  # a prefix of three chunks
+    for codec in ("raw", "zstd"):
+        whole.zero_()
+        reader = ArtifactReader(expect_fingerprint=FP, out=whole[:, :, :, T : 2 * T])  # chunk 1's range
+        reader.feed(_encode(kv, codec))
+        reader.finish()
+        assert torch.equal(whole[:, :, :, T : 2 * T], kv)
+        assert not whole[:, :, :, :T].any() and not whole[:, :, :, 2 * T :].any()  # nothing else touched
+
+
+def test_reader_refuses_a_geometry_other_than_its_buffer_before_writing() -> None:
+    kv = _kv()
+    L, _, H, T, D = kv.shape
+    out = torch.zeros((L, 2, H, T + 1, D), dtype=kv.dtype)
+    with pytest.raises(FingerprintMismatch):
+        ArtifactReader(out=out).feed(_encode(kv, "raw"))
+    assert not out.any()
