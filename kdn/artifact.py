@@ -203,43 +203,77 @@ class ArtifactReader:
         self._total += len(data)
         if self._total > self._max_bytes:
             raise MessageTooLarge(f"artifact exceeds {self._max_bytes} bytes")
-        fresh = self._pos >= len(self._buf)
-        if fresh:  # nothing pending: parse the caller's bytes in place, copy only a leftover
-            self._buf = bytearray()
-            self._view = memoryview(data).cast("B")
-        else:
-            self._buf += data
-            self._view = memoryview(self._buf)
-        self._pos = 0 if fresh else self._pos
+        src = memoryview(data).cast("B")
         out: list[Section] = []
         try:
-            while True:
-                if self.header is None:
-                    if not self._parse_header():
-                        break
-                elif self._next < len(self._infos):
-                    section = self._parse_section()
-                    if section is None:
-                        break
-                    if section is not True:
-                        out.append(section)
-                else:
-                    self._parse_trailer()
-                    break
+            # A part (header, section, trailer) that began in an earlier piece: copy into the
+            # buffer only the bytes that part still needs, parse it, and go on in place.
+            while self._buf:
+                need = self._need(memoryview(self._buf))
+                if len(self._buf) < need:
+                    take = min(need - len(self._buf), len(src))
+                    self._buf += src[:take]
+                    src = src[take:]
+                    if len(self._buf) < need:
+                        return out  # all of this piece went into the pending part
+                    continue  # a length field may have arrived: the need can grow
+                self._view, self._pos = memoryview(self._buf), 0
+                out += self._parse_steps(max_steps=1)
+                self._view = memoryview(b"")
+                self._buf = bytearray()
+            if self._done:
+                if src:
+                    raise ArtifactCorrupt("bytes after the artifact trailer")
+                return out
+            self._view, self._pos = src, 0  # the rest of this piece, parsed where it lies
+            out += self._parse_steps()
+            self._buf = bytearray(self._view[self._pos :])  # an unfinished part waits for more
         except BaseException as exc:
             # the failed step's frames hold slices of the caller's buffer; drop them so the caller
             # can close an mmap or resize a bytearray right away
             traceback.clear_frames(exc.__traceback__)
             raise
         finally:
-            if fresh:
-                self._buf = bytearray(self._view[self._pos :])
-                self._pos = 0
             self._view = memoryview(b"")
-        if self._pos > (1 << 20) and self._pos > len(self._buf) // 2:
-            del self._buf[: self._pos]
             self._pos = 0
+            src.release()  # nothing of the caller's buffer stays exported once feed() returns
         return out
+
+    def _parse_steps(self, max_steps: int | None = None) -> list[Section]:
+        """Parse complete parts from ``_view`` at ``_pos``; stop at the first incomplete one."""
+        out: list[Section] = []
+        steps = 0
+        while not self._done and (max_steps is None or steps < max_steps):
+            steps += 1
+            if self.header is None:
+                if not self._parse_header():
+                    break
+            elif self._next < len(self._infos):
+                section = self._parse_section()
+                if section is None:
+                    break
+                if section is not True:
+                    out.append(section)
+            else:
+                self._parse_trailer()
+                break
+        return out
+
+    def _need(self, b: memoryview) -> int:
+        """Bytes the next part needs in all, as far as ``b`` (its first bytes) tells. A length
+        that is out of bounds asks for no more: the parser then refuses it."""
+        if self.header is None:
+            if len(b) < _PREFIX.size:
+                return _PREFIX.size
+            hlen = _PREFIX.unpack_from(b, 0)[3]
+            return _PREFIX.size + hlen + 8 if hlen <= MAX_HEADER else _PREFIX.size
+        if self._next < len(self._infos):
+            if len(b) < 4:
+                return 4
+            (length,) = _U32.unpack_from(b, 0)
+            assert self._codec is not None
+            return 4 + length + 8 if length <= self._codec.max_payload(self._infos[self._next]) else 4
+        return TRAILER_BYTES
 
     def finish(self) -> pb.ArtifactHeader:
         if not self._done:
