@@ -59,6 +59,25 @@ def _origin_run(sim: Simulation, keys: list[int], start: int) -> int:
     return k
 
 
+def _settle(
+    sim: Simulation, now: float, e: int, n_in: int, nb: int, h: int, covered: int, t: float,
+    origin: int, k2: int, take_origin: bool,
+) -> int:
+    """Commit the origin part of a request's plan (when the decision took it), account the
+    request's blocks and finish it. ``h`` blocks came from edges, ``covered`` of them are used,
+    ``t`` is when they are ready. Returns the blocks covered in all."""
+    if take_origin:
+        t2 = sim.fetch_ready(origin, e, k2, now, True)
+        if t2 > t:
+            t = t2
+        covered += k2
+        sim.served_origin += k2
+    sim.blocks += nb
+    sim.recomputed += nb - covered
+    sim.finish(now, e, n_in, covered, t, k2 > 0, covered > h)
+    return covered
+
+
 class OriginOnly(Policy):
     name: ClassVar[str] = "origin_only"
     uses_edges: ClassVar[bool] = False
@@ -73,15 +92,7 @@ class OriginOnly(Policy):
         o = sim.nearest_origin[e]
         k = _origin_run(sim, keys, 0)
         m = sim.decide(now, e, n_in, [sim.fetch_ready(o, e, k, now, False)], [k]) if k else 0
-        t = now
-        covered = 0
-        if m:
-            t = sim.fetch_ready(o, e, k, now, True)
-            covered = k
-            sim.served_origin += k
-        sim.blocks += nb
-        sim.recomputed += nb - covered
-        sim.finish(now, e, n_in, covered, t, k > 0, m > 0)
+        covered = _settle(sim, now, e, n_in, nb, 0, 0, now, o, k, m > 0)
         sim.publish(e, keys[covered:], now)
 
 
@@ -126,15 +137,7 @@ class NearestEdge(Policy):
             t = ready[0]
             covered = h
             sim.served_local += h
-        if k2 and m == len(sizes):
-            t2 = sim.fetch_ready(o, e, k2, now, True)
-            if t2 > t:
-                t = t2
-            covered += k2
-            sim.served_origin += k2
-        sim.blocks += nb
-        sim.recomputed += nb - covered
-        sim.finish(now, e, n_in, covered, t, k2 > 0, covered > h)
+        covered = _settle(sim, now, e, n_in, nb, h, covered, t, o, k2, bool(k2) and m == len(sizes))
         access = cache.access
         stored = sim.stored
         parent = None
@@ -318,15 +321,7 @@ class ConsistentHash(Policy):
             covered = h
             sim.served_local += local_h
             sim.served_peer += h - local_h
-        if k2 and m == len(sizes):
-            t2 = sim.fetch_ready(oi, e, k2, now, True)
-            if t2 > t:
-                t = t2
-            covered += k2
-            sim.served_origin += k2
-        sim.blocks += nb
-        sim.recomputed += nb - covered
-        sim.finish(now, e, n_in, covered, t, k2 > 0, covered > h)
+        covered = _settle(sim, now, e, n_in, nb, h, covered, t, oi, k2, bool(k2) and m == len(sizes))
         stored = sim.stored
         parent = None
         uploads: dict[int, int] = {}
