@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     sources: list[tuple[str, str]] = [("random-init", args.model)]
     ref = args.reference
     if ref == "auto":
-        from kdn.reference import default_reference_dir
+        from kdn.lab.reference import default_reference_dir
 
         ref = str(default_reference_dir()) if (default_reference_dir() / "config.json").is_file() else "none"
     if ref != "none":

@@ -33,9 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from edge.client import AsyncEdgeClient  # noqa: E402
-from edge.shm import open_segment  # noqa: E402
-from edge.testing import Chain, make_chain  # noqa: E402
+from kdn.edge.admin import AsyncEdgeClient  # noqa: E402
+from kdn.edge.shm import open_segment  # noqa: E402
+from kdn.edge.testing import Chain, make_chain  # noqa: E402
 
 _LEN = struct.Struct("<Q")
 
@@ -158,7 +158,7 @@ async def run(args: argparse.Namespace) -> dict:
     rounds = 4 if quick else 10
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        edge, ready = _spawn_json([sys.executable, "-m", "edge.cli", "--listen", "127.0.0.1:0", "--node-id", "bench",
+        edge, ready = _spawn_json([sys.executable, "-m", "kdn.edge.cli", "--listen", "127.0.0.1:0", "--node-id", "bench",
                                    "--memory-bytes", "2G", "--policy", "lru"])
         procs.append(edge)
         tcp, tcp_ready = _spawn_json([sys.executable, str(Path(__file__).resolve()), "--serve-tcp", str(tmp)])
@@ -297,7 +297,7 @@ async def run(args: argparse.Namespace) -> dict:
             await cl.close()
 
         # overlay owner lookups in-process (what every miss does)
-        from edge.overlay import Member, Overlay
+        from kdn.edge.overlay import Member, Overlay
 
         members = [Member(f"e{i}", f"h{i}:1") for i in range(10)]
         ov = Overlay(members[0], members, replicas=2)

@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from kdn.models import load_model
     from kdn.prefill import document_tokens, prefill_chunks
-    from origin.config import OriginConfig
-    from origin.ingest import LocalExecutor, ingest
-    from origin.worker import PrefillWorker
+    from kdn.origin.config import OriginConfig
+    from kdn.origin.ingest import LocalExecutor, ingest
+    from kdn.origin.worker import PrefillWorker
 
     lm = load_model(model)
     texts = corpus(args.docs, args.tokens)
@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray:
         import ray
 
-        from origin.ingest import RayExecutor
-        from origin.worker import spawn_workers
+        from kdn.origin.ingest import RayExecutor
+        from kdn.origin.worker import spawn_workers
 
         tmp = tempfile.mkdtemp(prefix="kdnray")
         ray.init(num_cpus=args.threads, resources={"kdn_origin": 1}, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     # -- compute on demand ---------------------------------------------------------------------
     from kdn.proto import kdn_pb2 as pb
     from kdn.proto import kdn_pb2_grpc as pbg
-    from kdn.transport.channel import sync_channel
-    from origin.server import OriginServer
+    from kdn.wire.channel import sync_channel
+    from kdn.origin.server import OriginServer
 
     n_ct = (args.compute_tokens // lm.chunk_size) * lm.chunk_size
     chain = (tok_lists[0] * (n_ct // max(1, len(tok_lists[0])) + 1))[:n_ct]

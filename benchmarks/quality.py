@@ -1,6 +1,6 @@
 """Lossy and lossless KV codecs judged by the model: size vs next-token agreement and KL.
 
-Drives :mod:`kdn.quality` (the same code as ``kdn eval-codec``) on the trained reference model
+Drives :mod:`kdn.lab.quality` (the same code as ``kdn eval-codec``) on the trained reference model
 (``kdn model train-reference``; default ``~/.cache/kdn/reference-model``) over its held-out
 stdlib text, for every ``kvq`` level, ``int8`` and the lossless codecs. The baseline is the same
 KV stored as fp16 (``raw``), measured in the same run; the model's outputs on exact fp32 KV are the
@@ -27,7 +27,7 @@ from kdn.codecs.kvq import DEFAULT_LEVEL, LEVELS
 from kdn.models import load_model
 from kdn.codecs import SectionInfo
 from kdn.codecs.kvq import MODE_DELTA, KvqCodec
-from kdn.quality import (
+from kdn.lab.quality import (
     CodecQuality,
     EvalSetup,
     ExactRun,
@@ -39,7 +39,7 @@ from kdn.quality import (
     make_windows,
     random_init_twin,
 )
-from kdn.reference import META_FILE, default_reference_dir
+from kdn.lab.reference import META_FILE, default_reference_dir
 
 REPO = Path(__file__).resolve().parents[1]
 PLOT = REPO / "benchmarks" / "results" / "quality.png"

@@ -26,10 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simulator import report  # noqa: E402
-from simulator.core import EventLoop  # noqa: E402
-from simulator.engine import run_policy  # noqa: E402
-from simulator.runner import cache_sweep, prepare, simulate  # noqa: E402
+from kdn.simulator import report  # noqa: E402
+from kdn.simulator.core import EventLoop  # noqa: E402
+from kdn.simulator.engine import run_policy  # noqa: E402
+from kdn.simulator.runner import cache_sweep, prepare, simulate  # noqa: E402
 
 GOAL_S = 60.0
 
@@ -41,7 +41,7 @@ def rss_mb() -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="100k requests instead of 1M")
-    ap.add_argument("--scenario", type=Path, default=ROOT / "simulator/scenarios/scale1000.yaml")
+    ap.add_argument("--scenario", type=Path, default=ROOT / "kdn/simulator/scenarios/scale1000.yaml")
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--policy", action="append", default=None)
     ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
@@ -113,11 +113,11 @@ def main() -> int:
 def core_comparison(n: int = 200_000) -> list[str]:
     """The same FIFO link (M/M/1 at rho = 0.8) simulated three ways: SimPy processes with a
     Resource, this simulator's event loop with an arrival and a departure event per transfer, and
-    the Lindley recursion the simulator actually uses (:class:`simulator.links.Links`, no events).
+    the Lindley recursion the simulator actually uses (:class:`kdn.simulator.links.Links`, no events).
     All three see the same random numbers, so their mean time in system must agree."""
     import numpy as np
 
-    from simulator.links import Links
+    from kdn.simulator.links import Links
 
     rng = np.random.default_rng(0)
     lam, mu = 80.0, 100.0
@@ -195,7 +195,7 @@ def scenario_tables(out: Path) -> list[str]:
     """Simulate the shipped 10-region and Mooncake scenarios; markdown lines for BENCHMARKS.md."""
     lines: list[str] = []
     for stem in ("global10", "mooncake"):
-        path = ROOT / "simulator/scenarios" / f"{stem}.yaml"
+        path = ROOT / "kdn/simulator/scenarios" / f"{stem}.yaml"
         prep = prepare(path)
         rep = simulate(prep, progress=False)
         base = next(r for r in rep.results if r.policy == "origin_only")
@@ -209,8 +209,8 @@ def scenario_tables(out: Path) -> list[str]:
         print(f"\n{prep.scenario.name}: {rep.requests:,} requests")
         print(report.markdown_table(rep.results))
         lines += [
-            f"\n### Scenario `simulator/scenarios/{stem}.yaml` ({prep.scenario.description})\n",
-            f"Same command; equivalent to `kdn simulate simulator/scenarios/{stem}.yaml`. {rep.requests:,} requests, {rep.unique_chunks:,} unique chunks.\n",
+            f"\n### Scenario `kdn/simulator/scenarios/{stem}.yaml` ({prep.scenario.description})\n",
+            f"Same command; equivalent to `kdn simulate kdn/simulator/scenarios/{stem}.yaml`. {rep.requests:,} requests, {rep.unique_chunks:,} unique chunks.\n",
             report.markdown_table(rep.results),
             "",
             "Against `origin_only` in the same run: "

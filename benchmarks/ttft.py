@@ -58,7 +58,7 @@ def corpus_tokens(lm, n: int) -> list[int]:
 
 
 def start_edge() -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-c", "import sys; from edge.cli import main; sys.exit(main(sys.argv[1:]))",
+    cmd = [sys.executable, "-c", "import sys; from kdn.edge.cli import main; sys.exit(main(sys.argv[1:]))",
            "--listen", "127.0.0.1:0", "--node-id", "ttft-bench", "--memory-bytes", "4G"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     deadline = time.monotonic() + 60

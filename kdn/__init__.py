@@ -1,0 +1,28 @@
+"""KDN, a Knowledge Delivery Network: a CDN for LLM KV caches.
+
+One import root, four floors. A request's path reads off the folder names::
+
+    kdn.client / kdn.integrations   the inference host: keys → Lookup → Fetch into its own KV → write back
+        │  kdn.wire                 gRPC + shared memory: the only place messages are converted
+        ▼
+    kdn.edge                        the edge node: tiered store, eviction, overlay, coalescing, hints
+        │  kdn.wire
+        ▼
+    kdn.origin                      the producer on Ray: ingest → prefill → encode → durable store
+
+Floors (each may import only its own floor and the floors below it):
+
+0. **contracts** — what every part agrees on and nothing else: ``errors``, ``keys``, ``kv``,
+   ``models``, ``prefill``, ``artifact``, ``codecs``, ``placement``, ``config``, ``blobstore``,
+   ``procs``, ``console``, ``proto`` (generated stubs).
+1. **wire** — ``kdn.wire``: channels, auth, the gRPC status ↔ error mapping, stream frames.
+2. **parts** — ``kdn.client`` and ``kdn.client_transport`` and ``kdn.integrations`` (the
+   inference host), ``kdn.edge``, ``kdn.origin``, ``kdn.lab`` (reference models and quality
+   harnesses). Parts never import each other, with two stated exceptions: an integration uses
+   ``kdn.client``; ``kdn.simulator`` runs the edge's own policies (``kdn.edge``) under its clock.
+3. **ops** — ``kdn.ops``: the ``kdn`` command, ``kdn up``/``down``, the Ray roles and registry,
+   the demo. Only ops imports every part; nothing imports ops.
+
+``tests/unit/test_layering.py`` enforces these rules over every ``import`` in the tree (function
+bodies included) and refuses import cycles between files.
+"""

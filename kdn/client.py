@@ -46,7 +46,7 @@ from kdn.config import RoleConfig
 from kdn.errors import Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.kv import KVShape
-from kdn.transport.channel import TlsFiles
+from kdn.wire.channel import TlsFiles
 
 __all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "LOG"]
 
@@ -294,7 +294,7 @@ class AsyncKdnClient:
         if error is not None:
             self.counters["fetch_errors"] += 1
             warning = (
-                f"KDN fetch of chunk {usable} of {available} from edge {where} failed "
+                f"KDN fetch of chunk {usable} of {available} from kdn.edge {where} failed "
                 f"({type(error).__name__}: {error}); reusing {usable} verified chunk(s), recomputing the rest locally"
             )
             LOG.warning(warning)

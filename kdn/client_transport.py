@@ -4,7 +4,7 @@
 chain are available), ``fetch`` (the bytes of one artifact container, as an async stream of pieces
 so decoding can start before the last byte arrived) and ``put`` (store a container). Every method
 takes a deadline and raises only :mod:`kdn.errors` exceptions: gRPC statuses are converted by
-:func:`kdn.transport.errors.from_rpc_error` (the one place they map), timeouts become
+:func:`kdn.wire.errors.from_rpc_error` (the one place they map), timeouts become
 ``Unavailable``.
 
 - :class:`GrpcEdgeTransport` speaks ``EdgeService`` over gRPC; on the same host it asks for the
@@ -32,8 +32,8 @@ from kdn.errors import FingerprintMismatch, NotFound, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pb_grpc
-from kdn.transport.channel import STREAM_PIECE, TlsFiles, aio_channel, auth_metadata, split_pieces
-from kdn.transport.errors import from_rpc_error
+from kdn.wire.channel import STREAM_PIECE, TlsFiles, aio_channel, auth_metadata, split_pieces
+from kdn.wire.errors import from_rpc_error
 
 SHM_DIR = "/dev/shm"
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}

@@ -16,7 +16,7 @@
     ├── StorageFull               a byte budget or the disk is exhausted
     └── ConfigError               a config file or flag is invalid (ValueError too)
 
-gRPC status codes map to this tree in exactly one place: :mod:`kdn.transport.errors`.
+gRPC status codes map to this tree in exactly one place: :mod:`kdn.wire.errors`.
 """
 
 from __future__ import annotations

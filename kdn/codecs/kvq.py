@@ -11,7 +11,7 @@ KV has structure that plain quantisation ignores; ``kvq`` uses four pieces of it
 2. **Layers differ.** Early layers get more bits (CacheGen finds shallow layers more sensitive):
    ``bits(layer) = base + early_bonus`` for the first ``ceil(early_frac · num_layers)`` layers,
    ``base`` after — derived from the model's shape, never from its name. An explicit per-layer
-   table (from a calibration run, :mod:`kdn.quality`) may replace the rule.
+   table (from a calibration run, :mod:`kdn.lab.quality`) may replace the rule.
 3. **Keys have outlier channels, values vary per token**: keys get one scale per
    ``(head, channel)``, values one per ``(head, token)`` — for the anchors and for the deltas.
 4. **Entropy coding.** Symbols are packed base-``(2·qmax+1)`` several to a byte (5 two-bit, 2

@@ -17,7 +17,7 @@ from kdn.client import ClientConfig, KdnClient
 from kdn.integrations.transformers import generate
 from kdn.keys import Namespace
 from kdn.models import load_model
-from kdn.query import main as query_main
+from kdn.ops.query import main as query_main
 
 pytestmark = pytest.mark.integration
 
@@ -49,8 +49,8 @@ def lm():
 
 @pytest.fixture(scope="module")
 def origin(tmp_path_factory):
-    from origin.config import OriginConfig
-    from origin.server import OriginServer
+    from kdn.origin.config import OriginConfig
+    from kdn.origin.server import OriginServer
 
     cfg = OriginConfig(store_dir=str(tmp_path_factory.mktemp("origin")), models=["tiny"], listen="127.0.0.1:0",
                        codecs=["raw"], chunk_size=CHUNK, verify_on_start="none", fsync=False)
@@ -61,8 +61,8 @@ def origin(tmp_path_factory):
 
 
 def start_edge(loop: LoopThread, origin_address: str | None, tmp: Path, node_id: str = "e1", **extra):
-    from edge.config import EdgeConfig
-    from edge.server import EdgeServer
+    from kdn.edge.config import EdgeConfig
+    from kdn.edge.server import EdgeServer
 
     cfg = EdgeConfig(node_id=node_id, listen="127.0.0.1:0", origin=origin_address, memory_bytes=256 << 20,
                      disk_dir=str(tmp / node_id), fetch_deadline_s=10.0, **extra)
@@ -144,8 +144,8 @@ def test_kdn_query_with_the_edge_killed(origin, tmp_path, capsys):
 
 
 def test_kdn_query_with_the_origin_stopped(lm, tmp_path, capsys):
-    from origin.config import OriginConfig
-    from origin.server import OriginServer
+    from kdn.origin.config import OriginConfig
+    from kdn.origin.server import OriginServer
 
     cfg = OriginConfig(store_dir=str(tmp_path / "o"), models=["tiny"], listen="127.0.0.1:0", codecs=["raw"],
                        chunk_size=CHUNK, verify_on_start="none", fsync=False)
@@ -234,7 +234,7 @@ def test_edge_process_sigkilled_between_requests(lm, origin, tmp_path, capsys):
 
     ingest(origin, "killed")
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from edge.cli import main; sys.exit(main(sys.argv[1:]))",
+        [sys.executable, "-c", "import sys; from kdn.edge.cli import main; sys.exit(main(sys.argv[1:]))",
          "--listen", "127.0.0.1:0", "--node-id", "victim", "--origin", origin.address],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )

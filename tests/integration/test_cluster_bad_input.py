@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 def _up(state: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kdn.cli", "up", "--state-dir", str(state), *args],
+        [sys.executable, "-m", "kdn.ops.cli", "up", "--state-dir", str(state), *args],
         capture_output=True, text=True, timeout=120, env={**os.environ, "KDN_CACHE": str(state)},
     )
 

@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-KDN = [sys.executable, "-m", "kdn.cli"]
+KDN = [sys.executable, "-m", "kdn.ops.cli"]
 DOCS = {
     "policy.md": ("Refunds are issued within thirty days of purchase when the item is returned unused. " * 60),
     "code.py": ("def handler(event, context):\n    return {'status': 200, 'body': event.get('name', 'world')}\n" * 50),
@@ -191,7 +191,7 @@ DOCS_NEW = "A brand new document about tide tables and harbour pilots. " * 40
 # so this test process (which may have imported Ray already) cannot switch them itself.
 _RAY_SCRIPT = """
 import json, sys, ray
-from kdn.registry import RAY_NAMESPACE, get_registry
+from kdn.ops.registry import RAY_NAMESPACE, get_registry
 ray.init(address="auto", namespace=RAY_NAMESPACE, logging_level="ERROR", log_to_driver=False)
 op = sys.argv[1]
 if op == "members":
@@ -200,8 +200,8 @@ elif op == "kill-origin":
     ray.kill(ray.get_actor("kdn-origin-0", namespace=RAY_NAMESPACE), no_restart=True)
     out = True
 elif op == "start-origin":
-    from kdn.cluster import ClusterConfig
-    from kdn.roles import place_origin
+    from kdn.ops.cluster import ClusterConfig
+    from kdn.ops.roles import place_origin
     cfg = ClusterConfig.build(state_dir=sys.argv[2], model="tiny", codec="raw")
     out = place_origin(cfg, 0, progress=lambda m: None)
 print(json.dumps(out))

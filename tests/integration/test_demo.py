@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 def test_demo_json_reports_reuse_and_equal_outputs(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "kdn.cli", "demo", "--model", "tiny", "--max-new-tokens", "4", "--json"],
+        [sys.executable, "-m", "kdn.ops.cli", "demo", "--model", "tiny", "--max-new-tokens", "4", "--json"],
         capture_output=True, text=True, timeout=240, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -23,13 +23,13 @@ from typing import Any, Iterator
 import grpc
 import pytest
 
-from edge.client import AsyncEdgeClient
-from edge.testing import Chain, make_chain
+from kdn.edge.admin import AsyncEdgeClient
+from kdn.edge.testing import Chain, make_chain
 from kdn import errors as e
 from kdn.keys import ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
-from kdn.transport.channel import TlsFiles
+from kdn.wire.channel import TlsFiles
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -46,7 +46,7 @@ class EdgeProc:
         self.node_id = node_id
         self.disk = root / node_id
         self.args = [
-            sys.executable, "-m", "edge.cli", "--listen", "127.0.0.1:0", "--node-id", node_id,
+            sys.executable, "-m", "kdn.edge.cli", "--listen", "127.0.0.1:0", "--node-id", node_id,
             "--origin", origin, "--peers-file", str(peers_file), "--refresh-s", "0.2", "--peer-backoff-s", "30",
             "--disk-dir", str(self.disk), "--disk-bytes", "64M", "--replicas", "2", *extra,
         ]
@@ -115,8 +115,8 @@ async def wait_peers(address: str, n: int, timeout: float = 20.0) -> None:
 
 @pytest.fixture(scope="module")
 def origin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from origin.config import OriginConfig
-    from origin.server import OriginServer
+    from kdn.origin.config import OriginConfig
+    from kdn.origin.server import OriginServer
 
     root = tmp_path_factory.mktemp("origin")
     srv = OriginServer(OriginConfig(store_dir=str(root / "store"), models=["tiny"], listen="127.0.0.1:0", codecs=["raw"]))
@@ -380,8 +380,8 @@ def _certs(tmp: Path) -> dict[str, Path]:
 
 
 def test_tokens_and_tls(origin: Any, tmp_path: Path) -> None:
-    from edge.config import EdgeConfig
-    from edge.server import EdgeServer
+    from kdn.edge.config import EdgeConfig
+    from kdn.edge.server import EdgeServer
 
     chain = seed_origin(origin, 1, seed=107, tenant="acme")
     _certs(tmp_path)
@@ -432,8 +432,8 @@ def test_tokens_and_tls(origin: Any, tmp_path: Path) -> None:
 def test_metrics_endpoint_per_server(origin: Any) -> None:
     import urllib.request
 
-    from edge.config import EdgeConfig
-    from edge.server import EdgeServer
+    from kdn.edge.config import EdgeConfig
+    from kdn.edge.server import EdgeServer
 
     chain = seed_origin(origin, 2, seed=110)
 
@@ -461,7 +461,7 @@ def test_metrics_endpoint_per_server(origin: Any) -> None:
 
 
 def test_cli_stats_and_hints(origin: Any, cluster: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    from edge.cli import main, main_stats
+    from kdn.edge.cli import main, main_stats
 
     chain = seed_origin(origin, 2, seed=109)
     address = cluster["edges"]["c"].address

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kdn.artifact import verify_artifact
-from origin.store import OriginStore
+from kdn.origin.store import OriginStore
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def _documents_recorded(store: Path) -> int:
 
 
 def _ingest_cmd(docs: Path, store: Path) -> list[str]:
-    return [sys.executable, "-m", "kdn.cli", "ingest", str(docs), "--model", "tiny", "--store", str(store),
+    return [sys.executable, "-m", "kdn.ops.cli", "ingest", str(docs), "--model", "tiny", "--store", str(store),
             "--codec", "raw", "--workers", "0", "--json"]
 
 

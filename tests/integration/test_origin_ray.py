@@ -18,10 +18,10 @@ import torch
 from kdn.artifact import decode_artifact, verify_artifact
 from kdn.keys import Namespace, chunk_keys
 from kdn.prefill import document_tokens, logits_with_chunks
-from origin.config import OriginConfig
-from origin.ingest import RayExecutor, ingest
-from origin.store import OriginStore
-from origin.worker import spawn_workers
+from kdn.origin.config import OriginConfig
+from kdn.origin.ingest import RayExecutor, ingest
+from kdn.origin.store import OriginStore
+from kdn.origin.worker import spawn_workers
 
 pytestmark = pytest.mark.integration
 
@@ -163,8 +163,8 @@ def test_restarted_origin_serves_everything_over_grpc(pool, tiny_model):
     """A fresh origin process on the same store (self-check on open) serves every artifact."""
     from kdn.proto import kdn_pb2 as pb
     from kdn.proto import kdn_pb2_grpc as pbg
-    from kdn.transport.channel import sync_channel
-    from origin.server import OriginServer
+    from kdn.wire.channel import sync_channel
+    from kdn.origin.server import OriginServer
 
     root, cfg, _ = pool
     lm = tiny_model
@@ -194,10 +194,10 @@ def test_origin_server_on_ray(pool, tiny_model):
 
     from kdn.proto import kdn_pb2 as pb
     from kdn.proto import kdn_pb2_grpc as pbg
-    from kdn.transport.channel import sync_channel
-    from origin.compute import RayCompute
-    from origin.ray_origin import start_origin_actor
-    from origin.server import OriginServer
+    from kdn.wire.channel import sync_channel
+    from kdn.origin.compute import RayCompute
+    from kdn.origin.ray_origin import start_origin_actor
+    from kdn.origin.server import OriginServer
 
     root, cfg, _ = pool
     lm = tiny_model

@@ -13,10 +13,10 @@ from kdn.keys import Namespace, chunk_keys
 from kdn.prefill import document_tokens, logits_with_chunks
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
-from kdn.transport.channel import STREAM_PIECE, auth_metadata, sync_channel
-from kdn.transport.errors import from_rpc_error
-from origin.config import OriginConfig
-from origin.server import OriginServer
+from kdn.wire.channel import STREAM_PIECE, auth_metadata, sync_channel
+from kdn.wire.errors import from_rpc_error
+from kdn.origin.config import OriginConfig
+from kdn.origin.server import OriginServer
 
 pytestmark = pytest.mark.integration
 
@@ -194,7 +194,7 @@ def test_kdn_origin_command_serves_until_sigterm(tmp_path):
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kdn.cli", "origin", "--model", "tiny", "--store", str(tmp_path), "--listen", "127.0.0.1:0",
+        [sys.executable, "-m", "kdn.ops.cli", "origin", "--model", "tiny", "--store", str(tmp_path), "--listen", "127.0.0.1:0",
          "--codec", "raw", "--token", "tok=acme", "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -1,4 +1,4 @@
-"""kdn.roles.EdgeActor on a real local Ray: registers, heartbeats, exports Ray metrics, deregisters."""
+"""kdn.ops.roles.EdgeActor on a real local Ray: registers, heartbeats, exports Ray metrics, deregisters."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 def ray_local(tmp_path_factory):
     import ray
 
-    from kdn.registry import RAY_NAMESPACE, RESOURCE_EDGE, RESOURCE_HEAD
+    from kdn.ops.registry import RAY_NAMESPACE, RESOURCE_EDGE, RESOURCE_HEAD
 
     ray.init(num_cpus=2, resources={RESOURCE_EDGE: 1, RESOURCE_HEAD: 1}, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR", namespace=RAY_NAMESPACE,
@@ -24,9 +24,9 @@ def ray_local(tmp_path_factory):
 
 def test_registered_edge_actor_lifecycle(ray_local):
     ray = ray_local
-    from edge.client import EdgeClient
-    from kdn.registry import RESOURCE_EDGE, get_or_create_registry
-    from kdn.roles import HEARTBEAT_S, EdgeActor
+    from kdn.edge.admin import EdgeClient
+    from kdn.ops.registry import RESOURCE_EDGE, get_or_create_registry
+    from kdn.ops.roles import HEARTBEAT_S, EdgeActor
 
     registry = get_or_create_registry()
     actor = ray.remote(EdgeActor).options(resources={RESOURCE_EDGE: 1}, num_cpus=0).remote(

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kdn import cli
+from kdn.ops import cli
 
 DESIGN_COMMANDS = ("demo", "up", "down", "origin", "ingest", "edge", "query", "stats", "simulate", "tune")
 
@@ -36,14 +36,14 @@ def test_unknown_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_console_script_help_and_unknown_command() -> None:
     """The installed entry point, in a fresh process: fast, and no torch import just for --help."""
     code = (
-        "import sys; from kdn.cli import main; rc = main(sys.argv[1:]); "
+        "import sys; from kdn.ops.cli import main; rc = main(sys.argv[1:]); "
         "assert 'torch' not in sys.modules, 'kdn --help imported torch'; sys.exit(rc)"
     )
     ok = subprocess.run([sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     for name in DESIGN_COMMANDS:
         assert f"  {name} " in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "kdn.cli", "no-such-command"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "kdn.ops.cli", "no-such-command"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2
     assert "unknown command" in bad.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kdn.query import main
+from kdn.ops.query import main
 
 
 def test_query_without_edge_recomputes_and_reports_the_breakdown(capsys):

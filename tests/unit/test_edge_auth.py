@@ -9,10 +9,10 @@ from typing import Any
 import grpc
 import pytest
 
-from kdn.transport.auth import TokenAuth
-from edge.server import EdgeServicer
-from edge.wire import decode_chunk
-from edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.wire.auth import TokenAuth
+from kdn.edge.server import EdgeServicer
+from kdn.wire.frames import decode_chunk
+from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.errors import Unauthorized
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.cli import _run_parser, build_config, parse_bytes, parse_peers, parse_tokens
+from kdn.edge.cli import _run_parser, build_config, parse_bytes, parse_peers, parse_tokens
 from kdn.errors import ConfigError
 
 

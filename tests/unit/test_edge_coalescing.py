@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from edge.testing import InMemoryOverlay, make_chain, origin_with
-from edge.upstream import SingleFlight
+from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.edge.upstream import SingleFlight
 from kdn.errors import NotFound, Unavailable
 
 

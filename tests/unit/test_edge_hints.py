@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from edge.clock import FakeClock, MonotonicClock
-from edge.hints import CronSchedule, HintScheduler, parse_cron
+from kdn.edge.clock import FakeClock, MonotonicClock
+from kdn.edge.hints import CronSchedule, HintScheduler, parse_cron
 from kdn.errors import ConfigError, InvalidInput
 
 

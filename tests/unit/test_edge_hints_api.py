@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from edge.clock import FakeClock
-from edge.hint_api import HintService
-from edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.edge.clock import FakeClock
+from kdn.edge.hint_api import HintService
+from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.errors import InvalidInput, NotFound
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from edge.clock import FakeClock
-from edge.overlay import Member, Overlay
-from edge.testing import InMemoryOverlay, make_chain, origin_with
-from edge.upstream import FetchSpec, NodeUpstream
+from kdn.edge.clock import FakeClock
+from kdn.edge.overlay import Member, Overlay
+from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.edge.upstream import FetchSpec, NodeUpstream
 from kdn.errors import NotFound, Unavailable
 
 MEMBERS = [Member(f"n{i}", f"mem://n{i}") for i in range(5)]
@@ -201,7 +201,7 @@ def test_inconsistent_views_do_not_bounce_a_key_between_edges() -> None:
 
 
 def test_peers_file_provider_keeps_last_good_list(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from edge.overlay import file_members
+    from kdn.edge.overlay import file_members
 
     f = tmp_path / "peers"
     read = file_members(f, {"b": 2.0})

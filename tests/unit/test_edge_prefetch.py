@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from edge.prefetch import Prefetcher, PrefetchJob
-from edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.edge.prefetch import Prefetcher, PrefetchJob
+from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.keys import Namespace
 
 

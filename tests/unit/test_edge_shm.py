@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from edge.shm import ShmPool, open_segment
-from edge.testing import make_chain
+from kdn.edge.shm import ShmPool, open_segment
+from kdn.edge.testing import make_chain
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, Unavailable
 
 
@@ -71,7 +71,7 @@ def test_names_cannot_escape_and_dead_writers_are_swept(tmp_path: Path) -> None:
 
 
 def test_segment_cache_maps_once_and_still_verifies(tmp_path: Path) -> None:
-    from edge.shm import SegmentCache
+    from kdn.edge.shm import SegmentCache
 
     chain = make_chain(3)
     pool = ShmPool("e0", directory=str(tmp_path))

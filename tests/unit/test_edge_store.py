@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.clock import FakeClock
-from edge.policies import make_policy
-from edge.store import DiskTier, EntryId, MemoryTier, TieredStore, make_store
+from kdn.edge.clock import FakeClock
+from kdn.edge.eviction import make_policy
+from kdn.edge.store import DiskTier, EntryId, MemoryTier, TieredStore, make_store
 from kdn import blobstore
 from kdn.artifact import encode_artifact
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, StorageFull, Unavailable
@@ -546,7 +546,7 @@ def test_pins_priorities_and_ttls_survive_restart(tmp_path: Path) -> None:
 _KILLED_WRITER = r"""
 import sys, time
 from kdn import blobstore
-from edge.store import DiskTier, TieredStore
+from kdn.edge.store import DiskTier, TieredStore
 
 def stall(fd):
     print("in-fsync", flush=True)  # the bytes are written to the temp file; the rename has not happened

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edge.wire import decode_chunk, encode_chunk
+from kdn.wire.frames import decode_chunk, encode_chunk
 from kdn.errors import ArtifactCorrupt
 from kdn.proto import kdn_pb2 as pb
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from origin.cli import main_ingest
+from kdn.origin.cli import main_ingest
 
 
 def test_ingest_cli_exit_codes_and_json(tmp_path, capsys):

@@ -8,10 +8,10 @@ from kdn.artifact import decode_artifact
 from kdn.errors import ConfigError, InvalidInput, UnknownModel
 from kdn.keys import Namespace, chunk_keys
 from kdn.prefill import document_tokens
-from origin.config import OriginConfig
-from origin.ingest import LocalExecutor, check_model_spec, discover, ingest, read_document
-from origin.store import OriginStore
-from origin.worker import PrefillWorker
+from kdn.origin.config import OriginConfig
+from kdn.origin.ingest import LocalExecutor, check_model_spec, discover, ingest, read_document
+from kdn.origin.store import OriginStore
+from kdn.origin.worker import PrefillWorker
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 from kdn.artifact import decode_artifact, encode_artifact
 from kdn.errors import ArtifactCorrupt, NotFound
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
-from origin.store import DocumentRecord, OriginStore
+from kdn.origin.store import DocumentRecord, OriginStore
 
 FP = ModelFingerprint(b"\x11" * 32)
 

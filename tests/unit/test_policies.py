@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge.policies import (
+from kdn.edge.eviction import (
     LRU,
     POLICIES,
     S3FIFO,

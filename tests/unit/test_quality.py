@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kdn.errors import InvalidInput, UnknownCodec
-from kdn.quality import EvalSetup, evaluate, format_table, make_windows, random_init_twin
+from kdn.lab.quality import EvalSetup, evaluate, format_table, make_windows, random_init_twin
 
 TEXT = [
     "def add(a, b):\n    return a + b\n\n" * 30,
@@ -78,7 +78,7 @@ def test_random_init_twin_has_its_own_fingerprint(tiny32) -> None:
 
 
 def test_cli_json(tmp_path, capsys) -> None:
-    from kdn.quality import main
+    from kdn.lab.quality import main
 
     text = tmp_path / "t.txt"
     text.write_text(TEXT[0] + TEXT[1])
@@ -92,7 +92,7 @@ def test_cli_json(tmp_path, capsys) -> None:
 
 
 def test_calibration_spends_bits_where_the_model_is_sensitive(tiny32) -> None:
-    from kdn.quality import calibrate_kvq, exact_runs
+    from kdn.lab.quality import calibrate_kvq, exact_runs
 
     runs = exact_runs(tiny32, make_windows(tiny32, TEXT, _setup()))
     cal = calibrate_kvq(tiny32, runs, "q3", _setup())

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from kdn.errors import InvalidInput
-from kdn.reference import (
+from kdn.lab.reference import (
     META_FILE,
     TrainConfig,
     cache_root,

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from kdn.errors import InvalidInput
-from simulator.core import ARRIVAL_PRIORITY, EventLoop
-from simulator.geo import great_circle_km
-from simulator.links import Links
-from simulator.presets import load_presets
+from kdn.simulator.core import ARRIVAL_PRIORITY, EventLoop
+from kdn.simulator.geo import great_circle_km
+from kdn.simulator.links import Links
+from kdn.simulator.presets import load_presets
 
 
 def test_events_run_in_time_priority_sequence_order() -> None:

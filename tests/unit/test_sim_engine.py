@@ -9,14 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge.policies import LRU, BoundedCache
-from simulator.engine import Simulation, run_policy
-from simulator.geo import C_KM_PER_S, CityIndex, great_circle_km
-from simulator.presets import load_presets
-from simulator.runner import Prepared
-from simulator.scenario import parse_scenario
-from simulator.topology import build_topology
-from simulator.workload import Requests, build_workload
+from kdn.edge.eviction import LRU, BoundedCache
+from kdn.simulator.engine import Simulation, run_policy
+from kdn.simulator.geo import C_KM_PER_S, CityIndex, great_circle_km
+from kdn.simulator.presets import load_presets
+from kdn.simulator.runner import Prepared
+from kdn.simulator.scenario import parse_scenario
+from kdn.simulator.topology import build_topology
+from kdn.simulator.workload import Requests, build_workload
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_lru_hit_ratio_grows_with_cache_size(cities: CityIndex, presets: Any) ->
     """LRU is a stack algorithm and pull-through reads the same chunks whatever the size, so a
     bigger edge never holds less: lookup hits are monotone in the cache size."""
     p = make(cities, presets, workload__hint_coverage=0.0)
-    from simulator.runner import with_overrides
+    from kdn.simulator.runner import with_overrides
 
     hits = []
     for gb in (1, 4, 16, 64, 256):

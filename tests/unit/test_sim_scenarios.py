@@ -12,12 +12,12 @@ import pytest
 import yaml
 
 from kdn.errors import ConfigError
-from simulator import cli
-from simulator.geo import CityIndex
-from simulator.presets import load_presets
-from simulator.scenario import REPO_ROOT, load_scenario
+from kdn.simulator import cli
+from kdn.simulator.geo import CityIndex
+from kdn.simulator.presets import load_presets
+from kdn.simulator.scenario import REPO_ROOT, load_scenario
 
-SCENARIOS = sorted((REPO_ROOT / "simulator" / "scenarios").glob("*.yaml"))
+SCENARIOS = sorted((REPO_ROOT / "kdn" / "simulator" / "scenarios").glob("*.yaml"))
 TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 TINY: dict[str, Any] = {
@@ -78,9 +78,9 @@ def test_shipped_scenarios_validate(path: Path, ctx: dict[str, Any]) -> None:
 def test_shipped_scenarios_cover_the_issue() -> None:
     names = {p.stem for p in SCENARIOS}
     assert {"global10", "mooncake", "scale1000"} <= names
-    g = yaml.safe_load((REPO_ROOT / "simulator/scenarios/global10.yaml").read_text())
+    g = yaml.safe_load((REPO_ROOT / "kdn/simulator/scenarios/global10.yaml").read_text())
     assert len(g["topology"]["regions"]) >= 10
-    s = yaml.safe_load((REPO_ROOT / "simulator/scenarios/scale1000.yaml").read_text())
+    s = yaml.safe_load((REPO_ROOT / "kdn/simulator/scenarios/scale1000.yaml").read_text())
     assert s["topology"]["auto_edges"]["count"] == 1000 and s["workload"]["requests"] == 1_000_000
 
 
@@ -183,7 +183,7 @@ def test_cli_tune_prints_pareto_front(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_pareto_front_and_recommendation() -> None:
-    from simulator.tuner import TuneConfig, TunePoint, _recommend, pareto_front
+    from kdn.simulator.tuner import TuneConfig, TunePoint, _recommend, pareto_front
 
     def pt(cost: float, p90: float, gb: float) -> TunePoint:
         cfg = TuneConfig("nearest_edge", 1, gb, "raw", "zstd", 0)

@@ -1,0 +1,259 @@
+"""``kdn edge`` (run an edge, or send hints to a running one) and ``kdn stats --edge ADDR``.
+
+Run standalone::
+
+    kdn edge --listen 127.0.0.1:0 --node-id a --peers b=127.0.0.1:50062,c=127.0.0.1:50063 \\
+             --origin 127.0.0.1:50051 --memory-bytes 1G --disk-dir /tmp/edge-a --disk-bytes 10G --policy prefix
+
+On readiness it prints one JSON line to stdout (``{"event": "ready", "address": ..., "port": ...}``)
+and serves until SIGTERM/SIGINT. ``--config FILE`` loads an EdgeConfig (YAML/JSON); flags override it.
+
+Operator hints (the operator's interface to the cache)::
+
+    kdn edge pin      --edge ADDR --tenant acme KEYHEX...        (or --document DOC --fingerprint HEX)
+    kdn edge unpin    --edge ADDR --tenant acme KEYHEX...
+    kdn edge ttl      --edge ADDR --tenant acme --seconds 3600 KEYHEX...
+    kdn edge priority --edge ADDR --tenant acme --priority 5 KEYHEX...
+    kdn edge schedule --edge ADDR --tenant acme --cron "0 8 * * *" --document DOC --fingerprint HEX
+    kdn edge cancel   --edge ADDR --tenant acme --schedule-id ID
+    kdn edge prefetch --edge ADDR --tenant acme --fingerprint HEX (KEYHEX... | --document DOC)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from typing import Any, Sequence
+
+from kdn.console import report_error
+from kdn.errors import ConfigError, KdnError
+
+HINT_COMMANDS = ("pin", "unpin", "ttl", "priority", "schedule", "cancel", "prefetch")
+_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``1073741824``, ``512M``, ``10G`` (binary units)."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in _SUFFIX:
+            return int(float(t[:-1]) * _SUFFIX[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512M, 10G)") from None
+
+
+def parse_peers(text: str) -> dict[str, str]:
+    """``id=host:port,id2=host:port``."""
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        node, sep, addr = item.partition("=")
+        if not sep or not node or not addr:
+            raise argparse.ArgumentTypeError(f"peer must be id=host:port, got {item!r}")
+        out[node] = addr
+    return out
+
+
+def parse_tokens(items: Sequence[str]) -> dict[str, list[str]]:
+    """``TOKEN=tenant1,tenant2`` (repeatable)."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        tok, sep, tenants = item.partition("=")
+        if not sep or not tok or not tenants:
+            raise ConfigError(f"--token-grant must be TOKEN=tenant[,tenant...], got {item!r}")
+        out[tok] = [t for t in tenants.split(",") if t]
+    return out
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kdn edge",
+        description="Run an edge node (default), or send hints to a running one: "
+        + ", ".join(HINT_COMMANDS) + " (kdn edge pin --help).",
+    )
+    p.add_argument("--config", help="EdgeConfig file (YAML or JSON); flags override it")
+    p.add_argument("--node-id")
+    p.add_argument("--listen", help="host:port to serve on (port 0 = any free port)")
+    p.add_argument("--peers", type=parse_peers, help="static overlay members: id=host:port,...")
+    p.add_argument("--peers-file", help="peers file re-read periodically: JSON {id: host:port} or id=host:port lines")
+    p.add_argument("--refresh-s", type=float, help="how often the peers file is re-read (seconds)")
+    p.add_argument("--peer-backoff-s", type=float, help="a failed peer is retried after this long")
+    p.add_argument("--origin", help="origin host:port")
+    p.add_argument("--memory-bytes", type=parse_bytes)
+    p.add_argument("--disk-dir")
+    p.add_argument("--disk-bytes", type=parse_bytes)
+    p.add_argument("--policy", help="eviction policy: lru, s3fifo, sieve, prefix")
+    p.add_argument("--replicas", type=int)
+    p.add_argument("--prefetch-depth", type=int)
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = ephemeral)")
+    p.add_argument("--token-grant", action="append", default=[], metavar="TOKEN=TENANTS",
+                   help="enable auth: this bearer token may use these tenants (repeatable; '*' = all)")
+    p.add_argument("--upstream-token", help="token to present to peers and the origin")
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
+    p.add_argument("--tls-ca", help="require client certificates signed by this CA (mTLS)")
+    p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory path")
+    p.add_argument("--json", action="store_true", help="accepted for uniformity: the ready/stopped events are always JSON lines")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    from kdn.edge.config import EdgeConfig
+
+    overrides: dict[str, Any] = {
+        "node_id": args.node_id, "listen": args.listen, "peers": args.peers, "peers_file": args.peers_file,
+        "membership_refresh_s": args.refresh_s, "peer_backoff_s": args.peer_backoff_s, "origin": args.origin,
+        "memory_bytes": args.memory_bytes, "disk_dir": args.disk_dir, "disk_bytes": args.disk_bytes,
+        "policy": args.policy, "replicas": args.replicas, "prefetch_depth": args.prefetch_depth,
+        "metrics_port": args.metrics_port, "upstream_token": args.upstream_token,
+        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_ca": args.tls_ca,
+        "tokens": parse_tokens(args.token_grant) or None,
+        "shm": False if args.no_shm else None,
+    }
+    if args.config:
+        return EdgeConfig.from_file(args.config, **overrides)
+    return EdgeConfig.build({}, **overrides)
+
+
+async def _serve(config: Any) -> int:
+    from kdn.edge.server import EdgeServer
+
+    server = EdgeServer(config)
+    await server.start()
+    ready = {"event": "ready", "node_id": config.node_id, "address": server.address, "port": server.port,
+             "metrics_port": server.metrics_port}
+    print(json.dumps(ready), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=1.0)
+    print(json.dumps({"event": "stopped", "node_id": config.node_id}), flush=True)
+    return 0
+
+
+def _run(argv: list[str]) -> int:
+    args = _run_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_config(args)
+    except KdnError as exc:
+        print(f"kdn edge: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(config))
+    except OSError as exc:
+        print(f"kdn edge: cannot serve: {exc}", file=sys.stderr)
+        return 1
+
+
+# -- hints ---------------------------------------------------------------------------------------
+
+
+def _hint_parser(command: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"kdn edge {command}", description=f"send a {command} hint to a running edge")
+    p.add_argument("--edge", required=True, help="edge host:port")
+    p.add_argument("--tenant", default="default")
+    p.add_argument("--salt", default="")
+    p.add_argument("--token", help="bearer token")
+    p.add_argument("--fingerprint", default="", help="model fingerprint, 64 hex digits (needed with --document)")
+    p.add_argument("--document", default="", help="an origin document id instead of keys")
+    p.add_argument("keys", nargs="*", help="chunk keys, 64 hex digits each")
+    if command == "ttl":
+        p.add_argument("--seconds", type=float, required=True)
+    if command == "priority":
+        p.add_argument("--priority", type=int, required=True)
+    if command == "schedule":
+        p.add_argument("--cron", required=True, help='"M H DOM MON DOW", e.g. "0 8 * * *" (UTC)')
+    if command == "cancel":
+        p.add_argument("--schedule-id", required=True)
+    p.add_argument("--deadline", type=float, default=10.0)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def _hint(command: str, argv: list[str]) -> int:
+    from kdn.edge.admin import EdgeClient, hint_request
+    from kdn.keys import ModelFingerprint, Namespace, parse_fingerprint, parse_key
+    from kdn.proto import kdn_pb2 as pb
+
+    args = _hint_parser(command).parse_args(argv)
+    try:
+        keys = [parse_key(k) for k in args.keys]
+        fp = parse_fingerprint(args.fingerprint) if args.fingerprint else ModelFingerprint(b"")
+        ns = Namespace(args.tenant, args.salt)
+        if command not in ("cancel",) and not keys and not args.document:
+            raise ConfigError("give chunk keys or --document")
+        with EdgeClient(args.edge, token=args.token, deadline_s=args.deadline) as client:
+            if command == "prefetch":
+                queued = client.prefetch(keys, fingerprint=fp, namespace=ns, document=args.document)
+                result: dict[str, Any] = {"command": command, "queued": queued}
+            else:
+                action = {
+                    "pin": pb.HintRequest.PIN, "unpin": pb.HintRequest.UNPIN, "ttl": pb.HintRequest.SET_TTL,
+                    "priority": pb.HintRequest.SET_PRIORITY, "schedule": pb.HintRequest.SCHEDULE_PREFETCH,
+                    "cancel": pb.HintRequest.CANCEL_SCHEDULE,
+                }[command]
+                resp = client.hint(hint_request(
+                    action, fingerprint=fp, namespace=ns, keys=keys, document=args.document,
+                    ttl_s=getattr(args, "seconds", 0.0), priority=getattr(args, "priority", 0),
+                    cron=getattr(args, "cron", ""), schedule_id=getattr(args, "schedule_id", ""),
+                ))
+                result = {"command": command, "affected": resp.affected, "schedule_id": resp.schedule_id}
+    except KdnError as exc:
+        report_error(f"edge {command}", exc, as_json=args.json, command=command)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(" ".join(f"{k}={v}" for k, v in result.items() if v != ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in HINT_COMMANDS:
+        return _hint(argv[0], argv[1:])
+    return _run(argv)
+
+
+# -- stats ---------------------------------------------------------------------------------------
+
+
+def main_stats(argv: list[str] | None = None) -> int:
+    """``kdn stats --edge ADDR [--json]``."""
+    from kdn.edge.admin import EdgeClient
+
+    p = argparse.ArgumentParser(prog="kdn stats", description="show an edge's counters")
+    p.add_argument("--edge", required=True, help="edge host:port")
+    p.add_argument("--token")
+    p.add_argument("--deadline", type=float, default=10.0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        with EdgeClient(args.edge, token=args.token, deadline_s=args.deadline) as client:
+            stats = client.stats()
+    except KdnError as exc:
+        report_error("stats", exc, as_json=args.json)
+        return 1
+    if args.json:
+        print(json.dumps(stats.as_dict(), sort_keys=True))
+        return 0
+    c = stats.counters
+    origin = "n/a" if not c.get("origin_configured") else ("available" if c.get("origin_available") else "UNAVAILABLE")
+    print(f"edge {stats.node_id} ({stats.details.get('address', args.edge)})  origin: {origin}  "
+          f"peers: {int(c.get('peers', 0))} ({int(c.get('peers_down', 0))} down)")
+    for name in sorted(c):
+        print(f"  {name:<48} {c[name]:>16,.0f}" if float(c[name]).is_integer() else f"  {name:<48} {c[name]:>16.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The edge node's one typed config: validated on construction, loadable from YAML/JSON, overridable by flags.
+
+Defaults live here and nowhere else. Example file::
+
+    node_id: edge-a
+    listen: 127.0.0.1:50061
+    peers: {edge-b: 127.0.0.1:50062, edge-c: 127.0.0.1:50063}
+    origin: 127.0.0.1:50051
+    memory_bytes: 1073741824
+    disk_dir: /var/cache/kdn/edge-a
+    disk_bytes: 10737418240
+    policy: prefix
+    tokens: {s3cret-a: [tenant-a], s3cret-ops: ["*"]}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from kdn.config import RoleConfig
+from kdn.wire.channel import MAX_MESSAGE, STREAM_PIECE, TlsFiles
+
+_ADDRESS_HELP = "host:port"
+
+
+def _check_address(value: str, what: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{what} must be {_ADDRESS_HELP}, got {value!r}")
+    return value
+
+
+class EdgeConfig(RoleConfig):
+    """Everything one edge node needs; see the module docstring for a file example."""
+
+    node_id: str = Field("edge-0", min_length=1, max_length=128, description="this node's id in the overlay")
+    listen: str = Field("127.0.0.1:0", description="gRPC listen address; port 0 picks a free port")
+    peers: dict[str, str] = Field(default_factory=dict, description="static overlay members: node_id -> host:port")
+    peers_file: str | None = Field(
+        None, description="re-read on every membership refresh: JSON {id: host:port} or id=host:port lines"
+    )
+    membership_refresh_s: float = Field(2.0, gt=0, description="how often peers_file / the provider is re-read")
+    peer_weights: dict[str, float] = Field(default_factory=dict, description="node_id -> placement weight (default 1)")
+    weight: float = Field(1.0, gt=0, description="this node's placement weight")
+    origin: str | None = Field(None, description="origin address host:port; None = no origin")
+    memory_bytes: int = Field(1 << 30, ge=0, description="memory tier budget")
+    disk_dir: str | None = Field(None, description="disk tier directory; None = no disk tier")
+    disk_bytes: int = Field(10 << 30, ge=0, description="disk tier budget")
+    policy: str = Field("prefix", description="eviction policy name (edge.policies registry)")
+    replicas: int = Field(2, ge=1, le=16, description="owners per key in the overlay")
+    prefetch_depth: int = Field(2, ge=0, le=64, description="chunks fetched ahead after chunk i")
+    prefetch_queue: int = Field(256, ge=1, description="bound on queued background prefetches; more are dropped")
+    prefetch_workers: int = Field(2, ge=1, le=64)
+    tokens: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="bearer token -> tenants it may use ('*' = all). Empty = authentication off.",
+    )
+    upstream_token: str | None = Field(
+        None, description="token this edge presents to peers and origin; None = forward the caller's token"
+    )
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = Field(None, description="on the server: require client certs signed by this CA (mTLS)")
+    upstream_tls_ca: str | None = Field(None, description="CA to verify peers/origin with; None = plaintext upstream")
+    upstream_tls_cert: str | None = None
+    upstream_tls_key: str | None = None
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; 0 = ephemeral, None = off")
+    metrics_host: str = "127.0.0.1"
+    fetch_deadline_s: float = Field(30.0, gt=0, description="deadline of upstream fetches (peer or origin)")
+    peer_deadline_s: float = Field(5.0, gt=0, description="deadline of peer lookups and fetches")
+    admin_deadline_s: float = Field(10.0, gt=0)
+    peer_backoff_s: float = Field(2.0, gt=0, description="a peer marked down is retried after this long")
+    max_message_bytes: int = Field(MAX_MESSAGE, ge=64 << 10, description="bound on any single gRPC message")
+    stream_piece_bytes: int = Field(STREAM_PIECE, ge=4 << 10, description="size of each streamed Fetch message")
+    max_artifact_bytes: int = Field(512 << 20, ge=1 << 10, description="largest artifact accepted by Put or upstream")
+    max_chain_keys: int = Field(4096, ge=1, description="longest key chain accepted in Lookup/Prefetch/Hint")
+    shm: bool = Field(True, description="offer the same-host shared-memory path")
+    shm_dir: str = Field("/dev/shm", description="where shared-memory segments live")
+    shm_max_segments: int = Field(64, ge=1, description="bound on live shm segments; oldest unlinked first")
+    shm_max_bytes: int = Field(1 << 30, ge=1 << 20, description="bound on the bytes of live shm segments")
+    schedule_tick_s: float = Field(1.0, gt=0, description="how often scheduled prefetches are checked")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        return _check_address(v, "listen")
+
+    @field_validator("origin")
+    @classmethod
+    def _origin(cls, v: str | None) -> str | None:
+        return None if v in (None, "") else _check_address(v, "origin")
+
+    @field_validator("peers")
+    @classmethod
+    def _peers(cls, v: dict[str, str]) -> dict[str, str]:
+        for node, addr in v.items():
+            _check_address(addr, f"peer {node}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> "EdgeConfig":
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_ca and not self.tls_cert:
+            raise ValueError("tls_ca (mTLS) needs tls_cert and tls_key")
+        if self.stream_piece_bytes > self.max_message_bytes - 1024:
+            raise ValueError("stream_piece_bytes must leave room under max_message_bytes")
+        for w in self.peer_weights.values():
+            if w <= 0:
+                raise ValueError("peer weights must be positive")
+        from kdn.edge.eviction import POLICIES  # late: keeps config import light
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(sorted(POLICIES))}")
+        return self
+
+    @property
+    def server_tls(self) -> TlsFiles | None:
+        if not self.tls_cert:
+            return None
+        return TlsFiles(Path(self.tls_cert), Path(self.tls_key or ""), Path(self.tls_ca) if self.tls_ca else None)
+
+    @property
+    def upstream_tls(self) -> TlsFiles | None:
+        if not self.upstream_tls_ca:
+            return None
+        return TlsFiles(
+            Path(self.upstream_tls_cert) if self.upstream_tls_cert else None,
+            Path(self.upstream_tls_key) if self.upstream_tls_key else None,
+            Path(self.upstream_tls_ca),
+        )

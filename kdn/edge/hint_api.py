@@ -1,0 +1,135 @@
+"""The Hint RPC's logic: pin / unpin / TTL / priority on keys or documents, and scheduled prefetch.
+
+Key hints go straight to the store (they apply to *resident* entries; ``affected`` says how many).
+A document is resolved to its chunk keys by the origin first. ``SCHEDULE_PREFETCH`` registers a
+cron schedule ("M H DOM MON DOW", UTC) with :class:`kdn.edge.hints.HintScheduler` under the named
+action ``prefetch``; when it fires, the document (re-resolved each time, so a re-ingested document
+is followed) or key list is offered to the prefetcher. Named schedules are persisted by the
+scheduler as JSON beside the disk tier (``hints.json``) and come back on restart. Tokens are never
+written to disk: a schedule restored after a restart fetches with the edge's ``upstream_token``
+(configure one when the origin requires auth). ``SET_TTL`` with ``ttl_s == 0`` clears the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+from kdn.edge.clock import Clock, MonotonicClock
+from kdn.edge.hints import HintScheduler
+from kdn.errors import InvalidInput, NotFound
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, parse_key
+from kdn.proto import kdn_pb2 as pb
+
+if TYPE_CHECKING:
+    from kdn.edge.node import EdgeNode
+
+log = logging.getLogger(__name__)
+
+A = pb.HintRequest
+SCHEDULES_FILE = "hints.json"
+PREFETCH_ACTION = "prefetch"
+
+
+class HintService:
+    def __init__(self, node: "EdgeNode", *, disk_dir: str | None, clock: Clock | None = None) -> None:
+        self._node = node
+        self._clock = clock or MonotonicClock()
+        self._tokens: dict[str, str | None] = {}  # in memory only
+        self.scheduler = HintScheduler(
+            self._clock,
+            path=Path(disk_dir) / SCHEDULES_FILE if disk_dir else None,
+            actions={PREFETCH_ACTION: self._fire},
+        )
+        self.fired = 0
+
+    async def _fire(self, params: Mapping[str, Any]) -> int:
+        node = self._node
+        ns = Namespace(params["tenant"], params.get("salt", ""))
+        fp_hex = params.get("fingerprint", "")
+        fp = parse_fingerprint(fp_hex) if fp_hex else ModelFingerprint(bytes(32))
+        token = self._tokens.get(params.get("schedule_id", ""))
+        keys = await node.resolve_keys(
+            [parse_key(k) for k in params.get("keys", ())], params.get("document", ""),
+            fingerprint=fp, namespace=ns, token=token,
+        )
+        self.fired += 1
+        return node.prefetch(keys, fingerprint=fp, namespace=ns, codec=params.get("codec", ""), token=token)
+
+    async def run_due(self) -> int:
+        """Expire TTL'd entries and run every schedule that is due; returns how many ran."""
+        self._node.store.expire()
+        results = await self.scheduler.run_due()
+        return sum(1 for r in results.values() if r is None)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {"schedule_id": i.schedule_id, "cron": i.cron, "next_fire": i.next_fire.isoformat(), "runs": i.runs,
+             "tenant": i.params.get("tenant", ""), "document": i.params.get("document", ""),
+             "keys": len(i.params.get("keys", ()))}
+            for i in self.scheduler.list()
+        ]
+
+    async def _fetch_missing(
+        self, keys: list[ChunkKey], fp: ModelFingerprint, ns: Namespace, token: str | None
+    ) -> None:
+        from kdn.edge.upstream import FetchSpec
+
+        node = self._node
+        missing = [k for k in keys if not node.store.contains(k, tenant=ns.tenant)]
+        for start in range(0, len(missing), 8):  # a few at a time: the RPC has a deadline
+            await asyncio.gather(
+                *(node.fetch_bytes(FetchSpec(k, fp, ns), token=token) for k in missing[start : start + 8])
+            )
+
+    # -- the RPC -------------------------------------------------------------------------------
+
+    async def apply(
+        self, req: pb.HintRequest, ns: Namespace, token: str | None, keys: list[ChunkKey]
+    ) -> tuple[int, str]:
+        node = self._node
+        store = node.store
+        action = req.action
+        if action == A.SCHEDULE_PREFETCH:
+            if not keys and not req.document:
+                raise InvalidInput("a scheduled prefetch needs keys or a document")
+            fp_hex = parse_fingerprint(req.fingerprint).hex() if req.fingerprint else ""
+            if req.document and not fp_hex:
+                raise InvalidInput("a document schedule needs the model fingerprint")
+            sid = req.schedule_id or secrets.token_hex(6)
+            existing = self.scheduler.get(sid)
+            if existing is not None and existing.params.get("tenant") != ns.tenant:
+                raise InvalidInput(f"schedule id {sid!r} is taken")
+            params = {"schedule_id": sid, "tenant": ns.tenant, "salt": ns.salt, "fingerprint": fp_hex,
+                      "document": req.document, "keys": [bytes(k).hex() for k in keys]}
+            self.scheduler.add(sid, req.cron, PREFETCH_ACTION, params=params)  # InvalidInput names a bad field
+            self._tokens[sid] = token
+            return 1, sid
+        if action == A.CANCEL_SCHEDULE:
+            info = self.scheduler.get(req.schedule_id)
+            if info is None or info.params.get("tenant") != ns.tenant:
+                raise NotFound(f"no schedule {req.schedule_id!r}")
+            self.scheduler.cancel(req.schedule_id)
+            self._tokens.pop(req.schedule_id, None)
+            return 1, req.schedule_id
+        if req.document and not keys:
+            keys = await node.resolve_keys(
+                keys, req.document, fingerprint=parse_fingerprint(req.fingerprint), namespace=ns, token=token
+            )
+        tenant = ns.tenant
+        if action == A.PIN:
+            if req.fingerprint:  # with the model named, pinning also fetches what is not held yet
+                await self._fetch_missing(keys, parse_fingerprint(req.fingerprint), ns, token)
+            return store.pin(keys, tenant=tenant), ""
+        if action == A.UNPIN:
+            return store.unpin(keys, tenant=tenant), ""
+        if action == A.SET_TTL:
+            if req.ttl_s < 0:
+                raise InvalidInput(f"ttl_s must be >= 0, got {req.ttl_s}")
+            return store.set_ttl(keys, req.ttl_s if req.ttl_s > 0 else None, tenant=tenant), ""
+        if action == A.SET_PRIORITY:
+            return store.set_priority(keys, req.priority, tenant=tenant), ""
+        raise InvalidInput(f"unknown hint action {action}")

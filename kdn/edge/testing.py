@@ -1,0 +1,147 @@
+"""Test support for the edge: small real artifacts and overlays of in-process nodes (no sockets).
+
+:func:`make_chain` encodes a chain of small, real artifact containers (random KV, real keys).
+:class:`InMemoryOverlay` wires N :class:`kdn.edge.node.EdgeNode`s to each other through
+:class:`kdn.edge.upstream.NodeUpstream` and to one :class:`kdn.edge.upstream.InMemoryUpstream` origin, so
+overlay, coalescing and prefetch logic run exactly as in production, minus gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kdn.edge.clock import Clock, FakeClock
+from kdn.edge.config import EdgeConfig
+from kdn.edge.node import EdgeNode
+from kdn.edge.overlay import Member, Overlay
+from kdn.edge.upstream import FetchSpec, InMemoryUpstream, NodeUpstream
+from kdn.artifact import encode_artifact
+from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
+
+DEFAULT_FP = ModelFingerprint(bytes(range(32)))
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """A chain of artifacts: ``keys[i]`` is held by ``blobs[i]``."""
+
+    fingerprint: ModelFingerprint
+    namespace: Namespace
+    keys: list[ChunkKey]
+    blobs: list[bytes]
+
+    def spec(self, i: int, **kw: object) -> FetchSpec:
+        return FetchSpec(self.keys[i], self.fingerprint, self.namespace, **kw)  # type: ignore[arg-type]
+
+    def by_key(self) -> dict[bytes, bytes]:
+        return {bytes(k): b for k, b in zip(self.keys, self.blobs)}
+
+
+def make_chain(
+    n: int,
+    *,
+    namespace: Namespace = Namespace("default"),
+    fingerprint: ModelFingerprint = DEFAULT_FP,
+    seed: int = 0,
+    shape: tuple[int, int, int, int] = (2, 2, 4, 8),  # (L, H, T, D)
+    codec: str = "raw",
+) -> Chain:
+    """``n`` chained artifacts of random fp16 KV ``(L, 2, H, T, D)``."""
+    L, H, T, D = shape
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 50_000, size=n * T)
+    keys = chunk_keys(tokens, fingerprint=fingerprint, namespace=namespace, chunk_size=T)
+    gen = torch.Generator().manual_seed(seed)
+    blobs = []
+    parent = ROOT_KEY
+    for i, key in enumerate(keys):
+        kv = torch.randn((L, 2, H, T, D), generator=gen).to(torch.float16)  # (L, 2, H, T, D)
+        blobs.append(encode_artifact(kv, key=key, parent_key=parent, fingerprint=fingerprint, codec=codec, chunk_index=i))
+        parent = key
+    return Chain(fingerprint, namespace, keys, blobs)
+
+
+class InMemoryOverlay:
+    """N edge nodes + one in-memory origin, peers talking through direct calls."""
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        origin: InMemoryUpstream | None = None,
+        replicas: int = 2,
+        memory_bytes: int = 1 << 24,
+        clock: Clock | None = None,
+        **config: object,
+    ) -> None:
+        from kdn.edge.store import make_store
+
+        self.clock = clock or FakeClock()
+        self.origin = origin if origin is not None else InMemoryUpstream()
+        self.ids = [f"e{i}" for i in range(n)]
+        self.links: dict[tuple[str, str], NodeUpstream] = {}
+        self.nodes: dict[str, EdgeNode] = {}
+        self.down: set[str] = set()
+        members = [Member(i, f"mem://{i}") for i in self.ids]
+        for nid in self.ids:
+            cfg = EdgeConfig.build({"node_id": nid, "replicas": replicas, "memory_bytes": memory_bytes, **config})
+            overlay = Overlay(members[self.ids.index(nid)], members, replicas=replicas, clock=self.clock)
+            node = EdgeNode(
+                cfg,
+                store=make_store(memory_bytes=memory_bytes, policy=cfg.policy, clock=self.clock),
+                overlay=overlay,
+                connect=lambda m, me=nid: self._link(me, m),
+                origin=self.origin,
+                clock=self.clock,
+            )
+            node.address = f"mem://{nid}"
+            self.nodes[nid] = node
+
+    def _link(self, src: str, member: Member) -> NodeUpstream:
+        link = self.links.get((src, member.node_id))
+        if link is None:
+            link = NodeUpstream(member.node_id, self.nodes[member.node_id])
+            link.up = member.node_id not in self.down
+            self.links[(src, member.node_id)] = link
+        return link
+
+    def kill(self, node_id: str) -> None:
+        """Every link to ``node_id`` fails from now on (as a SIGKILLed process would)."""
+        for (_, dst), link in self.links.items():
+            if dst == node_id:
+                link.up = False
+        self.down.add(node_id)
+
+    def revive(self, node_id: str) -> None:
+        for (_, dst), link in self.links.items():
+            if dst == node_id:
+                link.up = True
+        self.down.discard(node_id)
+
+    async def start(self) -> None:
+        for node in self.nodes.values():
+            await node.start()
+
+    async def stop(self) -> None:
+        for node in self.nodes.values():
+            await node.stop()
+
+    def owners(self, key: bytes) -> list[str]:
+        return [m.node_id for m in next(iter(self.nodes.values())).overlay.owners(key)]
+
+    def non_owner(self, key: bytes) -> EdgeNode:
+        owners = set(self.owners(key))
+        return next(n for nid, n in self.nodes.items() if nid not in owners)
+
+
+def origin_with(chains: Sequence[Chain], **kw: object) -> InMemoryUpstream:
+    artifacts: dict[bytes, bytes] = {}
+    tenants: dict[bytes, str] = {}
+    for c in chains:
+        artifacts.update(c.by_key())
+        tenants.update({bytes(k): c.namespace.tenant for k in c.keys})
+    return InMemoryUpstream(artifacts, tenants=tenants, **kw)  # type: ignore[arg-type]

@@ -1,0 +1,361 @@
+"""Where an edge gets what it does not hold: peers and the origin, behind one small interface.
+
+``Upstream`` is the interface (fetch / lookup / document / close). Implementations:
+
+- :class:`PeerUpstream` / :class:`OriginUpstream` (both :class:`GrpcUpstream`) — a peer edge
+  (``EdgeService``) or the origin (``OriginService``) over gRPC, with a deadline on every call and status codes converted to :mod:`kdn.errors` at the one
+  boundary (:func:`kdn.wire.errors.from_rpc_error`);
+- :class:`InMemoryUpstream` — a dict of artifacts with a fetch counter, latency and an on/off
+  switch: the fake origin of unit tests (httpx ``MockTransport`` style);
+- :class:`NodeUpstream` — another in-process :class:`kdn.edge.node.EdgeNode` called directly: the
+  in-memory peer transport, so overlay, coalescing and prefetch logic run without sockets.
+
+:class:`SingleFlight` coalesces concurrent requests: any number of concurrent ``do(key, fn)`` for
+one key run ``fn`` once and all get its result (or its exception).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from typing import Awaitable, Callable, Generic, Hashable, Mapping, Protocol, Sequence, TypeVar
+
+import grpc
+
+from kdn.errors import InvalidInput, MessageTooLarge, NotFound, Unavailable
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_key
+from kdn.proto import kdn_pb2 as pb
+from kdn.proto import kdn_pb2_grpc as pbg
+from kdn.wire.channel import MAX_MESSAGE, TlsFiles, aio_channel, auth_metadata
+from kdn.wire.errors import from_rpc_error
+from kdn.wire.frames import decode_chunk, identity
+
+K = TypeVar("K", bound=Hashable)
+
+FORWARDED_HEADER = "kdn-forwarded"
+"""Metadata on a Fetch one edge sends to an owner to fetch on its behalf (never forwarded again)."""
+V = TypeVar("V")
+
+
+@dataclass(frozen=True, slots=True)
+class FetchSpec:
+    """What to fetch. ``local_only`` asks a peer to answer from its own store (no further hops)."""
+
+    key: ChunkKey
+    fingerprint: ModelFingerprint
+    namespace: Namespace
+    codec: str = ""
+    require_lossless: bool = False
+    local_only: bool = False
+
+    def to_proto(self, next_keys: Sequence[ChunkKey] = ()) -> pb.FetchRequest:
+        return pb.FetchRequest(
+            fingerprint=bytes(self.fingerprint),
+            namespace=pb.Namespace(tenant=self.namespace.tenant, salt=self.namespace.salt),
+            key=bytes(self.key),
+            codec=self.codec,
+            require_lossless=self.require_lossless,
+            local_only=self.local_only,
+            next_keys=[bytes(k) for k in next_keys],
+        )
+
+    def local(self) -> "FetchSpec":
+        return replace(self, local_only=True)
+
+
+class Upstream(ABC):
+    """A source of artifacts an edge can ask on a miss."""
+
+    name: str  # node id, or "origin"
+    kind: str  # "peer" | "origin"
+
+    @abstractmethod
+    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
+        """The artifact's container bytes (not yet verified by the caller). NotFound if absent."""
+
+    async def lookup(
+        self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
+    ) -> int:
+        """How many leading ``keys`` this upstream holds (peers: from their own store only)."""
+        return 0
+
+    async def document(
+        self, document: str, *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
+    ) -> list[ChunkKey]:
+        """Chunk keys of an origin document, in order."""
+        raise NotFound(f"{self.name} does not know documents")
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Request coalescing
+
+
+class SingleFlight(Generic[K, V]):
+    """Concurrent calls for one key share one execution.
+
+    Invariant: while a call for ``key`` is in flight, further calls for ``key`` do not start
+    ``fn``; they wait for the running one and get its result or exception. The running call is a
+    task of its own, so a cancelled waiter (a client that went away) does not cancel it for the
+    others.
+    """
+
+    def __init__(self) -> None:
+        self._inflight: dict[K, asyncio.Task[V]] = {}
+        self.started = 0
+        self.coalesced = 0
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    def in_flight(self, key: K) -> bool:
+        return key in self._inflight
+
+    async def do(self, key: K, fn: Callable[[], Awaitable[V]]) -> tuple[V, bool]:
+        """Run ``fn`` once per concurrent burst for ``key``; returns (result, shared)."""
+        task = self._inflight.get(key)
+        shared = task is not None
+        if task is None:
+            self.started += 1
+            task = asyncio.ensure_future(fn())
+            self._inflight[key] = task
+            task.add_done_callback(lambda t, k=key: self._forget(k, t))
+        else:
+            self.coalesced += 1
+        return await asyncio.shield(task), shared
+
+    def _forget(self, key: K, task: asyncio.Task[V]) -> None:
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+        if not task.cancelled():
+            task.exception()  # mark retrieved: waiters got it, or nobody was left to care
+
+
+# ---------------------------------------------------------------------------------------------
+# gRPC
+
+
+def _ns(namespace: Namespace) -> pb.Namespace:
+    return pb.Namespace(tenant=namespace.tenant, salt=namespace.salt)
+
+
+class GrpcUpstream(Upstream):
+    """A peer edge or the origin over gRPC. One channel, reused; deadlines on every call."""
+
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        *,
+        kind: str = "peer",
+        tls: TlsFiles | None = None,
+        token: str | None = None,
+        fetch_deadline_s: float = 30.0,
+        call_deadline_s: float = 5.0,
+        max_message: int = MAX_MESSAGE,
+        max_artifact: int = 512 << 20,
+    ) -> None:
+        if kind not in ("peer", "origin"):
+            raise InvalidInput(f"upstream kind must be peer or origin, got {kind!r}")
+        self.name, self.address, self.kind = name, address, kind
+        self._token = token
+        self._fetch_deadline = fetch_deadline_s
+        self._call_deadline = call_deadline_s
+        self._max_artifact = max_artifact
+        self._channel = aio_channel(address, tls=tls, max_message=max_message)
+        self._stub: pbg.EdgeServiceStub | pbg.OriginServiceStub = (
+            pbg.EdgeServiceStub(self._channel) if kind == "peer" else pbg.OriginServiceStub(self._channel)
+        )
+        service = "kdn.v1.EdgeService" if kind == "peer" else "kdn.v1.OriginService"
+        # Fetch answers are parsed by edge.wire: zero-copy views, joined once
+        self._fetch = self._channel.unary_stream(
+            f"/{service}/Fetch", request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=identity
+        )
+
+    def _md(self, token: str | None) -> tuple[tuple[str, str], ...]:
+        return auth_metadata(self._token if self._token is not None else token)
+
+    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
+        pieces: list[memoryview] = []
+        got = 0
+        try:
+            md = self._md(token)
+            if self.kind == "peer" and not spec.local_only:
+                md = (*md, (FORWARDED_HEADER, "1"))
+            call = self._fetch(spec.to_proto(), timeout=self._fetch_deadline, metadata=md)
+            async for raw in call:
+                chunk = decode_chunk(raw)
+                if chunk.shm_name:
+                    raise InvalidInput(f"{self.name} answered with shm although we did not ask for it")
+                if not pieces and chunk.total_size > self._max_artifact:
+                    raise MessageTooLarge(f"{self.name} offers {chunk.total_size} bytes (limit {self._max_artifact})")
+                got += len(chunk.data)
+                if got > self._max_artifact:
+                    raise MessageTooLarge(f"{self.name} sent more than {self._max_artifact} bytes")
+                pieces.append(chunk.data)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, peer=f"{self.kind} {self.name}") from exc
+        return b"".join(pieces)
+
+    async def lookup(
+        self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
+    ) -> int:
+        req = pb.LookupRequest(
+            fingerprint=bytes(fingerprint), namespace=_ns(namespace), keys=[bytes(k) for k in keys], local_only=True
+        )
+        try:
+            resp = await self._stub.Lookup(req, timeout=self._call_deadline, metadata=self._md(token))
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, peer=f"{self.kind} {self.name}") from exc
+        return min(int(resp.available), len(keys))
+
+    async def document(
+        self, document: str, *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
+    ) -> list[ChunkKey]:
+        if self.kind != "origin":
+            return await super().document(document, fingerprint=fingerprint, namespace=namespace, token=token)
+        req = pb.DocumentRequest(namespace=_ns(namespace), document=document, fingerprint=bytes(fingerprint))
+        try:
+            resp = await self._stub.Document(req, timeout=self._call_deadline, metadata=self._md(token))  # type: ignore[union-attr]
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, peer=f"{self.kind} {self.name}") from exc
+        return [parse_key(k) for k in resp.keys]
+
+    async def healthy(self) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            resp = await health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=min(1.0, self._call_deadline)
+            )
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+class PeerUpstream(GrpcUpstream):
+    """Another edge's ``EdgeService``."""
+
+    def __init__(self, name: str, address: str, **kw: object) -> None:
+        super().__init__(name, address, kind="peer", **kw)  # type: ignore[arg-type]
+
+
+class OriginUpstream(GrpcUpstream):
+    """The origin's ``OriginService``."""
+
+    def __init__(self, address: str, **kw: object) -> None:
+        super().__init__("origin", address, kind="origin", **kw)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# In-memory transports for unit tests (no sockets)
+
+
+class InMemoryUpstream(Upstream):
+    """Artifacts in a dict: a fake origin. ``fetches`` counts calls; ``up=False`` makes it Unavailable."""
+
+    def __init__(
+        self,
+        artifacts: Mapping[bytes, bytes] | None = None,
+        *,
+        name: str = "origin",
+        kind: str = "origin",
+        delay_s: float = 0.0,
+        documents: Mapping[str, Sequence[ChunkKey]] | None = None,
+        tenants: Mapping[bytes, str] | None = None,
+    ) -> None:
+        self.name, self.kind = name, kind
+        self.artifacts: dict[bytes, bytes] = dict(artifacts or {})
+        self.tenants: dict[bytes, str] = dict(tenants or {})  # key -> owning tenant (absent = any)
+        self.documents: dict[str, list[ChunkKey]] = {d: list(ks) for d, ks in (documents or {}).items()}
+        self.delay_s = delay_s
+        self.up = True
+        self.fetches = 0
+        self.fetched: list[ChunkKey] = []
+
+    def _check_up(self) -> None:
+        if not self.up:
+            raise Unavailable(f"{self.kind} {self.name} is down")
+
+    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
+        self._check_up()
+        self.fetches += 1
+        self.fetched.append(spec.key)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        self._check_up()
+        data = self.artifacts.get(bytes(spec.key))
+        owner = self.tenants.get(bytes(spec.key), spec.namespace.tenant)
+        if data is None or owner != spec.namespace.tenant:
+            raise NotFound(f"{self.name} has no artifact {bytes(spec.key).hex()[:16]}")
+        return data
+
+    async def lookup(
+        self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
+    ) -> int:
+        self._check_up()
+        n = 0
+        for k in keys:
+            if bytes(k) not in self.artifacts:
+                break
+            n += 1
+        return n
+
+    async def document(
+        self, document: str, *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
+    ) -> list[ChunkKey]:
+        self._check_up()
+        if document not in self.documents:
+            raise NotFound(f"no document {document!r}")
+        return list(self.documents[document])
+
+    async def healthy(self) -> bool:
+        return self.up
+
+
+class _PeerNode(Protocol):
+    """What :class:`NodeUpstream` needs of an :class:`kdn.edge.node.EdgeNode`."""
+
+    async def fetch_bytes(
+        self, spec: FetchSpec, *, token: str | None = None, forwarded: bool = False
+    ) -> tuple[bytes, str]: ...
+
+    async def lookup_local(self, keys: Sequence[ChunkKey], *, tenant: str) -> list[str]: ...
+
+
+class NodeUpstream(Upstream):
+    """Another in-process edge node as a peer: the in-memory peer transport. ``up=False`` = killed."""
+
+    kind = "peer"
+
+    def __init__(self, name: str, node: _PeerNode) -> None:
+        self.name = name
+        self.node = node
+        self.up = True
+        self.fetches = 0
+
+    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
+        if not self.up:
+            raise Unavailable(f"peer {self.name} is down")
+        self.fetches += 1
+        data, _source = await self.node.fetch_bytes(spec, token=token, forwarded=not spec.local_only)
+        return data
+
+    async def lookup(
+        self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
+    ) -> int:
+        if not self.up:
+            raise Unavailable(f"peer {self.name} is down")
+        return len(await self.node.lookup_local(keys, tenant=namespace.tenant))
+
+    async def healthy(self) -> bool:
+        return self.up

