@@ -1,7 +1,7 @@
 """``kdn demo``: a whole KDN on this machine, and what it buys, in about two minutes.
 
 1. starts a local Ray cluster whose node carries both roles (``kdn_origin``, ``kdn_edge``);
-2. ingests the bundled sample documents (``kdn/samples``) with the origin's Ray prefill workers
+2. ingests the bundled sample documents (``kdn/ops/samples``) with the origin's Ray prefill workers
    into an origin store, and serves that store with an origin server (a Ray actor);
 3. runs an edge (:class:`kdn.edge.server.EdgeServer` in a Ray actor placed by ``kdn_edge``) whose
    upstream is the origin;

@@ -129,7 +129,7 @@ def test_small_125m_logit_difference_bound(dtype, bound):
     from kdn.prefill import prefill_chunks
 
     lm = load_model("small-125m", dtype=dtype)
-    samples = Path(__file__).resolve().parents[2] / "kdn" / "samples"
+    samples = Path(__file__).resolve().parents[2] / "kdn" / "ops" / "samples"
     toks = lm.tokenizer.encode("\n\n".join(p.read_text() for p in sorted(samples.glob("*.txt"))))
     for n in (1024, 2048):
         doc, q = toks[:n], lm.tokenizer.encode("\nQuestion: what is this about? Answer:")
