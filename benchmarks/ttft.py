@@ -49,7 +49,7 @@ QUESTION = "\n\nQuestion: which clause covers this case, and what does it say? A
 
 
 def corpus_tokens(lm, n: int) -> list[int]:
-    samples = sorted((ROOT / "kdn" / "samples").glob("*.txt"))
+    samples = sorted((ROOT / "kdn" / "ops" / "samples").glob("*.txt"))
     text = "\n\n".join(p.read_text() for p in samples)
     toks: list[int] = []
     while len(toks) < n:
