@@ -16,8 +16,11 @@ the remainder prefill and choosing the first token.
   cache would give): cache assembly + remainder prefill + first token.
 
 Goals (DESIGN.md): kdn ≥ 20x faster than recompute at 4096 tokens; kdn ≤ 1.5x the floor.
-Figures are medians of the repetitions, as ratios against baselines measured in the same run;
-appends a dated section to BENCHMARKS.md and saves benchmarks/results/ttft.png.
+Every round measures all four modes (the reuse modes in a rotating order), so each ratio is taken
+within one round, against a baseline measured seconds earlier; the figures are the median of the
+per-round ratios with their full range (min–max) and the load average at the start and end. The
+machine is shared: quote the median with its range and load, never one best run. Appends a dated
+section to BENCHMARKS.md and saves benchmarks/results/ttft.png.
 """
 
 from __future__ import annotations
@@ -95,14 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small-125m")
     ap.add_argument("--sizes", default="1024,4096,8192")
-    ap.add_argument("--reps", type=int, default=5, help="repetitions of the reuse modes")
-    ap.add_argument("--recompute-reps", type=int, default=2, help="repetitions of the (slow) full recompute")
-    ap.add_argument("--quick", action="store_true", help="1024,4096 and one repetition")
+    ap.add_argument("--reps", type=int, default=7, help="rounds; each measures recompute and every reuse mode")
+    ap.add_argument("--quick", action="store_true", help="1024,4096 and two rounds")
     ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     args = ap.parse_args(argv)
     sizes = [1024, 4096] if args.quick else [int(s) for s in args.sizes.split(",")]
-    reps = 1 if args.quick else args.reps
-    recompute_reps = 1 if args.quick else args.recompute_reps
+    reps = 2 if args.quick else args.reps
+    load_start = os.getloadavg()[0]
 
     lm = load_model(args.model)
     q = lm.tokenizer.encode(QUESTION)
@@ -130,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                 detail: dict[str, dict[str, float]] = {}
                 overhead: dict[str, list[float]] = {"kdn-grpc": [], "kdn-shm": []}
                 for rep in range(reps):
-                    if rep < recompute_reps:
-                        r = generate(lm, tokens, max_new_tokens=1)
-                        t["recompute"].append(r.timings.ttft_s)
-                        base_tokens = r.tokens
+                    r = generate(lm, tokens, max_new_tokens=1)
+                    t["recompute"].append(r.timings.ttft_s)
+                    assert base_tokens is None or r.tokens == base_tokens, "recompute is not deterministic"
+                    base_tokens = r.tokens
                     # the three reuse modes in a rotating order, so that noise from other work on
                     # the machine does not always fall on the same one
                     modes = ["kdn-grpc", "kdn-shm", "floor"]
@@ -152,26 +154,31 @@ def main(argv: list[str] | None = None) -> int:
                         overhead[name].append(d["keys_s"] + d["lookup_s"] + d["fetch_s"] + d["build_s"])
                         detail[name] = d
                 med = {k: statistics.median(v) for k, v in t.items()}
+                # per-round ratios: numerator and denominator measured in the same round
+                ratios = {
+                    "speedup_grpc": [a / b for a, b in zip(t["recompute"], t["kdn-grpc"])],
+                    "speedup_shm": [a / b for a, b in zip(t["recompute"], t["kdn-shm"])],
+                    "grpc_vs_floor": [a / b for a, b in zip(t["kdn-grpc"], t["floor"])],
+                    "shm_vs_floor": [a / b for a, b in zip(t["kdn-shm"], t["floor"])],
+                }
                 row = {
                     "tokens": n, "kv_mb": kv_bytes / 1e6, **{f"{k}_s": v for k, v in med.items()},
-                    "speedup_grpc": med["recompute"] / med["kdn-grpc"],
-                    "speedup_shm": med["recompute"] / med["kdn-shm"],
-                    "grpc_vs_floor": med["kdn-grpc"] / med["floor"],
-                    "shm_vs_floor": med["kdn-shm"] / med["floor"],
+                    **{k: statistics.median(v) for k, v in ratios.items()},
+                    **{f"{k}_range": [min(v), max(v)] for k, v in ratios.items()},
                     "grpc_detail": detail["kdn-grpc"], "shm_detail": detail["kdn-shm"],
                     # what KDN adds on top of the floor's work (keys, lookup, fetch+decode, assembly)
                     "grpc_overhead_s": statistics.median(overhead["kdn-grpc"]),
                     "shm_overhead_s": statistics.median(overhead["kdn-shm"]),
-                    "reps": reps, "recompute_reps": min(reps, recompute_reps),
+                    "reps": reps, "load_end": os.getloadavg()[0],
                 }
                 row["grpc_vs_floor_from_overhead"] = (med["floor"] + row["grpc_overhead_s"]) / med["floor"]
                 row["shm_vs_floor_from_overhead"] = (med["floor"] + row["shm_overhead_s"]) / med["floor"]
                 rows.append(row)
                 print(
                     f"{n:>6} tokens ({row['kv_mb']:.0f} MB KV): recompute {med['recompute'] * 1e3:8.1f} ms | "
-                    f"grpc {med['kdn-grpc'] * 1e3:6.1f} ms ({row['speedup_grpc']:5.1f}x, {row['grpc_vs_floor']:.2f}x floor) | "
-                    f"shm {med['kdn-shm'] * 1e3:6.1f} ms ({row['speedup_shm']:5.1f}x, {row['shm_vs_floor']:.2f}x floor) | "
-                    f"floor {med['floor'] * 1e3:6.1f} ms", flush=True,
+                    f"grpc {med['kdn-grpc'] * 1e3:6.1f} ms ({_span(row, 'speedup_grpc', 'x')}, {_span(row, 'grpc_vs_floor', 'x')} floor) | "
+                    f"shm {med['kdn-shm'] * 1e3:6.1f} ms ({_span(row, 'speedup_shm', 'x')}, {_span(row, 'shm_vs_floor', 'x')} floor) | "
+                    f"floor {med['floor'] * 1e3:6.1f} ms | load {row['load_end']:.1f}", flush=True,
                 )
                 print(f"        KDN overhead over the floor's work: grpc {row['grpc_overhead_s'] * 1e3:.1f} ms "
                       f"({row['grpc_vs_floor_from_overhead']:.2f}x floor), shm {row['shm_overhead_s'] * 1e3:.1f} ms "
@@ -193,8 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "ttft.json").write_text(json.dumps(rows, indent=1))
     png = plot(rows, out_dir / "ttft.png", args.model)
     if not args.no_append:
-        append(rows, args, png, reps, recompute_reps)
+        append(rows, args, png, reps, load_start)
     return 0
+
+
+def _span(row: dict, key: str, unit: str) -> str:
+    """``median [min–max]`` of one per-round ratio."""
+    lo, hi = row[f"{key}_range"]
+    digits = 1 if key.startswith("speedup") else 2
+    return f"{row[key]:.{digits}f}{unit} [{lo:.{digits}f}–{hi:.{digits}f}]"
 
 
 def plot(rows: list[dict], path: Path, model: str) -> Path:
@@ -220,14 +234,14 @@ def plot(rows: list[dict], path: Path, model: str) -> Path:
     return path
 
 
-def append(rows: list[dict], args: argparse.Namespace, png: Path, reps: int, recompute_reps: int) -> None:
+def append(rows: list[dict], args: argparse.Namespace, png: Path, reps: int, load_start: float) -> None:
     cmd = "benchmarks/ttft.py" + (" --quick" if args.quick else "") + (f" --model {args.model}" if args.model != "small-125m" else "")
     lines = [
         "", f"## TTFT with KDN reuse ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
         f"Command: `.venv/bin/python {cmd}` — model `{args.model}` fp32, chunk 256, raw codec, edge as a",
-        f"separate `kdn edge` process on loopback; medians of {reps} run(s) of each reuse mode (rotating order) "
-        f"and {recompute_reps} of the full recompute; {os.cpu_count()} CPU cores shared with other work "
-        f"(load average at the end: {os.getloadavg()[0]:.1f}).",
+        f"separate `kdn edge` process on loopback; {reps} rounds, each measuring the full recompute and every "
+        f"reuse mode (rotating order); ratios are per round, shown as median [min–max]; {os.cpu_count()} CPU cores "
+        f"shared with other work (load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end).",
         "KDN overhead = chunk keys + Lookup + Fetch (incl. verify/decode) + cache assembly, i.e. what a hit adds "
         "to the floor's work; `as x floor` = (floor + overhead) / floor, less sensitive to noise in the prefill.",
         "", "| context | KV | recompute | KDN gRPC | KDN shm | floor (in-process) | speedup gRPC / shm | vs floor gRPC / shm | KDN overhead gRPC / shm (as x floor) |",
@@ -236,14 +250,14 @@ def append(rows: list[dict], args: argparse.Namespace, png: Path, reps: int, rec
     for r in rows:
         lines.append(
             f"| {r['tokens']} | {r['kv_mb']:.0f} MB | {r['recompute_s'] * 1e3:.0f} ms | {r['kdn-grpc_s'] * 1e3:.0f} ms | "
-            f"{r['kdn-shm_s'] * 1e3:.0f} ms | {r['floor_s'] * 1e3:.0f} ms | {r['speedup_grpc']:.1f}x / {r['speedup_shm']:.1f}x | "
-            f"{r['grpc_vs_floor']:.2f}x / {r['shm_vs_floor']:.2f}x | {r['grpc_overhead_s'] * 1e3:.0f} ms / "
+            f"{r['kdn-shm_s'] * 1e3:.0f} ms | {r['floor_s'] * 1e3:.0f} ms | {_span(r, 'speedup_grpc', 'x')} / {_span(r, 'speedup_shm', 'x')} | "
+            f"{_span(r, 'grpc_vs_floor', 'x')} / {_span(r, 'shm_vs_floor', 'x')} | {r['grpc_overhead_s'] * 1e3:.0f} ms / "
             f"{r['shm_overhead_s'] * 1e3:.0f} ms ({r['grpc_vs_floor_from_overhead']:.2f}x / {r['shm_vs_floor_from_overhead']:.2f}x) |"
         )
     at = next((r for r in rows if r["tokens"] == 4096), None)
     if at:
         best = max(at["speedup_grpc"], at["speedup_shm"])
-        lines += ["", f"Goals at 4096 tokens: KDN hit ≥ 20x faster than recompute — {best:.1f}x "
+        lines += ["", f"Goals at 4096 tokens (medians of per-round ratios): KDN hit ≥ 20x faster than recompute — {best:.1f}x "
                       f"({'met' if best >= 20 else 'NOT met'}); KDN hit ≤ 1.5x the floor — gRPC "
                       f"{at['grpc_vs_floor']:.2f}x, shm {at['shm_vs_floor']:.2f}x "
                       f"({'met' if min(at['grpc_vs_floor'], at['shm_vs_floor']) <= 1.5 else 'NOT met'} as measured; "
