@@ -304,6 +304,8 @@ def up(config: ClusterConfig, *, progress=print) -> ClusterState:
         progress("start-up failed; stopping what was started")
         stop_sessions([p.pid for p in procs])
         (state_dir / "cluster.json").unlink(missing_ok=True)
+        if state.started_head:
+            shutil.rmtree(temp_dir, ignore_errors=True)
         raise
 
 
