@@ -8,6 +8,14 @@ Then it places the roles as detached actors by those resources (:mod:`kdn.ops.ro
 every gRPC endpoint is registered (:mod:`kdn.ops.registry`), and prints the endpoints.
 
 If anything fails half-way, everything started so far is stopped again before the error is shown.
+
+Nothing of an earlier run is trusted: every ``kdn up`` that starts a head writes fresh logs
+(``logs/*.log`` are truncated), a fresh Ray auth token and a fresh Ray temp dir, and takes the
+head's address only from this run's log and only once its GCS answers on the port this run gave
+it. ``cluster.json`` records the machine's boot id and each session leader's start time, so pids
+from before a reboot, or pids the kernel has since given to other processes, are never taken for
+ours (neither by ``kdn up``'s "already running" check nor by ``kdn down``). Every wait is bounded
+by ``wait_s`` (``--wait-s``, default 120 s) and ends in one line naming what did not answer.
 """
 
 from __future__ import annotations
@@ -17,11 +25,13 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,6 +78,14 @@ class ClusterState:
     origins: list[dict] = field(default_factory=list)
     edges: list[dict] = field(default_factory=list)
     started_unix: float = 0.0
+    boot_id: str = ""  # the boot these pids belong to
+    session_starts: list[int | None] = field(default_factory=list)  # each leader's start time (clock ticks after boot)
+    actor_ids: dict[str, str] = field(default_factory=dict)  # node id -> Ray actor id of the role we placed
+    auth_env: dict[str, str] = field(default_factory=dict)  # RAY_AUTH_MODE / _TOKEN_PATH a joined cluster took
+
+    def add_session(self, pid: int) -> None:
+        self.session_pids.append(pid)
+        self.session_starts.append(_start_time(pid))
 
     def save(self) -> None:
         path = Path(self.state_dir) / "cluster.json"
@@ -80,10 +98,56 @@ class ClusterState:
         path = Path(state_dir) / "cluster.json"
         if not path.is_file():
             return None
-        return cls(**json.loads(path.read_text()))
+        raw = json.loads(path.read_text())
+        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})
+
+    def our_sessions(self) -> list[int]:
+        """The recorded session ids that can still be ours: none after a reboot, and none whose
+        leader pid now belongs to a process that started at another time (a reused pid)."""
+        if self.boot_id and self.boot_id != _boot_id():
+            return []
+        out = []
+        for i, pid in enumerate(self.session_pids):
+            recorded = self.session_starts[i] if i < len(self.session_starts) else None
+            now = _start_time(pid)
+            if recorded is not None and now is not None and now != recorded:
+                continue
+            out.append(pid)
+        return out
 
 
 # -- process management -------------------------------------------------------------------------
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot), or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the fields after ')' start at field 3
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line contains ``text``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if text.encode() in cmd:
+            out.append(int(entry))
+    return out
 
 
 def ray_temp_dir(state_dir: Path) -> Path:
@@ -115,18 +179,28 @@ def _answers(address: str, timeout_s: float = 3.0) -> bool:
 
 
 def ray_auth_env(state_dir: Path) -> dict[str, str]:
-    """Token authentication for the clusters we start: a fresh secret per state dir (mode 0600),
-    handed to every node and driver through the environment, independent of ~/.ray."""
+    """Token authentication for the clusters we start, handed to every node and driver through the
+    environment, independent of ~/.ray. The token file is written by :func:`_new_ray_auth_token`."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path(state_dir) / "ray_auth_token")}
+
+
+def _new_ray_auth_token(state_dir: Path) -> None:
+    """A fresh secret for each head we start (mode 0600 from the start, replaced atomically)."""
     token = Path(state_dir) / "ray_auth_token"
-    if not token.exists():
-        token.touch(mode=0o600)
-        token.write_text(secrets.token_hex(32))
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    tmp = token.with_name(token.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
+        fh.write(secrets.token_hex(32))
+    os.replace(tmp, token)
+
+
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")
 
 
 def _start_node(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    """One `ray start --block` in a new session (its children stay in that session)."""
-    fh = open(log, "ab")
+    """One `ray start --block` in a new session (its children stay in that session). Its log is
+    this run's alone: an earlier run's lines would name an earlier run's (dead) cluster."""
+    fh = open(log, "wb")
     return subprocess.Popen(
         [_ray_bin(), "start", "--block", "--disable-usage-stats", *args],
         stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -156,8 +230,13 @@ def up(config: ClusterConfig, *, progress=print) -> ClusterState:
     state_dir = Path(config.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     existing = ClusterState.load(state_dir)
-    if existing is not None and session_members(set(existing.session_pids)):
-        raise ConfigError(f"a cluster started by `kdn up` is already running (state in {state_dir}); run `kdn down` first")
+    if existing is not None and session_members(set(existing.our_sessions())):
+        raise ConfigError(f"a cluster started by `kdn up` is already running (state in {state_dir}); "
+                          f"run `kdn down{_state_dir_flag(state_dir)}` first")
+    temp_dir = ray_temp_dir(state_dir)
+    if config.address is None and (stray := _processes_mentioning(str(temp_dir))):
+        raise ConfigError(f"Ray processes of an earlier `kdn up` with this state dir still run without a "
+                          f"record in {state_dir / 'cluster.json'} (pids {' '.join(map(str, stray))}); stop them first")
     if config.address is None and config.head_port and _port_in_use(config.head_port):
         raise ConfigError(f"head port {config.head_port} is already in use")
     if config.address is not None and not _answers(config.address):
@@ -167,9 +246,17 @@ def up(config: ClusterConfig, *, progress=print) -> ClusterState:
 
     logs = state_dir / "logs"
     logs.mkdir(exist_ok=True)
-    state = ClusterState(address=config.address or "", state_dir=str(state_dir), started_unix=time.time())
+    state = ClusterState(address=config.address or "", state_dir=str(state_dir), started_unix=time.time(),
+                         boot_id=_boot_id())
     procs: list[subprocess.Popen] = []
-    auth = ray_auth_env(state_dir) if config.address is None else {}
+    if config.address is None:
+        _new_ray_auth_token(state_dir)
+        auth = ray_auth_env(state_dir)
+        os.environ.pop("RAY_AUTH_TOKEN", None)  # a token exported for another cluster would win over ours
+        shutil.rmtree(temp_dir, ignore_errors=True)  # no process uses it (checked above)
+    else:
+        auth = {}
+        state.auth_env = {k: os.environ[k] for k in AUTH_VARS if os.environ.get(k)}
     os.environ.update(auth)  # this driver, and the actors it creates, speak the same token
     try:
         common = [f"--num-cpus={config.cpus_per_node:g}"]
@@ -178,12 +265,12 @@ def up(config: ClusterConfig, *, progress=print) -> ClusterState:
             progress(f"starting Ray head on port {port}")
             procs.append(_start_node(
                 ["--head", f"--port={port}", "--include-dashboard=false",
-                 f"--ray-client-server-port={free_port()}", f"--temp-dir={ray_temp_dir(state_dir)}",
+                 f"--ray-client-server-port={free_port()}", f"--temp-dir={temp_dir}",
                  f"--resources={json.dumps({RESOURCE_HEAD: 1})}", *common],
                 logs / "head.log", auth,
             ))
             state.started_head = True
-            state.session_pids = [p.pid for p in procs]
+            state.add_session(procs[-1].pid)
             state.save()
             state.address = _wait_for_head(procs[0], logs / "head.log", port, config.wait_s)
         import ray
@@ -201,13 +288,14 @@ def up(config: ClusterConfig, *, progress=print) -> ClusterState:
                 procs.append(_start_node(
                     [f"--address={state.address}", f"--resources={json.dumps({resource: 1})}", *common],
                     logs / f"{name}.log", auth))
-                state.session_pids = [p.pid for p in procs]
+                state.add_session(procs[-1].pid)
                 state.save()
                 want[resource] += 1
                 _wait_for_resources(want, config.wait_s)
             from kdn.ops.roles import deploy_roles
 
             state.origins, state.edges = deploy_roles(config, progress=progress)
+            state.actor_ids = _actor_ids([m["node_id"] for m in state.origins + state.edges])
         finally:
             ray.shutdown()
         state.save()
@@ -216,21 +304,60 @@ def up(config: ClusterConfig, *, progress=print) -> ClusterState:
         progress("start-up failed; stopping what was started")
         stop_sessions([p.pid for p in procs])
         (state_dir / "cluster.json").unlink(missing_ok=True)
+        if state.started_head:
+            shutil.rmtree(temp_dir, ignore_errors=True)
         raise
 
 
+HEAD_MARKER = "ray start --address='"
+
+
+def _head_address(log_text: str, port: int) -> str | None:
+    """The address the head's log names for joining, if it is on ``port`` (the last such line)."""
+    found = None
+    for chunk in log_text.split(HEAD_MARKER)[1:]:
+        address = chunk.split("'", 1)[0]
+        if address.rpartition(":")[2] == str(port):
+            found = address
+    return found
+
+
 def _wait_for_head(proc: subprocess.Popen, log: Path, port: int, timeout_s: float) -> str:
+    """The GCS address of the head we started, once it answers there; at most ``timeout_s``.
+
+    The address comes from this run's log (truncated when the head started) and must be on the
+    port this run gave the head, and its GCS must accept connections before Ray is asked to
+    connect: a Ray driver pointed at a dead GCS retries for minutes."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    address = None
+    while True:
         if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise Unavailable(f"Ray head exited with code {proc.returncode}:\n{tail}")
-        text = log.read_text(errors="replace") if log.exists() else ""
-        marker = "ray start --address='"
-        if marker in text:
-            return text.split(marker, 1)[1].split("'", 1)[0]
+            last = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] if log.exists() else []
+            raise Unavailable(f"the Ray head exited with code {proc.returncode} before its GCS answered on port "
+                              f"{port} (log: {log}{'; last line: ' + last[0].strip()[:200] if last else ''})")
+        if address is None and log.exists():
+            address = _head_address(log.read_text(errors="replace"), port)
+        if address is not None and _answers(address, timeout_s=1.0):
+            return address
+        if time.monotonic() >= deadline:
+            what = f"at {address}" if address else f"on port {port} (it never printed its address)"
+            raise Unavailable(f"the Ray head's GCS did not answer {what} within {timeout_s:g}s (log: {log})")
         time.sleep(0.3)
-    raise Unavailable(f"Ray head did not start within {timeout_s:.0f}s (log: {log})")
+
+
+def _actor_ids(node_ids: list[str]) -> dict[str, str]:
+    """The Ray actor id behind each role we placed: `kdn down` kills a role only if it is still that actor."""
+    import ray
+
+    from kdn.ops.roles import ROLE_PREFIX
+
+    out = {}
+    for node_id in node_ids:
+        try:
+            out[node_id] = ray.get_actor(f"{ROLE_PREFIX}{node_id}", namespace=RAY_NAMESPACE)._actor_id.hex()
+        except ValueError:
+            continue
+    return out
 
 
 def down(state_dir: Path) -> dict:
@@ -238,29 +365,89 @@ def down(state_dir: Path) -> dict:
     state = ClusterState.load(state_dir)
     if state is None:
         return {"stopped": [], "message": f"no cluster state in {state_dir}; nothing to stop"}
+    problem = None
     if not state.started_head:
-        _remove_roles(state)
-    stopped = stop_sessions(state.session_pids)
+        problem = _remove_roles(state)
+    stopped = stop_sessions(state.our_sessions())
     (Path(state_dir) / "cluster.json").unlink(missing_ok=True)
     if state.started_head:
         shutil.rmtree(ray_temp_dir(Path(state_dir)), ignore_errors=True)
-    return {"stopped": stopped, "message": f"stopped {len(stopped)} processes"}
+    out = {"stopped": stopped, "message": f"stopped {len(stopped)} processes"}
+    if problem:
+        out["warning"] = problem
+    return out
 
 
-def _remove_roles(state: ClusterState) -> None:
-    """When we joined someone else's cluster, kill only our actors there."""
+REMOVE_TIMEOUT_S = 30.0
+_AUTH_FAILURES = ("InvalidAuthToken", "AuthenticationError", "UNAUTHENTICATED", "Unauthenticated")
+
+# Runs in a child process: Ray reads its auth settings when it is imported, and a driver that
+# cannot get in retries for a long time, printing as it goes; the parent bounds and summarises it.
+_REMOVE_SCRIPT = """
+import json, sys, ray
+from kdn.ops.registry import RAY_NAMESPACE
+from kdn.ops.roles import ROLE_PREFIX, kill_roles
+want = json.loads(sys.argv[1])
+ray.init(address=want["address"], namespace=RAY_NAMESPACE, logging_level="ERROR", log_to_driver=False)
+ours, foreign = [], []
+for node_id, actor_id in want["roles"].items():
     try:
-        import ray
+        live = ray.get_actor(ROLE_PREFIX + node_id, namespace=RAY_NAMESPACE)._actor_id.hex()
+    except ValueError:
+        continue
+    (ours if actor_id in (None, live) else foreign).append(node_id)
+print(json.dumps({"killed": kill_roles(ours), "foreign": foreign}), flush=True)
+ray.shutdown()
+"""
 
-        from kdn.ops.roles import kill_roles
 
-        ray.init(address=state.address, namespace=RAY_NAMESPACE, logging_level="ERROR", log_to_driver=False)
-        try:
-            kill_roles([m["node_id"] for m in state.origins + state.edges])
-        finally:
-            ray.shutdown()
-    except Exception as exc:  # the cluster may be gone already; stopping our nodes still proceeds
-        print(f"kdn down: could not remove roles from {state.address}: {exc}", file=sys.stderr)
+def _remove_roles(state: ClusterState, timeout_s: float = REMOVE_TIMEOUT_S) -> str | None:
+    """When we joined someone else's cluster, kill only our actors there: the roles whose Ray
+    actor is still the one we placed. Returns one line saying what went wrong, or None."""
+    roles = {m["node_id"]: state.actor_ids.get(m["node_id"]) for m in state.origins + state.edges}
+    if not roles:
+        return None
+    where = f"the Ray cluster at {state.address}"
+    if not _answers(state.address):
+        return f"{where} does not answer; no roles removed there"
+    env = {**os.environ, "RAY_ADDRESS": state.address}
+    env.update({k: v for k, v in state.auth_env.items() if not os.environ.get(k)})
+    child = subprocess.Popen(
+        [sys.executable, "-c", _REMOVE_SCRIPT, json.dumps({"address": state.address, "roles": roles})],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    lines: list[str] = []
+    auth_failed = threading.Event()
+
+    def read_stderr() -> None:
+        for line in child.stderr:
+            lines.append(line)
+            if any(m in line for m in _AUTH_FAILURES):
+                auth_failed.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    while child.poll() is None and not auth_failed.is_set() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if child.poll() is None:
+        child.kill()
+    out = child.communicate()[0] if not auth_failed.is_set() else ""
+    reader.join(1)
+    if auth_failed.is_set():
+        how = (f"with the token in {env['RAY_AUTH_TOKEN_PATH']}" if env.get("RAY_AUTH_TOKEN_PATH")
+               else "without an auth token (export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=... as for `kdn up --address`)")
+        return f"{where} refused this driver {how}; roles {', '.join(roles)} not removed there"
+    if child.returncode != 0 or not out.strip():
+        if child.returncode == -9:
+            return f"{where} did not let a driver in within {timeout_s:g}s; roles {', '.join(roles)} not removed there"
+        last = next((ln.strip() for ln in reversed(lines) if ln.strip()), f"exit code {child.returncode}")
+        return f"could not remove roles {', '.join(roles)} from {where}: {last[:300]}"
+    result = json.loads(out.strip().splitlines()[-1])
+    if result["foreign"]:
+        return (f"left {', '.join(result['foreign'])} on {where} alone: those names now belong to actors "
+                f"another `kdn up` placed")
+    return None
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -277,11 +464,13 @@ def main_up(argv: list[str]) -> int:
     p.add_argument("--codec")
     p.add_argument("--state-dir", type=Path)
     p.add_argument("--bind-host", help="address the gRPC servers bind (default 127.0.0.1)")
+    p.add_argument("--wait-s", type=float,
+                   help="bound on each wait: the head's GCS, every node, every endpoint (default 120)")
     p.add_argument("--config", type=Path, help="YAML/JSON file with ClusterConfig fields")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     overrides = {k: getattr(a, k) for k in ("address", "head_port", "origin_nodes", "edge_nodes",
-                                             "cpus_per_node", "model", "codec", "state_dir", "bind_host")}
+                                             "cpus_per_node", "model", "codec", "state_dir", "bind_host", "wait_s")}
     log = (lambda msg: print(msg, file=sys.stderr)) if a.json else print
     try:
         cfg = ClusterConfig.from_file(a.config, **overrides) if a.config else ClusterConfig.build(**overrides)
@@ -300,8 +489,15 @@ def main_up(argv: list[str]) -> int:
             print(f"origin {o['node_id']}: {o['address']}")
         for e in state.edges:
             print(f"edge   {e['node_id']}: {e['address']}  (metrics {e.get('metrics_address') or '-'})")
-        print("stop it with: kdn down")
+        print(f"stop it with: kdn down{_state_dir_flag(Path(state.state_dir))}")
     return 0
+
+
+def _state_dir_flag(state_dir: Path) -> str:
+    """`` --state-dir DIR`` unless DIR is the default one (for the commands we suggest)."""
+    if Path(state_dir).resolve() == default_state_dir().resolve():
+        return ""
+    return f" --state-dir {shlex.quote(str(state_dir))}"
 
 
 def main_down(argv: list[str]) -> int:
@@ -310,5 +506,7 @@ def main_down(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     result = down(a.state_dir or default_state_dir())
+    if result.get("warning"):
+        print(f"kdn down: {result['warning']}", file=sys.stderr)
     print(json.dumps(result) if a.json else result["message"])
     return 0

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,70 @@ def test_config_file_with_unknown_key(tmp_path):
     assert r.returncode == 1
     assert "edge_nodez" in r.stderr and "Extra inputs are not permitted" in r.stderr
     _assert_nothing_left(tmp_path)
+
+
+def _listening() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:  # a loopback port that nobody listens on
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_head_address_comes_from_this_run_and_must_answer(tmp_path):
+    """An earlier run's line in the head's log (whose address still answers here) is not taken;
+    the address on this run's port is, once something answers there."""
+    from kdn.ops.cluster import _wait_for_head
+
+    with _listening() as old, _listening() as new:
+        log = tmp_path / "head.log"
+        log.write_text(f"  ray start --address='127.0.0.1:{old.getsockname()[1]}'\n"
+                       f"  ray start --address='127.0.0.1:{new.getsockname()[1]}'\n")
+        head = subprocess.Popen(["sleep", "60"])
+        try:
+            assert _wait_for_head(head, log, new.getsockname()[1], timeout_s=30) == f"127.0.0.1:{new.getsockname()[1]}"
+        finally:
+            head.kill()
+            head.wait()
+
+
+def test_head_that_does_not_answer_fails_within_its_bound(tmp_path):
+    from kdn.ops.cluster import _wait_for_head
+    from kdn.errors import Unavailable
+
+    port = _dead_port()
+    log = tmp_path / "head.log"
+    log.write_text(f"  ray start --address='127.0.0.1:{port}'\n")
+    head = subprocess.Popen(["sleep", "60"])
+    start = time.monotonic()
+    try:
+        with pytest.raises(Unavailable) as err:
+            _wait_for_head(head, log, port, timeout_s=2)
+    finally:
+        head.kill()
+        head.wait()
+    assert time.monotonic() - start < 2 + 10  # its bound, and slack for a loaded machine
+    assert str(err.value) == f"the Ray head's GCS did not answer at 127.0.0.1:{port} within 2s (log: {log})"
+
+    log.write_text("")  # a head that never prints its address
+    head = subprocess.Popen(["sleep", "60"])
+    try:
+        with pytest.raises(Unavailable, match=f"did not answer on port {port} .*within 1s"):
+            _wait_for_head(head, log, port, timeout_s=1)
+    finally:
+        head.kill()
+        head.wait()
+
+    log.write_text("some start-up output\nError: the head could not bind its port\n")
+    head = subprocess.Popen(["true"])
+    head.wait()
+    with pytest.raises(Unavailable) as err:
+        _wait_for_head(head, log, port, timeout_s=30)
+    assert "\n" not in str(err.value)
+    assert "the Ray head exited with code 0" in str(err.value)
+    assert "last line: Error: the head could not bind its port" in str(err.value)

@@ -4,9 +4,10 @@ head + 1 origin node + 3 edge nodes; ingest documents; query through two differe
 equal recompute); SIGKILL one edge's actor process under a bounded stream of concurrent queries
 (zero wrong outputs; Ray restarts the actor, it re-registers, and reuse through it resumes); stop
 the origin (cached queries still hit); start it again (ingest works); `kdn down` leaves no
-process of ours behind (checked by pid).
+process of ours behind (checked by pid). Then `kdn up` again with the same (default) state dir, a
+head + 1 origin + 1 edge: it comes up and serves the stored documents, and `kdn down` stops it.
 
-About a minute on an idle 2-core machine (three under load); part of the default run.
+About a minute and a half on an idle 2-core machine (four under load); part of the default run.
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ def _run(args: list[str], env: dict[str, str], timeout: float) -> subprocess.Com
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    state = tmp_path_factory.mktemp("kdn-cluster")
-    env = {**os.environ, "KDN_CACHE": str(state)}
+    # the state dir named explicitly here is also the default one (KDN_CACHE/cluster), which
+    # test_up_again_after_down uses without naming it
+    state = tmp_path_factory.mktemp("kdn-cache") / "cluster"
+    env = {**os.environ, "KDN_CACHE": str(state.parent)}
+    for k in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN"):
+        env.pop(k, None)
     up = _run(["up", "--state-dir", str(state), "--origin-nodes", "1", "--edge-nodes", "3",
                "--model", "tiny", "--codec", "raw", "--json"], env, timeout=400)
     assert up.returncode == 0, up.stderr[-3000:]
@@ -177,12 +182,52 @@ def test_cluster_end_to_end(cluster, tmp_path):
     assert new_edge["node_id"] in {m["node_id"] for m in _ray(env, "members")}
     r = _generate(lm, new_edge["address"], _prompt("policy.md"))
     assert r.tokens == expected["policy.md"] and r.reused_tokens > 0, r.warnings
-    down2 = _run(["down", "--state-dir", str(state2), "--json"], env, timeout=120)
+    # from a shell without the Ray token: `kdn down` uses the auth settings the join used
+    no_auth = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH_")}
+    down2 = _run(["down", "--state-dir", str(state2), "--json"], no_auth, timeout=120)
     assert down2.returncode == 0, down2.stderr
+    assert "warning" not in json.loads(down2.stdout), down2.stdout
     from kdn.procs import session_members
 
     assert session_members(set(joined["session_pids"])) == []
     assert session_members(set(info["session_pids"])), "the first cluster must still run"
+    assert new_edge["node_id"] not in {m["node_id"] for m in _ray(env, "members")}, "its role was not removed"
+
+
+def test_up_again_after_down(cluster, tmp_path):
+    """`kdn down`, then `kdn up` with the same state dir (here the default one): the new cluster
+    comes up (not stuck on the last one's dead head) and serves; `kdn down` stops it again."""
+    from kdn.models import load_model
+    from kdn.procs import session_members
+
+    state, info, env = cluster
+    down = _run(["down", "--json"], env, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert session_members(set(info["session_pids"])) == [], "kdn down left processes behind"
+
+    up = _run(["up", "--origin-nodes", "1", "--edge-nodes", "1", "--model", "tiny", "--codec", "raw",
+               "--json"], env, timeout=400)
+    assert up.returncode == 0, up.stderr[-3000:]
+    again = json.loads(up.stdout)
+    try:
+        assert again["state_dir"] == str(state)
+        env2 = {**env, "RAY_ADDRESS": again["address"]}  # the token path stays; the token is new
+        docs = tmp_path / "docs"
+        docs.mkdir()
+        (docs / "policy.md").write_text(DOCS["policy.md"])
+        ingest = _run(["ingest", str(docs), "--model", "tiny", "--codec", "raw", "--store",
+                       str(state / "origin-store"), "--json", "--no-progress"], env2, timeout=300)
+        assert ingest.returncode == 0, ingest.stdout[-2000:] + ingest.stderr[-2000:]
+        lm = load_model("tiny")
+        (edge,) = again["edges"]
+        r = _generate(lm, edge["address"], _prompt("policy.md"))
+        assert r.tokens == _generate(lm, None, _prompt("policy.md")).tokens
+        assert r.reused_tokens > 0, r.warnings
+        assert [m["node_id"] for m in _ray(env2, "members")] == ["edge-0"]
+    finally:
+        down = _run(["down", "--json"], env, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert session_members(set(again["session_pids"])) == [], "kdn down left processes behind"
 
 
 DOCS_NEW = "A brand new document about tide tables and harbour pilots. " * 40
