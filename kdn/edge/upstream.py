@@ -3,8 +3,10 @@
 ``Upstream`` is the interface (fetch / lookup / document / close). Implementations:
 
 - :class:`PeerUpstream` / :class:`OriginUpstream` (both :class:`GrpcUpstream`) — a peer edge
-  (``EdgeService``) or the origin (``OriginService``) over gRPC, with a deadline on every call and status codes converted to :mod:`kdn.errors` at the one
-  boundary (:func:`kdn.wire.errors.from_rpc_error`);
+  (``EdgeService``) or the origin (``OriginService``) over gRPC: thin adapters over
+  :mod:`kdn.wire` (requests from :mod:`kdn.wire.convert`, Fetch frames read by
+  :mod:`kdn.wire.calls`, status codes turned into :mod:`kdn.errors` by
+  :func:`kdn.wire.errors.rpc_errors`), with a deadline on every call;
 - :class:`InMemoryUpstream` — a dict of artifacts with a fetch counter, latency and an on/off
   switch: the fake origin of unit tests (httpx ``MockTransport`` style);
 - :class:`NodeUpstream` — another in-process :class:`kdn.edge.node.EdgeNode` called directly: the
@@ -23,13 +25,14 @@ from typing import Awaitable, Callable, Generic, Hashable, Mapping, Protocol, Se
 
 import grpc
 
-from kdn.errors import InvalidInput, MessageTooLarge, NotFound, Unavailable
-from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_key
+from kdn.errors import InvalidInput, NotFound, Unavailable
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
+from kdn.wire.calls import collect_fetch, fetch_method
 from kdn.wire.channel import MAX_MESSAGE, TlsFiles, aio_channel, auth_metadata
-from kdn.wire.errors import from_rpc_error
-from kdn.wire.frames import decode_chunk, identity
+from kdn.wire.convert import chain_keys, document_request, fetch_request, lookup_request
+from kdn.wire.errors import rpc_errors
 
 K = TypeVar("K", bound=Hashable)
 
@@ -50,14 +53,9 @@ class FetchSpec:
     local_only: bool = False
 
     def to_proto(self, next_keys: Sequence[ChunkKey] = ()) -> pb.FetchRequest:
-        return pb.FetchRequest(
-            fingerprint=bytes(self.fingerprint),
-            namespace=pb.Namespace(tenant=self.namespace.tenant, salt=self.namespace.salt),
-            key=bytes(self.key),
-            codec=self.codec,
-            require_lossless=self.require_lossless,
-            local_only=self.local_only,
-            next_keys=[bytes(k) for k in next_keys],
+        return fetch_request(
+            self.key, fingerprint=self.fingerprint, namespace=self.namespace, next_keys=next_keys, codec=self.codec,
+            require_lossless=self.require_lossless, local_only=self.local_only,
         )
 
     def local(self) -> "FetchSpec":
@@ -141,10 +139,6 @@ class SingleFlight(Generic[K, V]):
 # gRPC
 
 
-def _ns(namespace: Namespace) -> pb.Namespace:
-    return pb.Namespace(tenant=namespace.tenant, salt=namespace.salt)
-
-
 class GrpcUpstream(Upstream):
     """A peer edge or the origin over gRPC. One channel, reused; deadlines on every call."""
 
@@ -172,47 +166,28 @@ class GrpcUpstream(Upstream):
         self._stub: pbg.EdgeServiceStub | pbg.OriginServiceStub = (
             pbg.EdgeServiceStub(self._channel) if kind == "peer" else pbg.OriginServiceStub(self._channel)
         )
-        service = "kdn.v1.EdgeService" if kind == "peer" else "kdn.v1.OriginService"
-        # Fetch answers are parsed by edge.wire: zero-copy views, joined once
-        self._fetch = self._channel.unary_stream(
-            f"/{service}/Fetch", request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=identity
-        )
+        self._peer = f"{kind} {name}"
+        # Fetch answers are read as frames (kdn.wire.calls): zero-copy views, joined once
+        self._fetch = fetch_method(self._channel, "EdgeService" if kind == "peer" else "OriginService")
 
     def _md(self, token: str | None) -> tuple[tuple[str, str], ...]:
         return auth_metadata(self._token if self._token is not None else token)
 
     async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
-        pieces: list[memoryview] = []
-        got = 0
-        try:
-            md = self._md(token)
-            if self.kind == "peer" and not spec.local_only:
-                md = (*md, (FORWARDED_HEADER, "1"))
+        md = self._md(token)
+        if self.kind == "peer" and not spec.local_only:
+            md = (*md, (FORWARDED_HEADER, "1"))
+        with rpc_errors(self._peer):
             call = self._fetch(spec.to_proto(), timeout=self._fetch_deadline, metadata=md)
-            async for raw in call:
-                chunk = decode_chunk(raw)
-                if chunk.shm_name:
-                    raise InvalidInput(f"{self.name} answered with shm although we did not ask for it")
-                if not pieces and chunk.total_size > self._max_artifact:
-                    raise MessageTooLarge(f"{self.name} offers {chunk.total_size} bytes (limit {self._max_artifact})")
-                got += len(chunk.data)
-                if got > self._max_artifact:
-                    raise MessageTooLarge(f"{self.name} sent more than {self._max_artifact} bytes")
-                pieces.append(chunk.data)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, peer=f"{self.kind} {self.name}") from exc
-        return b"".join(pieces)
+            fetched = await collect_fetch(call, peer=self.name, limit=self._max_artifact)
+        return fetched.data
 
     async def lookup(
         self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
     ) -> int:
-        req = pb.LookupRequest(
-            fingerprint=bytes(fingerprint), namespace=_ns(namespace), keys=[bytes(k) for k in keys], local_only=True
-        )
-        try:
+        req = lookup_request(keys, fingerprint=fingerprint, namespace=namespace, local_only=True)
+        with rpc_errors(self._peer):
             resp = await self._stub.Lookup(req, timeout=self._call_deadline, metadata=self._md(token))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, peer=f"{self.kind} {self.name}") from exc
         return min(int(resp.available), len(keys))
 
     async def document(
@@ -220,12 +195,10 @@ class GrpcUpstream(Upstream):
     ) -> list[ChunkKey]:
         if self.kind != "origin":
             return await super().document(document, fingerprint=fingerprint, namespace=namespace, token=token)
-        req = pb.DocumentRequest(namespace=_ns(namespace), document=document, fingerprint=bytes(fingerprint))
-        try:
+        req = document_request(document, fingerprint=fingerprint, namespace=namespace)
+        with rpc_errors(self._peer):
             resp = await self._stub.Document(req, timeout=self._call_deadline, metadata=self._md(token))  # type: ignore[union-attr]
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, peer=f"{self.kind} {self.name}") from exc
-        return [parse_key(k) for k in resp.keys]
+        return chain_keys(resp.keys)
 
     async def healthy(self) -> bool:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
