@@ -53,11 +53,13 @@ class AsyncEdgeClient:
     def __init__(
         self, address: str, *, token: str | None = None, tls: TlsFiles | None = None,
         deadline_s: float = DEFAULT_DEADLINE_S, max_message: int = MAX_MESSAGE, shm_dir: str = DEFAULT_SHM_DIR,
+        channel: Any = None,
     ) -> None:
+        """``channel`` replaces the socket to ``address`` (:mod:`kdn.wire.inproc` in unit tests)."""
         self.address = address
         self._md = auth_metadata(token)
         self._deadline = deadline_s
-        self._channel = aio_channel(address, tls=tls, max_message=max_message)
+        self._channel = channel if channel is not None else aio_channel(address, tls=tls, max_message=max_message)
         self._stub = pbg.EdgeServiceStub(self._channel)
         self._fetch = fetch_method(self._channel)
         self.segments = SegmentCache(shm_dir)

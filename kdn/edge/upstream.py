@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Awaitable, Callable, Generic, Hashable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
 
@@ -154,7 +154,9 @@ class GrpcUpstream(Upstream):
         call_deadline_s: float = 5.0,
         max_message: int = MAX_MESSAGE,
         max_artifact: int = 512 << 20,
+        channel: Any = None,
     ) -> None:
+        """``channel`` replaces the socket to ``address`` (an in-process channel in unit tests)."""
         if kind not in ("peer", "origin"):
             raise InvalidInput(f"upstream kind must be peer or origin, got {kind!r}")
         self.name, self.address, self.kind = name, address, kind
@@ -162,7 +164,7 @@ class GrpcUpstream(Upstream):
         self._fetch_deadline = fetch_deadline_s
         self._call_deadline = call_deadline_s
         self._max_artifact = max_artifact
-        self._channel = aio_channel(address, tls=tls, max_message=max_message)
+        self._channel = channel if channel is not None else aio_channel(address, tls=tls, max_message=max_message)
         self._stub: pbg.EdgeServiceStub | pbg.OriginServiceStub = (
             pbg.EdgeServiceStub(self._channel) if kind == "peer" else pbg.OriginServiceStub(self._channel)
         )
