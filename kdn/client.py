@@ -46,7 +46,7 @@ from kdn.config import RoleConfig
 from kdn.errors import Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.kv import KVShape
-from kdn.wire.channel import TlsFiles
+from kdn.wire.tls import TlsFiles
 
 __all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "LOG"]
 
@@ -85,8 +85,7 @@ class ClientConfig(RoleConfig):
     @model_validator(mode="after")
     def _check(self) -> "ClientConfig":
         Namespace(self.tenant, self.salt)  # raises InvalidInput on a malformed tenant
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key go together")
+        TlsFiles.for_client(self.tls_cert, self.tls_key, self.tls_ca)  # the TLS rules: kdn.wire.tls
         return self
 
     @property
@@ -94,9 +93,7 @@ class ClientConfig(RoleConfig):
         return Namespace(self.tenant, self.salt)
 
     def tls(self) -> TlsFiles | None:
-        if self.tls_ca is None and self.tls_cert is None:
-            return None
-        return TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)
+        return TlsFiles.for_client(self.tls_cert, self.tls_key, self.tls_ca)
 
     def use_shm(self, address: str | None = None) -> bool:
         address = address or self.edge

@@ -32,11 +32,12 @@ from kdn.errors import FingerprintMismatch, KdnError, NotFound, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2_grpc as pb_grpc
 from kdn.wire.calls import fetch_method
-from kdn.wire.channel import STREAM_PIECE, TlsFiles, aio_channel, auth_metadata, split_pieces
+from kdn.wire.channel import STREAM_PIECE, aio_channel, auth_metadata, split_pieces
 from kdn.wire.convert import fetch_request, lookup_request, put_messages
 from kdn.wire.errors import rpc_errors
 from kdn.wire.frames import decode_chunk
 from kdn.wire.shm import map_segment
+from kdn.wire.tls import TlsFiles
 
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 

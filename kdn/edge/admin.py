@@ -26,8 +26,8 @@ from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.calls import collect_fetch, fetch_method
-from kdn.wire.channel import DEFAULT_DEADLINE_S, MAX_MESSAGE, STREAM_PIECE, TlsFiles, aio_channel, auth_metadata, sync_channel
-from kdn.wire.convert import (  # noqa: F401  (hint_request and fetch_request are part of this module's API)
+from kdn.wire.channel import DEFAULT_DEADLINE_S, MAX_MESSAGE, STREAM_PIECE, aio_channel, auth_metadata, sync_channel
+from kdn.wire.convert import (
     NodeStats,
     fetch_request,
     hint_request,
@@ -39,6 +39,9 @@ from kdn.wire.convert import (  # noqa: F401  (hint_request and fetch_request ar
 from kdn.wire.errors import rpc_errors
 from kdn.wire.frames import decode_chunk
 from kdn.wire.shm import DEFAULT_SHM_DIR, SegmentCache, ShmArtifact
+from kdn.wire.tls import TlsFiles
+
+__all__ = ["Action", "AsyncEdgeClient", "EdgeClient", "EdgeStats", "fetch_request", "hint_request"]
 
 Action = pb.HintRequest.Action
 

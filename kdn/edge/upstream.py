@@ -30,9 +30,10 @@ from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.calls import collect_fetch, fetch_method
-from kdn.wire.channel import MAX_MESSAGE, TlsFiles, aio_channel, auth_metadata
+from kdn.wire.channel import MAX_MESSAGE, aio_channel, auth_metadata
 from kdn.wire.convert import chain_keys, document_request, fetch_request, lookup_request
 from kdn.wire.errors import rpc_errors
+from kdn.wire.tls import TlsFiles
 
 K = TypeVar("K", bound=Hashable)
 

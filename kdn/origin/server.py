@@ -39,7 +39,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import grpc
@@ -57,7 +56,7 @@ from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, p
 from kdn.models import LoadedModel
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
-from kdn.wire.channel import STREAM_PIECE, TlsFiles, grpc_options
+from kdn.wire.channel import STREAM_PIECE, grpc_options
 from kdn.wire.convert import key_bytes, parse_keys
 from kdn.wire.frames import encode_frames
 from kdn.wire.service import Servicer, add_servicer, rpc
@@ -287,9 +286,8 @@ class OriginServer:
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         listen = self.config.listen
-        if self.config.tls_cert:
-            c = self.config
-            tls = TlsFiles(*(None if p is None else Path(p) for p in (c.tls_cert, c.tls_key, c.tls_ca)))
+        tls = self.config.server_tls
+        if tls is not None:
             port = server.add_secure_port(listen, tls.server_credentials())
         else:
             port = server.add_insecure_port(listen)

@@ -29,7 +29,7 @@ from kdn import errors as e
 from kdn.keys import ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
-from kdn.wire.channel import TlsFiles
+from kdn.wire.tls import TlsFiles
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
