@@ -46,6 +46,7 @@ from kdn.config import RoleConfig
 from kdn.errors import Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.kv import KVShape
+from kdn.wire.convert import FetchSpec
 from kdn.wire.tls import TlsFiles
 
 __all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "LOG"]
@@ -220,14 +221,12 @@ class AsyncKdnClient:
             expect_fingerprint=fingerprint, expect_key=keys[i], require_lossless=self.config.require_lossless,
             out=out[:, :, :, lo:hi],
         )
+        spec = FetchSpec(
+            keys[i], fingerprint, self.config.namespace,
+            codec=self.config.codec, require_lossless=self.config.require_lossless,
+        )
         stream = self.transport.fetch(
-            fingerprint,
-            self.config.namespace,
-            keys[i],
-            timeout=self.config.fetch_timeout_s,
-            next_keys=keys[i + 1 : i + 1 + _PREFETCH_HINT],
-            require_lossless=self.config.require_lossless,
-            codec=self.config.codec,
+            spec, timeout=self.config.fetch_timeout_s, next_keys=keys[i + 1 : i + 1 + _PREFETCH_HINT]
         )
         async with aclosing(stream):  # a refused artifact ends its call now, not at garbage collection
             async for piece, via in stream:

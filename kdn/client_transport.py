@@ -1,8 +1,9 @@
 """How an inference host talks to its edge: one small interface, a gRPC and an in-memory transport.
 
 :class:`EdgeTransport` is the client's only view of an edge: ``lookup`` (how many leading keys of a
-chain are available), ``fetch`` (the bytes of one artifact container, as an async stream of pieces
-so decoding can start before the last byte arrived) and ``put`` (store a container). Every method
+chain are available), ``fetch`` (the bytes of one artifact container named by a
+:class:`kdn.wire.convert.FetchSpec`, as an async stream of pieces so decoding can start before the
+last byte arrived) and ``put`` (store a container). Every method
 takes a deadline and raises only :mod:`kdn.errors` exceptions: gRPC statuses are converted by
 :func:`kdn.wire.errors.rpc_errors` (the one place they map), timeouts become ``Unavailable``.
 ``fetch`` yields ``(piece, via)``: how the bytes travelled is the transport's business, so another
@@ -33,7 +34,7 @@ from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2_grpc as pb_grpc
 from kdn.wire.calls import fetch_method
 from kdn.wire.channel import STREAM_PIECE, aio_channel, auth_metadata, split_pieces
-from kdn.wire.convert import fetch_request, lookup_request, put_messages
+from kdn.wire.convert import FetchSpec, lookup_request, put_messages
 from kdn.wire.errors import rpc_errors
 from kdn.wire.frames import decode_chunk
 from kdn.wire.shm import map_segment
@@ -54,18 +55,11 @@ class EdgeTransport(ABC):
         """How many leading keys of the chain ``keys`` the edge can serve."""
 
     @abstractmethod
-    async def fetch(
-        self,
-        fingerprint: ModelFingerprint,
-        namespace: Namespace,
-        key: ChunkKey,
-        *,
-        timeout: float,
-        next_keys: Sequence[ChunkKey] = (),
-        require_lossless: bool = True,
-        codec: str = "",
+    def fetch(
+        self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
     ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
-        """Yield ``(piece, via)`` for consecutive pieces of one container."""
+        """Yield ``(piece, via)`` for consecutive pieces of ``spec``'s container; ``next_keys`` are
+        the chain's following keys (a hint the edge may prefetch)."""
 
     @abstractmethod
     async def put(
@@ -112,22 +106,11 @@ class GrpcEdgeTransport(EdgeTransport):
         return min(int(resp.available), len(keys))
 
     async def fetch(
-        self,
-        fingerprint: ModelFingerprint,
-        namespace: Namespace,
-        key: ChunkKey,
-        *,
-        timeout: float,
-        next_keys: Sequence[ChunkKey] = (),
-        require_lossless: bool = True,
-        codec: str = "",
+        self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
     ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
         use_shm = self.shm
         for attempt in range(2):
-            req = fetch_request(
-                key, fingerprint=fingerprint, namespace=namespace, next_keys=next_keys, codec=codec,
-                require_lossless=require_lossless, shm=use_shm,
-            )
+            req = spec.to_proto(next_keys, shm=use_shm)
             call = self._fetch(req, timeout=timeout, metadata=self._metadata)
             yielded = False
             try:
@@ -220,15 +203,14 @@ class FailoverEdgeTransport(EdgeTransport):
     ) -> int:
         return await self._each(lambda t: t.lookup(fingerprint, namespace, keys, timeout=timeout))
 
-    async def fetch(self, fingerprint, namespace, key, *, timeout, next_keys=(), require_lossless=True, codec=""):
+    async def fetch(
+        self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
+    ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
         last: Unavailable | None = None
         for i in self._order():
             started = False
             try:
-                async for piece in self.transports[i].fetch(
-                    fingerprint, namespace, key, timeout=timeout, next_keys=next_keys,
-                    require_lossless=require_lossless, codec=codec,
-                ):
+                async for piece in self.transports[i].fetch(spec, timeout=timeout, next_keys=next_keys):
                     started = True
                     yield piece
                 self._down_until.pop(i, None)
@@ -292,21 +274,14 @@ class MemoryEdgeTransport(EdgeTransport):
         return n
 
     async def fetch(
-        self,
-        fingerprint: ModelFingerprint,
-        namespace: Namespace,
-        key: ChunkKey,
-        *,
-        timeout: float,
-        next_keys: Sequence[ChunkKey] = (),
-        require_lossless: bool = True,
-        codec: str = "",
+        self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
     ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
-        await self._enter("fetch", fingerprint, timeout)
-        data = self.store.get((namespace.tenant, bytes(key)))
+        await self._enter("fetch", spec.fingerprint, timeout)
+        key = bytes(spec.key)
+        data = self.store.get((spec.namespace.tenant, key))
         if data is None:
-            raise NotFound(f"memory edge has no {bytes(key).hex()[:16]}…")
-        if bytes(key) in self.corrupt:
+            raise NotFound(f"memory edge has no {key.hex()[:16]}…")
+        if key in self.corrupt:
             flipped = bytearray(data)
             flipped[len(flipped) // 2] ^= 0x10
             data = bytes(flipped)

@@ -39,7 +39,7 @@ from kdn.edge.overlay import Member, MembershipProvider, Overlay, file_members, 
 from kdn.edge.shm import ShmPool
 from kdn.edge.upstream import FORWARDED_HEADER, FetchSpec, OriginUpstream, PeerUpstream, Upstream
 from kdn.errors import Unavailable
-from kdn.keys import ChunkKey, parse_fingerprint, parse_key
+from kdn.keys import ChunkKey, parse_fingerprint
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.channel import bearer_token, grpc_options
@@ -93,14 +93,7 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         t0 = time.perf_counter()
         ns, token = self.authorize(context, request.namespace)
-        spec = FetchSpec(
-            parse_key(request.key),
-            parse_fingerprint(request.fingerprint),
-            ns,
-            codec=request.codec,
-            require_lossless=request.require_lossless,
-            local_only=request.local_only,
-        )
+        spec = FetchSpec.from_proto(request, ns)
         next_keys = self._keys(request.next_keys)
         forwarded = any(k == FORWARDED_HEADER for k, _ in context.invocation_metadata() or ())
         data, source = await self.node.fetch_bytes(spec, token=token, next_keys=next_keys, forwarded=forwarded)

@@ -20,47 +20,29 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
 from typing import Any, Awaitable, Callable, Generic, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
 
 from kdn.errors import InvalidInput, NotFound, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
-from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.calls import collect_fetch, fetch_method
 from kdn.wire.channel import MAX_MESSAGE, aio_channel, auth_metadata
-from kdn.wire.convert import chain_keys, document_request, fetch_request, lookup_request
+from kdn.wire.convert import FetchSpec, chain_keys, document_request, lookup_request
 from kdn.wire.errors import rpc_errors
 from kdn.wire.tls import TlsFiles
+
+__all__ = [
+    "FORWARDED_HEADER", "FetchSpec", "GrpcUpstream", "InMemoryUpstream", "NodeUpstream", "OriginUpstream",
+    "PeerUpstream", "SingleFlight", "Upstream",
+]
 
 K = TypeVar("K", bound=Hashable)
 
 FORWARDED_HEADER = "kdn-forwarded"
 """Metadata on a Fetch one edge sends to an owner to fetch on its behalf (never forwarded again)."""
 V = TypeVar("V")
-
-
-@dataclass(frozen=True, slots=True)
-class FetchSpec:
-    """What to fetch. ``local_only`` asks a peer to answer from its own store (no further hops)."""
-
-    key: ChunkKey
-    fingerprint: ModelFingerprint
-    namespace: Namespace
-    codec: str = ""
-    require_lossless: bool = False
-    local_only: bool = False
-
-    def to_proto(self, next_keys: Sequence[ChunkKey] = ()) -> pb.FetchRequest:
-        return fetch_request(
-            self.key, fingerprint=self.fingerprint, namespace=self.namespace, next_keys=next_keys, codec=self.codec,
-            require_lossless=self.require_lossless, local_only=self.local_only,
-        )
-
-    def local(self) -> "FetchSpec":
-        return replace(self, local_only=True)
 
 
 class Upstream(ABC):

@@ -21,7 +21,7 @@ answer is not converted here at all (it is hand-framed by :mod:`kdn.wire.frames`
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterable, Callable, Iterator, Sequence
 
 from kdn.errors import InvalidInput, MessageTooLarge
@@ -105,6 +105,36 @@ def put_messages(
     for view in split_pieces(data, piece) if len(data) else [b""]:
         yield pb.PutChunk(header=header, data=bytes(view)) if first else pb.PutChunk(data=bytes(view))
         first = False
+
+
+@dataclass(frozen=True, slots=True)
+class FetchSpec:
+    """What to fetch, the same record at every hop (host → edge → peer → origin). ``local_only``
+    asks a peer to answer from its own store (no further hops)."""
+
+    key: ChunkKey
+    fingerprint: ModelFingerprint
+    namespace: Namespace
+    codec: str = ""
+    require_lossless: bool = False
+    local_only: bool = False
+
+    def to_proto(self, next_keys: Sequence[ChunkKey] = (), *, shm: bool = False) -> pb.FetchRequest:
+        return fetch_request(
+            self.key, fingerprint=self.fingerprint, namespace=self.namespace, next_keys=next_keys, codec=self.codec,
+            require_lossless=self.require_lossless, local_only=self.local_only, shm=shm,
+        )
+
+    @classmethod
+    def from_proto(cls, request: pb.FetchRequest, namespace: Namespace) -> "FetchSpec":
+        """The request's spec; ``namespace`` is the one already parsed and authorized."""
+        return cls(
+            parse_key(request.key), parse_fingerprint(request.fingerprint), namespace,
+            codec=request.codec, require_lossless=request.require_lossless, local_only=request.local_only,
+        )
+
+    def local(self) -> "FetchSpec":
+        return replace(self, local_only=True)
 
 
 # -- messages -> our types ---------------------------------------------------------------------

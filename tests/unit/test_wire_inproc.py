@@ -125,7 +125,7 @@ def test_put_then_fetch_round_trips_bytes(lm) -> None:
         transport = GrpcEdgeTransport("inproc:e0", channel=edge.channel())
         assert await transport.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=5)
         assert await transport.lookup(chain.fingerprint, chain.namespace, chain.keys, timeout=5) == 1
-        pieces = [bytes(p) async for p, via in transport.fetch(chain.fingerprint, chain.namespace, chain.keys[0], timeout=5)]
+        pieces = [bytes(p) async for p, via in transport.fetch(chain.spec(0), timeout=5)]
         assert b"".join(pieces) == chain.blobs[0] and len(pieces) > 1
         await edge.stop()
 
