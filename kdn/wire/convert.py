@@ -52,14 +52,8 @@ def fetch_request(
     shm: bool = False,
 ) -> pb.FetchRequest:
     return pb.FetchRequest(
-        fingerprint=bytes(fingerprint),
-        namespace=namespace_msg(namespace),
-        key=bytes(key),
-        codec=codec,
-        require_lossless=require_lossless,
-        local_only=local_only,
-        next_keys=key_bytes(next_keys),
-        shm=shm,
+        fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), key=bytes(key), next_keys=key_bytes(next_keys),
+        codec=codec, require_lossless=require_lossless, local_only=local_only, shm=shm,
     )
 
 
