@@ -161,6 +161,7 @@ class EdgeClient:
         self._deadline = deadline_s
         self._channel = sync_channel(address, tls=tls, max_message=max_message)
         self._stub = pbg.EdgeServiceStub(self._channel)
+        self._fetch = fetch_method(self._channel)
 
     def __enter__(self) -> "EdgeClient":
         return self
@@ -178,10 +179,11 @@ class EdgeClient:
     def fetch(self, key: ChunkKey, *, fingerprint: ModelFingerprint, namespace: Namespace,
               max_bytes: int = 1 << 30) -> bytes:
         req = fetch_request(key, fingerprint=fingerprint, namespace=namespace)
-        pieces: list[bytes] = []
+        pieces: list[memoryview] = []
         size = 0
         with rpc_errors(self.address):
-            for chunk in self._stub.Fetch(req, timeout=self._deadline, metadata=self._md):
+            for raw in self._fetch(req, timeout=self._deadline, metadata=self._md):
+                chunk = decode_chunk(raw)
                 size += len(chunk.data)
                 if size > max_bytes:
                     raise MessageTooLarge(f"edge sent more than {max_bytes} bytes")

@@ -70,11 +70,14 @@ def test_host_reuses_through_a_real_edge_from_a_real_origin_without_sockets(lm, 
         transport = GrpcEdgeTransport("inproc:e0", channel=edge.channel())
         async with AsyncKdnClient(ClientConfig(edge="inproc:e0", tenant="acme"), transport=transport) as client:
             got = await client.reuse(TOKENS, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
+            await edge.node.prefetcher.drain()  # prefetches the edge queued from next_keys are done
+            from_origin = srv.stats().counters["fetches"]
             again = await client.reuse(TOKENS, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
         assert (got.available, got.chunks, got.tokens) == (4, 4, 4 * CHUNK)
         assert got.warning is None and got.via == "grpc"
         assert torch.equal(got.kv, torch.cat(prefill_kv(lm, TOKENS), dim=3))  # (L, 2, H, 4*T, D), every bit
-        assert again.chunks == 4 and srv.stats().counters["fetches"] == 4  # the second time from the edge
+        assert 4 <= from_origin and again.chunks == 4
+        assert srv.stats().counters["fetches"] == from_origin  # the second time entirely from the edge
 
         # the admin client over the same channel; a refusal comes back as a kdn.errors exception
         async with AsyncEdgeClient("inproc:e0", channel=edge.channel()) as admin:
