@@ -15,7 +15,8 @@ Floors (each may import only its own floor and the floors below it):
 0. **contracts** — what every part agrees on and nothing else: ``errors``, ``keys``, ``kv``,
    ``models``, ``prefill``, ``artifact``, ``codecs``, ``placement``, ``config``, ``blobstore``,
    ``procs``, ``console``, ``proto`` (generated stubs).
-1. **wire** — ``kdn.wire``: channels, auth, the gRPC status ↔ error mapping, stream frames.
+1. **wire** — ``kdn.wire``: message conversions, the gRPC status ↔ error mapping (clients and the
+   one servicer envelope), stream frames, the shm reader, auth, TLS, channels, in-process gRPC.
 2. **parts** — ``kdn.client`` and ``kdn.client_transport`` and ``kdn.integrations`` (the
    inference host), ``kdn.edge``, ``kdn.origin``, ``kdn.lab`` (reference models and quality
    harnesses). Parts never import each other, with two stated exceptions: an integration uses

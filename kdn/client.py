@@ -46,7 +46,8 @@ from kdn.config import RoleConfig
 from kdn.errors import Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.kv import KVShape
-from kdn.wire.channel import TlsFiles
+from kdn.wire.convert import FetchSpec
+from kdn.wire.tls import TlsFiles
 
 __all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "LOG"]
 
@@ -85,8 +86,7 @@ class ClientConfig(RoleConfig):
     @model_validator(mode="after")
     def _check(self) -> "ClientConfig":
         Namespace(self.tenant, self.salt)  # raises InvalidInput on a malformed tenant
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key go together")
+        TlsFiles.for_client(self.tls_cert, self.tls_key, self.tls_ca)  # the TLS rules: kdn.wire.tls
         return self
 
     @property
@@ -94,9 +94,7 @@ class ClientConfig(RoleConfig):
         return Namespace(self.tenant, self.salt)
 
     def tls(self) -> TlsFiles | None:
-        if self.tls_ca is None and self.tls_cert is None:
-            return None
-        return TlsFiles(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca)
+        return TlsFiles.for_client(self.tls_cert, self.tls_key, self.tls_ca)
 
     def use_shm(self, address: str | None = None) -> bool:
         address = address or self.edge
@@ -223,14 +221,12 @@ class AsyncKdnClient:
             expect_fingerprint=fingerprint, expect_key=keys[i], require_lossless=self.config.require_lossless,
             out=out[:, :, :, lo:hi],
         )
+        spec = FetchSpec(
+            keys[i], fingerprint, self.config.namespace,
+            codec=self.config.codec, require_lossless=self.config.require_lossless,
+        )
         stream = self.transport.fetch(
-            fingerprint,
-            self.config.namespace,
-            keys[i],
-            timeout=self.config.fetch_timeout_s,
-            next_keys=keys[i + 1 : i + 1 + _PREFETCH_HINT],
-            require_lossless=self.config.require_lossless,
-            codec=self.config.codec,
+            spec, timeout=self.config.fetch_timeout_s, next_keys=keys[i + 1 : i + 1 + _PREFETCH_HINT]
         )
         async with aclosing(stream):  # a refused artifact ends its call now, not at garbage collection
             async for piece, via in stream:

@@ -1,15 +1,20 @@
 """How an inference host talks to its edge: one small interface, a gRPC and an in-memory transport.
 
 :class:`EdgeTransport` is the client's only view of an edge: ``lookup`` (how many leading keys of a
-chain are available), ``fetch`` (the bytes of one artifact container, as an async stream of pieces
-so decoding can start before the last byte arrived) and ``put`` (store a container). Every method
+chain are available), ``fetch`` (the bytes of one artifact container named by a
+:class:`kdn.wire.convert.FetchSpec`, as an async stream of pieces so decoding can start before the
+last byte arrived) and ``put`` (store a container). Every method
 takes a deadline and raises only :mod:`kdn.errors` exceptions: gRPC statuses are converted by
-:func:`kdn.wire.errors.from_rpc_error` (the one place they map), timeouts become
-``Unavailable``.
+:func:`kdn.wire.errors.rpc_errors` (the one place they map), timeouts become ``Unavailable``.
+``fetch`` yields ``(piece, via)``: how the bytes travelled is the transport's business, so another
+byte path (a bulk socket negotiated over gRPC, say) slots in as one more ``via`` behind the same
+three methods, with the same checksums verified by the client.
 
-- :class:`GrpcEdgeTransport` speaks ``EdgeService`` over gRPC; on the same host it asks for the
-  shared-memory answer (``FetchRequest.shm``) and maps ``/dev/shm/<name>`` read-only instead of
-  streaming the bytes through the socket. It never unlinks a segment: the edge owns their lifetime.
+- :class:`GrpcEdgeTransport` speaks ``EdgeService`` over gRPC, a thin adapter over :mod:`kdn.wire`
+  (requests from :mod:`kdn.wire.convert`, Fetch frames read zero-copy by :mod:`kdn.wire.frames`);
+  on the same host it asks for the shared-memory answer (``FetchRequest.shm``) and maps the
+  segment read-only with :func:`kdn.wire.shm.map_segment` instead of streaming the bytes through
+  the socket. It never unlinks a segment: the edge owns their lifetime.
 - :class:`FailoverEdgeTransport` puts several edges in preference order: a call whose edge is
   unavailable moves on to the next one, and that edge sits out a backoff before it is tried again.
 - :class:`MemoryEdgeTransport` keeps artifacts in a dict: the transport for unit tests (no sockets),
@@ -19,23 +24,22 @@ takes a deadline and raises only :mod:`kdn.errors` exceptions: gRPC statuses are
 from __future__ import annotations
 
 import asyncio
-import mmap
-import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
-import grpc
-
-from kdn.errors import FingerprintMismatch, NotFound, Unavailable
+from kdn.errors import FingerprintMismatch, KdnError, NotFound, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
-from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pb_grpc
-from kdn.wire.channel import STREAM_PIECE, TlsFiles, aio_channel, auth_metadata, split_pieces
-from kdn.wire.errors import from_rpc_error
+from kdn.wire.calls import fetch_method
+from kdn.wire.channel import STREAM_PIECE, aio_channel, auth_metadata, split_pieces
+from kdn.wire.convert import FetchSpec, lookup_request, put_messages
+from kdn.wire.errors import rpc_errors
+from kdn.wire.frames import decode_chunk
+from kdn.wire.shm import map_segment
+from kdn.wire.tls import TlsFiles
 
-SHM_DIR = "/dev/shm"
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
@@ -51,18 +55,11 @@ class EdgeTransport(ABC):
         """How many leading keys of the chain ``keys`` the edge can serve."""
 
     @abstractmethod
-    async def fetch(
-        self,
-        fingerprint: ModelFingerprint,
-        namespace: Namespace,
-        key: ChunkKey,
-        *,
-        timeout: float,
-        next_keys: Sequence[ChunkKey] = (),
-        require_lossless: bool = True,
-        codec: str = "",
+    def fetch(
+        self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
     ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
-        """Yield ``(piece, via)`` for consecutive pieces of one container."""
+        """Yield ``(piece, via)`` for consecutive pieces of ``spec``'s container; ``next_keys`` are
+        the chain's following keys (a hint the edge may prefetch)."""
 
     @abstractmethod
     async def put(
@@ -80,7 +77,8 @@ def is_loopback(address: str) -> bool:
 
 
 class GrpcEdgeTransport(EdgeTransport):
-    """``EdgeService`` over gRPC (``grpc.aio``). Create and use it inside one event loop."""
+    """``EdgeService`` over gRPC (``grpc.aio``): a thin adapter over :mod:`kdn.wire`. Create and use
+    it inside one event loop. ``channel`` replaces the socket (an in-process channel in tests)."""
 
     def __init__(
         self,
@@ -89,74 +87,60 @@ class GrpcEdgeTransport(EdgeTransport):
         token: str | None = None,
         shm: bool = False,
         tls: TlsFiles | None = None,
+        channel: Any = None,
     ) -> None:
         self.name = address
         self.address = address
         self.shm = shm
         self._metadata = auth_metadata(token)
-        self._channel = aio_channel(address, tls=tls)
+        self._channel = channel if channel is not None else aio_channel(address, tls=tls)
         self._stub = pb_grpc.EdgeServiceStub(self._channel)
+        self._fetch = fetch_method(self._channel)
 
     async def lookup(
         self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
     ) -> int:
-        req = pb.LookupRequest(fingerprint=bytes(fingerprint), namespace=_ns(namespace), keys=[bytes(k) for k in keys])
-        try:
+        req = lookup_request(keys, fingerprint=fingerprint, namespace=namespace)
+        with rpc_errors(self.address):
             resp = await self._stub.Lookup(req, timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, peer=self.address) from exc
         return min(int(resp.available), len(keys))
 
     async def fetch(
-        self,
-        fingerprint: ModelFingerprint,
-        namespace: Namespace,
-        key: ChunkKey,
-        *,
-        timeout: float,
-        next_keys: Sequence[ChunkKey] = (),
-        require_lossless: bool = True,
-        codec: str = "",
+        self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
     ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
         use_shm = self.shm
         for attempt in range(2):
-            req = pb.FetchRequest(
-                fingerprint=bytes(fingerprint),
-                namespace=_ns(namespace),
-                key=bytes(key),
-                codec=codec,
-                require_lossless=require_lossless,
-                next_keys=[bytes(k) for k in next_keys],
-                shm=use_shm,
-            )
-            call = self._stub.Fetch(req, timeout=timeout, metadata=self._metadata)
+            req = spec.to_proto(next_keys, shm=use_shm)
+            call = self._fetch(req, timeout=timeout, metadata=self._metadata)
             yielded = False
             try:
-                total = 0
-                async for msg in call:
-                    if msg.total_size:
-                        total = msg.total_size
-                    if msg.shm_name:
-                        try:
-                            segment = _ShmSegment(msg.shm_name, total)
-                        except OSError:
-                            if attempt == 0 and not yielded:
-                                call.cancel()
-                                break  # the segment is gone: ask again for the bytes themselves
-                            raise Unavailable(f"shared-memory segment {msg.shm_name!r} vanished ({self.address})")
-                        yielded = True
-                        try:
-                            # the consumer copies what it needs before asking for the next piece
-                            yield segment.view, "shm"
-                        finally:
-                            segment.close()
-                    elif msg.data:
-                        yielded = True
-                        yield msg.data, "grpc"
-                else:
-                    return
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc, peer=self.address) from exc
+                with rpc_errors(self.address):
+                    total = 0
+                    async for raw in call:
+                        msg = decode_chunk(raw)  # msg.data: a view into the received message, no copy
+                        if msg.total_size:
+                            total = msg.total_size
+                        if msg.shm_name:
+                            try:
+                                mapping = map_segment(msg.shm_name, total or None)
+                            except (OSError, KdnError):
+                                if attempt == 0 and not yielded:
+                                    call.cancel()
+                                    break  # the segment is gone: ask again for the bytes themselves
+                                raise Unavailable(f"shared-memory segment {msg.shm_name!r} vanished ({self.address})")
+                            yielded = True
+                            view = memoryview(mapping)
+                            try:
+                                # the consumer copies what it needs before asking for the next piece
+                                yield view, "shm"
+                            finally:
+                                view.release()
+                                mapping.close()
+                        elif len(msg.data):
+                            yielded = True
+                            yield msg.data, "grpc"
+                    else:
+                        return
             finally:
                 if not call.done():
                     call.cancel()
@@ -165,19 +149,9 @@ class GrpcEdgeTransport(EdgeTransport):
     async def put(
         self, fingerprint: ModelFingerprint, namespace: Namespace, key: ChunkKey, data: bytes, *, timeout: float
     ) -> bool:
-        header = pb.PutHeader(
-            fingerprint=bytes(fingerprint), namespace=_ns(namespace), key=bytes(key), total_size=len(data)
-        )
-
-        def messages():
-            yield pb.PutChunk(header=header)
-            for piece in split_pieces(data, STREAM_PIECE):
-                yield pb.PutChunk(data=bytes(piece))
-
-        try:
-            resp = await self._stub.Put(messages(), timeout=timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, peer=self.address) from exc
+        messages = put_messages(data, key=key, fingerprint=fingerprint, namespace=namespace, piece=STREAM_PIECE)
+        with rpc_errors(self.address):
+            resp = await self._stub.Put(messages, timeout=timeout, metadata=self._metadata)
         return bool(resp.stored)
 
     async def close(self) -> None:
@@ -229,15 +203,14 @@ class FailoverEdgeTransport(EdgeTransport):
     ) -> int:
         return await self._each(lambda t: t.lookup(fingerprint, namespace, keys, timeout=timeout))
 
-    async def fetch(self, fingerprint, namespace, key, *, timeout, next_keys=(), require_lossless=True, codec=""):
+    async def fetch(
+        self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
+    ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
         last: Unavailable | None = None
         for i in self._order():
             started = False
             try:
-                async for piece in self.transports[i].fetch(
-                    fingerprint, namespace, key, timeout=timeout, next_keys=next_keys,
-                    require_lossless=require_lossless, codec=codec,
-                ):
+                async for piece in self.transports[i].fetch(spec, timeout=timeout, next_keys=next_keys):
                     started = True
                     yield piece
                 self._down_until.pop(i, None)
@@ -258,33 +231,6 @@ class FailoverEdgeTransport(EdgeTransport):
     async def close(self) -> None:
         for t in self.transports:
             await t.close()
-
-
-class _ShmSegment:
-    """A read-only mapping of ``/dev/shm/<name>``. Never unlinked here: the edge owns segments."""
-
-    def __init__(self, name: str, total: int) -> None:
-        base = name.lstrip("/")
-        if not base or os.sep in base:
-            raise FileNotFoundError(name)
-        fd = os.open(os.path.join(SHM_DIR, base), os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            n = total or size
-            if n <= 0 or n > size:
-                raise OSError(f"segment {name} holds {size} bytes, {n} announced")
-            self._map = mmap.mmap(fd, n, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        self.view = memoryview(self._map)
-
-    def close(self) -> None:
-        self.view.release()  # the consumer's reference dies with it; it already copied the bytes
-        self._map.close()
-
-
-def _ns(namespace: Namespace) -> pb.Namespace:
-    return pb.Namespace(tenant=namespace.tenant, salt=namespace.salt)
 
 
 @dataclass(slots=True)
@@ -328,21 +274,14 @@ class MemoryEdgeTransport(EdgeTransport):
         return n
 
     async def fetch(
-        self,
-        fingerprint: ModelFingerprint,
-        namespace: Namespace,
-        key: ChunkKey,
-        *,
-        timeout: float,
-        next_keys: Sequence[ChunkKey] = (),
-        require_lossless: bool = True,
-        codec: str = "",
+        self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
     ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
-        await self._enter("fetch", fingerprint, timeout)
-        data = self.store.get((namespace.tenant, bytes(key)))
+        await self._enter("fetch", spec.fingerprint, timeout)
+        key = bytes(spec.key)
+        data = self.store.get((spec.namespace.tenant, key))
         if data is None:
-            raise NotFound(f"memory edge has no {bytes(key).hex()[:16]}…")
-        if bytes(key) in self.corrupt:
+            raise NotFound(f"memory edge has no {key.hex()[:16]}…")
+        if key in self.corrupt:
             flipped = bytearray(data)
             flipped[len(flipped) // 2] ^= 0x10
             data = bytes(flipped)

@@ -15,12 +15,12 @@ Defaults live here and nowhere else. Example file::
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
 from kdn.config import RoleConfig
-from kdn.wire.channel import MAX_MESSAGE, STREAM_PIECE, TlsFiles
+from kdn.wire.channel import MAX_MESSAGE, STREAM_PIECE
+from kdn.wire.tls import TlsFiles
 
 _ADDRESS_HELP = "host:port"
 
@@ -101,10 +101,7 @@ class EdgeConfig(RoleConfig):
 
     @model_validator(mode="after")
     def _cross(self) -> "EdgeConfig":
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key go together")
-        if self.tls_ca and not self.tls_cert:
-            raise ValueError("tls_ca (mTLS) needs tls_cert and tls_key")
+        TlsFiles.for_server(self.tls_cert, self.tls_key, self.tls_ca)  # the TLS rules: kdn.wire.tls
         if self.stream_piece_bytes > self.max_message_bytes - 1024:
             raise ValueError("stream_piece_bytes must leave room under max_message_bytes")
         for w in self.peer_weights.values():
@@ -118,16 +115,10 @@ class EdgeConfig(RoleConfig):
 
     @property
     def server_tls(self) -> TlsFiles | None:
-        if not self.tls_cert:
-            return None
-        return TlsFiles(Path(self.tls_cert), Path(self.tls_key or ""), Path(self.tls_ca) if self.tls_ca else None)
+        return TlsFiles.for_server(self.tls_cert, self.tls_key, self.tls_ca)
 
     @property
     def upstream_tls(self) -> TlsFiles | None:
-        if not self.upstream_tls_ca:
+        if not self.upstream_tls_ca:  # upstream TLS is on when a CA to verify peers/origin is named
             return None
-        return TlsFiles(
-            Path(self.upstream_tls_cert) if self.upstream_tls_cert else None,
-            Path(self.upstream_tls_key) if self.upstream_tls_key else None,
-            Path(self.upstream_tls_ca),
-        )
+        return TlsFiles.for_client(self.upstream_tls_cert, self.upstream_tls_key, self.upstream_tls_ca)

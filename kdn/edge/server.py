@@ -12,9 +12,10 @@ line ``{"event": "ready", "address": ..., "port": ..., "node_id": ..., "metrics_
 
 The servicer only translates: it parses and bounds every field (malformed keys/fingerprints ->
 INVALID_ARGUMENT, oversized declarations -> RESOURCE_EXHAUSTED), checks the caller's token for the
-request's tenant (:mod:`kdn.wire.auth`), calls the node, and converts KdnErrors to statuses with
-:func:`kdn.wire.errors.abort_for` — the one mapping. An unexpected exception becomes
-INTERNAL for that call and is logged; the server keeps serving.
+request's tenant (:mod:`kdn.wire.auth`) and calls the node; conversions are
+:mod:`kdn.wire.convert`'s, and the :func:`kdn.wire.service.rpc` envelope turns KdnErrors into
+statuses (the one mapping). An unexpected exception becomes INTERNAL for that call and is logged;
+the server keeps serving.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ from kdn.edge.node import EdgeNode
 from kdn.edge.overlay import Member, MembershipProvider, Overlay, file_members, static_members
 from kdn.edge.shm import ShmPool
 from kdn.edge.upstream import FORWARDED_HEADER, FetchSpec, OriginUpstream, PeerUpstream, Upstream
-from kdn.wire.frames import encode_chunk, serialize_chunk
-from kdn.errors import InvalidInput, KdnError, MessageTooLarge, Unavailable
-from kdn.keys import ChunkKey, Namespace, parse_fingerprint, parse_key
+from kdn.errors import Unavailable
+from kdn.keys import ChunkKey, parse_fingerprint
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.channel import bearer_token, grpc_options
-from kdn.wire.errors import status_for
+from kdn.wire.convert import parse_keys, receive_put
+from kdn.wire.frames import encode_chunk, encode_frames
+from kdn.wire.service import Servicer, add_servicer, rpc
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +62,9 @@ def make_store(config: EdgeConfig, clock: Clock) -> Any:
     return TieredStore(tiers, policy=config.policy, clock=clock)
 
 
-def _namespace(msg: pb.Namespace) -> Namespace:
-    return Namespace(msg.tenant, msg.salt)
+class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
+    """``EdgeService`` over the node: every handler runs in the :func:`kdn.wire.service.rpc` envelope."""
 
-
-class EdgeServicer(pbg.EdgeServiceServicer):
     def __init__(self, server: "EdgeServer") -> None:
         self._s = server
 
@@ -73,79 +73,55 @@ class EdgeServicer(pbg.EdgeServiceServicer):
         assert self._s.node is not None
         return self._s.node
 
-    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def auth(self) -> TokenAuth:
+        return self._s.auth
 
-    def _auth(self, context: grpc.aio.ServicerContext, tenant: str) -> str | None:
-        token = bearer_token(context.invocation_metadata())
-        self._s.auth.check(token, tenant)
-        return token
+    @property
+    def label(self) -> str:
+        return self._s.config.node_id
+
+    def refused(self, rpc_name: str, code: grpc.StatusCode, exc: BaseException) -> None:
+        self.node.metrics.refused.labels(rpc_name, code.name).inc()
 
     def _keys(self, raw: Any) -> list[ChunkKey]:
-        if len(raw) > self._s.config.max_chain_keys:
-            raise MessageTooLarge(f"{len(raw)} keys in one request (limit {self._s.config.max_chain_keys})")
-        return [parse_key(k) for k in raw]
-
-    async def _fail(self, context: grpc.aio.ServicerContext, rpc: str, exc: BaseException) -> None:
-        code, message = status_for(exc)
-        if not isinstance(exc, KdnError):
-            log.exception("%s: %s crashed", self._s.config.node_id, rpc, exc_info=exc)
-        self.node.metrics.refused.labels(rpc, code.name).inc()
-        await context.abort(code, message)
+        return parse_keys(raw, limit=self._s.config.max_chain_keys)
 
     # -- RPCs ----------------------------------------------------------------------------------
 
+    @rpc
     async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         t0 = time.perf_counter()
-        try:
-            ns = _namespace(request.namespace)
-            token = self._auth(context, ns.tenant)
-            spec = FetchSpec(
-                parse_key(request.key),
-                parse_fingerprint(request.fingerprint),
-                ns,
-                codec=request.codec,
-                require_lossless=request.require_lossless,
-                local_only=request.local_only,
-            )
-            next_keys = self._keys(request.next_keys)
-            forwarded = any(k == FORWARDED_HEADER for k, _ in context.invocation_metadata() or ())
-            data, source = await self.node.fetch_bytes(spec, token=token, next_keys=next_keys, forwarded=forwarded)
-            shm_name = ""
-            if request.shm and self._s.shm is not None:
-                try:
-                    shm_name = await asyncio.to_thread(self._s.shm.publish, ns.tenant, spec.key, data) \
-                        if len(data) > (4 << 20) else self._s.shm.publish(ns.tenant, spec.key, data)
-                except Unavailable as exc:  # no room in shared memory: stream the bytes instead
-                    log.info("%s: shm refused (%s); streaming", self._s.config.node_id, exc)
-        except Exception as exc:
-            await self._fail(context, "Fetch", exc)
-            return
+        ns, token = self.authorize(context, request.namespace)
+        spec = FetchSpec.from_proto(request, ns)
+        next_keys = self._keys(request.next_keys)
+        forwarded = any(k == FORWARDED_HEADER for k, _ in context.invocation_metadata() or ())
+        data, source = await self.node.fetch_bytes(spec, token=token, next_keys=next_keys, forwarded=forwarded)
+        shm_name = ""
+        if request.shm and self._s.shm is not None:
+            try:
+                shm_name = await asyncio.to_thread(self._s.shm.publish, ns.tenant, spec.key, data) \
+                    if len(data) > (4 << 20) else self._s.shm.publish(ns.tenant, spec.key, data)
+            except Unavailable as exc:  # no room in shared memory: stream the bytes instead
+                log.info("%s: shm refused (%s); streaming", self._s.config.node_id, exc)
         metrics = self.node.metrics
         if shm_name:
             metrics.bytes_out.labels("shm").inc(len(data))
             yield encode_chunk(b"", total_size=len(data), source=source, shm_name=shm_name)
         else:
             # pre-encoded FetchChunk frames straight from the stored bytes: one copy per byte
-            piece = self._s.config.stream_piece_bytes
-            total = len(data)
-            view = memoryview(data)
-            yield encode_chunk(view[:piece], total_size=total, source=source)
-            for start in range(piece, total, piece):
-                yield encode_chunk(view[start : start + piece])
-            metrics.bytes_out.labels("grpc").inc(total)
+            for frame in encode_frames(data, piece=self._s.config.stream_piece_bytes, source=source):
+                yield frame
+            metrics.bytes_out.labels("grpc").inc(len(data))
         metrics.latency.labels("Fetch", source).observe(time.perf_counter() - t0)
 
+    @rpc
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         t0 = time.perf_counter()
-        try:
-            ns = _namespace(request.namespace)
-            token = self._auth(context, ns.tenant)
-            fp = parse_fingerprint(request.fingerprint)
-            keys = self._keys(request.keys)
-            found = await self.node.lookup(keys, fingerprint=fp, namespace=ns, local_only=request.local_only, token=token)
-        except Exception as exc:
-            await self._fail(context, "Lookup", exc)
-            return pb.LookupResponse()
+        ns, token = self.authorize(context, request.namespace)
+        fp = parse_fingerprint(request.fingerprint)
+        keys = self._keys(request.keys)
+        found = await self.node.lookup(keys, fingerprint=fp, namespace=ns, local_only=request.local_only, token=token)
         self.node.metrics.latency.labels("Lookup", "").observe(time.perf_counter() - t0)
         return pb.LookupResponse(
             available=len(found),
@@ -153,97 +129,43 @@ class EdgeServicer(pbg.EdgeServiceServicer):
             node_id=self._s.config.node_id,
         )
 
+    @rpc
     async def Put(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        try:
-            header: pb.PutHeader | None = None
-            buf = bytearray()
-            limit = self._s.config.max_artifact_bytes
-            async for chunk in request_iterator:
-                if header is None:
-                    if not chunk.HasField("header"):
-                        raise InvalidInput("the first Put message must carry the header")
-                    header = chunk.header
-                    ns = _namespace(header.namespace)
-                    self._auth(context, ns.tenant)
-                    key = parse_key(header.key)
-                    fp = parse_fingerprint(header.fingerprint)
-                    if header.total_size > limit:
-                        raise MessageTooLarge(f"Put declares {header.total_size} bytes (limit {limit})")
-                elif chunk.HasField("header"):
-                    raise InvalidInput("only the first Put message may carry a header")
-                buf += chunk.data
-                if len(buf) > limit or (header.total_size and len(buf) > header.total_size):
-                    raise MessageTooLarge(f"Put sent more bytes than declared/allowed ({len(buf)})")
-            if header is None:
-                raise InvalidInput("empty Put stream")
-            if header.total_size and len(buf) != header.total_size:
-                raise InvalidInput(f"Put declared {header.total_size} bytes but sent {len(buf)}")
-            await self.node.put(bytes(buf), namespace=ns, fingerprint=fp, key=key)
-        except Exception as exc:
-            await self._fail(context, "Put", exc)
-            return pb.PutResponse()
+        header, data = await receive_put(
+            request_iterator, limit=self._s.config.max_artifact_bytes,
+            authorize=lambda ns: self.auth.check(bearer_token(context.invocation_metadata()), ns.tenant),
+        )
+        await self.node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key)
         return pb.PutResponse(stored=True)
 
+    @rpc
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
-        try:
-            ns = _namespace(request.namespace)
-            token = self._auth(context, ns.tenant)
-            fp = parse_fingerprint(request.fingerprint)
-            keys = await self.node.resolve_keys(
-                self._keys(request.keys), request.document, fingerprint=fp, namespace=ns, token=token
-            )
-            queued = self.node.prefetch(keys, fingerprint=fp, namespace=ns, codec=request.codec, token=token)
-        except Exception as exc:
-            await self._fail(context, "Prefetch", exc)
-            return pb.PrefetchResponse()
+        ns, token = self.authorize(context, request.namespace)
+        fp = parse_fingerprint(request.fingerprint)
+        keys = await self.node.resolve_keys(
+            self._keys(request.keys), request.document, fingerprint=fp, namespace=ns, token=token
+        )
+        queued = self.node.prefetch(keys, fingerprint=fp, namespace=ns, codec=request.codec, token=token)
         return pb.PrefetchResponse(queued=queued)
 
+    @rpc
     async def Hint(self, request: pb.HintRequest, context: grpc.aio.ServicerContext) -> pb.HintResponse:
-        try:
-            ns = _namespace(request.namespace)
-            token = self._auth(context, ns.tenant)
-            affected, schedule_id = await self._s.hints.apply(request, ns, token, self._keys(request.keys))
-        except Exception as exc:
-            await self._fail(context, "Hint", exc)
-            return pb.HintResponse()
+        ns, token = self.authorize(context, request.namespace)
+        affected, schedule_id = await self._s.hints.apply(request, ns, token, self._keys(request.keys))
         return pb.HintResponse(affected=affected, schedule_id=schedule_id)
 
+    @rpc
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        try:
-            self._s.auth.check_admin(bearer_token(context.invocation_metadata()))
-            counters, details = await self.node.stats()
-            if self._s.shm is not None:
-                counters["shm_segments"] = float(len(self._s.shm))
-                counters["shm_bytes"] = float(self._s.shm.bytes_used)
-            if self._s.metrics_port is not None:
-                details["metrics_port"] = self._s.metrics_port
-        except Exception as exc:
-            await self._fail(context, "Stats", exc)
-            return pb.StatsResponse()
+        self.authorize_admin(context)
+        counters, details = await self.node.stats()
+        if self._s.shm is not None:
+            counters["shm_segments"] = float(len(self._s.shm))
+            counters["shm_bytes"] = float(self._s.shm.bytes_used)
+        if self._s.metrics_port is not None:
+            details["metrics_port"] = self._s.metrics_port
         return pb.StatsResponse(
             node_id=self._s.config.node_id, role="edge", counters=counters, json=EdgeNode.details_json(details)
         )
-
-
-def _add_servicer(servicer: EdgeServicer, server: grpc.aio.Server) -> None:
-    """As the generated ``add_EdgeServiceServicer_to_server``, except that Fetch yields pre-encoded
-    ``FetchChunk`` bytes (:mod:`kdn.wire.frames`); the bytes on the wire are the same."""
-    u, s_, su = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler, grpc.stream_unary_rpc_method_handler
-    handlers = {
-        "Lookup": u(servicer.Lookup, request_deserializer=pb.LookupRequest.FromString,
-                    response_serializer=pb.LookupResponse.SerializeToString),
-        "Fetch": s_(servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=serialize_chunk),
-        "Put": su(servicer.Put, request_deserializer=pb.PutChunk.FromString,
-                  response_serializer=pb.PutResponse.SerializeToString),
-        "Prefetch": u(servicer.Prefetch, request_deserializer=pb.PrefetchRequest.FromString,
-                      response_serializer=pb.PrefetchResponse.SerializeToString),
-        "Hint": u(servicer.Hint, request_deserializer=pb.HintRequest.FromString,
-                  response_serializer=pb.HintResponse.SerializeToString),
-        "Stats": u(servicer.Stats, request_deserializer=pb.StatsRequest.FromString,
-                   response_serializer=pb.StatsResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 class EdgeServer:
@@ -327,7 +249,7 @@ class EdgeServer:
         self.node.scheduler = self.hints
         if c.shm:
             self.shm = ShmPool(c.node_id, directory=c.shm_dir, max_segments=c.shm_max_segments, max_bytes=c.shm_max_bytes)
-        _add_servicer(EdgeServicer(self), self._server)
+        add_servicer(self._server, EdgeServicer(self), "EdgeService")
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         await self.node.start()

@@ -4,12 +4,16 @@
 :class:`InMemoryOverlay` wires N :class:`kdn.edge.node.EdgeNode`s to each other through
 :class:`kdn.edge.upstream.NodeUpstream` and to one :class:`kdn.edge.upstream.InMemoryUpstream` origin, so
 overlay, coalescing and prefetch logic run exactly as in production, minus gRPC.
+:class:`InProcessEdge` serves one real node through its real :class:`kdn.edge.server.EdgeServicer`
+on a :class:`kdn.wire.inproc.InProcessServer`: clients (the host's ``GrpcEdgeTransport``, the
+admin client) talk to it through an in-process channel, every message converted and framed as on
+a socket, and its origin can be a real origin servicer on another in-process channel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -18,7 +22,7 @@ from kdn.edge.clock import Clock, FakeClock
 from kdn.edge.config import EdgeConfig
 from kdn.edge.node import EdgeNode
 from kdn.edge.overlay import Member, Overlay
-from kdn.edge.upstream import FetchSpec, InMemoryUpstream, NodeUpstream
+from kdn.edge.upstream import FetchSpec, InMemoryUpstream, NodeUpstream, Upstream
 from kdn.artifact import encode_artifact
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 
@@ -145,3 +149,60 @@ def origin_with(chains: Sequence[Chain], **kw: object) -> InMemoryUpstream:
         artifacts.update(c.by_key())
         tenants.update({bytes(k): c.namespace.tenant for k in c.keys})
     return InMemoryUpstream(artifacts, tenants=tenants, **kw)  # type: ignore[arg-type]
+
+
+class InProcessEdge:
+    """One real :class:`EdgeNode` behind its real servicer, reachable through :meth:`channel`.
+
+    Plays the part of :class:`kdn.edge.server.EdgeServer` for the servicer (config, auth, node,
+    hints; no shared memory, no metrics port), without binding anything::
+
+        edge = InProcessEdge(origin=OriginUpstream("inproc", channel=origin_server.channel()))
+        await edge.start()
+        transport = GrpcEdgeTransport("inproc:e0", channel=edge.channel())
+    """
+
+    def __init__(
+        self, *, origin: Upstream | None = None, clock: Clock | None = None, memory_bytes: int = 1 << 24,
+        **config: object,
+    ) -> None:
+        from kdn.edge.hint_api import HintService
+        from kdn.edge.server import EdgeServicer
+        from kdn.edge.store import make_store
+        from kdn.wire.auth import TokenAuth
+        from kdn.wire.inproc import InProcessServer
+        from kdn.wire.service import add_servicer
+
+        self.clock = clock or FakeClock()
+        self.config = EdgeConfig.build({"node_id": "e0", "memory_bytes": memory_bytes, **config})
+        self.auth = TokenAuth.from_config(self.config.tokens)
+        me = Member(self.config.node_id, f"inproc://{self.config.node_id}")
+        self.node = EdgeNode(
+            self.config,
+            store=make_store(memory_bytes=memory_bytes, policy=self.config.policy, clock=self.clock),
+            overlay=Overlay(me, [me], replicas=1, clock=self.clock),
+            connect=self._no_peers,
+            origin=origin,
+            clock=self.clock,
+        )
+        self.node.address = me.address
+        self.hints = HintService(self.node, disk_dir=None, clock=self.clock)
+        self.node.scheduler = self.hints
+        self.shm = None
+        self.metrics_port: int | None = None
+        self.server = InProcessServer()
+        add_servicer(self.server, EdgeServicer(self), "EdgeService")  # type: ignore[arg-type]
+
+    @staticmethod
+    def _no_peers(member: Member) -> Upstream:
+        raise AssertionError(f"an in-process edge has no peers (asked for {member.node_id})")
+
+    def channel(self) -> Any:
+        return self.server.channel()
+
+    async def start(self) -> "InProcessEdge":
+        await self.node.start()
+        return self
+
+    async def stop(self) -> None:
+        await self.node.stop()

@@ -3,8 +3,10 @@
 ``Upstream`` is the interface (fetch / lookup / document / close). Implementations:
 
 - :class:`PeerUpstream` / :class:`OriginUpstream` (both :class:`GrpcUpstream`) — a peer edge
-  (``EdgeService``) or the origin (``OriginService``) over gRPC, with a deadline on every call and status codes converted to :mod:`kdn.errors` at the one
-  boundary (:func:`kdn.wire.errors.from_rpc_error`);
+  (``EdgeService``) or the origin (``OriginService``) over gRPC: thin adapters over
+  :mod:`kdn.wire` (requests from :mod:`kdn.wire.convert`, Fetch frames read by
+  :mod:`kdn.wire.calls`, status codes turned into :mod:`kdn.errors` by
+  :func:`kdn.wire.errors.rpc_errors`), with a deadline on every call;
 - :class:`InMemoryUpstream` — a dict of artifacts with a fetch counter, latency and an on/off
   switch: the fake origin of unit tests (httpx ``MockTransport`` style);
 - :class:`NodeUpstream` — another in-process :class:`kdn.edge.node.EdgeNode` called directly: the
@@ -18,50 +20,29 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
-from typing import Awaitable, Callable, Generic, Hashable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
 
-from kdn.errors import InvalidInput, MessageTooLarge, NotFound, Unavailable
-from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_key
-from kdn.proto import kdn_pb2 as pb
+from kdn.errors import InvalidInput, NotFound, Unavailable
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2_grpc as pbg
-from kdn.wire.channel import MAX_MESSAGE, TlsFiles, aio_channel, auth_metadata
-from kdn.wire.errors import from_rpc_error
-from kdn.wire.frames import decode_chunk, identity
+from kdn.wire.calls import collect_fetch, fetch_method
+from kdn.wire.channel import MAX_MESSAGE, aio_channel, auth_metadata
+from kdn.wire.convert import FetchSpec, chain_keys, document_request, lookup_request
+from kdn.wire.errors import rpc_errors
+from kdn.wire.tls import TlsFiles
+
+__all__ = [
+    "FORWARDED_HEADER", "FetchSpec", "GrpcUpstream", "InMemoryUpstream", "NodeUpstream", "OriginUpstream",
+    "PeerUpstream", "SingleFlight", "Upstream",
+]
 
 K = TypeVar("K", bound=Hashable)
 
 FORWARDED_HEADER = "kdn-forwarded"
 """Metadata on a Fetch one edge sends to an owner to fetch on its behalf (never forwarded again)."""
 V = TypeVar("V")
-
-
-@dataclass(frozen=True, slots=True)
-class FetchSpec:
-    """What to fetch. ``local_only`` asks a peer to answer from its own store (no further hops)."""
-
-    key: ChunkKey
-    fingerprint: ModelFingerprint
-    namespace: Namespace
-    codec: str = ""
-    require_lossless: bool = False
-    local_only: bool = False
-
-    def to_proto(self, next_keys: Sequence[ChunkKey] = ()) -> pb.FetchRequest:
-        return pb.FetchRequest(
-            fingerprint=bytes(self.fingerprint),
-            namespace=pb.Namespace(tenant=self.namespace.tenant, salt=self.namespace.salt),
-            key=bytes(self.key),
-            codec=self.codec,
-            require_lossless=self.require_lossless,
-            local_only=self.local_only,
-            next_keys=[bytes(k) for k in next_keys],
-        )
-
-    def local(self) -> "FetchSpec":
-        return replace(self, local_only=True)
 
 
 class Upstream(ABC):
@@ -141,10 +122,6 @@ class SingleFlight(Generic[K, V]):
 # gRPC
 
 
-def _ns(namespace: Namespace) -> pb.Namespace:
-    return pb.Namespace(tenant=namespace.tenant, salt=namespace.salt)
-
-
 class GrpcUpstream(Upstream):
     """A peer edge or the origin over gRPC. One channel, reused; deadlines on every call."""
 
@@ -160,7 +137,9 @@ class GrpcUpstream(Upstream):
         call_deadline_s: float = 5.0,
         max_message: int = MAX_MESSAGE,
         max_artifact: int = 512 << 20,
+        channel: Any = None,
     ) -> None:
+        """``channel`` replaces the socket to ``address`` (an in-process channel in unit tests)."""
         if kind not in ("peer", "origin"):
             raise InvalidInput(f"upstream kind must be peer or origin, got {kind!r}")
         self.name, self.address, self.kind = name, address, kind
@@ -168,51 +147,32 @@ class GrpcUpstream(Upstream):
         self._fetch_deadline = fetch_deadline_s
         self._call_deadline = call_deadline_s
         self._max_artifact = max_artifact
-        self._channel = aio_channel(address, tls=tls, max_message=max_message)
+        self._channel = channel if channel is not None else aio_channel(address, tls=tls, max_message=max_message)
         self._stub: pbg.EdgeServiceStub | pbg.OriginServiceStub = (
             pbg.EdgeServiceStub(self._channel) if kind == "peer" else pbg.OriginServiceStub(self._channel)
         )
-        service = "kdn.v1.EdgeService" if kind == "peer" else "kdn.v1.OriginService"
-        # Fetch answers are parsed by edge.wire: zero-copy views, joined once
-        self._fetch = self._channel.unary_stream(
-            f"/{service}/Fetch", request_serializer=pb.FetchRequest.SerializeToString, response_deserializer=identity
-        )
+        self._peer = f"{kind} {name}"
+        # Fetch answers are read as frames (kdn.wire.calls): zero-copy views, joined once
+        self._fetch = fetch_method(self._channel, "EdgeService" if kind == "peer" else "OriginService")
 
     def _md(self, token: str | None) -> tuple[tuple[str, str], ...]:
         return auth_metadata(self._token if self._token is not None else token)
 
     async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
-        pieces: list[memoryview] = []
-        got = 0
-        try:
-            md = self._md(token)
-            if self.kind == "peer" and not spec.local_only:
-                md = (*md, (FORWARDED_HEADER, "1"))
+        md = self._md(token)
+        if self.kind == "peer" and not spec.local_only:
+            md = (*md, (FORWARDED_HEADER, "1"))
+        with rpc_errors(self._peer):
             call = self._fetch(spec.to_proto(), timeout=self._fetch_deadline, metadata=md)
-            async for raw in call:
-                chunk = decode_chunk(raw)
-                if chunk.shm_name:
-                    raise InvalidInput(f"{self.name} answered with shm although we did not ask for it")
-                if not pieces and chunk.total_size > self._max_artifact:
-                    raise MessageTooLarge(f"{self.name} offers {chunk.total_size} bytes (limit {self._max_artifact})")
-                got += len(chunk.data)
-                if got > self._max_artifact:
-                    raise MessageTooLarge(f"{self.name} sent more than {self._max_artifact} bytes")
-                pieces.append(chunk.data)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, peer=f"{self.kind} {self.name}") from exc
-        return b"".join(pieces)
+            fetched = await collect_fetch(call, peer=self.name, limit=self._max_artifact)
+        return fetched.data
 
     async def lookup(
         self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
     ) -> int:
-        req = pb.LookupRequest(
-            fingerprint=bytes(fingerprint), namespace=_ns(namespace), keys=[bytes(k) for k in keys], local_only=True
-        )
-        try:
+        req = lookup_request(keys, fingerprint=fingerprint, namespace=namespace, local_only=True)
+        with rpc_errors(self._peer):
             resp = await self._stub.Lookup(req, timeout=self._call_deadline, metadata=self._md(token))
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, peer=f"{self.kind} {self.name}") from exc
         return min(int(resp.available), len(keys))
 
     async def document(
@@ -220,12 +180,10 @@ class GrpcUpstream(Upstream):
     ) -> list[ChunkKey]:
         if self.kind != "origin":
             return await super().document(document, fingerprint=fingerprint, namespace=namespace, token=token)
-        req = pb.DocumentRequest(namespace=_ns(namespace), document=document, fingerprint=bytes(fingerprint))
-        try:
+        req = document_request(document, fingerprint=fingerprint, namespace=namespace)
+        with rpc_errors(self._peer):
             resp = await self._stub.Document(req, timeout=self._call_deadline, metadata=self._md(token))  # type: ignore[union-attr]
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, peer=f"{self.kind} {self.name}") from exc
-        return [parse_key(k) for k in resp.keys]
+        return chain_keys(resp.keys)
 
     async def healthy(self) -> bool:
         from grpc_health.v1 import health_pb2, health_pb2_grpc

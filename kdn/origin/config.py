@@ -15,6 +15,7 @@ from kdn.codecs import get_codec
 from kdn.config import RoleConfig
 from kdn.keys import DEFAULT_CHUNK_SIZE, Namespace
 from kdn.models import DTYPES
+from kdn.wire.tls import TlsFiles
 
 
 class OriginConfig(RoleConfig):
@@ -84,9 +85,12 @@ class OriginConfig(RoleConfig):
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "OriginConfig":
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls_cert and tls_key go together")
+        TlsFiles.for_server(self.tls_cert, self.tls_key, self.tls_ca)  # the TLS rules: kdn.wire.tls
         return self
+
+    @property
+    def server_tls(self) -> TlsFiles | None:
+        return TlsFiles.for_server(self.tls_cert, self.tls_key, self.tls_ca)
 
     @property
     def store_path(self) -> Path:

@@ -26,7 +26,9 @@ Auth: ``OriginConfig.tokens`` maps bearer tokens to tenants (same rule as the ed
 :mod:`kdn.wire.auth`): with tokens configured, every call's namespace must be granted to its token,
 checked before anything is looked up; a key of another tenant is ``NOT_FOUND``.
 
-Errors: handlers raise KdnErrors; :func:`kdn.wire.errors.abort_for` turns them into statuses.
+Errors: handlers raise KdnErrors; the :func:`kdn.wire.service.rpc` envelope turns them into statuses
+(a compute timeout is ``UNAVAILABLE``). Requests are parsed by :mod:`kdn.wire.convert` (an empty
+tenant is ``INVALID_ARGUMENT``, as at the edge); Fetch answers are framed by :mod:`kdn.wire.frames`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import logging
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import grpc
@@ -48,13 +49,17 @@ from grpc_health.v1.health import aio as health_aio
 from kdn.wire.auth import TokenAuth
 from kdn.artifact import decode_artifact, encode_artifact
 from kdn.codecs import get_codec
-from kdn.errors import ConfigError, FingerprintMismatch, InvalidInput, KdnError, LossyRefused, MessageTooLarge, NotFound
+from kdn.errors import (
+    ConfigError, FingerprintMismatch, InvalidInput, KdnError, LossyRefused, MessageTooLarge, NotFound, Unavailable,
+)
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, parse_key
 from kdn.models import LoadedModel
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
-from kdn.wire.channel import STREAM_PIECE, TlsFiles, bearer_token, grpc_options, split_pieces
-from kdn.wire.errors import abort_for
+from kdn.wire.channel import STREAM_PIECE, grpc_options
+from kdn.wire.convert import key_bytes, parse_keys
+from kdn.wire.frames import encode_frames
+from kdn.wire.service import Servicer, add_servicer, rpc
 from kdn.origin.compute import ComputeBackend, LocalCompute
 from kdn.origin.config import OriginConfig
 from kdn.origin.store import OriginStore, StoredArtifact
@@ -66,117 +71,90 @@ SERVICE_NAME = "kdn.v1.OriginService"
 _MAX_CHAIN_KEYS = 1 << 16
 
 
-def _namespace(msg: pb.Namespace) -> Namespace:
-    return Namespace(msg.tenant or "default", msg.salt)
+class OriginServicer(Servicer, pbg.OriginServiceServicer):
+    """``OriginService`` over the origin: every handler runs in the :func:`kdn.wire.service.rpc` envelope."""
 
-
-class OriginServicer(pbg.OriginServiceServicer):
     def __init__(self, server: "OriginServer") -> None:
         self._s = server
 
-    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def auth(self) -> TokenAuth:
+        return self._s.auth
 
-    def _auth(self, context: grpc.aio.ServicerContext, ns_msg: pb.Namespace) -> Namespace:
-        ns = _namespace(ns_msg)
-        self._s.auth.check(bearer_token(context.invocation_metadata()), ns.tenant)
-        return ns
+    @property
+    def label(self) -> str:
+        return f"origin {self._s.config.node_id}"
+
+    def translate(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, asyncio.TimeoutError):
+            return Unavailable(f"compute took longer than {self._s.config.compute_timeout_s}s")
+        if isinstance(exc, ValueError) and not isinstance(exc, KdnError):
+            return InvalidInput(str(exc))
+        return exc
+
+    def refused(self, rpc_name: str, code: grpc.StatusCode, exc: BaseException) -> None:
+        self._s.count("errors")
 
     async def _run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     # -- RPCs ----------------------------------------------------------------------------------
 
+    @rpc
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        try:
-            ns = self._auth(context, request.namespace)
-            if len(request.keys) > _MAX_CHAIN_KEYS:
-                raise MessageTooLarge(f"lookup of {len(request.keys)} keys (limit {_MAX_CHAIN_KEYS})")
-            keys = [parse_key(k) for k in request.keys]
-            stored = await self._run(lambda: self._s.store.stored_keys(keys, tenant=ns.tenant))
-            n = 0
-            while n < len(keys) and keys[n] in stored:
-                n += 1
-            self._s.count("lookups")
-            loc = pb.Location(tier="origin", node_id=self._s.config.node_id, address=self._s.address or "")
-            return pb.LookupResponse(available=n, locations=[loc] * n, node_id=self._s.config.node_id)
-        except Exception as exc:
-            await self._fail(context, exc)
-            raise AssertionError("unreachable")
+        ns, _ = self.authorize(context, request.namespace)
+        keys = parse_keys(request.keys, limit=_MAX_CHAIN_KEYS)
+        stored = await self._run(lambda: self._s.store.stored_keys(keys, tenant=ns.tenant))
+        n = 0
+        while n < len(keys) and keys[n] in stored:
+            n += 1
+        self._s.count("lookups")
+        loc = pb.Location(tier="origin", node_id=self._s.config.node_id, address=self._s.address or "")
+        return pb.LookupResponse(available=n, locations=[loc] * n, node_id=self._s.config.node_id)
 
-    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchChunk]:
-        try:
-            ns = self._auth(context, request.namespace)
-            key = parse_key(request.key)
-            fp = parse_fingerprint(request.fingerprint) if request.fingerprint else None
-            data = await self._run(self._s.artifact_bytes, key, ns, fp, request.codec, request.require_lossless)
-        except Exception as exc:
-            await self._fail(context, exc)
-            return
+    @rpc
+    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        ns, _ = self.authorize(context, request.namespace)
+        key = parse_key(request.key)
+        fp = parse_fingerprint(request.fingerprint) if request.fingerprint else None
+        data = await self._run(self._s.artifact_bytes, key, ns, fp, request.codec, request.require_lossless)
         self._s.count("fetches")
         self._s.count("fetch_bytes", len(data))
-        first = True
-        for piece in split_pieces(data, STREAM_PIECE):
-            if first:
-                yield pb.FetchChunk(data=bytes(piece), total_size=len(data), source="origin")
-                first = False
-            else:
-                yield pb.FetchChunk(data=bytes(piece))
+        for frame in encode_frames(data, piece=STREAM_PIECE, source="origin"):
+            yield frame
 
+    @rpc
     async def Compute(self, request: pb.ComputeRequest, context: grpc.aio.ServicerContext) -> pb.ComputeResponse:
-        try:
-            ns = self._auth(context, request.namespace)
-            fp = parse_fingerprint(request.fingerprint)
-            if len(request.tokens) > self._s.config.max_compute_tokens:
-                raise MessageTooLarge(
-                    f"compute of {len(request.tokens)} tokens (limit {self._s.config.max_compute_tokens})"
-                )
-            tokens = np.asarray(request.tokens, dtype=np.int64)  # (N,)
-            codecs = self._s.codecs_for(request.codec)
-            t0 = time.perf_counter()
-            res = await asyncio.wait_for(
-                self._run(self._s.compute.compute, fp, tokens, ns, codecs), timeout=self._s.config.compute_timeout_s
+        ns, _ = self.authorize(context, request.namespace)
+        fp = parse_fingerprint(request.fingerprint)
+        if len(request.tokens) > self._s.config.max_compute_tokens:
+            raise MessageTooLarge(
+                f"compute of {len(request.tokens)} tokens (limit {self._s.config.max_compute_tokens})"
             )
-            self._s.count("computes")
-            self._s.count("computed_chunks", res.computed)
-            self._s.count("compute_seconds", time.perf_counter() - t0)
-            return pb.ComputeResponse(
-                keys=[bytes(k) for k in res.keys], computed=res.computed, already_stored=res.already_stored
-            )
-        except Exception as exc:
-            await self._fail(context, exc)
-            raise AssertionError("unreachable")
+        tokens = np.asarray(request.tokens, dtype=np.int64)  # (N,)
+        codecs = self._s.codecs_for(request.codec)
+        t0 = time.perf_counter()
+        res = await asyncio.wait_for(
+            self._run(self._s.compute.compute, fp, tokens, ns, codecs), timeout=self._s.config.compute_timeout_s
+        )
+        self._s.count("computes")
+        self._s.count("computed_chunks", res.computed)
+        self._s.count("compute_seconds", time.perf_counter() - t0)
+        return pb.ComputeResponse(keys=key_bytes(res.keys), computed=res.computed, already_stored=res.already_stored)
 
+    @rpc
     async def Document(self, request: pb.DocumentRequest, context: grpc.aio.ServicerContext) -> pb.DocumentResponse:
-        try:
-            ns = self._auth(context, request.namespace)
-            fp = parse_fingerprint(request.fingerprint) if request.fingerprint else self._s.default_fingerprint
-            rec = await self._run(self._s.store.document, ns.tenant, fp, request.document)
-            if rec is None:
-                raise NotFound(f"document {request.document[:200]!r} is not ingested for this model and namespace")
-            return pb.DocumentResponse(keys=[bytes(k) for k in rec.keys])
-        except Exception as exc:
-            await self._fail(context, exc)
-            raise AssertionError("unreachable")
+        ns, _ = self.authorize(context, request.namespace)
+        fp = parse_fingerprint(request.fingerprint) if request.fingerprint else self._s.default_fingerprint
+        rec = await self._run(self._s.store.document, ns.tenant, fp, request.document)
+        if rec is None:
+            raise NotFound(f"document {request.document[:200]!r} is not ingested for this model and namespace")
+        return pb.DocumentResponse(keys=key_bytes(rec.keys))
 
+    @rpc
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        try:
-            self._s.auth.check_admin(bearer_token(context.invocation_metadata()))
-            return await self._run(self._s.stats)
-        except Exception as exc:
-            await self._fail(context, exc)
-            raise AssertionError("unreachable")
-
-    async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-        if isinstance(exc, asyncio.TimeoutError):
-            from kdn.errors import Unavailable
-
-            exc = Unavailable(f"compute took longer than {self._s.config.compute_timeout_s}s")
-        elif isinstance(exc, ValueError) and not isinstance(exc, KdnError):
-            exc = InvalidInput(str(exc))
-        if not isinstance(exc, KdnError):
-            log.exception("origin: unexpected error in a handler")
-        self._s.count("errors")
-        await abort_for(context, exc)
+        self.authorize_admin(context)
+        return await self._run(self._s.stats)
 
 
 class OriginServer:
@@ -304,13 +282,12 @@ class OriginServer:
     async def astart(self) -> str:
         """Bind and serve on the running loop; returns the address once health says SERVING."""
         server = grpc.aio.server(options=grpc_options())
-        pbg.add_OriginServiceServicer_to_server(OriginServicer(self), server)
+        add_servicer(server, OriginServicer(self), "OriginService")
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         listen = self.config.listen
-        if self.config.tls_cert:
-            c = self.config
-            tls = TlsFiles(*(None if p is None else Path(p) for p in (c.tls_cert, c.tls_key, c.tls_ca)))
+        tls = self.config.server_tls
+        if tls is not None:
             port = server.add_secure_port(listen, tls.server_credentials())
         else:
             port = server.add_insecure_port(listen)

@@ -7,10 +7,10 @@ single message may exceed ``MAX_MESSAGE``. Tokens travel as ``authorization: Bea
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
+
+from kdn.wire.tls import TlsFiles
 
 STREAM_PIECE = 1 << 20  # 1 MiB per streamed message
 MAX_MESSAGE = 8 << 20  # hard bound on any single message, either direction
@@ -45,29 +45,6 @@ def bearer_token(metadata: object) -> str | None:
         if key.lower() == AUTH_HEADER and isinstance(value, str) and value.startswith("Bearer "):
             return value[len("Bearer "):]
     return None
-
-
-@dataclass(frozen=True, slots=True)
-class TlsFiles:
-    """PEM files for TLS. ``ca`` set on a server means clients must present a certificate (mTLS)."""
-
-    cert: Path | None = None
-    key: Path | None = None
-    ca: Path | None = None
-
-    def server_credentials(self) -> grpc.ServerCredentials:
-        assert self.cert and self.key, "a TLS server needs cert and key"
-        pair = [(self.key.read_bytes(), self.cert.read_bytes())]
-        if self.ca:
-            return grpc.ssl_server_credentials(pair, root_certificates=self.ca.read_bytes(), require_client_auth=True)
-        return grpc.ssl_server_credentials(pair)
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.ca.read_bytes() if self.ca else None,
-            private_key=self.key.read_bytes() if self.key else None,
-            certificate_chain=self.cert.read_bytes() if self.cert else None,
-        )
 
 
 def aio_channel(address: str, *, tls: TlsFiles | None = None, max_message: int = MAX_MESSAGE) -> grpc.aio.Channel:

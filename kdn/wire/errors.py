@@ -1,11 +1,15 @@
 """The one place where gRPC status codes and KDN's exception tree (kdn.errors) meet.
 
-Servers raise KdnError subclasses; :func:`abort_for` turns them into a status. Clients catch
-``grpc.RpcError`` and call :func:`from_rpc_error`, which returns the matching KdnError to
-``raise ... from exc``.
+Servers raise KdnError subclasses; :func:`status_for` turns them into a status (the servicer
+envelope in :mod:`kdn.wire.service` applies it to every handler). Clients wrap calls in
+:func:`rpc_errors`, which turns ``grpc.RpcError`` into the matching KdnError with
+``raise ... from exc`` (:func:`from_rpc_error` builds it).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import grpc
 
@@ -38,11 +42,6 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
-async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    code, message = status_for(exc)
-    await context.abort(code, message)
-
-
 _BY_NAME: dict[str, type[e.KdnError]] = {
     cls.__name__: cls for cls in vars(e).values() if isinstance(cls, type) and issubclass(cls, e.KdnError)
 }
@@ -73,3 +72,14 @@ def from_rpc_error(exc: grpc.RpcError, *, peer: str = "") -> e.KdnError:
             return cls(msg + where)
     cls = _FROM_STATUS.get(code, e.Unavailable if code == grpc.StatusCode.INTERNAL else e.KdnError)
     return cls(f"{code.name}: {details}{where}")
+
+
+@contextmanager
+def rpc_errors(peer: str = "") -> Iterator[None]:
+    """Client side of the mapping: ``with rpc_errors("edge 10.0.0.5:50061"): await stub.Lookup(...)``
+    turns a failed call into the matching KdnError (``raise ... from exc``). Works around awaits
+    and around the body of an ``async for`` over a streaming call."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc, peer=peer) from exc

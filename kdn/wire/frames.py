@@ -3,7 +3,9 @@
 The protobuf runtime copies a streamed piece when it is sliced, when the message is built and when
 it is serialized (and twice more on the client: parse, then join). These functions produce and read
 exactly the bytes of ``kdn.v1.FetchChunk`` (proto3 wire format, fields 1-4; unknown fields skipped),
-so peers and clients that use the generated stubs interoperate unchanged;
+so peers and clients that use the generated stubs interoperate unchanged. Edges and origins send
+with :func:`encode_frames`; edges (upstream), hosts and the admin client read with
+:func:`decode_chunk`;
 ``tests/unit/test_edge_wire.py`` checks both directions against the generated class.
 
     data = 1 (bytes)   total_size = 2 (uint64)   source = 3 (string)   shm_name = 4 (string)
@@ -12,6 +14,7 @@ so peers and clients that use the generated stubs interoperate unchanged;
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 from kdn.errors import ArtifactCorrupt
 
@@ -39,6 +42,16 @@ def encode_chunk(piece: bytes | memoryview, *, total_size: int = 0, source: str 
             raw = text.encode()
             parts.append(bytes((tag,)) + _varint(len(raw)) + raw)
     return b"".join(parts)
+
+
+def encode_frames(data: bytes | memoryview, *, piece: int, source: str) -> Iterator[bytes]:
+    """A whole artifact as ``FetchChunk`` frames of at most ``piece`` bytes: the first carries
+    ``total_size`` and ``source``. Each frame copies its piece once; nothing else is copied."""
+    total = len(data)
+    view = memoryview(data)
+    yield encode_chunk(view[:piece], total_size=total, source=source)
+    for start in range(piece, total, piece):
+        yield encode_chunk(view[start : start + piece])
 
 
 @dataclass(frozen=True, slots=True)

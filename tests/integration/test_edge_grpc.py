@@ -29,7 +29,7 @@ from kdn import errors as e
 from kdn.keys import ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
-from kdn.wire.channel import TlsFiles
+from kdn.wire.tls import TlsFiles
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -208,6 +208,10 @@ def test_every_edge_serves_and_lookup_says_where(origin: Any, cluster: dict[str,
                 assert bytes(art.data) == chain.blobs[0]
 
     asyncio.run(main())
+    from kdn.edge.admin import EdgeClient
+
+    with EdgeClient(cluster["edges"]["a"].address) as blocking:  # the blocking twin reads the same frames
+        assert blocking.fetch(chain.keys[1], fingerprint=chain.fingerprint, namespace=chain.namespace) == chain.blobs[1]
 
 
 def test_bad_input_gets_a_clear_status_and_nothing_breaks(origin: Any, cluster: dict[str, Any]) -> None:

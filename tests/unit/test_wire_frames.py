@@ -1,4 +1,4 @@
-"""edge.wire produces and reads exactly protobuf's FetchChunk bytes."""
+"""kdn.wire.frames produces and reads exactly protobuf's FetchChunk bytes."""
 
 from __future__ import annotations
 
@@ -29,3 +29,13 @@ def test_unknown_fields_are_skipped_and_garbage_refused() -> None:
     for bad in (b"\x0a\x05ab", b"\x0a", b"\x10\xff", b"\x0f"):
         with pytest.raises(ArtifactCorrupt):
             decode_chunk(bad)
+
+
+def test_whole_artifact_frames_equal_the_messages_protobuf_would_send() -> None:
+    from kdn.wire.channel import split_pieces
+    from kdn.wire.frames import encode_frames
+
+    data = bytes(range(256)) * 41  # 10496 bytes: two full pieces and a short one
+    theirs = [pb.FetchChunk(data=bytes(p)).SerializeToString() for p in split_pieces(data, 4096)]
+    theirs[0] = pb.FetchChunk(data=data[:4096], total_size=len(data), source="origin").SerializeToString()
+    assert list(encode_frames(data, piece=4096, source="origin")) == theirs

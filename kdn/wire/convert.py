@@ -1,0 +1,212 @@
+"""The one place protobuf messages and KDN's types meet: keys, fingerprints, namespaces, requests.
+
+Clients build every request here and servicers parse every request here, so a field means the
+same thing on both sides of each hop (host → edge, edge → peer edge, edge → origin, admin → edge).
+
+Rules, stated once:
+
+- **Keys and fingerprints** are 32 raw bytes on the wire; anything else is ``InvalidInput``
+  (:func:`kdn.keys.parse_key`). A list of keys longer than the receiver's limit is
+  ``MessageTooLarge`` *before* any key is parsed.
+- **Namespaces**: every request names its tenant. An empty tenant is not a wildcard and not a
+  default: it fails :class:`kdn.keys.Namespace`'s validation (``InvalidInput``), at the edge and
+  at the origin alike — before the token is checked, so auth never sees an unnamed tenant. (The
+  origin used to read an empty tenant as ``"default"``; every KDN client always names one.)
+- **Put** streams a header first, then data; the declared size bounds what is accepted.
+
+Nothing here does I/O or touches gRPC itself: the functions are pure and cheap, and the Fetch
+answer is not converted here at all (it is hand-framed by :mod:`kdn.wire.frames`, zero-copy).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any, AsyncIterable, Callable, Iterator, Sequence
+
+from kdn.errors import InvalidInput, MessageTooLarge
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, parse_key
+from kdn.proto import kdn_pb2 as pb
+from kdn.wire.channel import STREAM_PIECE, split_pieces
+
+# -- our types -> messages ---------------------------------------------------------------------
+
+
+def namespace_msg(namespace: Namespace) -> pb.Namespace:
+    return pb.Namespace(tenant=namespace.tenant, salt=namespace.salt)
+
+
+def key_bytes(keys: Sequence[ChunkKey]) -> list[bytes]:
+    return [bytes(k) for k in keys]
+
+
+def fetch_request(
+    key: ChunkKey,
+    *,
+    fingerprint: ModelFingerprint,
+    namespace: Namespace,
+    next_keys: Sequence[ChunkKey] = (),
+    codec: str = "",
+    require_lossless: bool = False,
+    local_only: bool = False,
+    shm: bool = False,
+) -> pb.FetchRequest:
+    return pb.FetchRequest(
+        fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), key=bytes(key), next_keys=key_bytes(next_keys),
+        codec=codec, require_lossless=require_lossless, local_only=local_only, shm=shm,
+    )
+
+
+def lookup_request(
+    keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, local_only: bool = False
+) -> pb.LookupRequest:
+    return pb.LookupRequest(
+        fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), keys=key_bytes(keys), local_only=local_only
+    )
+
+
+def prefetch_request(
+    keys: Sequence[ChunkKey] = (), *, fingerprint: ModelFingerprint, namespace: Namespace, document: str = ""
+) -> pb.PrefetchRequest:
+    return pb.PrefetchRequest(
+        fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), keys=key_bytes(keys), document=document
+    )
+
+
+def document_request(document: str, *, fingerprint: ModelFingerprint, namespace: Namespace) -> pb.DocumentRequest:
+    return pb.DocumentRequest(namespace=namespace_msg(namespace), document=document, fingerprint=bytes(fingerprint))
+
+
+def hint_request(
+    action: int, *, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey] = (),
+    document: str = "", ttl_s: float = 0.0, priority: int = 0, cron: str = "", schedule_id: str = "",
+) -> pb.HintRequest:
+    return pb.HintRequest(
+        action=action, fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), keys=key_bytes(keys),
+        document=document, ttl_s=ttl_s, priority=priority, cron=cron, schedule_id=schedule_id,
+    )
+
+
+def put_messages(
+    data: bytes | memoryview, *, key: ChunkKey, fingerprint: ModelFingerprint, namespace: Namespace,
+    piece: int = STREAM_PIECE,
+) -> Iterator[pb.PutChunk]:
+    """The Put stream: the header rides on the first message (with the first piece, if any)."""
+    header = pb.PutHeader(
+        fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), key=bytes(key), total_size=len(data)
+    )
+    first = True
+    for view in split_pieces(data, piece) if len(data) else [b""]:
+        yield pb.PutChunk(header=header, data=bytes(view)) if first else pb.PutChunk(data=bytes(view))
+        first = False
+
+
+@dataclass(frozen=True, slots=True)
+class FetchSpec:
+    """What to fetch, the same record at every hop (host → edge → peer → origin). ``local_only``
+    asks a peer to answer from its own store (no further hops)."""
+
+    key: ChunkKey
+    fingerprint: ModelFingerprint
+    namespace: Namespace
+    codec: str = ""
+    require_lossless: bool = False
+    local_only: bool = False
+
+    def to_proto(self, next_keys: Sequence[ChunkKey] = (), *, shm: bool = False) -> pb.FetchRequest:
+        return fetch_request(
+            self.key, fingerprint=self.fingerprint, namespace=self.namespace, next_keys=next_keys, codec=self.codec,
+            require_lossless=self.require_lossless, local_only=self.local_only, shm=shm,
+        )
+
+    @classmethod
+    def from_proto(cls, request: pb.FetchRequest, namespace: Namespace) -> "FetchSpec":
+        """The request's spec; ``namespace`` is the one already parsed and authorized."""
+        return cls(
+            parse_key(request.key), parse_fingerprint(request.fingerprint), namespace,
+            codec=request.codec, require_lossless=request.require_lossless, local_only=request.local_only,
+        )
+
+    def local(self) -> "FetchSpec":
+        return replace(self, local_only=True)
+
+
+# -- messages -> our types ---------------------------------------------------------------------
+
+
+def parse_namespace(msg: pb.Namespace) -> Namespace:
+    """The request's namespace; an empty or malformed tenant is ``InvalidInput`` (see above)."""
+    return Namespace(msg.tenant, msg.salt)
+
+
+def parse_keys(raw: Sequence[bytes], *, limit: int) -> list[ChunkKey]:
+    """Keys from the wire, at most ``limit`` of them (``MessageTooLarge`` before parsing more)."""
+    if len(raw) > limit:
+        raise MessageTooLarge(f"{len(raw)} keys in one request (limit {limit})")
+    return [parse_key(k) for k in raw]
+
+
+def chain_keys(raw: Sequence[bytes]) -> list[ChunkKey]:
+    """Keys an upstream answered with (already bounded by the message size)."""
+    return [parse_key(k) for k in raw]
+
+
+@dataclass(frozen=True, slots=True)
+class PutHeader:
+    """A parsed Put header: where the bytes that follow go."""
+
+    key: ChunkKey
+    fingerprint: ModelFingerprint
+    namespace: Namespace
+    total_size: int
+
+
+def parse_put_header(chunk: pb.PutChunk, *, limit: int, authorize: Callable[[Namespace], None]) -> PutHeader:
+    """The first Put message's header. ``authorize(namespace)`` runs before anything else is read."""
+    if not chunk.HasField("header"):
+        raise InvalidInput("the first Put message must carry the header")
+    h = chunk.header
+    ns = parse_namespace(h.namespace)
+    authorize(ns)
+    key, fp = parse_key(h.key), parse_fingerprint(h.fingerprint)
+    if h.total_size > limit:
+        raise MessageTooLarge(f"Put declares {h.total_size} bytes (limit {limit})")
+    return PutHeader(key, fp, ns, h.total_size)
+
+
+async def receive_put(
+    messages: AsyncIterable[pb.PutChunk], *, limit: int, authorize: Callable[[Namespace], None]
+) -> tuple[PutHeader, bytes]:
+    """Read a whole Put stream, bounded by ``limit`` and by the declared size. The token is checked
+    (``authorize``) as soon as the header names the tenant, before any data is buffered."""
+    header: PutHeader | None = None
+    buf = bytearray()
+    async for chunk in messages:
+        if header is None:
+            header = parse_put_header(chunk, limit=limit, authorize=authorize)
+        elif chunk.HasField("header"):
+            raise InvalidInput("only the first Put message may carry a header")
+        buf += chunk.data
+        if len(buf) > limit or (header.total_size and len(buf) > header.total_size):
+            raise MessageTooLarge(f"Put sent more bytes than declared/allowed ({len(buf)})")
+    if header is None:
+        raise InvalidInput("empty Put stream")
+    if header.total_size and len(buf) != header.total_size:
+        raise InvalidInput(f"Put declared {header.total_size} bytes but sent {len(buf)}")
+    return header, bytes(buf)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStats:
+    """A ``Stats`` answer: counters and the JSON details, parsed."""
+
+    node_id: str
+    counters: dict[str, float]
+    details: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "counters": self.counters, "details": self.details}
+
+
+def parse_stats(resp: pb.StatsResponse) -> NodeStats:
+    return NodeStats(resp.node_id, dict(resp.counters), json.loads(resp.json) if resp.json else {})
