@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kdn.simulator.engine import PolicyResult, run_policy
+from kdn.simulator.engine import run_policy
 from kdn.simulator.geo import CityIndex
 from kdn.simulator.presets import Presets, load_presets
 from kdn.simulator.scenario import Scenario, load_scenario
+from kdn.simulator.tally import PolicyResult
 from kdn.simulator.topology import Topology, build_topology
 from kdn.simulator.workload import Requests, build_workload
 

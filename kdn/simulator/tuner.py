@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from kdn.simulator.engine import PolicyResult, run_policy
+from kdn.simulator.engine import run_policy
 from kdn.simulator.runner import Prepared, with_overrides
+from kdn.simulator.tally import PolicyResult
 
 __all__ = ["TuneConfig", "TunePoint", "TuneResult", "grid", "pareto_front", "tune"]
 
