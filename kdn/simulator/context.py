@@ -169,6 +169,10 @@ class Context:
         kw = {"track_orphans": False} if (name == "prefix" and not whole_chains) else {}
         return [BoundedCache(self._capacity, make_policy(name, **kw)) for _ in range(self.topo.n_edges)]
 
+    def request(self, i: int) -> tuple[float, int, int, list[int]]:
+        """Request ``i``, arriving now: ``(now, edge, input tokens, chunk keys in chain order)``."""
+        return self.loop.now, self.edge_of[i], self.tokens_of[i], self.chain(i)
+
     def chain(self, i: int) -> list[int]:
         """Request ``i``'s chunk keys, in chain order."""
         off = self.key_off

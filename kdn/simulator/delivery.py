@@ -67,10 +67,7 @@ class OriginOnly(Policy):
 
     def serve(self, i: int) -> None:
         ctx = self.ctx
-        now = ctx.loop.now
-        e = ctx.edge_of[i]
-        n_in = ctx.tokens_of[i]
-        keys = ctx.chain(i)
+        now, e, n_in, keys = ctx.request(i)
         _, k, take = ctx.choose(now, e, n_in, keys, 0, now)
         plan = Plan(e, now, n_in, len(keys), 0, 0, 0, k if take else 0, k, now)
         ctx.finish(plan)
@@ -88,10 +85,7 @@ class NearestEdge(Policy):
 
     def serve(self, i: int) -> None:
         ctx = self.ctx
-        now = ctx.loop.now
-        e = ctx.edge_of[i]
-        n_in = ctx.tokens_of[i]
-        keys = ctx.chain(i)
+        now, e, n_in, keys = ctx.request(i)
         resident = self.resident[e]
         h = 0
         for key in keys:
@@ -225,12 +219,11 @@ class HintPrefetch(NearestEdge):
 
     def start(self) -> None:
         super().start()
-        ctx = self.ctx
-        self.depth = ctx.params.prefetch_depth
-        if self.depth <= 0:
-            return
-        for ht, j in zip(ctx.reqs.hint_t.tolist(), ctx.reqs.hint_req.tolist()):
-            ctx.loop.schedule(ht, self._hint, j, priority=1)
+        self.depth = self.ctx.params.prefetch_depth
+        if self.depth > 0:
+            hints = self.ctx.reqs
+            for ht, j in zip(hints.hint_t.tolist(), hints.hint_req.tolist()):
+                self.ctx.loop.schedule(ht, self._hint, j, priority=1)
 
     def _hint(self, j: int) -> None:
         ctx = self.ctx
@@ -294,10 +287,7 @@ class ConsistentHash(Policy):
 
     def serve(self, i: int) -> None:
         ctx = self.ctx
-        now = ctx.loop.now
-        e = ctx.edge_of[i]
-        n_in = ctx.tokens_of[i]
-        keys = ctx.chain(i)
+        now, e, n_in, keys = ctx.request(i)
         caches = self.caches
         resident = self.resident
         chosen = self.chosen[ctx.key_off[i] : ctx.key_off[i + 1]].tolist()

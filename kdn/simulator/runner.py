@@ -24,6 +24,8 @@ __all__ = ["Prepared", "SimulationReport", "prepare", "simulate", "cache_sweep",
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
+    """A scenario ready to run: validated, with its topology and request stream built once."""
+
     scenario: Scenario
     topology: Topology
     requests: Requests
@@ -33,6 +35,8 @@ class Prepared:
 
 @dataclass(frozen=True, slots=True)
 class SimulationReport:
+    """Every policy's figures over one prepared scenario."""
+
     scenario: Scenario
     requests: int
     unique_chunks: int

@@ -96,20 +96,12 @@ class Tally:
     )
 
     def __init__(self) -> None:
-        self.ttft: list[float] = []
-        self.blocks = 0
-        self.tokens = 0
-        self.lookup_local = 0
-        self.served_local = 0
-        self.served_peer = 0
-        self.served_origin = 0
-        self.recomputed = 0
-        self.wan_bytes = 0.0
-        self.net_bytes = 0.0
-        self.gpu_s = 0.0
-        self.gpu_s_saved = 0.0
-        self.fetch_chosen = 0
-        self.recompute_chosen = 0
+        self.ttft: list[float] = []  # seconds, per request, in arrival order
+        self.blocks = self.tokens = self.recomputed = 0  # chunks requested, input tokens, chunks recomputed
+        self.lookup_local = self.served_local = self.served_peer = self.served_origin = 0  # chunks, by tier
+        self.fetch_chosen = self.recompute_chosen = 0  # requests
+        self.wan_bytes = self.net_bytes = 0.0
+        self.gpu_s = self.gpu_s_saved = 0.0
 
     def add(self, plan: Plan, start: float, serve_s: float, full_s: float) -> None:
         """Count a served request: its prefill started at ``start`` and took ``serve_s`` GPU

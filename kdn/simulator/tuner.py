@@ -28,6 +28,8 @@ __all__ = ["TuneConfig", "TunePoint", "TuneResult", "grid", "pareto_front", "tun
 
 @dataclass(frozen=True, slots=True)
 class TuneConfig:
+    """One point of the grid: a policy and the knobs it uses."""
+
     policy: str
     replicas: int
     edge_cache_gb: float
