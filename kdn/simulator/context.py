@@ -24,24 +24,22 @@ from kdn.simulator.core import EventLoop
 from kdn.simulator.cost import CostModel
 from kdn.simulator.links import Links
 from kdn.simulator.scenario import PolicyParams, Scenario
-from kdn.simulator.tally import Plan, Tally
+from kdn.simulator.tally import GB, Plan, Tally
 from kdn.simulator.topology import Topology
 from kdn.simulator.workload import TAIL_BASE, Requests
 
 __all__ = ["Context", "GpuPool", "Network", "Origin"]
 
-GB = 1e9
-
 
 class Network:
     """Every site's egress link. ``fetch_ready`` predicts (``commit=False``) or takes the link."""
 
-    __slots__ = ("cost", "links", "tally")
+    __slots__ = ("cost", "links", "_tally")
 
     def __init__(self, cost: CostModel, topo: Topology, tally: Tally) -> None:
         self.cost = cost
         self.links = Links(topo.uplink_Bps)
-        self.tally = tally
+        self._tally = tally
 
     def fetch_ready(self, src: int, e: int, nblocks: int, now: float, commit: bool) -> float:
         """When ``nblocks`` chunks from site ``src`` are decoded at edge ``e``'s GPUs: request
@@ -51,7 +49,7 @@ class Network:
         ready = now + cost.lat[e][src]
         if commit:
             sent = self.links.commit(src, ready, nbytes)
-            self.tally.moved(nbytes, cost.is_wan[e][src])
+            self._tally.moved(nbytes, cost.is_wan[e][src])
         else:
             sent = self.links.finish(src, ready, nbytes)
         return cost.arrival(e, src, nblocks, sent)
@@ -62,7 +60,7 @@ class Network:
             return
         nbytes = self.cost.wire_bytes(e, dst, nblocks)
         self.links.commit(e, now, nbytes)
-        self.tally.moved(nbytes, self.cost.is_wan[e][dst])
+        self._tally.moved(nbytes, self.cost.is_wan[e][dst])
 
 
 class Origin:
@@ -133,7 +131,7 @@ class Context:
     """Everything a placement policy uses (see the module docstring)."""
 
     __slots__ = (
-        "params", "topo", "reqs", "loop", "cost", "net", "origin", "gpus", "tally", "decision",
+        "params", "topo", "reqs", "loop", "cost", "net", "origin", "gpus", "_tally", "decision",
         "edge_of", "tokens_of", "key_off", "keys", "_cache_spec", "_capacity",
     )
 
@@ -143,7 +141,7 @@ class Context:
         self.reqs = reqs
         self.loop = loop
         self.cost = cost
-        self.tally = tally
+        self._tally = tally
         self.net = Network(cost, topo, tally)
         self.origin = Origin(reqs, topo, self.net, publishing=sc.params.publish_to_origin)
         self.gpus = GpuPool(topo.n_edges, sc.gpu_replicas_per_edge)
@@ -205,4 +203,4 @@ class Context:
         cost = self.cost
         serve_s = cost.serve_s(plan.local + plan.peer + plan.origin, plan.tokens)
         start = self.gpus.run(e, ready, serve_s)
-        self.tally.add(plan, start, serve_s, cost.serve_s(0, plan.tokens))
+        self._tally.add(plan, start, serve_s, cost.serve_s(0, plan.tokens))

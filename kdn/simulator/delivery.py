@@ -69,7 +69,8 @@ class OriginOnly(Policy):
         ctx = self.ctx
         now, e, n_in, keys = ctx.request(i)
         _, k, take = ctx.choose(now, e, n_in, keys, 0, now)
-        plan = Plan(e, now, n_in, len(keys), 0, 0, 0, k if take else 0, k, now)
+        plan = Plan(e, now, n_in, len(keys), looked_up_local=0, local=0, peer=0, origin=k if take else 0,
+                    origin_offered=k, edge_ready=now)
         ctx.finish(plan)
         ctx.origin.publish(e, keys[plan.covered :], now)
 
@@ -95,7 +96,8 @@ class NearestEdge(Policy):
                 break
         t_local = now + h * ctx.cost.local_s
         use, k2, take = ctx.choose(now, e, n_in, keys, h, t_local)
-        plan = Plan(e, now, n_in, len(keys), h, h if use else 0, 0, k2 if take else 0, k2, t_local if use else now)
+        plan = Plan(e, now, n_in, len(keys), looked_up_local=h, local=h if use else 0, peer=0, origin=k2 if take else 0,
+                    origin_offered=k2, edge_ready=t_local if use else now)
         ctx.finish(plan)
         access = self.caches[e].access
         stored = ctx.cost.stored
@@ -304,7 +306,8 @@ class ConsistentHash(Policy):
         t_edges = self._owners_ready(e, per_owner, now, False) if h else now
         use, k2, take = ctx.choose(now, e, n_in, keys, h, t_edges)
         t = self._owners_ready(e, per_owner, now, True) if use else now
-        plan = Plan(e, now, n_in, len(keys), local_h, local_h if use else 0, h - local_h if use else 0, k2 if take else 0, k2, t)
+        plan = Plan(e, now, n_in, len(keys), looked_up_local=local_h, local=local_h if use else 0,
+                    peer=h - local_h if use else 0, origin=k2 if take else 0, origin_offered=k2, edge_ready=t)
         ctx.finish(plan)
         stored = ctx.cost.stored
         parent = None
