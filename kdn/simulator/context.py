@@ -44,21 +44,19 @@ class Network:
     def fetch_ready(self, src: int, e: int, nblocks: int, now: float, commit: bool) -> float:
         """When ``nblocks`` chunks from site ``src`` are decoded at edge ``e``'s GPUs: request
         latency, FIFO wait and serialisation on ``src``'s link, propagation, decode."""
-        cost = self.cost
-        nbytes = cost.wire_bytes(e, src, nblocks)
-        ready = now + cost.lat[e][src]
+        lat, nbytes, decode_s = self.cost.transfer(e, src, nblocks)
         if commit:
-            sent = self.links.commit(src, ready, nbytes)
-            self._tally.moved(nbytes, cost.is_wan[e][src])
+            sent = self.links.commit(src, now + lat, nbytes)
+            self._tally.moved(nbytes, self.cost.is_wan[e][src])
         else:
-            sent = self.links.finish(src, ready, nbytes)
-        return cost.arrival(e, src, nblocks, sent)
+            sent = self.links.finish(src, now + lat, nbytes)
+        return sent + lat + decode_s
 
     def send(self, e: int, dst: int, nblocks: int, now: float) -> None:
         """Edge ``e`` uploads ``nblocks`` chunks to site ``dst`` (publish / fill): takes ``e``'s link."""
         if nblocks <= 0 or dst == e:
             return
-        nbytes = self.cost.wire_bytes(e, dst, nblocks)
+        _, nbytes, _ = self.cost.transfer(e, dst, nblocks)
         self.links.commit(e, now, nbytes)
         self._tally.moved(nbytes, self.cost.is_wan[e][dst])
 
@@ -202,5 +200,6 @@ class Context:
                 ready = t2
         cost = self.cost
         serve_s = cost.serve_s(plan.local + plan.peer + plan.origin, plan.tokens)
-        start = self.gpus.run(e, ready, serve_s)
+        gpus = self.gpus
+        start = ready if gpus.free is None else gpus.run(e, ready, serve_s)
         self._tally.add(plan, start, serve_s, cost.serve_s(0, plan.tokens))

@@ -76,17 +76,18 @@ class CostModel:
 
     def serve_s(self, covered: int, n_in: int) -> float:
         """GPU seconds from a request's data being there to its first token: prefill of the
-        ``n_in`` input tokens after the ``covered`` reused chunks, plus one decode step."""
+        ``n_in`` input tokens after the ``covered`` reused chunks (:meth:`prefill_s`, written out:
+        this runs once or twice per request), plus one decode step."""
         start = covered * self.block_tokens
-        return self.prefill_s(start, n_in - start) + self.first_token_s
+        n = n_in - start
+        return (self.pa * n + self.pb * (n * start + 0.5 * n * n) if n > 0 else 0.0) + self.first_token_s
 
-    def wire_bytes(self, e: int, src: int, nblocks: int) -> float:
-        """Bytes ``nblocks`` chunks take on the link between sites ``src`` and ``e``."""
-        return nblocks * self.wire[self.cls[e][src]]
-
-    def arrival(self, e: int, src: int, nblocks: int, sent: float) -> float:
-        """When ``nblocks`` chunks whose last byte left ``src`` at ``sent`` are decoded at ``e``."""
-        return sent + self.lat[e][src] + nblocks * self.decode[self.cls[e][src]]
+    def transfer(self, e: int, src: int, nblocks: int) -> tuple[float, float, float]:
+        """``nblocks`` chunks from site ``src`` to edge ``e``: ``(one-way latency, bytes on the
+        link, decode seconds at e)``. The data is usable at ``sent + latency + decode``, where
+        ``sent`` is when the link has sent the last byte."""
+        c = self.cls[e][src]
+        return self.lat[e][src], nblocks * self.wire[c], nblocks * self.decode[c]
 
     def best_prefix(self, decision: str, now: float, gpu_free: float, n_in: int, ready: list[float], sizes: list[int]) -> int:
         """The fetch-or-recompute rule: how many leading segments to use (0 = recompute

@@ -371,10 +371,11 @@ def test_cost_model_is_pure(cities: CityIndex, presets: Any) -> None:
     cost = sim.cost
     with pytest.raises(AttributeError):
         cost.local_s = 0.0  # type: ignore[misc]
-    before = (cost.prefill_s(512, 1024), cost.serve_s(2, 2048), cost.arrival(0, 1, 3, 5.0))
+    before = (cost.prefill_s(512, 1024), cost.serve_s(2, 2048), cost.transfer(0, 1, 3))
     sim.run()
-    assert (cost.prefill_s(512, 1024), cost.serve_s(2, 2048), cost.arrival(0, 1, 3, 5.0)) == before
+    assert (cost.prefill_s(512, 1024), cost.serve_s(2, 2048), cost.transfer(0, 1, 3)) == before
     assert cost.serve_s(0, 2048) == cost.prefill_s(0, 2048) + cost.first_token_s
+    assert cost.serve_s(2, 2048) == cost.prefill_s(1024, 1024) + cost.first_token_s
     # the rule: nothing to fetch -> recompute; forced decisions ignore the prediction
     assert cost.best_prefix("auto", 0.0, float("-inf"), 2048, [], []) == 0
     assert cost.best_prefix("fetch", 0.0, float("-inf"), 2048, [1e9], [1]) == 1
