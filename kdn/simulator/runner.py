@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kdn.simulator.engine import PolicyResult, run_policy
+from kdn.simulator.engine import run_policy
 from kdn.simulator.geo import CityIndex
 from kdn.simulator.presets import Presets, load_presets
 from kdn.simulator.scenario import Scenario, load_scenario
+from kdn.simulator.tally import PolicyResult
 from kdn.simulator.topology import Topology, build_topology
 from kdn.simulator.workload import Requests, build_workload
 
@@ -23,6 +24,8 @@ __all__ = ["Prepared", "SimulationReport", "prepare", "simulate", "cache_sweep",
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
+    """A scenario ready to run: validated, with its topology and request stream built once."""
+
     scenario: Scenario
     topology: Topology
     requests: Requests
@@ -32,6 +35,8 @@ class Prepared:
 
 @dataclass(frozen=True, slots=True)
 class SimulationReport:
+    """Every policy's figures over one prepared scenario."""
+
     scenario: Scenario
     requests: int
     unique_chunks: int

@@ -220,20 +220,15 @@ class Scenario(_Strict):
     tune: TuneSpec = TuneSpec()
     report: ReportSpec = ReportSpec()
 
-    @field_validator("model")
+    @field_validator("model", "gpu")
     @classmethod
-    def _model(cls, v: str, info: ValidationInfo) -> str:
+    def _preset(cls, v: str, info: ValidationInfo) -> str:
         p: Presets | None = _ctx(info, "presets")
-        if p is not None and v not in p.models:
-            raise ValueError(f"unknown model {v!r}; presets: {', '.join(sorted(p.models))}")
-        return v
-
-    @field_validator("gpu")
-    @classmethod
-    def _gpu(cls, v: str, info: ValidationInfo) -> str:
-        p: Presets | None = _ctx(info, "presets")
-        if p is not None and v not in p.gpus:
-            raise ValueError(f"unknown GPU {v!r}; presets: {', '.join(sorted(p.gpus))}")
+        if p is None:
+            return v
+        what, known = ("model", p.models) if info.field_name == "model" else ("GPU", p.gpus)
+        if v not in known:
+            raise ValueError(f"unknown {what} {v!r}; presets: {', '.join(sorted(known))}")
         return v
 
     @field_validator("policies")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kdn.simulator.geo import CityIndex, latency_matrix
+from kdn.simulator.geo import City, CityIndex, latency_matrix
 from kdn.simulator.scenario import Scenario
 
 __all__ = ["Topology", "build_topology", "METRO", "REGIONAL", "LONG_HAUL", "LINK_CLASSES"]
@@ -55,16 +55,20 @@ def build_topology(sc: Scenario, cities: CityIndex) -> Topology:
     group_key: list[str] = []
     users: list[float] = []
     region_names: list[str] = []
+
+    def site(name: str, c: City, uplink_gbps: float) -> None:
+        names.append(name)
+        city_names.append(c.name)
+        lat.append(c.lat)
+        lon.append(c.lon)
+        uplink.append(uplink_gbps * 1e9 / 8)
+
     if topo.auto_edges is not None:
         ae = topo.auto_edges
         chosen = cities.largest(ae.count)
         for k, c in enumerate(chosen):
             region_names.append(f"{c.name}, {c.country}")
-            names.append(f"edge-{k}@{c.name}")
-            city_names.append(c.name)
-            lat.append(c.lat)
-            lon.append(c.lon)
-            uplink.append(ae.uplink_gbps * 1e9 / 8)
+            site(f"edge-{k}@{c.name}", c, ae.uplink_gbps)
             region_of.append(k)
             group_key.append(c.continent if ae.group_by == "continent" else c.country)
             users.append(float(c.population))
@@ -74,11 +78,7 @@ def build_topology(sc: Scenario, cities: CityIndex) -> Topology:
             assert c is not None  # validated
             region_names.append(r.name)
             for k in range(r.edges):
-                names.append(f"{r.name}/edge-{k}")
-                city_names.append(c.name)
-                lat.append(c.lat)
-                lon.append(c.lon)
-                uplink.append(r.uplink_gbps * 1e9 / 8)
+                site(f"{r.name}/edge-{k}", c, r.uplink_gbps)
                 region_of.append(r_idx)
                 group_key.append(r.group or r.name)
                 users.append(r.users_weight / r.edges)
@@ -86,11 +86,7 @@ def build_topology(sc: Scenario, cities: CityIndex) -> Topology:
     for k, o in enumerate(topo.origins):
         c = cities.find(o.city)
         assert c is not None
-        names.append(f"origin-{k}@{c.name}")
-        city_names.append(c.name)
-        lat.append(c.lat)
-        lon.append(c.lon)
-        uplink.append(o.uplink_gbps * 1e9 / 8)
+        site(f"origin-{k}@{c.name}", c, o.uplink_gbps)
     lat_a = np.asarray(lat)
     lon_a = np.asarray(lon)
     latency, km = latency_matrix(

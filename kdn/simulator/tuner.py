@@ -19,14 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from kdn.simulator.engine import PolicyResult, run_policy
+from kdn.simulator.engine import run_policy
 from kdn.simulator.runner import Prepared, with_overrides
+from kdn.simulator.tally import PolicyResult
 
 __all__ = ["TuneConfig", "TunePoint", "TuneResult", "grid", "pareto_front", "tune"]
 
 
 @dataclass(frozen=True, slots=True)
 class TuneConfig:
+    """One point of the grid: a policy and the knobs it uses."""
+
     policy: str
     replicas: int
     edge_cache_gb: float

@@ -114,7 +114,6 @@ def test_nothing_imports_ops() -> None:
     assert not users
 
 
-@pytest.mark.xfail(strict=True, reason="simulator engine <-> delivery: being split (issue 16)")
 def test_no_import_cycles_between_files() -> None:
     graph = imports()
     index: dict[str, int] = {}

@@ -4,17 +4,23 @@ through edge.policies' LRU, the fetch-or-recompute rule, determinism."""
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import pytest
 
+from kdn.edge.clock import Clock
 from kdn.edge.eviction import LRU, BoundedCache
+from kdn.edge.hints import HintScheduler
+from kdn.simulator import delivery
+from kdn.simulator.core import EPOCH, EventLoop
 from kdn.simulator.engine import Simulation, run_policy
 from kdn.simulator.geo import C_KM_PER_S, CityIndex, great_circle_km
 from kdn.simulator.presets import load_presets
 from kdn.simulator.runner import Prepared
 from kdn.simulator.scenario import parse_scenario
+from kdn.simulator.tally import Plan, Tally
 from kdn.simulator.topology import build_topology
 from kdn.simulator.workload import Requests, build_workload
 
@@ -83,12 +89,12 @@ def test_fetch_time_is_latency_plus_size_over_bandwidth(cities: CityIndex, prese
     block = 512 * 131072  # raw KV bytes of one 512-token chunk of Llama-3.1-8B
     n = 5
     expected = 2 * one_way + n * block / (10e9 / 8)  # request + data propagation, serialisation at 10 Gb/s
-    assert sim.fetch_ready(origin, e, n, now=100.0, commit=True) - 100.0 == pytest.approx(expected, rel=1e-9)
+    assert sim.ctx.net.fetch_ready(origin, e, n, now=100.0, commit=True) - 100.0 == pytest.approx(expected, rel=1e-9)
     assert one_way == pytest.approx(0.044, abs=0.003)  # ~5570 km at 2/3 c, inflated 1.5x
     # the link is now busy: the same fetch issued at once waits for the first to finish
-    second = sim.fetch_ready(origin, 1, n, now=100.0, commit=False) - 100.0
+    second = sim.ctx.net.fetch_ready(origin, 1, n, now=100.0, commit=False) - 100.0
     assert second == pytest.approx(expected + n * block / (10e9 / 8), rel=1e-9)
-    assert sim.wan_bytes == n * block
+    assert sim.tally.wan_bytes == n * block
 
 
 def _replay_lru(reqs: Requests, n_edges: int, capacity: int, size: int) -> tuple[int, int]:
@@ -116,14 +122,14 @@ def test_lru_edge_hit_ratio_matches_exact_replay(cities: CityIndex, presets: Any
     p = make(cities, presets, cache__edge_cache_gb=cache_gb)
     sim = Simulation(p.scenario, p.topology, p.requests, presets, "nearest_edge")
     res = sim.run()
-    hits, total = _replay_lru(p.requests, p.topology.n_edges, sim.capacity, sim.stored)
-    assert sim.blocks == total
-    assert sim.lookup_local == hits
+    hits, total = _replay_lru(p.requests, p.topology.n_edges, sim.ctx.capacity, sim.cost.stored)
+    assert sim.tally.blocks == total
+    assert sim.tally.lookup_local == hits
     assert res.lookup_hit_ratio_local == pytest.approx(hits / total)
     assert 0.05 < hits / total < 0.95  # the cache is neither empty nor holding everything
     # local hits are always cheaper than anything else here, so every looked-up hit is served
     assert res.hit_ratio_local == pytest.approx(hits / total)
-    assert all(type(c.policy) is LRU for c in sim.caches)
+    assert all(type(c.policy) is LRU for c in sim.policy.caches)
 
 
 def _one_request(cities: CityIndex, presets: Any, decision: str, **changes: Any) -> float:
@@ -262,5 +268,116 @@ def test_gpu_pool_queues_prefills_fifo(cities: CityIndex, presets: Any, tmp_path
              topology__regions=[{"name": "solo", "city": "Paris"}])
     sim = Simulation(p.scenario, p.topology, p.requests, presets, "nearest_edge")
     res = sim.run()
-    pf = sim.prefill_s(0, 2048) + sim.first_token_s
+    pf = sim.cost.prefill_s(0, 2048) + sim.cost.first_token_s
     assert sorted(res.ttft.tolist()) == pytest.approx([k * pf for k in expected], rel=1e-9)
+
+
+# -- the parts on their own: the loop as the edge's clock, the edge's cron scheduler driving
+# popularity_push, the pure cost model, the plan-fed tally -------------------------------------
+
+
+def test_the_loop_is_the_edges_clock() -> None:
+    loop = EventLoop()
+    assert isinstance(loop.clock, Clock)
+    seen: list[tuple[float, Any]] = []
+    loop.schedule(90.5, lambda _: seen.append((loop.clock.monotonic(), loop.clock.now())))
+    loop.run()
+    assert seen == [(90.5, EPOCH + timedelta(seconds=90.5))]
+    assert loop.clock.at(EPOCH + timedelta(minutes=3)) == 180.0
+
+
+def test_the_edges_cron_scheduler_runs_on_simulated_time() -> None:
+    loop = EventLoop()
+    sched = HintScheduler(loop.clock)
+    fired: list[float] = []
+    sched.add("every-5-min", "*/5 * * * *", lambda: fired.append(loop.now))
+
+    def wake(_: object) -> None:
+        for action in sched.due():
+            action()
+        nxt = loop.clock.at(sched.next_wakeup())
+        if nxt <= 3600:
+            loop.schedule(nxt, wake)
+
+    loop.schedule(loop.clock.at(sched.next_wakeup()), wake)
+    loop.run()
+    assert fired == [300.0 * k for k in range(1, 13)]
+
+
+@pytest.mark.parametrize(
+    "seconds, cron",
+    [(600, "*/10 * * * *"), (60.0, "*/1 * * * *"), (3600, "0 * * * *"), (7200, "0 */2 * * *"), (86400, "0 0 * * *"),
+     (90, None), (420, None), (0.5, None), (5 * 3600, None), (2 * 86400, None)],
+)
+def test_cron_every_only_for_periods_cron_can_say(seconds: float, cron: str | None) -> None:
+    assert delivery.cron_every(seconds) == cron
+
+
+def _figures(p: Any, presets: Any, policy: str) -> dict[str, Any]:
+    res = Simulation(p.scenario, p.topology, p.requests, presets, policy).run()
+    out = res.summary()
+    for k in ("wall_s", "events_per_s", "peak_rss_mb"):
+        out.pop(k)
+    return out
+
+
+def test_popularity_push_same_figures_from_cron_and_fixed_interval(
+    cities: CityIndex, presets: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = make(cities, presets, params__push_interval_s=600.0, params__push_top_k=16, workload__duration_s=7200.0)
+    by_cron = _figures(p, presets, "popularity_push")
+    monkeypatch.setattr(delivery, "cron_every", lambda seconds: None)
+    by_interval = _figures(p, presets, "popularity_push")
+    assert by_cron == by_interval
+    assert by_cron != _figures(p, presets, "nearest_edge")  # the pushes did something
+
+
+def test_policies_get_a_context_not_the_run(cities: CityIndex, presets: Any) -> None:
+    p = make(cities, presets)
+    for name, cls in delivery.POLICIES.items():
+        sim = Simulation(p.scenario, p.topology, p.requests, presets, name)
+        assert type(sim.policy) is cls
+        assert sim.policy.ctx is sim.ctx
+        assert not any(isinstance(v, Simulation) for v in vars(sim.policy).values())
+
+
+def test_every_chunk_is_counted_once(cities: CityIndex, presets: Any) -> None:
+    p = make(cities, presets)
+    for name in delivery.POLICIES:
+        sim = Simulation(p.scenario, p.topology, p.requests, presets, name)
+        sim.run()
+        t = sim.tally
+        assert t.served_local + t.served_peer + t.served_origin + t.recomputed == t.blocks
+        assert t.blocks == p.requests.keys.size
+
+
+def test_tally_adds_a_plan() -> None:
+    t = Tally()
+    plan = Plan(edge=0, arrival=10.0, tokens=2048, blocks=4, looked_up_local=3, local=2, peer=0, origin=1,
+                origin_offered=1, edge_ready=10.5)
+    assert plan.covered == 3
+    t.add(plan, start=11.0, serve_s=0.25, full_s=1.0)
+    assert (t.blocks, t.recomputed, t.served_local, t.served_origin, t.lookup_local) == (4, 1, 2, 1, 3)
+    assert t.ttft == [1.25]
+    assert (t.gpu_s, t.gpu_s_saved, t.fetch_chosen, t.recompute_chosen) == (0.25, 0.75, 1, 0)
+    t.moved(100.0, wan=True)
+    t.moved(50.0, wan=False)
+    assert (t.net_bytes, t.wan_bytes) == (150.0, 100.0)
+
+
+def test_cost_model_is_pure(cities: CityIndex, presets: Any) -> None:
+    p = make(cities, presets)
+    sim = Simulation(p.scenario, p.topology, p.requests, presets, "nearest_edge")
+    cost = sim.cost
+    with pytest.raises(AttributeError):
+        cost.local_s = 0.0  # type: ignore[misc]
+    before = (cost.prefill_s(512, 1024), cost.serve_s(2, 2048), cost.transfer(0, 1, 3))
+    sim.run()
+    assert (cost.prefill_s(512, 1024), cost.serve_s(2, 2048), cost.transfer(0, 1, 3)) == before
+    assert cost.serve_s(0, 2048) == cost.prefill_s(0, 2048) + cost.first_token_s
+    assert cost.serve_s(2, 2048) == cost.prefill_s(1024, 1024) + cost.first_token_s
+    # the rule: nothing to fetch -> recompute; forced decisions ignore the prediction
+    assert cost.best_prefix("auto", 0.0, float("-inf"), 2048, [], []) == 0
+    assert cost.best_prefix("fetch", 0.0, float("-inf"), 2048, [1e9], [1]) == 1
+    assert cost.best_prefix("recompute", 0.0, float("-inf"), 2048, [0.0], [1]) == 0
+    assert cost.best_prefix("auto", 0.0, float("-inf"), 2048, [1e9], [1]) == 0  # too slow to fetch

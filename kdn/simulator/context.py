@@ -1,0 +1,205 @@
+"""What a placement policy may use, and nothing more: :class:`Context`.
+
+A policy (:mod:`kdn.simulator.delivery`) never sees the run that drives it. It gets a
+:class:`Context` holding the run's inputs (the scenario's policy parameters, the topology, the
+request stream), the clock and scheduler (the event loop), the immutable :class:`CostModel`, and
+four small pieces of state, each with the only operations that change it:
+
+* :class:`Network` — the FIFO egress links; a transfer is predicted or committed, and a committed
+  one is counted in the tally;
+* :class:`Origin` — which chunks the origins hold; GPUs publish what they computed;
+* :class:`GpuPool` — when each GPU replica of each edge is next free;
+* the :class:`~kdn.simulator.tally.Tally`, fed only by :meth:`Context.finish` with a request's
+  frozen :class:`~kdn.simulator.tally.Plan` and by :class:`Network` with committed transfers.
+
+Caches are the policy's own (:meth:`Context.make_caches` builds them from the scenario).
+Predictions are exact because links are FIFO (:mod:`kdn.simulator.links`) and nothing else is
+committed between a prediction and its commit.
+"""
+
+from __future__ import annotations
+
+from kdn.edge.eviction import BoundedCache, make_policy
+from kdn.simulator.core import EventLoop
+from kdn.simulator.cost import CostModel
+from kdn.simulator.links import Links
+from kdn.simulator.scenario import PolicyParams, Scenario
+from kdn.simulator.tally import GB, Plan, Tally
+from kdn.simulator.topology import Topology
+from kdn.simulator.workload import TAIL_BASE, Requests
+
+__all__ = ["Context", "GpuPool", "Network", "Origin"]
+
+
+class Network:
+    """Every site's egress link. ``fetch_ready`` predicts (``commit=False``) or takes the link."""
+
+    __slots__ = ("cost", "links", "_tally")
+
+    def __init__(self, cost: CostModel, topo: Topology, tally: Tally) -> None:
+        self.cost = cost
+        self.links = Links(topo.uplink_Bps)
+        self._tally = tally
+
+    def fetch_ready(self, src: int, e: int, nblocks: int, now: float, commit: bool) -> float:
+        """When ``nblocks`` chunks from site ``src`` are decoded at edge ``e``'s GPUs: request
+        latency, FIFO wait and serialisation on ``src``'s link, propagation, decode."""
+        lat, nbytes, decode_s = self.cost.transfer(e, src, nblocks)
+        if commit:
+            sent = self.links.commit(src, now + lat, nbytes)
+            self._tally.moved(nbytes, self.cost.is_wan[e][src])
+        else:
+            sent = self.links.finish(src, now + lat, nbytes)
+        return sent + lat + decode_s
+
+    def send(self, e: int, dst: int, nblocks: int, now: float) -> None:
+        """Edge ``e`` uploads ``nblocks`` chunks to site ``dst`` (publish / fill): takes ``e``'s link."""
+        if nblocks <= 0 or dst == e:
+            return
+        _, nbytes, _ = self.cost.transfer(e, dst, nblocks)
+        self.links.commit(e, now, nbytes)
+        self._tally.moved(nbytes, self.cost.is_wan[e][dst])
+
+
+class Origin:
+    """The origins, replicas of one store: a chunk published at one is at all. With
+    ``preloaded``, every non-tail chunk of the workload is there from the start."""
+
+    __slots__ = ("preloaded", "published", "nearest", "publishing", "net")
+
+    def __init__(self, reqs: Requests, topo: Topology, net: Network, *, publishing: bool) -> None:
+        self.preloaded = reqs.origin_preloaded
+        self.published: set[int] = set()
+        self.nearest: list[int] = topo.nearest_origin.tolist()  # each edge's origin site
+        self.publishing = publishing
+        self.net = net
+
+    def has(self, key: int) -> bool:
+        return (self.preloaded and key < TAIL_BASE) or key in self.published
+
+    def leading_run(self, keys: list[int], start: int) -> int:
+        """How many chunks from ``keys[start]`` on the origin holds, leading run."""
+        k = 0
+        pre = self.preloaded
+        pub = self.published
+        for key in keys[start:] if start else keys:
+            if (pre and key < TAIL_BASE) or key in pub:
+                k += 1
+            else:
+                break
+        return k
+
+    def publish(self, e: int, keys: list[int], now: float) -> None:
+        """GPUs of edge ``e`` computed ``keys``: upload the ones the origin lacks."""
+        if not self.publishing or not keys:
+            return
+        pub = self.published
+        pre = self.preloaded
+        new = [k for k in keys if not ((pre and k < TAIL_BASE) or k in pub)]
+        if new:
+            pub.update(new)
+            self.net.send(e, self.nearest[e], len(new), now)
+
+
+class GpuPool:
+    """When each GPU replica of each edge is next free; ``replicas=None``: unlimited, no queueing."""
+
+    __slots__ = ("free",)
+
+    def __init__(self, n_edges: int, replicas: int | None) -> None:
+        self.free: list[list[float]] | None = None if replicas is None else [[0.0] * replicas for _ in range(n_edges)]
+
+    def next_free(self, e: int) -> float:
+        """When the earliest-free replica of edge ``e`` is free (-inf: unlimited pool)."""
+        return float("-inf") if self.free is None else min(self.free[e])
+
+    def run(self, e: int, ready: float, busy_s: float) -> float:
+        """Run ``busy_s`` seconds of work whose data is there at ``ready`` on edge ``e``'s
+        earliest-free replica (FIFO); returns when it starts."""
+        if self.free is None:
+            return ready
+        free = self.free[e]
+        k = free.index(min(free))
+        start = free[k] if free[k] > ready else ready
+        free[k] = start + busy_s
+        return start
+
+
+class Context:
+    """Everything a placement policy uses (see the module docstring)."""
+
+    __slots__ = (
+        "params", "topo", "reqs", "loop", "cost", "net", "origin", "gpus", "_tally", "decision",
+        "edge_of", "tokens_of", "key_off", "keys", "_cache_spec", "_capacity",
+    )
+
+    def __init__(self, sc: Scenario, topo: Topology, reqs: Requests, cost: CostModel, loop: EventLoop, tally: Tally) -> None:
+        self.params: PolicyParams = sc.params
+        self.topo = topo
+        self.reqs = reqs
+        self.loop = loop
+        self.cost = cost
+        self._tally = tally
+        self.net = Network(cost, topo, tally)
+        self.origin = Origin(reqs, topo, self.net, publishing=sc.params.publish_to_origin)
+        self.gpus = GpuPool(topo.n_edges, sc.gpu_replicas_per_edge)
+        self.decision = sc.params.decision
+        # per-request inputs as Python lists (cheap indexing in the hot loop)
+        self.edge_of: list[int] = reqs.edge.tolist()
+        self.tokens_of: list[int] = reqs.input_tokens.tolist()
+        self.key_off: list[int] = reqs.key_off.tolist()
+        self.keys = reqs.keys
+        self._cache_spec = sc.cache
+        self._capacity = int(sc.cache.edge_cache_gb * GB)
+
+    @property
+    def capacity(self) -> int:
+        """Bytes each edge cache holds."""
+        return self._capacity
+
+    def make_caches(self, *, whole_chains: bool = True) -> list[BoundedCache]:
+        """One byte-budget cache per edge, driven by the scenario's ``kdn.edge.eviction`` policy.
+        ``whole_chains=False``: an edge holds scattered chunks of each chain (consistent hashing),
+        so the prefix-aware policy must not treat a chunk whose parent lives elsewhere as dead."""
+        name = self._cache_spec.eviction
+        kw = {"track_orphans": False} if (name == "prefix" and not whole_chains) else {}
+        return [BoundedCache(self._capacity, make_policy(name, **kw)) for _ in range(self.topo.n_edges)]
+
+    def request(self, i: int) -> tuple[float, int, int, list[int]]:
+        """Request ``i``, arriving now: ``(now, edge, input tokens, chunk keys in chain order)``."""
+        return self.loop.now, self.edge_of[i], self.tokens_of[i], self.chain(i)
+
+    def chain(self, i: int) -> list[int]:
+        """Request ``i``'s chunk keys, in chain order."""
+        off = self.key_off
+        return self.keys[off[i] : off[i + 1]].tolist()
+
+    def choose(self, now: float, e: int, n_in: int, keys: list[int], h: int, edge_ready: float) -> tuple[bool, int, bool]:
+        """Apply the fetch-or-recompute rule to a request at edge ``e`` whose ``h`` leading
+        chunks edges hold (at the GPUs at ``edge_ready``), followed by the origin's leading run.
+        Returns ``(use_edges, origin_offered, take_origin)``; nothing is committed."""
+        k2 = self.origin.leading_run(keys, h) if h < len(keys) else 0
+        ready: list[float] = []
+        sizes: list[int] = []
+        if h:
+            ready.append(edge_ready)
+            sizes.append(h)
+        if k2:
+            ready.append(self.net.fetch_ready(self.origin.nearest[e], e, k2, now, False))
+            sizes.append(k2)
+        m = self.cost.best_prefix(self.decision, now, self.gpus.next_free(e), n_in, ready, sizes)
+        return m >= 1 and h > 0, k2, k2 > 0 and m == len(sizes)
+
+    def finish(self, plan: Plan) -> None:
+        """Commit the origin part of ``plan``, run its prefill on the edge's GPUs, count it."""
+        e = plan.edge
+        ready = plan.edge_ready
+        if plan.origin:
+            t2 = self.net.fetch_ready(self.origin.nearest[e], e, plan.origin, plan.arrival, True)
+            if t2 > ready:
+                ready = t2
+        cost = self.cost
+        serve_s = cost.serve_s(plan.local + plan.peer + plan.origin, plan.tokens)
+        gpus = self.gpus
+        start = ready if gpus.free is None else gpus.run(e, ready, serve_s)
+        self._tally.add(plan, start, serve_s, cost.serve_s(0, plan.tokens))
