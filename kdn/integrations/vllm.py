@@ -415,6 +415,11 @@ class KdnConnector(KVConnectorBase_V1):
         if not isinstance(meta, KdnConnectorMetadata) or not meta.loads:
             return
         job = _LoadJob(self, meta.loads)
+        if self._device.type == "cuda":
+            # the loop thread's copies must follow what this step already queued (new blocks are
+            # zeroed before the load starts)
+            job.after = torch.cuda.Event()
+            job.after.record()
         self._jobs.append(job)
         job.start()
 
@@ -513,6 +518,8 @@ class _LoadJob:
         self.failed_blocks: set[int] = set()
         self.failed_reqs: set[str] = set()
         self._L = L
+        self.after: Any = None  # CUDA: an event the copies wait for
+        self._events: dict[int, list[Any]] = {}  # CUDA: per layer, events after its copies
         self._timeout = conn.config.fetch_timeout_s * (1 + max(len(s.keys) for s in specs) // conn.config.fetch_concurrency) + 5
         self._deadline = 0.0
 
@@ -576,7 +583,19 @@ class _LoadJob:
         # (H, T, D) -> (H, nkb, kb, D) -> (nkb, H, kb, D): the logical [block, H, token, C] order
         src = x[:, skip:].reshape(conn.num_kv_heads, -1, kb, D).permute(1, 0, 2, 3)
         lo = 0 if section.kind == "k" else conn._half
-        conn._kv[section.layer][idx, :, :, lo : lo + D] = src.to(conn._device)
+        if conn._device.type != "cuda":
+            conn._kv[section.layer][idx, :, :, lo : lo + D] = src
+            return
+        # CUDA (untested here): copy on this thread's stream after the step's earlier work, and
+        # let wait_for_layer_load make the compute stream wait for it
+        stream = torch.cuda.current_stream(conn._device)
+        if self.after is not None:
+            stream.wait_event(self.after)
+        conn._kv[section.layer][idx, :, :, lo : lo + D] = src.to(conn._device, non_blocking=False)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        with self.cond:
+            self._events.setdefault(section.layer, []).append(ev)
 
     def _fail(self, r: int, i: int, exc: BaseException) -> None:
         spec = self.specs[r]
@@ -598,6 +617,11 @@ class _LoadJob:
                                     timeout=max(0.0, self._deadline - time.monotonic()))
         if not ok:
             self._cancel()
+        if self._events:
+            with self.cond:
+                events = list(self._events.get(layer, ()))
+            for ev in events:
+                torch.cuda.current_stream().wait_event(ev)
 
     def _cancel(self) -> None:
         """Past the deadline: stop the fetches (no write happens after this returns) and fail

@@ -143,7 +143,8 @@ def main(argv: list[str]) -> int:
     results["stored_salted"] = wait_stored(salted, Namespace("tenant-s1"), 4)
     record("salt_same_tenant", salted, run(salted, salt="tenant-s1"), 4 * C)
     record("salt_other_tenant", salted, run(salted, salt="tenant-s2"), 0)
-    record("params_other_tenant", doc + rand(9), run(doc + rand(9), params={"kdn_tenant": "tenant-b"}), 0)
+    p = doc + rand(9)
+    record("params_other_tenant", p, run(p, params={"kdn_tenant": "tenant-b"}), 0)
 
     # 3. KV made by the origin's code path: HF transformers prefill (kdn.prefill) in bf16 from the
     # same directory, encoded as artifacts and Put; vLLM reuses them (same keys, same fingerprint)
