@@ -38,10 +38,15 @@ Invariants:
   --dtype bfloat16``), so vLLM finds what the origin made;
 - ``chunk_size`` is a multiple of vLLM's block size, checked when the connector is built.
 
-Paged layout (vLLM >= 0.32): every attention layer's cache is the standardized logical view
-``[num_blocks, H, block_size, C]`` (physical strides differ by backend: the CPU backend's head-major
-blocks, FlashAttention's token-major ones); K is ``[..., :D]`` and V ``[..., C/2 : C/2 + D]``.
-Indexing that logical view is layout-independent, so the same code serves CPU and CUDA.
+Paged layout (vLLM 0.32): every attention layer's cache is allocated as ``[blocks, H, block, 2*D]``,
+but what the bytes inside a block mean is the attention backend's business. Artifacts always hold
+KDN's layout ``(L, 2, H, T, D)``, so :class:`PagedKV` gives, per backend, K and V as strided views
+``[blocks, H, block, D]`` of the engine's own tensor (no copy), and refuses a backend it does not
+know at start (a wrong guess would swap numbers between hosts, not fail):
+
+- ``CPU_ATTN`` with the ``vec``/``vec16`` kernels: per block and head, K is stored column-major
+  ``[D, block]`` and then V row-major ``[block, D]`` (``csrc/cpu/cpu_attn_vec.hpp``);
+- ``FLASH_ATTN``, ``TRITON_ATTN`` (CUDA): K is ``[..., :D]`` and V ``[..., D:2D]`` of each token.
 """
 
 from __future__ import annotations
@@ -212,6 +217,38 @@ class _LoopThread:
         self.thread.join(5)
 
 
+_CPU_ISAS = ("vec", "vec16")  # their reshape_and_cache writes the layout below; amx/neon/... pack differently
+_TOKEN_MAJOR_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKV:
+    """One layer's paged cache as two views ``[kernel_blocks, H, kernel_block, D]`` (K, V) into
+    vLLM's own tensor: indexing them reads and writes the engine's blocks in place."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def of(cls, kv: torch.Tensor, backend: str, isa: str | None, head_dim: int) -> "PagedKV":
+        nb, H, kb, c = kv.shape
+        D = head_dim
+        if backend == "CPU_ATTN":
+            if isa not in _CPU_ISAS or c != 2 * D:
+                raise ValueError(f"KDN does not know the block layout of vLLM's CPU attention kernel {isa!r} "
+                                 f"(supported: {', '.join(_CPU_ISAS)}); refusing rather than mixing up KV")
+            region = kv.view(nb, H, 2, kb * D)  # per block and head: K's bytes, then V's
+            k = region[:, :, 0].unflatten(-1, (D, kb)).transpose(-1, -2)  # stored [D, kb] -> [kb, D] view
+            v = region[:, :, 1].unflatten(-1, (kb, D))
+            return cls(k, v)
+        if backend in _TOKEN_MAJOR_BACKENDS:
+            if c < 2 * D:
+                raise ValueError(f"KDN: paged KV of {backend} has {c} values per token, expected 2*{D}")
+            return cls(kv[..., :D], kv[..., c // 2 : c // 2 + D])
+        raise ValueError(f"KDN does not know the paged KV layout of vLLM's {backend} attention backend "
+                         f"(supported: CPU_ATTN, {', '.join(_TOKEN_MAJOR_BACKENDS)})")
+
+
 class KdnConnector(KVConnectorBase_V1):
     """vLLM v1 KV connector backed by a KDN edge (see the module docstring)."""
 
@@ -249,7 +286,7 @@ class KdnConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         self._lookup_off_until = 0.0
         # worker side
-        self._kv: list[torch.Tensor] = []  # per layer [num_kernel_blocks, H, kernel_block, C] logical views
+        self._kv: list[PagedKV] = []  # per layer: K and V views [kernel_blocks, H, kernel_block, D]
         self._layer_of: dict[str, int] = {}
         self._jobs: list[_LoadJob] = []
         self._failed_blocks: set[int] = set()
@@ -387,21 +424,24 @@ class KdnConnector(KVConnectorBase_V1):
         if [i for i, _ in by_index] != list(range(self.num_layers)):
             raise ValueError(f"KDN expects one KV cache per layer 0..{self.num_layers - 1}; vLLM has {[n for _, n in by_index]}")
         self._layer_of = {name: i for i, name in by_index}
-        self._kv = [kv_caches[name] for _, name in by_index]
-        kv = self._kv[0]
-        if kv.dim() != 4 or kv.shape[1] != self.num_kv_heads or kv.shape[3] < 2 * self.head_dim or kv.shape[3] % 2:
-            raise ValueError(f"KDN: unsupported paged KV layout {tuple(kv.shape)} (want [blocks, {self.num_kv_heads}, "
-                             f"block, 2*{self.head_dim}])")
+        kv = kv_caches[by_index[0][1]]
+        if kv.dim() != 4 or kv.shape[1] != self.num_kv_heads:
+            raise ValueError(f"KDN: unsupported paged KV shape {tuple(kv.shape)} (want [blocks, {self.num_kv_heads}, block, 2*D])")
         if kv.dtype != self.dtype:
             raise ValueError(f"KDN: KV cache dtype {kv.dtype} differs from the model dtype {self.dtype}")
+        layers = self._vllm_config.compilation_config.static_forward_context
+        first = layers.get(by_index[0][1])
+        backend = first.attn_backend.get_name() if first is not None else "CPU_ATTN"
+        isa = getattr(first, "isa", None)
+        self._kv = [PagedKV.of(kv_caches[name], backend, isa, self.head_dim) for _, name in by_index]
         num_blocks = self._num_blocks or kv.shape[0]
         if kv.shape[0] % num_blocks or self.block_size % kv.shape[2]:
             raise ValueError(f"KDN: {kv.shape[0]} kernel blocks of {kv.shape[2]} tokens do not tile {num_blocks} blocks of {self.block_size}")
         self._ratio = kv.shape[0] // num_blocks  # kernel blocks per scheduler block
-        self._half = kv.shape[3] // 2
+        self._kernel_block = int(kv.shape[2])
         self._device = kv.device
-        LOG.info("KDN connector: %d layers of paged KV %s %s (strides %s) on %s", len(self._kv), tuple(kv.shape),
-                 kv.dtype, kv.stride(), kv.device)
+        LOG.info("KDN connector: %d layers of paged KV %s %s, backend %s (isa %s) on %s", len(self._kv), tuple(kv.shape),
+                 kv.dtype, backend, isa, kv.device)
 
     def _kernel_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Kernel block ids, in token order, of scheduler blocks ``block_ids``."""
@@ -458,13 +498,12 @@ class KdnConnector(KVConnectorBase_V1):
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """One chunk out of the paged blocks: ``(L, 2, H, C, D)``, a CPU copy."""
         idx = self._kernel_blocks(block_ids)
-        D, h = self.head_dim, self._half
+        D = self.head_dim
         out = torch.empty((self.num_layers, 2, self.num_kv_heads, self.config.chunk_size, D), dtype=self.dtype)
-        for l, kv in enumerate(self._kv):
-            blocks = kv[idx]  # (nb, H, kb, Cdim)
-            for s, lo in ((0, 0), (1, h)):
-                # (nb, H, kb, D) -> (H, nb, kb, D) -> (H, C, D)
-                out[l, s].copy_(blocks[..., lo : lo + D].permute(1, 0, 2, 3).reshape(self.num_kv_heads, -1, D))
+        for l, paged in enumerate(self._kv):
+            for s, view in ((0, paged.k), (1, paged.v)):
+                # (nkb, H, kb, D) -> (H, nkb, kb, D) -> (H, C, D)
+                out[l, s].copy_(view[idx].permute(1, 0, 2, 3).reshape(self.num_kv_heads, -1, D))
         return out
 
     async def _put(self, spec: SaveSpec, kv: torch.Tensor) -> None:
@@ -579,19 +618,19 @@ class _LoadJob:
         if not blocks:
             return
         idx = conn._kernel_blocks(blocks)
-        kb = conn._kv[0].shape[2]
-        # (H, T, D) -> (H, nkb, kb, D) -> (nkb, H, kb, D): the logical [block, H, token, C] order
-        src = x[:, skip:].reshape(conn.num_kv_heads, -1, kb, D).permute(1, 0, 2, 3)
-        lo = 0 if section.kind == "k" else conn._half
+        # (H, T, D) -> (H, nkb, kb, D) -> (nkb, H, kb, D): the views' [block, H, token, D] order
+        src = x[:, skip:].reshape(conn.num_kv_heads, -1, conn._kernel_block, D).permute(1, 0, 2, 3)
+        paged = conn._kv[section.layer]
+        dst = paged.k if section.kind == "k" else paged.v
         if conn._device.type != "cuda":
-            conn._kv[section.layer][idx, :, :, lo : lo + D] = src
+            dst[idx] = src
             return
         # CUDA (untested here): copy on this thread's stream after the step's earlier work, and
         # let wait_for_layer_load make the compute stream wait for it
         stream = torch.cuda.current_stream(conn._device)
         if self.after is not None:
             stream.wait_event(self.after)
-        conn._kv[section.layer][idx, :, :, lo : lo + D] = src.to(conn._device, non_blocking=False)
+        dst[idx] = src.to(conn._device, non_blocking=False)
         ev = torch.cuda.Event()
         ev.record(stream)
         with self.cond:

@@ -76,3 +76,30 @@ def test_namespace_comes_from_the_request(vllm_mod):
     assert ns("acme", {"kdn": False}, "default") is None
     odd = ns("not a tenant/name!", None, "default")
     assert odd.tenant.startswith("salt-") and odd != ns("not a tenant/name?", None, "default")
+
+
+def test_cpu_paged_views_follow_the_vec_kernels_block_layout(vllm_mod):
+    """Write tokens the way csrc/cpu/cpu_attn_vec.hpp's reshape_and_cache does (per block and head:
+    K column-major [D, block], then V row-major [block, D]); the views must read them back."""
+    nb, H, kb, D = 3, 2, 4, 8
+    kv = torch.zeros(nb, H, kb, 2 * D)
+    flat = kv.view(nb, H, 2 * kb * D)
+    k = torch.randn(nb, H, kb, D)
+    v = torch.randn(nb, H, kb, D)
+    for b in range(nb):
+        for h in range(H):
+            for t in range(kb):
+                for i in range(D):
+                    flat[b, h, i * kb + t] = k[b, h, t, i]  # key_cache_start_ptr[j], j = i * block_size
+                flat[b, h, kb * D + t * D : kb * D + (t + 1) * D] = v[b, h, t]
+    paged = vllm_mod.PagedKV.of(kv, "CPU_ATTN", "vec", D)
+    assert torch.equal(paged.k, k) and torch.equal(paged.v, v)
+    idx = torch.tensor([2, 0])
+    paged.k[idx] = k[idx] * 2  # writes land in the engine's tensor
+    assert torch.equal(paged.k[idx], k[idx] * 2) and torch.equal(paged.v, v)
+    with pytest.raises(ValueError, match="amx"):
+        vllm_mod.PagedKV.of(kv, "CPU_ATTN", "amx", D)
+    with pytest.raises(ValueError, match="FLASHINFER"):
+        vllm_mod.PagedKV.of(kv, "FLASHINFER", None, D)
+    cuda_like = vllm_mod.PagedKV.of(kv, "FLASH_ATTN", None, D)
+    assert torch.equal(cuda_like.k, kv[..., :D]) and torch.equal(cuda_like.v, kv[..., D:])
