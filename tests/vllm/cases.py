@@ -163,6 +163,7 @@ def main(argv: list[str]) -> int:
         p = odoc + rand(C // 2 + 5 * q + 1)
         got = run(p, params={"kdn_tenant": ns_o.tenant})
         ref = reference(p)
+        # first position where the greedy continuations differ (the common length when they don't)
         n_same = next((i for i, (a, b) in enumerate(zip(got[0], ref)) if a != b), min(len(got[0]), len(ref)))
         agree.append({"cached": got[1], "first_divergence": n_same, "equal": got[0] == ref,
                       "token_agreement": sum(a == b for a, b in zip(got[0], ref)) / max(1, len(ref))})

