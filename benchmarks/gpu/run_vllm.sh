@@ -27,6 +27,6 @@ echo "install: $(( $(date +%s) - T0 )) s" | tee "$OUT/timing.txt"
 KDN_REQUIRE_VLLM=1 timeout 300 "$VENV/bin/python" -m pytest -q -m vllm tests/vllm -x 2>&1 | tee "$OUT/tests.txt" | tail -15
 echo "tests done: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/timing.txt"
 # TTFT: 3 rounds keep it inside the budget; results land in $OUT, BENCHMARKS.md is not touched
-timeout 420 "$VENV/bin/python" benchmarks/vllm_ttft.py --rounds 3 --contexts 1024 4096 --no-append --out "$OUT" \
+timeout 420 "$VENV/bin/python" benchmarks/vllm_ttft.py --dtype bfloat16 --rounds 3 --contexts 1024 4096 --no-append --out "$OUT" \
   2>"$OUT/bench.stderr" | tee "$OUT/bench.json"
 echo "total: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/timing.txt"
