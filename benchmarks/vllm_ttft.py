@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     pfile = tmp / "prompts.json"
     pfile.write_text(json.dumps(prompts(args.contexts, vocab)))
     example_dir = Path(tempfile.mkdtemp(prefix="kdn-vllm-example-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
-    edge = subprocess.Popen([sys.executable, "-m", "kdn.cli", "edge", "--listen", "127.0.0.1:0", "--memory-bytes", "2GiB"],
+    kdn = str(Path(sys.executable).with_name("kdn"))  # the console script of this environment
+    edge = subprocess.Popen([kdn, "edge", "--listen", "127.0.0.1:0", "--memory-bytes", "2GiB"],
                             stdout=subprocess.PIPE, text=True, cwd=tmp)
     assert edge.stdout is not None
     address = json.loads(edge.stdout.readline())["address"]

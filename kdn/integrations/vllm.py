@@ -201,6 +201,22 @@ class _ReqState:
     block_ids: list[int] = field(default_factory=list)
 
 
+def _fetch_stream(client: AsyncKdnClient, fingerprint: ModelFingerprint, key: ChunkKey, next_keys: list[ChunkKey],
+                  timeout: float) -> Any:
+    """The one call into the client's transport: ``(piece, via)`` of one lossless artifact.
+
+    Merge window: the wire package (``kdn.wire``) changes the transport's fetch to take a
+    ``FetchSpec``; both signatures are served until that lands, then this shrinks to one line."""
+    assert client.transport is not None
+    try:
+        from kdn.wire.convert import FetchSpec  # type: ignore[import-not-found]
+    except ImportError:
+        return client.transport.fetch(fingerprint, client.config.namespace, key, timeout=timeout,
+                                      next_keys=next_keys, require_lossless=True, codec="")
+    spec = FetchSpec(key, fingerprint, client.config.namespace, codec="", require_lossless=True)
+    return client.transport.fetch(spec, timeout=timeout, next_keys=next_keys)
+
+
 class _LoopThread:
     """An asyncio loop on a daemon thread: where the connector's clients live."""
 
@@ -587,13 +603,10 @@ class _LoadJob:
         spec = self.specs[r]
         conn = self.conn
         client = conn._clients_for(spec.tenant, spec.salt)
-        assert client.transport is not None
         key = ChunkKey(spec.keys[i])
         reader = ArtifactReader(expect_fingerprint=conn.fingerprint, expect_key=key, require_lossless=True)
-        stream = client.transport.fetch(
-            conn.fingerprint, client.config.namespace, key, timeout=conn.config.fetch_timeout_s,
-            next_keys=[ChunkKey(k) for k in spec.keys[i + 1 : i + 1 + _PREFETCH_HINT]], require_lossless=True, codec="",
-        )
+        stream = _fetch_stream(client, conn.fingerprint, key, [ChunkKey(k) for k in spec.keys[i + 1 : i + 1 + _PREFETCH_HINT]],
+                               conn.config.fetch_timeout_s)
         c = spec.first + i
         async with aclosing(stream):
             async for piece, _via in stream:

@@ -41,17 +41,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="", help="vLLM device (empty: the platform's)")
     args = p.parse_args(argv)
 
-    import numpy as np
     import torch
 
-    from kdn.artifact import decode_artifact, encode_artifact
-    from kdn.client import ClientConfig, KdnClient
     from kdn.integrations.model_dir import save_builtin
     from kdn.integrations.vllm import engine_fingerprint
-    from kdn.keys import ROOT_KEY, Namespace, chunk_keys
-    from kdn.kv import KVShape
-    from kdn.models import load_model
-    from kdn.prefill import prefill_chunks
     from tests.vllm.faults import EdgeProc, FaultProxy
 
     C = args.chunk
@@ -62,9 +55,41 @@ def main(argv: list[str]) -> int:
 
     edge = EdgeProc(tmp)
     proxy = FaultProxy(edge)
+    try:
+        return run_cases(args, results, model_dir, fp, edge, proxy)
+    finally:  # never leave the edge behind, whatever failed
+        proxy.close()
+        edge.stop()
+
+
+def run_cases(args: Any, results: dict[str, Any], model_dir: Path, fp: Any, edge: Any, proxy: Any) -> int:
+    # The engine's processes inherit fd 2: the connector's warnings ("KDN load of chunk ... failed")
+    # land in this file, so each case can tell whether its loads failed. Copied to stdout at the end.
+    errlog = Path(tempfile.mkstemp(prefix="kdn-vllm-engine-", suffix=".log")[1])
+    saved_stderr = os.dup(2)
+    os.dup2(os.open(errlog, os.O_WRONLY | os.O_APPEND), 2)
+    try:
+        return _run_cases(args, results, model_dir, fp, edge, proxy, errlog)
+    finally:
+        os.dup2(saved_stderr, 2)
+        sys.stdout.write(errlog.read_text(errors="replace"))
+        sys.stdout.flush()
+
+
+def _run_cases(args: Any, results: dict[str, Any], model_dir: Path, fp: Any, edge: Any, proxy: Any, errlog: Path) -> int:
+    import numpy as np
+    import torch
+
+    from kdn.artifact import encode_artifact
+    from kdn.client import ClientConfig, KdnClient
+    from kdn.keys import ROOT_KEY, Namespace, chunk_keys
+    from kdn.kv import KVShape
+    from kdn.models import load_model
+    from kdn.prefill import prefill_chunks
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    C = args.chunk
     t0 = time.time()
     kw: dict[str, Any] = {"device": args.device} if args.device else {}
     llm = LLM(
@@ -84,7 +109,8 @@ def main(argv: list[str]) -> int:
     def rand(n: int) -> list[int]:
         return [rng.randrange(3, vocab) for _ in range(n)]
 
-    def run(tokens: list[int], *, salt: str | None = None, params: dict | None = None) -> tuple[list[int], int]:
+    def run(tokens: list[int], *, salt: str | None = None, params: dict | None = None) -> tuple[list[int], int, int]:
+        """(greedy tokens, cached prompt tokens, chunk loads that failed) of one request."""
         prompt: dict[str, Any] = {"prompt_token_ids": list(tokens)}
         if salt:
             prompt["cache_salt"] = salt
@@ -92,8 +118,12 @@ def main(argv: list[str]) -> int:
         if params is not None:
             s.extra_args = {"kv_transfer_params": params}
         llm.reset_prefix_cache()
+        before = errlog.stat().st_size
         out = llm.generate([prompt], s, use_tqdm=False)[0]
-        return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
+        with open(errlog, "rb") as fh:
+            fh.seek(before)
+            failures = fh.read().count(b"KDN load of chunk")
+        return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0), failures
 
     def reference(tokens: list[int]) -> list[int]:
         return run(tokens, params={"kdn": False})[0]
@@ -111,9 +141,10 @@ def main(argv: list[str]) -> int:
                     return have
                 time.sleep(0.1)
 
-    def record(name: str, tokens: list[int], got: tuple[list[int], int], expect_cached: int, **extra: Any) -> None:
+    def record(name: str, tokens: list[int], got: tuple[list[int], int, int], expect_cached: int, **extra: Any) -> None:
         results["cases"][name] = {"tokens": got[0], "reference": reference(tokens), "cached": got[1],
-                                  "expect_cached": expect_cached, "prompt_len": len(tokens), **extra}
+                                  "load_failures": got[2], "expect_cached": expect_cached, "prompt_len": len(tokens),
+                                  **extra}
         print(f"case {name}: cached {got[1]} (expect {expect_cached}) same={got[0] == results['cases'][name]['reference']}",
               flush=True)
 
@@ -165,7 +196,7 @@ def main(argv: list[str]) -> int:
         ref = reference(p)
         # first position where the greedy continuations differ (the common length when they don't)
         n_same = next((i for i, (a, b) in enumerate(zip(got[0], ref)) if a != b), min(len(got[0]), len(ref)))
-        agree.append({"cached": got[1], "first_divergence": n_same, "equal": got[0] == ref,
+        agree.append({"cached": got[1], "load_failures": got[2], "first_divergence": n_same, "equal": got[0] == ref,
                       "token_agreement": sum(a == b for a, b in zip(got[0], ref)) / max(1, len(ref))})
     results["origin_agreement"] = agree
     # the KV itself: vLLM's own (written back under another tenant) vs the origin's, chunk by chunk
@@ -205,8 +236,6 @@ def main(argv: list[str]) -> int:
     record("edge_down", p, run(p, params={"kdn_tenant": ns_f.tenant}), 0)
 
     Path(args.out).write_text(json.dumps(results))
-    proxy.close()
-    edge.stop()
     return 0
 
 

@@ -21,6 +21,11 @@ import threading
 from pathlib import Path
 
 
+def kdn_command() -> str:
+    """The ``kdn`` console script of this interpreter's environment."""
+    return str(Path(sys.executable).with_name("kdn"))
+
+
 class EdgeProc:
     """``kdn edge`` in a child process, on a free loopback port; address from its ready line."""
 
@@ -32,7 +37,7 @@ class EdgeProc:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kdn.cli", "edge", "--listen", "127.0.0.1:0", "--memory-bytes", "512MiB", *self.extra],
+            [kdn_command(), "edge", "--listen", "127.0.0.1:0", "--memory-bytes", "512MiB", *self.extra],
             stdout=subprocess.PIPE, text=True, cwd=self.tmp,
         )
         assert self.proc.stdout is not None
