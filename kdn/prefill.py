@@ -83,7 +83,9 @@ def prefill_chunks(
     with torch.inference_mode():
         # logits_to_keep=1: prefill needs the cache, not a (N, vocab) logits tensor
         out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    return split_cache(out.cache, lm.chunk_size)  # n × (L, 2, H, C, D)
+    # transformers < 5.20 (the release vLLM 0.32 pins) names the output cache past_key_values
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    return split_cache(cache, lm.chunk_size)  # n × (L, 2, H, C, D)
 
 
 def logits_with_chunks(lm: LoadedModel, chunks: Sequence[torch.Tensor], rest: Sequence[int]) -> torch.Tensor:

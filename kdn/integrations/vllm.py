@@ -1,0 +1,701 @@
+"""KDN for vLLM: a v1 KV connector that loads a request's prefix KV from the local edge and writes
+newly computed full chunks back.
+
+    vllm serve DIR --kv-transfer-config '{"kv_connector": "KdnConnector",
+        "kv_connector_module_path": "kdn.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"edge": "127.0.0.1:7070", "chunk_size": 256}}'
+
+How one request goes (vLLM's v1 connector API, ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``):
+
+- scheduler, ``get_num_new_matched_tokens``: the request's namespace (tenant + salt, from the
+  request's ``cache_salt`` or ``kv_transfer_params``, never from process state) and its prompt
+  token ids give the chain of chunk keys (:func:`kdn.keys.chunk_keys`); ONE Lookup asks the edge
+  how many leading chunks it holds. The match is whole chunks, ends at least one token before the
+  prompt's end (vLLM computes the last token), and is reported for synchronous loading;
+- scheduler, ``build_connector_meta``: tells the worker which chunks to load into which block ids,
+  and which chunks became fully computed in this step (to save);
+- worker, ``start_load_kv``: fetches the chunks on a private event-loop thread, ``fetch_concurrency``
+  at once; every artifact streams through a verifying :class:`kdn.artifact.ArtifactReader`, and
+  each section (one layer's K or V of one chunk, ``(H, T, D)``) is scattered into the request's
+  paged blocks as soon as its checksum passed; ``wait_for_layer_load(layer)`` returns once every
+  chunk has placed that layer (or failed), so layer l's attention runs while layer l+1 is still
+  on the wire;
+- worker, ``wait_for_save``: the chunks computed in this step are copied out of the paged blocks
+  (one chunk at a time, ``(L, 2, H, T, D)``), then encoded and Put by the loop thread in the
+  background: the forward pass never waits on the edge;
+- worker, ``get_block_ids_with_load_errors``: the blocks of the first chunk that failed and of
+  every chunk after it. vLLM (with ``kv_load_failure_policy: "recompute"``, which the connector
+  requires) recomputes from the first failed block.
+
+Invariants:
+- a cache failure never changes an answer: a section is written into a block only after its
+  checksum verified, a chunk that failed anywhere (edge gone, deadline, corrupt bytes, wrong model)
+  reports its blocks and all later ones as failed, and the steps' saves of a request whose load
+  failed are dropped (their KV attended to unverified blocks);
+- chunk keys are those of :mod:`kdn.keys` with the fingerprint of :func:`engine_fingerprint`: the
+  same model directory in the same dtype gives the origin's keys (``kdn ingest --model DIR
+  --dtype bfloat16``), so vLLM finds what the origin made;
+- ``chunk_size`` is a multiple of vLLM's block size, checked when the connector is built.
+
+Paged layout (vLLM 0.32): every attention layer's cache is allocated as ``[blocks, H, block, 2*D]``,
+but what the bytes inside a block mean is the attention backend's business. Artifacts always hold
+KDN's layout ``(L, 2, H, T, D)``, so :class:`PagedKV` gives, per backend, K and V as strided views
+``[blocks, H, block, D]`` of the engine's own tensor (no copy), and refuses a backend it does not
+know at start (a wrong guess would swap numbers between hosts, not fail):
+
+- ``CPU_ATTN`` with the ``vec``/``vec16`` kernels: per block and head, K is stored column-major
+  ``[D, block]`` and then V row-major ``[block, D]`` (``csrc/cpu/cpu_attn_vec.hpp``);
+- ``FLASH_ATTN``, ``TRITON_ATTN`` (CUDA): K is ``[..., :D]`` and V ``[..., D:2D]`` of each token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from kdn.artifact import ArtifactReader, Section, encode_artifact
+from kdn.client import AsyncKdnClient, ClientConfig
+from kdn.config import RoleConfig
+from kdn.errors import FingerprintMismatch, InvalidInput, KdnError
+from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
+from kdn.models import DTYPES, _weights_digest, model_fingerprint
+from kdn.wire.convert import FetchSpec
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KdnConnector", "KdnConnectorConfig", "engine_fingerprint", "request_namespace"]
+
+LOG = logging.getLogger("kdn.vllm")
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_PREFETCH_HINT = 8
+
+
+class KdnConnectorConfig(RoleConfig):
+    """``kv_connector_extra_config`` of the KDN connector. Defaults live here."""
+
+    edge: str | None = Field(None, description="host:port of the local edge; None: the connector never reuses")
+    fallback_edges: list[str] = Field(default_factory=list, description="further edges, used while earlier ones are down")
+    token: str | None = Field(None, description="bearer token for tenants without an entry in `tokens`")
+    tokens: dict[str, str] = Field(default_factory=dict, description="tenant -> bearer token")
+    default_tenant: str = Field("default", description="tenant of requests that name none (no cache_salt, no kdn_tenant)")
+    chunk_size: int = Field(DEFAULT_CHUNK_SIZE, gt=0, description="tokens per chunk; a multiple of vLLM's block size")
+    shm: Literal["auto", "on", "off"] = Field("auto", description="shared-memory answers from a same-host edge")
+    write_back: bool = Field(True, description="Put newly computed full chunks to the edge")
+    put_codec: str = Field("raw", description="codec of chunks written back")
+    fetch_concurrency: int = Field(4, ge=1, le=64, description="chunks fetched at once")
+    lookup_timeout_s: float = Field(1.0, gt=0, description="deadline of the scheduler's Lookup")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="deadline of one chunk's Fetch")
+    put_timeout_s: float = Field(30.0, gt=0, description="deadline of one chunk's Put")
+    edge_backoff_s: float = Field(5.0, gt=0, description="after a failed Lookup, no Lookups for this long")
+    max_pending_puts: int = Field(256, ge=1, description="write-backs in flight at most; more are dropped")
+    model_dir: str | None = Field(None, description="directory that names the weights (default: vLLM's model path)")
+
+    def client_config(self, ns: Namespace) -> ClientConfig:
+        return ClientConfig(
+            edge=self.edge, fallback_edges=self.fallback_edges, edge_backoff_s=self.edge_backoff_s,
+            token=self.tokens.get(ns.tenant, self.token), tenant=ns.tenant, salt=ns.salt, shm=self.shm,
+            require_lossless=True, put_codec=self.put_codec, fetch_concurrency=self.fetch_concurrency,
+            lookup_timeout_s=self.lookup_timeout_s, fetch_timeout_s=self.fetch_timeout_s,
+            put_timeout_s=self.put_timeout_s, max_pending_puts=self.max_pending_puts,
+        )
+
+
+def engine_fingerprint(model_dir: str | Path, dtype: torch.dtype, chunk_size: int) -> ModelFingerprint:
+    """The fingerprint :func:`kdn.models.load_model` gives ``model_dir`` in ``dtype``: the same
+    config, the same weights digest (the ``*.safetensors`` bytes), dtype and chunk size."""
+    from transformers import AutoConfig
+
+    if dtype not in _DTYPE_NAMES:
+        raise InvalidInput(f"KDN stores KV as {sorted(DTYPES)}; the engine runs {dtype}")
+    cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return model_fingerprint(cfg, weights_id="sha:" + _weights_digest(Path(model_dir)),
+                             dtype=_DTYPE_NAMES[dtype], chunk_size=chunk_size)
+
+
+def request_namespace(cache_salt: str | None, params: dict[str, Any] | None, default_tenant: str) -> Namespace | None:
+    """The namespace of one request, or None when it opted out (``kv_transfer_params: {"kdn": false}``).
+
+    ``kv_transfer_params`` ``{"kdn_tenant": T, "kdn_salt": S}`` wins; else ``cache_salt`` (which
+    also separates vLLM's own prefix cache) read as ``tenant`` or ``tenant:salt``, and a salt that
+    is no valid tenant name becomes a tenant named by its digest; else ``default_tenant``."""
+    params = params or {}
+    if params.get("kdn") is False:
+        return None
+    if params.get("kdn_tenant"):
+        return Namespace(str(params["kdn_tenant"]), str(params.get("kdn_salt", "")))
+    if cache_salt:
+        try:
+            return Namespace.parse(cache_salt)
+        except InvalidInput:
+            return Namespace("salt-" + hashlib.blake2b(cache_salt.encode(), digest_size=16).hexdigest())
+    return Namespace(default_tenant)
+
+
+# -- metadata: scheduler -> worker, one per step ------------------------------------------------
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Load chunks ``first .. first+len(keys)-1`` of one request. Tokens before ``write_from`` are
+    already in the engine's own cache (their blocks may be shared): they are not written."""
+
+    req_id: str
+    tenant: str
+    salt: str
+    first: int
+    keys: list[bytes]
+    write_from: int
+    block_ids: list[int]  # the request's blocks covering tokens 0 .. (first+len(keys))*C
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Chunk ``index`` of one request was fully computed in this step: copy it out and Put it."""
+
+    req_id: str
+    tenant: str
+    salt: str
+    index: int
+    key: bytes
+    parent: bytes
+    block_ids: list[int]  # the blocks of this chunk, in token order
+
+
+@dataclass(slots=True)
+class KdnConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _ReqState:
+    ns: Namespace
+    keys: list[ChunkKey]
+    n_prompt: int
+    on_edge: int  # leading chunks the edge said it holds
+    saved: int  # chunks below this index need no write-back
+    load: tuple[int, int] | None = None  # token range to load, set once blocks are allocated
+    block_ids: list[int] = field(default_factory=list)
+
+
+def _fetch_stream(client: AsyncKdnClient, fingerprint: ModelFingerprint, key: ChunkKey, next_keys: list[ChunkKey],
+                  timeout: float) -> Any:
+    """The one call into the client's transport: ``(piece, via)`` of one lossless artifact."""
+    assert client.transport is not None
+    spec = FetchSpec(key, fingerprint, client.config.namespace, codec="", require_lossless=True)
+    return client.transport.fetch(spec, timeout=timeout, next_keys=next_keys)
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread: where the connector's clients live."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+_CPU_ISAS = ("vec", "vec16")  # their reshape_and_cache writes the layout below; amx/neon/... pack differently
+_TOKEN_MAJOR_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKV:
+    """One layer's paged cache as two views ``[kernel_blocks, H, kernel_block, D]`` (K, V) into
+    vLLM's own tensor: indexing them reads and writes the engine's blocks in place."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def of(cls, kv: torch.Tensor, backend: str, isa: str | None, head_dim: int) -> "PagedKV":
+        nb, H, kb, c = kv.shape
+        D = head_dim
+        if backend == "CPU_ATTN":
+            if isa not in _CPU_ISAS or c != 2 * D:
+                raise ValueError(f"KDN does not know the block layout of vLLM's CPU attention kernel {isa!r} "
+                                 f"(supported: {', '.join(_CPU_ISAS)}); refusing rather than mixing up KV")
+            region = kv.view(nb, H, 2, kb * D)  # per block and head: K's bytes, then V's
+            k = region[:, :, 0].unflatten(-1, (D, kb)).transpose(-1, -2)  # stored [D, kb] -> [kb, D] view
+            v = region[:, :, 1].unflatten(-1, (kb, D))
+            return cls(k, v)
+        if backend in _TOKEN_MAJOR_BACKENDS:
+            if c < 2 * D:
+                raise ValueError(f"KDN: paged KV of {backend} has {c} values per token, expected 2*{D}")
+            return cls(kv[..., :D], kv[..., c // 2 : c // 2 + D])
+        raise ValueError(f"KDN does not know the paged KV layout of vLLM's {backend} attention backend "
+                         f"(supported: CPU_ATTN, {', '.join(_TOKEN_MAJOR_BACKENDS)})")
+
+
+class KdnConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector backed by a KDN edge (see the module docstring)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.config = KdnConnectorConfig.build(dict(ktc.kv_connector_extra_config or {}), source="kv_connector_extra_config")
+        self.block_size = int(vllm_config.cache_config.block_size)
+        C = self.config.chunk_size
+        if C % self.block_size:
+            raise ValueError(
+                f"KDN chunk_size {C} is not a multiple of vLLM's block size {self.block_size}: set "
+                f"kv_connector_extra_config.chunk_size to a multiple of {self.block_size} (or --block-size to a divisor of {C})"
+            )
+        if ktc.kv_load_failure_policy != "recompute":
+            raise ValueError(
+                'the KDN connector needs kv_load_failure_policy "recompute" in --kv-transfer-config, so that a failed '
+                f'cache load is recomputed instead of failing the request (got {ktc.kv_load_failure_policy!r})'
+            )
+        mc = vllm_config.model_config
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        if cache_dtype not in ("auto", None) and str(cache_dtype) != _DTYPE_NAMES.get(mc.dtype):
+            raise ValueError(f"KDN stores KV in the model dtype; kv_cache_dtype {cache_dtype!r} is not supported")
+        self.dtype: torch.dtype = mc.dtype
+        model_dir = self.config.model_dir or mc.model
+        self.fingerprint = engine_fingerprint(model_dir, self.dtype, C)
+        hf = mc.hf_config
+        self.num_layers = int(hf.num_hidden_layers)
+        self.num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+        self.head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+        self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        self._loop = _LoopThread(f"kdn-vllm-{role.name.lower()}")
+        self._clients: dict[Namespace, AsyncKdnClient] = {}
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        self._lookup_off_until = 0.0
+        # worker side
+        self._kv: list[PagedKV] = []  # per layer: K and V views [kernel_blocks, H, kernel_block, D]
+        self._layer_of: dict[str, int] = {}
+        self._jobs: list[_LoadJob] = []
+        self._failed_blocks: set[int] = set()
+        self._puts: set[Any] = set()
+        self.counters: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "loaded_chunks": 0, "load_failures": 0,
+                                         "saved_chunks": 0, "save_errors": 0, "saves_dropped": 0}
+        LOG.info("KDN connector (%s): edge %s, chunk %d, fingerprint %s…", role.name, self.config.edge, C,
+                 bytes(self.fingerprint).hex()[:16])
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a later miss, never a wrong answer
+
+    # -- shared --------------------------------------------------------------------------------
+
+    def _client(self, ns: Namespace) -> AsyncKdnClient:
+        client = self._clients.get(ns)
+        if client is None:
+            cfg = self.config.client_config(ns)
+
+            async def make() -> AsyncKdnClient:
+                return AsyncKdnClient(cfg)
+
+            client = self._clients[ns] = self._loop.submit(make()).result(10)
+        return client
+
+    def shutdown(self) -> None:
+        async def close_all() -> None:
+            for c in self._clients.values():
+                await c.close(flush_timeout=2.0)
+
+        try:
+            self._loop.submit(close_all()).result(10)
+        except Exception as exc:  # shutting down: report, never raise
+            LOG.debug("KDN connector shutdown: %s", exc)
+        self._loop.close()
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        if st is None:
+            return 0, False
+        C = self.config.chunk_size
+        usable = min(st.on_edge, max(0, (st.n_prompt - 1) // C))  # vLLM computes the last prompt token
+        return max(0, usable * C - num_computed_tokens), False
+
+    def _state(self, request: "Request") -> _ReqState | None:
+        st = self._reqs.get(request.request_id)
+        if st is not None or self.config.edge is None:
+            return st
+        try:
+            ns = request_namespace(request.cache_salt, request.kv_transfer_params, self.config.default_tenant)
+        except InvalidInput as exc:
+            LOG.warning("KDN: request %s names an invalid namespace (%s); not cached", request.request_id, exc)
+            return None
+        if ns is None:
+            return None
+        tokens = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
+        keys = chunk_keys(tokens, fingerprint=self.fingerprint, namespace=ns, chunk_size=self.config.chunk_size)
+        on_edge = 0
+        wanted = keys[: max(0, (len(tokens) - 1) // self.config.chunk_size)]
+        if wanted and time.monotonic() >= self._lookup_off_until:
+            self.counters["lookups"] += 1
+            client = self._client(ns)
+            try:
+                on_edge = int(self._loop.submit(client.lookup(self.fingerprint, wanted)).result(self.config.lookup_timeout_s + 2))
+            except Exception as exc:  # KdnError or a timeout: recompute, and leave the edge alone a while
+                self.counters["lookup_errors"] += 1
+                self._lookup_off_until = time.monotonic() + self.config.edge_backoff_s
+                LOG.warning("KDN edge %s unusable for Lookup (%s: %s); recomputing", self.config.edge, type(exc).__name__, exc)
+        st = self._reqs[request.request_id] = _ReqState(ns, keys, len(tokens), on_edge, saved=on_edge)
+        return st
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0:
+            return
+        C = self.config.chunk_size
+        end = min(st.on_edge, (st.n_prompt - 1) // C) * C
+        st.load = (end - num_external_tokens, end)
+        st.block_ids = list(blocks.get_block_ids()[0])
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = KdnConnectorMetadata()
+        C, bs = self.config.chunk_size, self.block_size
+        progress: list[tuple[str, int]] = []
+        for r in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(r.req_id)
+            if st is not None:
+                st.block_ids = list(r.block_ids[0])
+                progress.append((r.req_id, r.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids and new is not None:
+                st.block_ids = list(new[0])
+            elif new is not None:
+                st.block_ids.extend(new[0])
+            progress.append((rid, cached.num_computed_tokens[i]))
+        for rid, computed in progress:
+            st = self._reqs[rid]
+            if st.load is not None:
+                lo, hi = st.load
+                first = lo // C
+                meta.loads.append(LoadSpec(rid, st.ns.tenant, st.ns.salt, first, [bytes(k) for k in st.keys[first : hi // C]],
+                                           lo, st.block_ids[: hi // bs]))
+                st.load = None
+            if not self.config.write_back:
+                continue
+            end = min(computed + scheduler_output.num_scheduled_tokens.get(rid, 0), st.n_prompt)
+            full = min(end // C, len(st.keys))
+            for c in range(st.saved, full):
+                blocks = st.block_ids[c * C // bs : (c + 1) * C // bs]
+                if len(blocks) * bs < C:
+                    break
+                meta.saves.append(SaveSpec(rid, st.ns.tenant, st.ns.salt, c, bytes(st.keys[c]),
+                                           bytes(st.keys[c - 1]) if c else bytes(ROOT_KEY), blocks))
+            st.saved = max(st.saved, full)
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None  # saves copy their chunks out during the step: the blocks are free now
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        by_index = sorted((extract_layer_index(name), name) for name in kv_caches)
+        if [i for i, _ in by_index] != list(range(self.num_layers)):
+            raise ValueError(f"KDN expects one KV cache per layer 0..{self.num_layers - 1}; vLLM has {[n for _, n in by_index]}")
+        self._layer_of = {name: i for i, name in by_index}
+        kv = kv_caches[by_index[0][1]]
+        if kv.dim() != 4 or kv.shape[1] != self.num_kv_heads:
+            raise ValueError(f"KDN: unsupported paged KV shape {tuple(kv.shape)} (want [blocks, {self.num_kv_heads}, block, 2*D])")
+        if kv.dtype != self.dtype:
+            raise ValueError(f"KDN: KV cache dtype {kv.dtype} differs from the model dtype {self.dtype}")
+        layers = self._vllm_config.compilation_config.static_forward_context
+        first = layers.get(by_index[0][1])
+        backend = first.attn_backend.get_name() if first is not None else "CPU_ATTN"
+        isa = getattr(first, "isa", None)
+        self._kv = [PagedKV.of(kv_caches[name], backend, isa, self.head_dim) for _, name in by_index]
+        num_blocks = self._num_blocks or kv.shape[0]
+        if kv.shape[0] % num_blocks or self.block_size % kv.shape[2]:
+            raise ValueError(f"KDN: {kv.shape[0]} kernel blocks of {kv.shape[2]} tokens do not tile {num_blocks} blocks of {self.block_size}")
+        self._ratio = kv.shape[0] // num_blocks  # kernel blocks per scheduler block
+        self._kernel_block = int(kv.shape[2])
+        self._device = kv.device
+        LOG.info("KDN connector: %d layers of paged KV %s %s, backend %s (isa %s) on %s", len(self._kv), tuple(kv.shape),
+                 kv.dtype, backend, isa, kv.device)
+
+    def _kernel_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Kernel block ids, in token order, of scheduler blocks ``block_ids``."""
+        ids = torch.as_tensor(block_ids, dtype=torch.long)
+        if self._ratio > 1:
+            ids = (ids[:, None] * self._ratio + torch.arange(self._ratio)).reshape(-1)
+        return ids.to(self._device)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KdnConnectorMetadata) or not meta.loads:
+            return
+        job = _LoadJob(self, meta.loads)
+        if self._device.type == "cuda":
+            # the loop thread's copies must follow what this step already queued (new blocks are
+            # zeroed before the load starts)
+            job.after = torch.cuda.Event()
+            job.after.record()
+        self._jobs.append(job)
+        job.start()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_of.get(layer_name)
+        if layer is None:
+            return
+        for job in self._jobs:
+            job.wait_layer(layer)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # chunks are copied out once the step's forward has written every layer (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        failed_reqs: set[str] = set()
+        for job in self._jobs:
+            job.finish()
+            self._failed_blocks |= job.failed_blocks
+            failed_reqs |= job.failed_reqs
+        self._jobs = []
+        meta = self._connector_metadata
+        if not isinstance(meta, KdnConnectorMetadata) or not meta.saves or not self._kv:
+            return
+        for spec in meta.saves:
+            if spec.req_id in failed_reqs:
+                self.counters["saves_dropped"] += 1
+                continue
+            if len(self._puts) >= self.config.max_pending_puts:
+                self.counters["saves_dropped"] += 1
+                continue
+            kv = self._gather(spec.block_ids)  # (L, 2, H, C, D) on the CPU
+            fut = self._loop.submit(self._put(spec, kv))
+            self._puts.add(fut)
+            fut.add_done_callback(self._puts.discard)
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        """One chunk out of the paged blocks: ``(L, 2, H, C, D)``, a CPU copy."""
+        idx = self._kernel_blocks(block_ids)
+        D = self.head_dim
+        out = torch.empty((self.num_layers, 2, self.num_kv_heads, self.config.chunk_size, D), dtype=self.dtype)
+        for l, paged in enumerate(self._kv):
+            for s, view in ((0, paged.k), (1, paged.v)):
+                # (nkb, H, kb, D) -> (H, nkb, kb, D) -> (H, C, D)
+                out[l, s].copy_(view[idx].permute(1, 0, 2, 3).reshape(self.num_kv_heads, -1, D))
+        return out
+
+    async def _put(self, spec: SaveSpec, kv: torch.Tensor) -> None:
+        client = self._clients_for(spec.tenant, spec.salt)
+        try:
+            data = await asyncio.to_thread(
+                encode_artifact, kv, key=ChunkKey(spec.key), parent_key=ChunkKey(spec.parent),
+                fingerprint=self.fingerprint, codec=self.config.put_codec, chunk_index=spec.index,
+            )
+            if await client.put(self.fingerprint, ChunkKey(spec.key), data):
+                self.counters["saved_chunks"] += 1
+        except Exception as exc:  # a write-back is an optimisation, never part of the answer
+            self.counters["save_errors"] += 1
+            LOG.debug("KDN write-back of chunk %d failed: %s", spec.index, exc)
+
+    def _clients_for(self, tenant: str, salt: str) -> AsyncKdnClient:
+        ns = Namespace(tenant, salt)
+        client = self._clients.get(ns)
+        if client is None:  # called on the loop thread: build directly
+            client = self._clients[ns] = AsyncKdnClient(self.config.client_config(ns))
+        return client
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for background write-backs (tests and benchmarks; vLLM never calls this)."""
+        deadline = time.monotonic() + timeout
+        for fut in list(self._puts):
+            try:
+                fut.result(max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+
+
+class _LoadJob:
+    """The loads of one step: every chunk's sections scattered into paged blocks as they verify.
+
+    ``progress[r][i]`` counts the layers of chunk i of request r that are in place; a chunk that
+    failed or finished counts as all layers (a failed one's blocks are reported, never trusted)."""
+
+    def __init__(self, conn: KdnConnector, specs: list[LoadSpec]) -> None:
+        self.conn = conn
+        self.specs = specs
+        L = conn.num_layers
+        self.progress = [[0] * len(s.keys) for s in specs]
+        self.first_failed = [len(s.keys) for s in specs]
+        self.cond = threading.Condition()
+        self.future: Any = None
+        self.failed_blocks: set[int] = set()
+        self.failed_reqs: set[str] = set()
+        self._L = L
+        self.after: Any = None  # CUDA: an event the copies wait for
+        self._events: dict[int, list[Any]] = {}  # CUDA: per layer, events after its copies
+        self._timeout = conn.config.fetch_timeout_s * (1 + max(len(s.keys) for s in specs) // conn.config.fetch_concurrency) + 5
+        self._deadline = 0.0
+
+    def start(self) -> None:
+        self._deadline = time.monotonic() + self._timeout
+        self.future = self.conn._loop.submit(self._run())
+
+    async def _run(self) -> None:
+        sem = asyncio.Semaphore(self.conn.config.fetch_concurrency)
+
+        async def one(r: int, i: int) -> None:
+            async with sem:
+                if i >= self.first_failed[r]:
+                    return self._done(r, i)  # an earlier chunk failed: this one will be recomputed anyway
+                try:
+                    await asyncio.wait_for(self._load_chunk(r, i), self.conn.config.fetch_timeout_s + 0.5)
+                    self.conn.counters["loaded_chunks"] += 1
+                except Exception as exc:  # KdnError, a deadline, a geometry refusal: recompute from here
+                    self._fail(r, i, exc)
+                finally:
+                    self._done(r, i)
+
+        await asyncio.gather(*(one(r, i) for r, s in enumerate(self.specs) for i in range(len(s.keys))))
+
+    async def _load_chunk(self, r: int, i: int) -> None:
+        spec = self.specs[r]
+        conn = self.conn
+        client = conn._clients_for(spec.tenant, spec.salt)
+        key = ChunkKey(spec.keys[i])
+        reader = ArtifactReader(expect_fingerprint=conn.fingerprint, expect_key=key, require_lossless=True)
+        stream = _fetch_stream(client, conn.fingerprint, key, [ChunkKey(k) for k in spec.keys[i + 1 : i + 1 + _PREFETCH_HINT]],
+                               conn.config.fetch_timeout_s)
+        c = spec.first + i
+        async with aclosing(stream):
+            async for piece, _via in stream:
+                for section in reader.feed(piece):
+                    self._place(spec, c, section)
+                    if section.kind == "v":
+                        with self.cond:
+                            self.progress[r][i] = section.layer + 1
+                            self.cond.notify_all()
+        reader.finish()
+
+    def _place(self, spec: LoadSpec, c: int, section: Section) -> None:
+        """Scatter one verified section ``(H, C, D)`` of chunk ``c`` into its blocks."""
+        conn = self.conn
+        C, bs, D = conn.config.chunk_size, conn.block_size, conn.head_dim
+        x = section.tensor
+        if tuple(x.shape) != (conn.num_kv_heads, C, D) or x.dtype != conn.dtype:
+            raise FingerprintMismatch(f"artifact section {tuple(x.shape)} {x.dtype} is not this engine's "
+                                      f"({conn.num_kv_heads}, {C}, {D}) {conn.dtype}")
+        skip = max(0, spec.write_from - c * C)  # block-aligned: tokens the engine already holds
+        blocks = spec.block_ids[(c * C + skip) // bs : (c + 1) * C // bs]
+        if not blocks:
+            return
+        idx = conn._kernel_blocks(blocks)
+        # (H, T, D) -> (H, nkb, kb, D) -> (nkb, H, kb, D): the views' [block, H, token, D] order
+        src = x[:, skip:].reshape(conn.num_kv_heads, -1, conn._kernel_block, D).permute(1, 0, 2, 3)
+        paged = conn._kv[section.layer]
+        dst = paged.k if section.kind == "k" else paged.v
+        if conn._device.type != "cuda":
+            dst[idx] = src
+            return
+        # CUDA (untested here): copy on this thread's stream after the step's earlier work, and
+        # let wait_for_layer_load make the compute stream wait for it
+        stream = torch.cuda.current_stream(conn._device)
+        if self.after is not None:
+            stream.wait_event(self.after)
+        dst[idx] = src.to(conn._device, non_blocking=False)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        with self.cond:
+            self._events.setdefault(section.layer, []).append(ev)
+
+    def _fail(self, r: int, i: int, exc: BaseException) -> None:
+        spec = self.specs[r]
+        self.conn.counters["load_failures"] += 1
+        with self.cond:
+            if i < self.first_failed[r]:
+                self.first_failed[r] = i
+        LOG.warning("KDN load of chunk %d for request %s failed (%s: %s); vLLM recomputes from there",
+                    spec.first + i, spec.req_id, type(exc).__name__, exc)
+
+    def _done(self, r: int, i: int) -> None:
+        with self.cond:
+            self.progress[r][i] = self._L
+            self.cond.notify_all()
+
+    def wait_layer(self, layer: int) -> None:
+        with self.cond:
+            ok = self.cond.wait_for(lambda: all(p > layer for ps in self.progress for p in ps),
+                                    timeout=max(0.0, self._deadline - time.monotonic()))
+        if not ok:
+            self._cancel()
+        if self._events:
+            with self.cond:
+                events = list(self._events.get(layer, ()))
+            for ev in events:
+                torch.cuda.current_stream().wait_event(ev)
+
+    def _cancel(self) -> None:
+        """Past the deadline: stop the fetches (no write happens after this returns) and fail
+        every chunk that had not finished."""
+        with self.cond:
+            for r, ps in enumerate(self.progress):
+                for i, p in enumerate(ps):
+                    if p < self._L and i < self.first_failed[r]:
+                        self.first_failed[r] = i
+        self.conn._loop.loop.call_soon_threadsafe(self.future.cancel)
+        try:
+            self.future.result(10)
+        except BaseException:
+            pass
+        with self.cond:
+            for ps in self.progress:
+                ps[:] = [self._L] * len(ps)
+            self.cond.notify_all()
+
+    def finish(self) -> None:
+        """End of step: every fetch has ended (or is cancelled); collect the failed blocks."""
+        try:
+            self.future.result(max(0.0, self._deadline - time.monotonic()))
+        except Exception:
+            self._cancel()
+        C, bs = self.conn.config.chunk_size, self.conn.block_size
+        for r, spec in enumerate(self.specs):
+            i = self.first_failed[r]
+            if i < len(spec.keys):
+                start = max(spec.write_from, (spec.first + i) * C)
+                self.failed_blocks.update(spec.block_ids[start // bs :])
+                self.failed_reqs.add(spec.req_id)
