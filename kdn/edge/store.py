@@ -862,15 +862,12 @@ def _named_policy(name: str) -> PolicyFactory:
     """A factory for the registered policy ``name``.
 
     In a store of several tiers each tier holds only part of every chain (hot roots in memory,
-    tails demoted to disk), so the prefix policy must not treat "parent not in this tier" as an
-    orphan: it gets ``track_orphans=False`` there.
+    tails demoted to disk): each tier's policy is told so (``whole_chains=False``).
     """
     make_policy(name)  # validate the name now: InvalidInput lists the known ones
 
     def factory(index: int, count: int) -> EvictionPolicy:
-        if name == "prefix" and count > 1:
-            return make_policy(name, track_orphans=False)
-        return make_policy(name)
+        return make_policy(name, whole_chains=count == 1)
 
     return factory
 

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from kdn.edge.eviction import BoundedCache, make_policy
+from kdn.edge.eviction import make_policy
+from kdn.simulator.cache import BoundedCache
 from kdn.simulator.core import EventLoop
 from kdn.simulator.links import Links
 from kdn.simulator.presets import Presets

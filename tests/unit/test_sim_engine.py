@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kdn.edge.eviction import LRU, BoundedCache
+from kdn.edge.eviction import LRU
+from kdn.simulator.cache import BoundedCache
 from kdn.simulator.engine import Simulation, run_policy
 from kdn.simulator.geo import C_KM_PER_S, CityIndex, great_circle_km
 from kdn.simulator.presets import load_presets
