@@ -82,7 +82,7 @@ class InMemoryOverlay:
         clock: Clock | None = None,
         **config: object,
     ) -> None:
-        from kdn.edge.store import make_store
+        from kdn.edge.store import build_store
 
         self.clock = clock or FakeClock()
         self.origin = origin if origin is not None else InMemoryUpstream()
@@ -96,7 +96,7 @@ class InMemoryOverlay:
             overlay = Overlay(members[self.ids.index(nid)], members, replicas=replicas, clock=self.clock)
             node = EdgeNode(
                 cfg,
-                store=make_store(memory_bytes=memory_bytes, policy=cfg.policy, clock=self.clock),
+                store=build_store(cfg.model_copy(update={"disk_dir": None}), clock=self.clock),  # memory only
                 overlay=overlay,
                 connect=lambda m, me=nid: self._link(me, m),
                 origin=self.origin,
