@@ -3,7 +3,7 @@
 Two sources feed one bounded queue:
 - read-ahead — after chunk i of a chain is fetched, chunks i+1..i+depth (the request's
   ``next_keys``) are offered;
-- operators — the Prefetch RPC and cron-scheduled prefetches (``kdn.edge.hints.HintScheduler``,
+- operators — the Prefetch RPC and cron-scheduled prefetches (``kdn.edge.schedules.HintScheduler``,
   driven by the node's schedule loop) offer whole key lists or documents.
 
 The queue is bounded: when it is full, offers are dropped and counted (prefetch is an

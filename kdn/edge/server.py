@@ -35,6 +35,7 @@ from kdn.edge.clock import Clock, MonotonicClock
 from kdn.edge.config import EdgeConfig
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.node import EdgeNode
+from kdn.edge.operator_hints import HintService
 from kdn.edge.overlay import Member, MembershipProvider, Overlay, file_members, static_members
 from kdn.edge.shm import ShmPool
 from kdn.edge.store import TieredStore, build_store
@@ -203,8 +204,6 @@ class EdgeServer:
         )
 
     async def start(self) -> "EdgeServer":
-        from kdn.edge.hint_api import HintService
-
         c = self.config
         store = self._store if self._store is not None else await asyncio.to_thread(build_store, c, clock=self.clock)
         self._server = grpc.aio.server(options=grpc_options(c.max_message_bytes))
