@@ -36,14 +36,17 @@ class PrefetchJob:
 
 
 class Prefetcher:
-    """A bounded queue of prefetch jobs and a few workers that run ``run(job)``."""
+    """A bounded queue of prefetch jobs and a few workers that run ``run(job)``.
+
+    ``queue_size`` and ``workers`` come from the edge's config (``prefetch_queue``,
+    ``prefetch_workers``), which holds their defaults."""
 
     def __init__(
         self,
         run: Callable[[PrefetchJob], Awaitable[object]],
         *,
-        queue_size: int = 256,
-        workers: int = 2,
+        queue_size: int,
+        workers: int,
     ) -> None:
         self._run = run
         self._queue: asyncio.Queue[PrefetchJob] = asyncio.Queue(maxsize=queue_size)
