@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kdn.edge.eviction import POLICIES, Belady, BoundedCache, EvictionPolicy, PrefixAware, make_policy
+from kdn.edge.eviction import POLICIES, Belady, EvictionPolicy, PrefixAware, make_policy
+from kdn.simulator.cache import BoundedCache
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in codecs:
                 store = work / f"store-{c.replace(':', '-')}-{r}-{i}"
                 cfg = OriginConfig(store_dir=str(store), models=[model], codecs=[c], workers=0)
-                ex = LocalExecutor(PrefillWorker(store_dir=str(store), model=model, codecs=[c], lm=lm))
+                ex = LocalExecutor(PrefillWorker(cfg, lm=lm))
                 s = ingest([docs / f"doc-{i}.py"], cfg, executor=ex)
                 ex.close()
                 assert s.failed == 0 and s.prefilled_tokens == n_tok, s.render()
@@ -132,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             vals = []
             for r in range(rounds):
                 store = work / f"store-ray-{r}"
-                cfg = OriginConfig(store_dir=str(store), models=[model], codecs=[c], workers=1, worker_threads=args.threads)
-                ex = RayExecutor(spawn_workers(1, store_dir=str(store), model=model, dtype="float32", chunk_size=lm.chunk_size,
-                                               codecs=[c], threads=args.threads))
+                cfg = OriginConfig(store_dir=str(store), models=[model], codecs=[c], workers=1, worker_threads=args.threads,
+                                   chunk_size=lm.chunk_size)
+                ex = RayExecutor(spawn_workers(cfg, model))
                 ex.info()  # wait until the actor holds its model: startup is not ingest time
                 s = ingest([docs], cfg, executor=ex)
                 ex.close()

@@ -7,16 +7,21 @@ swept on open. The store does not interpret bytes: callers verify artifact check
 
 Layout: ``root/<prefix>/<name[:2]>/<name>`` where ``prefix`` groups blobs (a tenant, a codec).
 Names are restricted to ``[A-Za-z0-9_.-]`` so no name can escape the root.
+
+Small state files beside the blobs (an edge's retention hints and hint schedules, the cluster
+state) use the same write with the same durability: :func:`write_file_atomic` /
+:func:`write_json_atomic`, the one atomic writer of the tree.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from kdn.errors import InvalidInput, StorageFull
 from kdn.procs import pid_alive
@@ -58,16 +63,8 @@ class BlobStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.{id(data):x}{_TMP_SUFFIX}")
         try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                if self._fsync:
-                    os.fsync(fh.fileno())
-            os.replace(tmp, final)
-            if self._fsync:
-                _fsync_dir(final.parent)
+            _write_replace(final, tmp, data, fsync=self._fsync)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StorageFull(f"disk full writing {final}: {exc.strerror}") from exc
             raise
@@ -139,6 +136,61 @@ def _writer_alive(tmp_name: str) -> bool:
     if pid == os.getpid():
         return False  # this process is opening the store: none of its writes are in flight yet
     return pid_alive(pid)
+
+
+def write_file_atomic(path: str | Path, data: bytes) -> None:
+    """Replace the small file ``path`` with ``data``, durably: a temporary beside it
+    (``.<name>.<pid>.tmp``), flushed and fsynced, renamed over ``path``, then the directory fsynced.
+
+    A reader sees the old file or the new one, never a mix; a writer killed midway leaves only its
+    temporary, which :func:`sweep_file_tmp` removes. Raises OSError (the temporary removed).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_replace(path, _file_tmp(path, str(os.getpid())), data, fsync=True)
+
+
+def write_json_atomic(path: str | Path, doc: object, **dumps: Any) -> None:
+    """:func:`write_file_atomic` of ``json.dumps(doc, **dumps)`` (UTF-8)."""
+    write_file_atomic(path, json.dumps(doc, **dumps).encode("utf-8"))
+
+
+def sweep_file_tmp(path: str | Path) -> None:
+    """Remove the temporaries that writers of ``path`` killed before their rename left behind."""
+    path = Path(path)
+    for stale in path.parent.glob(_file_tmp(path, "*").name):
+        stale.unlink(missing_ok=True)
+
+
+def adopt_legacy_name(path: str | Path, legacy: str | Path) -> None:
+    """A file renamed between releases: if ``path`` is absent and ``legacy`` exists, rename it to
+    ``path`` (durably), once. Its writers' temporaries are swept first."""
+    path, legacy = Path(path), Path(legacy)
+    sweep_file_tmp(legacy)
+    if path.exists() or not legacy.exists():
+        return
+    os.replace(legacy, path)
+    _fsync_dir(path.parent)
+
+
+def _file_tmp(path: Path, pid: str) -> Path:
+    return path.with_name(f".{path.name.lstrip('.')}.{pid}{_TMP_SUFFIX}")
+
+
+def _write_replace(final: Path, tmp: Path, data: bytes | memoryview, *, fsync: bool) -> None:
+    """Write ``tmp``, rename it over ``final``; fsync both (``fsync``). The temporary never survives a failure."""
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        if fsync:
+            _fsync_dir(final.parent)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _fsync_dir(path: Path) -> None:

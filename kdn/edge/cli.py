@@ -27,10 +27,13 @@ import json
 import logging
 import signal
 import sys
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kdn.console import report_error
 from kdn.errors import ConfigError, KdnError
+
+if TYPE_CHECKING:  # imported lazily below: `kdn --help` stays light
+    from kdn.edge.config import EdgeConfig
 
 HINT_COMMANDS = ("pin", "unpin", "ttl", "priority", "schedule", "cancel", "prefetch")
 _SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -102,7 +105,7 @@ def _run_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_config(args: argparse.Namespace) -> Any:
+def build_config(args: argparse.Namespace) -> EdgeConfig:
     from kdn.edge.config import EdgeConfig
 
     overrides: dict[str, Any] = {
@@ -120,7 +123,7 @@ def build_config(args: argparse.Namespace) -> Any:
     return EdgeConfig.build({}, **overrides)
 
 
-async def _serve(config: Any) -> int:
+async def _serve(config: EdgeConfig) -> int:
     from kdn.edge.server import EdgeServer
 
     server = EdgeServer(config)

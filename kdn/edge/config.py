@@ -48,7 +48,13 @@ class EdgeConfig(RoleConfig):
     memory_bytes: int = Field(1 << 30, ge=0, description="memory tier budget")
     disk_dir: str | None = Field(None, description="disk tier directory; None = no disk tier")
     disk_bytes: int = Field(10 << 30, ge=0, description="disk tier budget")
-    policy: str = Field("prefix", description="eviction policy name (edge.policies registry)")
+    disk_fsync: bool = Field(
+        True, description="fsync disk-tier blobs before they become visible; False is faster but a power cut may lose recent writes"
+    )
+    disk_verify_on_open: bool = Field(
+        False, description="on start, check every checksum of every disk blob (not only header and trailer)"
+    )
+    policy: str = Field("prefix", description="eviction policy name (kdn.edge.eviction registry)")
     replicas: int = Field(2, ge=1, le=16, description="owners per key in the overlay")
     prefetch_depth: int = Field(2, ge=0, le=64, description="chunks fetched ahead after chunk i")
     prefetch_queue: int = Field(256, ge=1, description="bound on queued background prefetches; more are dropped")

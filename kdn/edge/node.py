@@ -28,13 +28,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from kdn.edge.clock import Clock, MonotonicClock
 from kdn.edge.config import EdgeConfig
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.overlay import Member, Overlay
 from kdn.edge.prefetch import Prefetcher, PrefetchJob
+from kdn.edge.store import EntryMeta, TieredStore
 from kdn.edge.upstream import FetchSpec, SingleFlight, Upstream
 from kdn.artifact import read_header
 from kdn.errors import (
@@ -55,6 +56,15 @@ log = logging.getLogger(__name__)
 _MAX_LOOKUP_HOPS = 8  # peer Lookups per chain before the rest is asked of the origin
 
 
+class ScheduledHints(Protocol):
+    """What the node's schedule loop and Stats need of the operator's schedules
+    (:class:`kdn.edge.operator_hints.HintService`)."""
+
+    async def run_due(self) -> int: ...
+
+    def describe(self) -> list[dict[str, Any]]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Located:
     """Where one available key of a Lookup lives."""
@@ -71,12 +81,12 @@ class EdgeNode:
         self,
         config: EdgeConfig,
         *,
-        store: Any,
+        store: TieredStore,
         overlay: Overlay,
         connect: Callable[[Member], Upstream],
         origin: Upstream | None = None,
         metrics: EdgeMetrics | None = None,
-        scheduler: Any | None = None,
+        scheduler: ScheduledHints | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.config = config
@@ -352,7 +362,7 @@ class EdgeNode:
 
     # -- writes and operator hints -------------------------------------------------------------
 
-    async def put(self, data: bytes, *, namespace: Namespace, fingerprint: ModelFingerprint, key: ChunkKey) -> Any:
+    async def put(self, data: bytes, *, namespace: Namespace, fingerprint: ModelFingerprint, key: ChunkKey) -> EntryMeta:
         header = read_header(memoryview(data))
         if header.key != bytes(key):
             raise InvalidInput(f"Put declared key {bytes(key).hex()[:16]} but the artifact holds {header.key.hex()[:16]}")

@@ -3,7 +3,7 @@
 Two sources feed one bounded queue:
 - read-ahead — after chunk i of a chain is fetched, chunks i+1..i+depth (the request's
   ``next_keys``) are offered;
-- operators — the Prefetch RPC and cron-scheduled prefetches (``kdn.edge.hints.HintScheduler``,
+- operators — the Prefetch RPC and cron-scheduled prefetches (``kdn.edge.schedules.HintScheduler``,
   driven by the node's schedule loop) offer whole key lists or documents.
 
 The queue is bounded: when it is full, offers are dropped and counted (prefetch is an
@@ -36,14 +36,17 @@ class PrefetchJob:
 
 
 class Prefetcher:
-    """A bounded queue of prefetch jobs and a few workers that run ``run(job)``."""
+    """A bounded queue of prefetch jobs and a few workers that run ``run(job)``.
+
+    ``queue_size`` and ``workers`` come from the edge's config (``prefetch_queue``,
+    ``prefetch_workers``), which holds their defaults."""
 
     def __init__(
         self,
         run: Callable[[PrefetchJob], Awaitable[object]],
         *,
-        queue_size: int = 256,
-        workers: int = 2,
+        queue_size: int,
+        workers: int,
     ) -> None:
         self._run = run
         self._queue: asyncio.Queue[PrefetchJob] = asyncio.Queue(maxsize=queue_size)

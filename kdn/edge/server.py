@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import grpc
@@ -35,8 +34,10 @@ from kdn.edge.clock import Clock, MonotonicClock
 from kdn.edge.config import EdgeConfig
 from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.node import EdgeNode
+from kdn.edge.operator_hints import HintService
 from kdn.edge.overlay import Member, MembershipProvider, Overlay, file_members, static_members
 from kdn.edge.shm import ShmPool
+from kdn.edge.store import TieredStore, build_store
 from kdn.edge.upstream import FORWARDED_HEADER, FetchSpec, OriginUpstream, PeerUpstream, Upstream
 from kdn.errors import Unavailable
 from kdn.keys import ChunkKey, parse_fingerprint
@@ -50,16 +51,6 @@ from kdn.wire.service import Servicer, add_servicer, rpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kdn.v1.EdgeService"
-
-
-def make_store(config: EdgeConfig, clock: Clock) -> Any:
-    """The tiered store the config describes: memory, then disk if ``disk_dir`` is set."""
-    from kdn.edge.store import DiskTier, MemoryTier, TieredStore
-
-    tiers: list[Any] = [MemoryTier(config.memory_bytes)]
-    if config.disk_dir:
-        tiers.append(DiskTier(Path(config.disk_dir), config.disk_bytes))
-    return TieredStore(tiers, policy=config.policy, clock=clock)
 
 
 class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
@@ -178,7 +169,7 @@ class EdgeServer:
         origin: Upstream | None = None,
         connect: Callable[[Member], Upstream] | None = None,
         members: MembershipProvider | None = None,
-        store: Any | None = None,
+        store: TieredStore | None = None,
         clock: Clock | None = None,
     ) -> None:
         self.config = config
@@ -190,10 +181,10 @@ class EdgeServer:
         self._store = store
         self.node: EdgeNode | None = None
         self.shm: ShmPool | None = None
-        self.hints: Any = None
+        self.hints: HintService | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
-        self._health: Any = None
+        self._health: health_aio.HealthServicer | None = None
         self.port = 0
 
     @property
@@ -212,10 +203,8 @@ class EdgeServer:
         )
 
     async def start(self) -> "EdgeServer":
-        from kdn.edge.hint_api import HintService
-
         c = self.config
-        store = self._store if self._store is not None else await asyncio.to_thread(make_store, c, self.clock)
+        store = self._store if self._store is not None else await asyncio.to_thread(build_store, c, clock=self.clock)
         self._server = grpc.aio.server(options=grpc_options(c.max_message_bytes))
         tls = c.server_tls
         if tls is not None:

@@ -82,7 +82,7 @@ class InMemoryOverlay:
         clock: Clock | None = None,
         **config: object,
     ) -> None:
-        from kdn.edge.store import make_store
+        from kdn.edge.store import build_store
 
         self.clock = clock or FakeClock()
         self.origin = origin if origin is not None else InMemoryUpstream()
@@ -96,7 +96,7 @@ class InMemoryOverlay:
             overlay = Overlay(members[self.ids.index(nid)], members, replicas=replicas, clock=self.clock)
             node = EdgeNode(
                 cfg,
-                store=make_store(memory_bytes=memory_bytes, policy=cfg.policy, clock=self.clock),
+                store=build_store(cfg.model_copy(update={"disk_dir": None}), clock=self.clock),  # memory only
                 overlay=overlay,
                 connect=lambda m, me=nid: self._link(me, m),
                 origin=self.origin,
@@ -166,9 +166,9 @@ class InProcessEdge:
         self, *, origin: Upstream | None = None, clock: Clock | None = None, memory_bytes: int = 1 << 24,
         **config: object,
     ) -> None:
-        from kdn.edge.hint_api import HintService
+        from kdn.edge.operator_hints import HintService
         from kdn.edge.server import EdgeServicer
-        from kdn.edge.store import make_store
+        from kdn.edge.store import build_store
         from kdn.wire.auth import TokenAuth
         from kdn.wire.inproc import InProcessServer
         from kdn.wire.service import add_servicer
@@ -179,7 +179,7 @@ class InProcessEdge:
         me = Member(self.config.node_id, f"inproc://{self.config.node_id}")
         self.node = EdgeNode(
             self.config,
-            store=make_store(memory_bytes=memory_bytes, policy=self.config.policy, clock=self.clock),
+            store=build_store(self.config.model_copy(update={"disk_dir": None}), clock=self.clock),  # memory only
             overlay=Overlay(me, [me], replicas=1, clock=self.clock),
             connect=self._no_peers,
             origin=origin,

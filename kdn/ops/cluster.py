@@ -38,6 +38,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from kdn.blobstore import write_json_atomic
 from kdn.config import RoleConfig
 from kdn.errors import ConfigError, KdnError, Unavailable
 from kdn.procs import session_members, stop_sessions
@@ -88,10 +89,7 @@ class ClusterState:
         self.session_starts.append(_start_time(pid))
 
     def save(self) -> None:
-        path = Path(self.state_dir) / "cluster.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(tmp, path)
+        write_json_atomic(Path(self.state_dir) / "cluster.json", asdict(self), indent=2)
 
     @classmethod
     def load(cls, state_dir: Path) -> "ClusterState | None":

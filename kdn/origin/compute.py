@@ -54,20 +54,7 @@ class LocalCompute:
     @classmethod
     def from_config(cls, config: OriginConfig, *, preloaded: Sequence[LoadedModel] = ()) -> "LocalCompute":
         by_spec = {lm.spec: lm for lm in preloaded}
-        return cls(
-            [
-                PrefillWorker(
-                    store_dir=str(config.store_path),
-                    model=spec,
-                    dtype=config.dtype,
-                    chunk_size=config.chunk_size,
-                    codecs=config.codecs,
-                    fsync=config.fsync,
-                    lm=by_spec.get(spec),
-                )
-                for spec in config.models
-            ]
-        )
+        return cls([PrefillWorker(config, spec, lm=by_spec.get(spec)) for spec in config.models])
 
     def worker(self, fingerprint: ModelFingerprint) -> PrefillWorker:
         w = self._workers.get(ModelFingerprint(bytes(fingerprint)))
@@ -90,7 +77,7 @@ class LocalCompute:
     def ingest(self, fingerprint: ModelFingerprint, task: DocumentTask) -> DocumentResult:
         w = self.worker(fingerprint)
         with self._locks[w.lm.fingerprint]:
-            return DocumentResult.from_dict(w.process({f: getattr(task, f) for f in DocumentTask.__dataclass_fields__}))
+            return DocumentResult.from_dict(w.process(task.to_dict()))
 
     def close(self) -> None:
         for w in self._workers.values():
@@ -108,17 +95,7 @@ class RayCompute:
         self._info: dict[ModelFingerprint, dict[str, Any]] = {}
         self._rr: dict[ModelFingerprint, Any] = {}
         for spec in config.models:
-            actors = spawn_workers(
-                max(1, config.workers),
-                store_dir=str(config.store_path),
-                model=spec,
-                dtype=config.dtype,
-                chunk_size=config.chunk_size,
-                codecs=config.codecs,
-                fsync=config.fsync,
-                threads=config.worker_threads,
-                max_restarts=config.max_restarts,
-            )
+            actors = spawn_workers(config, spec, n=max(1, config.workers))
             info = ray.get(actors[0].info.remote(), timeout=self._timeout)
             fp = ModelFingerprint(bytes.fromhex(info["fingerprint"]))
             self._pools[fp], self._info[fp], self._rr[fp] = actors, info, itertools.cycle(range(len(actors)))
@@ -166,7 +143,7 @@ class RayCompute:
         )
 
     def ingest(self, fingerprint: ModelFingerprint, task: DocumentTask) -> DocumentResult:
-        out = self._call(fingerprint, "process", {f: getattr(task, f) for f in DocumentTask.__dataclass_fields__})
+        out = self._call(fingerprint, "process", task.to_dict())
         return DocumentResult.from_dict(out)
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ from kdn.codecs import get_codec
 from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys
 from kdn.models import LoadedModel, load_model
 from kdn.prefill import document_tokens, plan_chunks, prefill_chunks
+from kdn.origin.config import OriginConfig
 from kdn.origin.store import DocumentRecord, OriginStore
 
 Status = Literal["stored", "skipped", "truncated", "short", "failed"]
@@ -43,6 +44,9 @@ class DocumentTask:
     tenant: str
     salt: str = ""
     attempt: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in DocumentTask.__dataclass_fields__}
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,23 +94,22 @@ class PrefillWorker:
 
     def __init__(
         self,
+        config: OriginConfig,
+        model: str | None = None,
         *,
-        store_dir: str,
-        model: str,
-        dtype: str = "float32",
-        chunk_size: int = 256,
-        codecs: Sequence[str] = ("zstd:3",),
-        fsync: bool = True,
         threads: int | None = None,
         lm: LoadedModel | None = None,
         writers: int = 4,
     ) -> None:
+        """A worker for ``model`` (default: the config's first) over ``config``'s store, dtype,
+        chunk size, codecs and fsync. ``lm``: an already loaded model to use instead."""
         if threads:
             torch.set_num_threads(threads)
-        self.lm = lm if lm is not None else load_model(model, dtype=dtype, chunk_size=chunk_size)
+        spec = model or config.models[0]
+        self.lm = lm if lm is not None else load_model(spec, dtype=config.dtype, chunk_size=config.chunk_size)
         # the driver/server checks the store on open; a worker must not sweep others' temp files
-        self.store = OriginStore(store_dir, fsync=fsync, verify="none")
-        self.codecs = [get_codec(c).spec for c in codecs]
+        self.store = OriginStore(config.store_path, fsync=config.fsync, verify="none")
+        self.codecs = [get_codec(c).spec for c in config.codecs]
         self._writers = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="kdn-origin-write")
 
     # -- introspection (also Ray actor methods) -------------------------------------------------
@@ -233,41 +236,24 @@ class PrefillWorker:
 # different sizes. Ray Data would add a block/batch layer without adding throughput here.
 
 
-def spawn_workers(
-    n: int,
-    *,
-    store_dir: str,
-    model: str,
-    dtype: str,
-    chunk_size: int,
-    codecs: Sequence[str],
-    fsync: bool = True,
-    threads: int = 1,
-    max_restarts: int = 3,
-) -> list[Any]:
-    """Start ``n`` ``OriginWorker`` Ray actors, each needing one unit of ``kdn_origin``.
+def spawn_workers(config: OriginConfig, model: str, *, n: int | None = None) -> list[Any]:
+    """Start ``n`` (default ``config.workers``) ``OriginWorker`` Ray actors for ``model``, each
+    needing one unit of ``kdn_origin`` and ``config.worker_threads`` CPUs.
 
-    ``max_restarts``: Ray restarts a dead worker (SIGKILL, OOM) that many times; the driver
+    ``config.max_restarts``: Ray restarts a dead worker (SIGKILL, OOM) that many times; the driver
     resubmits the document it held (``max_task_retries=0``: the driver, not Ray, decides about
     redo, so it can count attempts and report).
     """
     import ray
 
+    threads = config.worker_threads
     actor_cls = ray.remote(PrefillWorker)
     return [
         actor_cls.options(
             resources={"kdn_origin": 1},
             num_cpus=threads,
-            max_restarts=max_restarts,
+            max_restarts=config.max_restarts,
             max_task_retries=0,
-        ).remote(
-            store_dir=store_dir,
-            model=model,
-            dtype=dtype,
-            chunk_size=chunk_size,
-            codecs=list(codecs),
-            fsync=fsync,
-            threads=threads,
-        )
-        for _ in range(n)
+        ).remote(config, model, threads=threads)
+        for _ in range(config.workers if n is None else n)
     ]

@@ -19,7 +19,8 @@ committed between a prediction and its commit.
 
 from __future__ import annotations
 
-from kdn.edge.eviction import BoundedCache, make_policy
+from kdn.edge.eviction import make_policy
+from kdn.simulator.cache import BoundedCache
 from kdn.simulator.core import EventLoop
 from kdn.simulator.cost import CostModel
 from kdn.simulator.links import Links
@@ -162,8 +163,7 @@ class Context:
         ``whole_chains=False``: an edge holds scattered chunks of each chain (consistent hashing),
         so the prefix-aware policy must not treat a chunk whose parent lives elsewhere as dead."""
         name = self._cache_spec.eviction
-        kw = {"track_orphans": False} if (name == "prefix" and not whole_chains) else {}
-        return [BoundedCache(self._capacity, make_policy(name, **kw)) for _ in range(self.topo.n_edges)]
+        return [BoundedCache(self._capacity, make_policy(name, whole_chains=whole_chains)) for _ in range(self.topo.n_edges)]
 
     def request(self, i: int) -> tuple[float, int, int, list[int]]:
         """Request ``i``, arriving now: ``(now, edge, input tokens, chunk keys in chain order)``."""

@@ -18,7 +18,7 @@ policy), hand the frozen :class:`~kdn.simulator.tally.Plan` of what was used to
 :meth:`Context.finish`, then update the caches and publish what was computed.
 
 The edge's own code under simulated time: ``popularity_push`` fires its pushes from the edge's
-own cron scheduler (:class:`kdn.edge.hints.HintScheduler`) running on the event loop's clock
+own cron scheduler (:class:`kdn.edge.schedules.HintScheduler`) running on the event loop's clock
 (:attr:`kdn.simulator.core.EventLoop.clock`) whenever ``push_interval_s`` is a cron period (a
 whole number of minutes that divides an hour, or of hours that divides a day — the default 600 s
 is ``*/10 * * * *``); any other interval falls back to a fixed-period loop event, which fires at the
@@ -39,7 +39,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from kdn.edge.hints import HintScheduler
+from kdn.edge.schedules import HintScheduler
 from kdn.simulator.context import Context
 from kdn.simulator.tally import Plan
 

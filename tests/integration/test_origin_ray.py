@@ -67,9 +67,7 @@ def _config(store: Path, workers: int = 2) -> OriginConfig:
 
 
 def _executor(cfg: OriginConfig) -> RayExecutor:
-    actors = spawn_workers(cfg.workers, store_dir=str(cfg.store_path), model="tiny", dtype=cfg.dtype,
-                           chunk_size=cfg.chunk_size, codecs=cfg.codecs, fsync=cfg.fsync, threads=1,
-                           max_restarts=cfg.max_restarts)
+    actors = spawn_workers(cfg, "tiny")  # worker_threads=1, max_restarts as configured
     return RayExecutor(actors, max_attempts=cfg.max_attempts, max_restarts=cfg.max_restarts)
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kdn.edge.clock import FakeClock, MonotonicClock
-from kdn.edge.hints import CronSchedule, HintScheduler, parse_cron
+from kdn.edge.cron import CronSchedule, parse_cron
+from kdn.edge.schedules import HintScheduler
 from kdn.errors import ConfigError, InvalidInput
 
 

@@ -12,7 +12,8 @@ import torch
 
 from kdn.edge.clock import FakeClock
 from kdn.edge.eviction import make_policy
-from kdn.edge.store import DiskTier, EntryId, MemoryTier, TieredStore, make_store
+from kdn.edge.config import EdgeConfig
+from kdn.edge.store import RETENTION_FILE, DiskTier, EntryId, MemoryTier, TieredStore, build_store
 from kdn import blobstore
 from kdn.artifact import encode_artifact
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, StorageFull, Unavailable
@@ -87,7 +88,7 @@ def test_put_refuses_corrupt_and_foreign_model_artifacts_and_stores_nothing() ->
     with pytest.raises(InvalidInput):
         store.put(data, tenant="../etc")
     with pytest.raises(InvalidInput, match="reserved"):
-        store.put(data, tenant=".entry-hints.json")
+        store.put(data, tenant=RETENTION_FILE)
     assert store.get(key, tenant="acme") is None
     assert store.stats()["entries"] == 0
 
@@ -496,13 +497,14 @@ def test_concurrent_readers_and_writers_see_only_correct_bytes(tmp_path: Path) -
     assert {e.meta.key for e in reopened.entries()} == disk_keys
 
 
-def test_make_store_builds_memory_over_disk(tmp_path: Path) -> None:
-    store = make_store(memory_bytes=2 * SIZE, disk_dir=tmp_path / "x", disk_bytes=4 * SIZE, fsync=False)
+def test_build_store_builds_memory_over_disk(tmp_path: Path) -> None:
+    config = EdgeConfig(memory_bytes=2 * SIZE, disk_dir=str(tmp_path / "x"), disk_bytes=4 * SIZE, disk_fsync=False)
+    store = build_store(config)
     assert [t.name for t in store.tiers] == ["memory", "disk"]
     for _, data in CHAIN[:3]:
         store.put(data, tenant="acme")
     assert store.stats()["bytes_disk"] == SIZE
-    assert [t.name for t in make_store(memory_bytes=SIZE).tiers] == ["memory"]
+    assert [t.name for t in build_store(EdgeConfig(memory_bytes=SIZE)).tiers] == ["memory"]
 
 
 def test_pins_priorities_and_ttls_survive_restart(tmp_path: Path) -> None:
@@ -538,7 +540,7 @@ def test_pins_priorities_and_ttls_survive_restart(tmp_path: Path) -> None:
     assert {s.meta.key for s in third.entries(tenant="acme")} == {k[0], k[1], k[2], CHAIN[6][0]}
     # an unreadable hints file is ignored, not fatal
     third.close()
-    (tmp_path / "disk" / ".entry-hints.json").write_text("{broken")
+    (tmp_path / "disk" / RETENTION_FILE).write_text("{broken")
     fourth = mem_disk(tmp_path, 1, 10, clock=clock)
     assert fourth.stats()["pinned"] == 0 and fourth.stats()["entries"] == 4
 
@@ -656,3 +658,22 @@ def test_a_pinned_newcomer_is_never_the_victim_of_its_own_put() -> None:
     assert store.contains(CHAIN[5][0], tenant="acme")
     assert store.stats()["pinned"] == 1 and store.stats()["pinned_bytes_memory"] == SIZE
     check_invariants(store)
+
+
+def test_retention_file_of_an_older_edge_is_adopted_once(tmp_path: Path) -> None:
+    """Before 2026-11 the retention hints were saved as ``.entry-hints.json``: an edge that finds
+    only that name renames it and restores the hints from it."""
+    store = mem_disk(tmp_path, 1, 10)
+    for _, data in CHAIN[:3]:
+        store.put(data, tenant="acme")
+    assert store.pin([CHAIN[1][0]], tenant="acme") == 1
+    store.close()
+    disk = tmp_path / "disk"
+    (disk / RETENTION_FILE).rename(disk / ".entry-hints.json")
+    (disk / ".entry-hints.json.4242.tmp").write_text("{half")  # a writer of the old edge died here
+
+    again = mem_disk(tmp_path, 1, 10)
+    assert {s.meta.key for s in again.entries(tenant="acme") if s.pinned} == {CHAIN[1][0]}
+    assert (disk / RETENTION_FILE).is_file()
+    assert not (disk / ".entry-hints.json").exists() and not (disk / ".entry-hints.json.4242.tmp").exists()
+    again.close()

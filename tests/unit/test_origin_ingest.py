@@ -32,9 +32,7 @@ def config(tmp_path):
 
 @pytest.fixture
 def executor(config, tiny_model):
-    ex = LocalExecutor(
-        PrefillWorker(store_dir=str(config.store_path), model="tiny", codecs=config.codecs, fsync=False, lm=tiny_model)
-    )
+    ex = LocalExecutor(PrefillWorker(config, "tiny", lm=tiny_model))
     yield ex
     ex.close()
 

@@ -16,13 +16,13 @@ from kdn.edge.eviction import (
     POLICIES,
     S3FIFO,
     Belady,
-    BoundedCache,
     EvictionPolicy,
     PrefixAware,
     Sieve,
     make_policy,
 )
 from kdn.errors import InvalidInput
+from kdn.simulator.cache import BoundedCache
 
 ALL = sorted(POLICIES)
 

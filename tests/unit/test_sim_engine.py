@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from kdn.edge.clock import Clock
-from kdn.edge.eviction import LRU, BoundedCache
-from kdn.edge.hints import HintScheduler
+from kdn.edge.eviction import LRU
+from kdn.edge.schedules import HintScheduler
 from kdn.simulator import delivery
+from kdn.simulator.cache import BoundedCache
 from kdn.simulator.core import EPOCH, EventLoop
 from kdn.simulator.engine import Simulation, run_policy
 from kdn.simulator.geo import C_KM_PER_S, CityIndex, great_circle_km

@@ -1,20 +1,8 @@
-"""The operator's schedule: cron expressions and the scheduler that fires hint actions (no networking).
+"""The operator's schedules: the scheduler that fires hint actions at cron times, and its file.
 
 Operators know when a document is hot ("the policy manual, every weekday at 08:00"); a schedule
-turns that into a prefetch (or any other hint action) shortly before it is needed.
-
-**Cron expressions** (:class:`CronSchedule`) are the classic five fields, evaluated in UTC::
-
-    minute  hour  day-of-month  month  day-of-week
-    0-59    0-23  1-31          1-12   0-7 (0 and 7 are Sunday)
-
-Each field is ``*``, a value, a range ``a-b``, a step ``*/n``, ``a-b/n`` or ``a/n`` (from ``a`` to
-the field's end), or a comma-separated list of those. Months and weekdays also take English
-three-letter names (``jan``, ``mon-fri``). ``@hourly``, ``@daily``/``@midnight``, ``@weekly``,
-``@monthly`` and ``@yearly``/``@annually`` are accepted. As in Vixie cron, when both day fields
-are restricted (neither starts with ``*``) a day matches if *either* matches; otherwise both must.
-A malformed expression raises :class:`~kdn.errors.InvalidInput` naming the field; one that can
-never fire ("0 0 30 2 *") is refused too.
+turns that into a prefetch (or any other hint action) shortly before it is needed. When a schedule
+fires is a cron expression (:mod:`kdn.edge.cron`).
 
 **The scheduler** (:class:`HintScheduler`) holds schedules ``id -> (cron, action)`` and, asked
 :meth:`~HintScheduler.due` at some instant, returns the actions whose fire time has come and moves
@@ -25,9 +13,12 @@ runs what :meth:`~HintScheduler.due` returns (or calls :meth:`~HintScheduler.run
 
 An action is either a plain or async callable taking no arguments (kept in memory only: code is
 not persisted, since that would need pickle), or the *name* of an action registered with the
-scheduler plus JSON parameters; named schedules are saved to a JSON file (atomically: temp file,
-fsync, rename) when the scheduler has a ``path``, and restored — with their pending fire time, so
-a fire missed while the edge was down runs right after restart — when it is reopened.
+scheduler plus JSON parameters; named schedules are saved to a JSON file (with the tree's one
+atomic writer, :func:`kdn.blobstore.write_json_atomic`: temp file, fsync, rename, fsync the
+directory) when the scheduler has a ``path``, and restored — with their pending fire time, so a
+fire missed while the edge was down runs right after restart — when it is reopened. The edge keeps
+that file beside its disk tier as :data:`SCHEDULES_FILE`; a file of the old name
+(:data:`LEGACY_SCHEDULES_FILE`) is adopted once.
 """
 
 from __future__ import annotations
@@ -35,21 +26,29 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import os
 import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kdn.blobstore import adopt_legacy_name, sweep_file_tmp, write_json_atomic
 from kdn.edge.clock import Clock, MonotonicClock
+from kdn.edge.cron import CronSchedule, as_utc
 from kdn.errors import ConfigError, InvalidInput, KdnError
 
-__all__ = ["CronSchedule", "DueAction", "HintScheduler", "ScheduleInfo", "parse_cron"]
+__all__ = ["LEGACY_SCHEDULES_FILE", "SCHEDULES_FILE", "DueAction", "HintScheduler", "ScheduleInfo", "schedules_file"]
 
 log = logging.getLogger(__name__)
+
+SCHEDULES_FILE = ".hint-schedules.json"
+"""The edge's named hint schedules, beside its disk tier (a dot-file: no tenant may take the name)."""
+
+LEGACY_SCHEDULES_FILE = "hints.json"
+"""The file's name before 2026-11, adopted once when the scheduler opens."""
+
 
 Action = Callable[[], Any]
 """A zero-argument callable; if it returns an awaitable, :meth:`HintScheduler.run_due` awaits it."""
@@ -59,189 +58,14 @@ NamedAction = Callable[[Mapping[str, Any]], Any]
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _FILE_VERSION = 1
 _MAX_PARAMS_BYTES = 64 * 1024
-_SEARCH_YEARS = 29  # the Gregorian weekday/leap pattern repeats within 28 years
-
-_MONTHS = {m: i for i, m in enumerate("jan feb mar apr may jun jul aug sep oct nov dec".split(), start=1)}
-_WEEKDAYS = {d: i for i, d in enumerate("sun mon tue wed thu fri sat".split())}
-_MACROS = {
-    "@yearly": "0 0 1 1 *",
-    "@annually": "0 0 1 1 *",
-    "@monthly": "0 0 1 * *",
-    "@weekly": "0 0 * * 0",
-    "@daily": "0 0 * * *",
-    "@midnight": "0 0 * * *",
-    "@hourly": "0 * * * *",
-}
-# name, lowest, highest, names
-_FIELDS: tuple[tuple[str, int, int, Mapping[str, int]], ...] = (
-    ("minute", 0, 59, {}),
-    ("hour", 0, 23, {}),
-    ("day-of-month", 1, 31, {}),
-    ("month", 1, 12, _MONTHS),
-    ("day-of-week", 0, 7, _WEEKDAYS),
-)
 
 
-# ------------------------------------------------------------------------------------------------
-# cron expressions
-
-
-@dataclass(frozen=True, slots=True)
-class CronSchedule:
-    """A parsed cron expression (UTC). Build with :meth:`parse`."""
-
-    expr: str
-    minutes: tuple[int, ...]
-    hours: tuple[int, ...]
-    days: frozenset[int]
-    months: frozenset[int]
-    weekdays: frozenset[int]  # 0 = Sunday ... 6 = Saturday
-    days_restricted: bool  # the day-of-month field does not start with "*"
-    weekdays_restricted: bool
-
-    @classmethod
-    def parse(cls, expr: str) -> "CronSchedule":
-        if not isinstance(expr, str):
-            raise InvalidInput(f"cron expression must be a string, got {type(expr).__name__}")
-        text = expr.strip()
-        text = _MACROS.get(text.lower(), text)
-        parts = text.split()
-        if len(parts) != 5:
-            raise InvalidInput(
-                f"cron expression {expr!r} has {len(parts)} fields; expected 5: "
-                "minute hour day-of-month month day-of-week"
-            )
-        sets = [_parse_field(expr, part, *spec) for part, spec in zip(parts, _FIELDS)]
-        weekdays = frozenset(d % 7 for d in sets[4])
-        sched = cls(
-            expr=expr.strip(),
-            minutes=tuple(sorted(sets[0])),
-            hours=tuple(sorted(sets[1])),
-            days=frozenset(sets[2]),
-            months=frozenset(sets[3]),
-            weekdays=weekdays,
-            days_restricted=not parts[2].startswith("*"),
-            weekdays_restricted=not parts[4].startswith("*"),
-        )
-        if sched.next_fire(datetime(2000, 1, 1, tzinfo=timezone.utc)) is None:
-            raise InvalidInput(
-                f"cron expression {expr!r} never fires: no day-of-month {sorted(sched.days)} "
-                f"exists in month {sorted(sched.months)}"
-            )
-        return sched
-
-    def _day_ok(self, day: datetime) -> bool:
-        dom = day.day in self.days
-        dow = (day.weekday() + 1) % 7 in self.weekdays  # Python: Monday = 0; cron: Sunday = 0
-        if self.days_restricted and self.weekdays_restricted:
-            return dom or dow
-        return dom and dow
-
-    def matches(self, when: datetime) -> bool:
-        """Does the minute containing ``when`` (UTC) fire?"""
-        t = _as_utc(when)
-        return (
-            t.month in self.months and self._day_ok(t) and t.hour in self.hours and t.minute in self.minutes
-        )
-
-    def next_fire(self, after: datetime) -> datetime | None:
-        """The first fire time strictly after ``after`` (aware UTC, whole minute), or None if the
-        expression never fires (only possible for expressions :meth:`parse` refuses)."""
-        t = _as_utc(after).replace(second=0, microsecond=0) + timedelta(minutes=1)
-        limit = t.year + _SEARCH_YEARS
-        while t.year < limit:
-            if t.month not in self.months:
-                t = _first_of_next_month(t)
-                continue
-            if not self._day_ok(t):
-                t = (t + timedelta(days=1)).replace(hour=0, minute=0)
-                continue
-            if t.hour not in self.hours:
-                nxt = _next_in(self.hours, t.hour)
-                if nxt is None:
-                    t = (t + timedelta(days=1)).replace(hour=0, minute=0)
-                else:
-                    t = t.replace(hour=nxt, minute=0)
-                continue
-            if t.minute not in self.minutes:
-                nxt = _next_in(self.minutes, t.minute)
-                if nxt is None:
-                    t = t.replace(minute=0) + timedelta(hours=1)
-                else:
-                    t = t.replace(minute=nxt)
-                continue
-            return t
-        return None
-
-    def __str__(self) -> str:
-        return self.expr
-
-
-def parse_cron(expr: str) -> CronSchedule:
-    """Shorthand for :meth:`CronSchedule.parse`."""
-    return CronSchedule.parse(expr)
-
-
-def _parse_field(expr: str, text: str, name: str, lo: int, hi: int, names: Mapping[str, int]) -> set[int]:
-    def bad(why: str) -> InvalidInput:
-        return InvalidInput(f"cron expression {expr!r}: {name} field {text!r}: {why}")
-
-    def value(token: str) -> int:
-        token_l = token.lower()
-        if token_l in names:
-            return names[token_l]
-        if not token.isdigit() or not token.isascii():
-            raise bad(f"{token!r} is not a number" + (f" or a name ({', '.join(names)})" if names else ""))
-        v = int(token)
-        if not lo <= v <= hi:
-            raise bad(f"{v} is out of range {lo}-{hi}")
-        return v
-
-    out: set[int] = set()
-    for item in text.split(","):
-        if not item:
-            raise bad("empty list item")
-        base, slash, step_text = item.partition("/")
-        step = 1
-        if slash:
-            if not step_text.isdigit() or not step_text.isascii() or int(step_text) == 0:
-                raise bad(f"step {step_text!r} must be a positive integer")
-            step = int(step_text)
-        if base == "*":
-            start, end = lo, hi
-        elif "-" in base:
-            a, _, b = base.partition("-")
-            start, end = value(a), value(b)
-            if start > end:
-                raise bad(f"range {base!r} runs backwards")
-        else:
-            start = value(base)
-            end = hi if slash else start
-        out.update(range(start, end + 1, step))
-    return out
-
-
-def _next_in(sorted_values: tuple[int, ...], current: int) -> int | None:
-    for v in sorted_values:
-        if v > current:
-            return v
-    return None
-
-
-def _first_of_next_month(t: datetime) -> datetime:
-    if t.month == 12:
-        return t.replace(year=t.year + 1, month=1, day=1, hour=0, minute=0)
-    return t.replace(month=t.month + 1, day=1, hour=0, minute=0)
-
-
-def _as_utc(when: datetime) -> datetime:
-    if when.tzinfo is None:
-        return when.replace(tzinfo=timezone.utc)
-    return when.astimezone(timezone.utc)
-
-
-# ------------------------------------------------------------------------------------------------
-# the scheduler
+def schedules_file(state_dir: str | Path) -> Path:
+    """The edge's schedules file in ``state_dir`` (its disk tier's root), adopting a file of the
+    old name once."""
+    path = Path(state_dir) / SCHEDULES_FILE
+    adopt_legacy_name(path, path.with_name(LEGACY_SCHEDULES_FILE))
+    return path
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,7 +112,7 @@ class HintScheduler:
     """Cron schedules of hint actions (see the module docstring). Thread-safe.
 
     ``actions`` maps action names to callables taking the schedule's parameters; schedules that
-    name one are persisted to ``path`` (a JSON file, typically ``<disk_dir>/hints.json``).
+    name one are persisted to ``path`` (a JSON file, on an edge :func:`schedules_file`).
     """
 
     def __init__(
@@ -327,7 +151,7 @@ class HintScheduler:
         if not isinstance(schedule_id, str) or not _ID_RE.match(schedule_id):
             raise InvalidInput(f"schedule id must match {_ID_RE.pattern}, got {schedule_id!r}")
         sched = CronSchedule.parse(cron)
-        start = _as_utc(now) if now is not None else self._clock.now()
+        start = as_utc(now) if now is not None else self._clock.now()
         nxt = sched.next_fire(start)
         assert nxt is not None  # parse refuses expressions that never fire
         entry = _Schedule(schedule_id, sched, nxt)
@@ -382,7 +206,7 @@ class HintScheduler:
         Each returned schedule moves on to its first fire time after ``now``; a schedule that
         missed several fire times is returned once. Unbound restored schedules are skipped.
         """
-        at = _as_utc(now) if now is not None else self._clock.now()
+        at = as_utc(now) if now is not None else self._clock.now()
         out: list[DueAction] = []
         with self._lock:
             for entry in sorted(self._schedules.values(), key=lambda e: (e.next_fire, e.schedule_id)):
@@ -462,28 +286,11 @@ class HintScheduler:
             for e in self._schedules.values()
             if e.action_name
         ]
-        body = json.dumps({"version": _FILE_VERSION, "schedules": records}, indent=1, sort_keys=True)
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._path.with_name(f".{self._path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(body)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self._path)
-            fd = os.open(self._path.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_json_atomic(self._path, {"version": _FILE_VERSION, "schedules": records}, indent=1, sort_keys=True)
 
     def _load(self) -> None:
         assert self._path is not None
-        for stale in self._path.parent.glob(f".{self._path.name}.*.tmp"):
-            stale.unlink(missing_ok=True)  # a writer killed before its rename
+        sweep_file_tmp(self._path)  # a writer killed before its rename
         try:
             text = self._path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -500,10 +307,10 @@ class HintScheduler:
                 entry = _Schedule(
                     schedule_id=_check_id(rec["id"]),
                     cron=CronSchedule.parse(rec["cron"]),
-                    next_fire=_as_utc(datetime.fromisoformat(rec["next_fire"])),
+                    next_fire=as_utc(datetime.fromisoformat(rec["next_fire"])),
                     action_name=str(rec["action"]),
                     params=_check_params(rec.get("params")),
-                    last_fire=_as_utc(datetime.fromisoformat(rec["last_fire"])) if rec.get("last_fire") else None,
+                    last_fire=as_utc(datetime.fromisoformat(rec["last_fire"])) if rec.get("last_fire") else None,
                     runs=int(rec.get("runs", 0)),
                 )
                 if not entry.action_name:

@@ -1,11 +1,13 @@
-"""The Hint RPC's logic: pin / unpin / TTL / priority on keys or documents, and scheduled prefetch.
+"""What an operator asks of an edge with the Hint RPC: pin / unpin / TTL / priority on keys or
+documents, and scheduled prefetch. (The RPC's wire side is in ``kdn.edge.server``; the store
+applies the hints, :mod:`kdn.edge.schedules` keeps the schedules.)
 
 Key hints go straight to the store (they apply to *resident* entries; ``affected`` says how many).
 A document is resolved to its chunk keys by the origin first. ``SCHEDULE_PREFETCH`` registers a
-cron schedule ("M H DOM MON DOW", UTC) with :class:`kdn.edge.hints.HintScheduler` under the named
+cron schedule ("M H DOM MON DOW", UTC) with :class:`kdn.edge.schedules.HintScheduler` under the named
 action ``prefetch``; when it fires, the document (re-resolved each time, so a re-ingested document
 is followed) or key list is offered to the prefetcher. Named schedules are persisted by the
-scheduler as JSON beside the disk tier (``hints.json``) and come back on restart. Tokens are never
+scheduler as JSON beside the disk tier (``.hint-schedules.json``) and come back on restart. Tokens are never
 written to disk: a schedule restored after a restart fetches with the edge's ``upstream_token``
 (configure one when the origin requires auth). ``SET_TTL`` with ``ttl_s == 0`` clears the TTL.
 """
@@ -15,11 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kdn.edge.clock import Clock, MonotonicClock
-from kdn.edge.hints import HintScheduler
+from kdn.edge.schedules import HintScheduler, schedules_file
 from kdn.errors import InvalidInput, NotFound
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, parse_key
 from kdn.proto import kdn_pb2 as pb
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 A = pb.HintRequest
-SCHEDULES_FILE = "hints.json"
 PREFETCH_ACTION = "prefetch"
 
 
@@ -41,7 +41,7 @@ class HintService:
         self._tokens: dict[str, str | None] = {}  # in memory only
         self.scheduler = HintScheduler(
             self._clock,
-            path=Path(disk_dir) / SCHEDULES_FILE if disk_dir else None,
+            path=schedules_file(disk_dir) if disk_dir else None,
             actions={PREFETCH_ACTION: self._fire},
         )
         self.fired = 0

@@ -1,0 +1,416 @@
+"""The :class:`TieredStore`: the public face of the edge's store (see :mod:`kdn.edge.store`).
+
+It owns the lock and composes the parts, each in its own file: the index and its accounting
+(:mod:`.index`), TTL deadlines (:mod:`.expiry`), where bytes go and staged writes
+(:mod:`.placement`), and the retention file (:mod:`.retention`). Reads of slow tiers and their
+verification happen here, outside the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+from kdn.artifact import verify_artifact
+from kdn.edge.clock import Clock, MonotonicClock
+from kdn.edge.eviction import EvictionPolicy, make_policy
+from kdn.edge.store.expiry import check_ttl
+from kdn.edge.store.index import Entry, EntryState, StoreIndex, check_priority
+from kdn.edge.store.placement import Placement, StagedWrite
+from kdn.edge.store.retention import RetentionFile
+from kdn.edge.store.tiers import EntryId, EntryMeta, StorageTier, check_tenant
+from kdn.errors import InvalidInput, KdnError, StorageFull, Unavailable
+from kdn.keys import ChunkKey
+
+__all__ = ["PolicyFactory", "TieredStore"]
+
+PolicyFactory = Callable[[int, int], EvictionPolicy]
+"""``factory(tier_index, tier_count)`` -> a fresh policy for that tier."""
+
+_COUNTERS = (
+    "hits", "misses", "puts", "duplicate_puts", "evictions", "demotions", "promotions",
+    "corrupt_dropped", "lost", "expired", "deleted", "admission_rejected", "write_failures",
+)  # fmt: skip
+
+
+class TieredStore:
+    """Verified artifacts in a chain of tiers, fastest first (see :mod:`kdn.edge.store`)."""
+
+    def __init__(
+        self,
+        tiers: Sequence[StorageTier],
+        *,
+        policy: str | PolicyFactory = "prefix",
+        clock: Clock | None = None,
+    ) -> None:
+        if not tiers:
+            raise InvalidInput("a tiered store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise InvalidInput(f"tier names must be distinct, got {names}")
+        n = len(tiers)
+        factory = policy if callable(policy) else _named_policy(policy)
+        self._ix = StoreIndex(tiers, [factory(i, n) for i in range(n)])
+        self._clock: Clock = clock if clock is not None else MonotonicClock()
+        self._lock = threading.Lock()
+        self._place = Placement(self._ix, self._lock)
+        self._closed = False
+        state_dirs = [d for d in (t.state_dir() for t in tiers) if d is not None]
+        self._retention = RetentionFile(state_dirs[0] if state_dirs else None)
+        self._rebuild()
+
+    @property
+    def tiers(self) -> tuple[StorageTier, ...]:
+        return tuple(self._ix.tiers)
+
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
+    # ------------------------------------------------------------------------------------------
+    # public API
+
+    def put(
+        self,
+        data: bytes | bytearray | memoryview,
+        *,
+        tenant: str,
+        expect_fingerprint: bytes | None = None,
+        pin: bool = False,
+        ttl_s: float | None = None,
+        priority: int | None = None,
+    ) -> EntryMeta:
+        """Verify and store one artifact for ``tenant``; returns its metadata.
+
+        Raises :class:`~kdn.errors.ArtifactCorrupt` (and the other
+        :class:`~kdn.errors.ArtifactError` kinds) or :class:`~kdn.errors.FingerprintMismatch`
+        before anything is stored, and :class:`~kdn.errors.StorageFull` when no tier can take it
+        (including a full disk). A key the tenant already holds is not rewritten: the existing
+        entry is touched (and given ``pin``/``ttl_s``/``priority`` if passed) and its metadata
+        returned. When every tier's admission policy refuses the artifact it is not stored
+        (``admission_rejected`` counts it) and its metadata is still returned.
+        """
+        check_tenant(tenant)
+        if ttl_s is not None:
+            check_ttl(ttl_s)
+        if priority is not None:
+            check_priority(priority)
+        blob = data if isinstance(data, bytes) else bytes(data)
+        fp = None if expect_fingerprint is None else bytes(expect_fingerprint)
+        header = verify_artifact(blob, expect_fingerprint=fp)
+        meta = EntryMeta.from_header(header, tenant=tenant, size=len(blob))
+        eid = meta.eid
+        ix, place = self._ix, self._place
+        while True:
+            writes: list[StagedWrite] = []
+            wait_for: StagedWrite | None = None
+            hinted = False
+            try:
+                with self._lock:
+                    self._check_open()
+                    now = self._clock.monotonic()
+                    existing = self._live(eid, now)
+                    if existing is not None:
+                        ix.count["duplicate_puts"] += 1
+                        ix.policies[existing.tier].touch(eid)
+                        hinted = self._apply_hints(eid, existing, pin, ttl_s, priority, now)
+                        return existing.meta
+                    wait_for = place.staging.get(eid)
+                    if wait_for is None:
+                        # Pin and priority count from the start: a pinned newcomer is never the
+                        # victim of its own placement.
+                        entry = Entry(meta, pinned=pin, priority=priority or 0)
+                        if place.place_new(eid, entry, blob, writes) and ix.entries.get(eid) is entry:
+                            if ttl_s is not None:
+                                ix.set_ttl(eid, entry, ttl_s, now)
+                            hinted = eid in ix.hinted
+                            if hinted:
+                                self._retention.seq += 1
+                        return meta
+            finally:
+                error = place.run_writes(writes)
+                if error is not None:
+                    raise StorageFull(f"could not store artifact {meta.key.hex()[:16]}…: {error}") from error
+                if hinted:
+                    self._save_hints()
+            # A deleted copy of this entry is still being written out: let that finish first.
+            wait_for.done.wait()
+
+    def get(
+        self, key: ChunkKey, *, tenant: str, promote: bool = True
+    ) -> tuple[bytes, str] | None:
+        """The artifact's bytes and the name of the tier that served them, or None.
+
+        None means absent, expired, owned by another tenant, or found corrupt on disk (dropped;
+        fetch it again). Disk reads are verified; a disk hit moves to the top tier unless
+        ``promote`` is false.
+        """
+        eid = EntryId(tenant, key)
+        ix = self._ix
+        for _ in range(3):  # retried only when the entry moved between tiers during a disk read
+            with self._lock:
+                self._check_open()
+                entry = self._live(eid, self._clock.monotonic())
+                if entry is None:
+                    ix.record_miss()
+                    return None
+                i = entry.tier
+                tier = ix.tiers[i]
+                staged = self._place.staging.get(eid)
+                if staged is not None or not tier.slow:
+                    data = staged.data if staged is not None else tier.get(eid)
+                    if data is not None:
+                        ix.record_hit(i)
+                        ix.policies[i].touch(eid)
+                        return data, tier.name
+            result = self._read_slow(eid, entry, i, promote)
+            if result is not _MOVED:
+                return result  # type: ignore[return-value]
+        with self._lock:
+            ix.record_miss()
+        return None
+
+    def meta(self, key: ChunkKey, *, tenant: str) -> EntryMeta | None:
+        """Metadata of a resident entry (no hit counted, nothing read from disk)."""
+        with self._lock:
+            entry = self._live(EntryId(tenant, key), self._clock.monotonic())
+            return None if entry is None else entry.meta
+
+    def lookup(self, keys: Sequence[ChunkKey], *, tenant: str) -> list[str]:
+        """Tier names of the leading run of ``keys`` that are resident (stops at the first miss)."""
+        out: list[str] = []
+        with self._lock:
+            self._check_open()
+            now = self._clock.monotonic()
+            for key in keys:
+                entry = self._live(EntryId(tenant, key), now)
+                if entry is None:
+                    break
+                out.append(self._ix.tiers[entry.tier].name)
+        return out
+
+    def contains(self, key: ChunkKey, *, tenant: str) -> bool:
+        with self._lock:
+            return self._live(EntryId(tenant, key), self._clock.monotonic()) is not None
+
+    def delete(self, key: ChunkKey, *, tenant: str) -> bool:
+        """Drop the tenant's entry for ``key``; False if it held none."""
+        eid = EntryId(tenant, key)
+        with self._lock:
+            self._check_open()
+            entry = self._live(eid, self._clock.monotonic())
+            if entry is None:
+                return False
+            self._place.drop(eid, entry)
+            self._ix.count["deleted"] += 1
+            return True
+
+    def pin(self, keys: Iterable[ChunkKey], *, tenant: str) -> int:
+        """Protect resident entries from eviction and demotion. Returns how many are resident."""
+        return self._hint(keys, tenant, lambda eid, e, now: self._ix.set_pinned(eid, e, True))
+
+    def unpin(self, keys: Iterable[ChunkKey], *, tenant: str) -> int:
+        return self._hint(keys, tenant, lambda eid, e, now: self._ix.set_pinned(eid, e, False))
+
+    def set_ttl(self, keys: Iterable[ChunkKey], ttl_s: float | None, *, tenant: str) -> int:
+        """Expire resident entries ``ttl_s`` seconds from now (None clears the TTL)."""
+        if ttl_s is not None:
+            check_ttl(ttl_s)
+        return self._hint(keys, tenant, lambda eid, e, now: self._ix.set_ttl(eid, e, ttl_s, now))
+
+    def set_priority(self, keys: Iterable[ChunkKey], priority: int, *, tenant: str) -> int:
+        """Set the eviction class of resident entries (higher is evicted later; default 0)."""
+        check_priority(priority)
+        return self._hint(keys, tenant, lambda eid, e, now: self._ix.set_priority(eid, e, priority))
+
+    def expire(self) -> int:
+        """Drop every entry whose TTL has passed; returns how many were dropped."""
+        dropped = 0
+        ix = self._ix
+        with self._lock:
+            self._check_open()
+            for deadline, eid, entry in ix.deadlines.due(self._clock.monotonic()):
+                if ix.entries.get(eid) is entry and entry.expires_at == deadline:
+                    self._place.drop(eid, entry)
+                    ix.count["expired"] += 1
+                    dropped += 1
+        return dropped
+
+    def entries(self, *, tenant: str | None = None) -> list[EntryState]:
+        """Snapshot of resident entries (of one tenant, or all)."""
+        with self._lock:
+            now = self._clock.monotonic()
+            return [self._ix.state(e, now) for eid, e in self._ix.entries.items() if tenant is None or eid.tenant == tenant]
+
+    def stats(self) -> dict[str, float]:
+        ix = self._ix
+        with self._lock:
+            out: dict[str, float] = {}
+            for i, tier in enumerate(ix.tiers):
+                out[f"hits_{tier.name}"] = ix.hits[i]
+                out[f"misses_{tier.name}"] = ix.misses[i]
+                out[f"bytes_{tier.name}"] = ix.used[i]
+                out[f"capacity_{tier.name}"] = tier.capacity_bytes
+                out[f"entries_{tier.name}"] = len(ix.policies[i])
+                out[f"pinned_bytes_{tier.name}"] = ix.pinned_bytes[i]
+            for name in _COUNTERS:
+                out[name] = ix.count[name]
+            out["pinned"] = ix.pinned_count
+            out["entries"] = len(ix.entries)
+            return out
+
+    def close(self) -> None:
+        """Close every tier. Writes already started finish; later calls raise Unavailable."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._place.staging.values())
+        for w in pending:
+            w.done.wait(timeout=30)
+        for tier in self._ix.tiers:
+            tier.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------
+    # internals (callers hold self._lock unless stated)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("the edge store is closed")
+
+    def _rebuild(self) -> None:
+        """Index what durable tiers already hold, then bring every tier under its budget."""
+        ix, place = self._ix, self._place
+        writes: list[StagedWrite] = []
+        try:
+            with self._lock:
+                for i, tier in enumerate(ix.tiers):
+                    for meta in tier.metas():
+                        eid = meta.eid
+                        if eid in ix.entries:  # also in a faster tier: keep that one
+                            tier.delete(eid)
+                            continue
+                        entry = Entry(meta)
+                        ix.remember(eid, entry)
+                        ix.attach(i, eid, entry)
+                # pins first, so the budget trim below respects them
+                self._retention.restore(ix, self._clock, place.drop)
+                for i in range(len(ix.tiers)):
+                    place.shrink(i, writes)
+        finally:
+            place.run_writes(writes)
+
+    def _live(self, eid: EntryId, now: float) -> Entry | None:
+        """The resident entry, dropping it first if its TTL has passed."""
+        entry = self._ix.entries.get(eid)
+        if entry is not None and entry.expires_at is not None and entry.expires_at <= now:
+            self._place.drop(eid, entry)
+            self._ix.count["expired"] += 1
+            return None
+        return entry
+
+    def _read_slow(self, eid: EntryId, entry: Entry, i: int, promote: bool) -> object:
+        """Read and verify a blob outside the lock; then account for it (and promote) under it."""
+        ix, place = self._ix, self._place
+        tier = ix.tiers[i]
+        try:
+            data = tier.get(eid)
+        except OSError:
+            data = None
+        ok = False
+        if data is not None:
+            try:
+                if tier.durable:
+                    verify_artifact(data, expect_key=eid.key)
+                ok = True
+            except KdnError:
+                ok = False
+        writes: list[StagedWrite] = []
+        try:
+            with self._lock:
+                current = ix.entries.get(eid)
+                same = current is entry and entry.tier == i and eid not in place.staging
+                if not ok:
+                    if same:
+                        place.drop(eid, entry)
+                        ix.count["corrupt_dropped" if data is not None else "lost"] += 1
+                    elif current is not None:
+                        return _MOVED
+                    ix.record_miss()
+                    return None
+                ix.record_hit(i)
+                if same:
+                    ix.policies[i].touch(eid)
+                    if promote and i > 0:
+                        place.promote(eid, entry, data, writes)  # type: ignore[arg-type]
+                return data, tier.name
+        finally:
+            place.run_writes(writes)
+
+    def _hint(self, keys: Iterable[ChunkKey], tenant: str, fn: Callable[[EntryId, Entry, float], None]) -> int:
+        """Apply ``fn`` to each resident entry of ``keys``; persist the hints if any applied."""
+        n = 0
+        with self._lock:
+            self._check_open()
+            now = self._clock.monotonic()
+            for key in keys:
+                eid = EntryId(tenant, key)
+                entry = self._live(eid, now)
+                if entry is not None:
+                    fn(eid, entry, now)
+                    n += 1
+            if n:
+                self._retention.seq += 1
+        if n:
+            self._save_hints()
+        return n
+
+    def _apply_hints(
+        self, eid: EntryId, entry: Entry, pin: bool, ttl_s: float | None, priority: int | None, now: float
+    ) -> bool:
+        """Apply a put's hints; True (and the persisted hints marked stale) if there were any."""
+        ix = self._ix
+        if pin:
+            ix.set_pinned(eid, entry, True)
+        if ttl_s is not None:
+            ix.set_ttl(eid, entry, ttl_s, now)
+        if priority is not None:
+            ix.set_priority(eid, entry, priority)
+        hinted = pin or ttl_s is not None or priority is not None
+        if hinted:
+            ix.note_hinted(eid, entry)
+            self._retention.seq += 1
+        return hinted
+
+    def _save_hints(self) -> None:
+        """Save the retention hints (called without the lock: snapshot under it, write outside)."""
+        if self._retention.path is None:
+            return
+        with self._lock:
+            seq, records = self._retention.snapshot(self._ix, self._clock)
+        if not self._retention.save(seq, records):
+            with self._lock:
+                self._ix.count["hint_save_failures"] += 1
+
+
+_MOVED = object()
+
+
+def _named_policy(name: str) -> PolicyFactory:
+    """A factory for the registered policy ``name``.
+
+    In a store of several tiers each tier holds only part of every chain (hot roots in memory,
+    tails demoted to disk): each tier's policy is told so (``whole_chains=False``).
+    """
+    make_policy(name)  # validate the name now: InvalidInput lists the known ones
+
+    def factory(index: int, count: int) -> EvictionPolicy:
+        return make_policy(name, whole_chains=count == 1)
+
+    return factory

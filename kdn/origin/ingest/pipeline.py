@@ -1,0 +1,78 @@
+"""The ingest pipeline: discovered documents -> an executor's prefill workers -> the origin store."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from kdn.errors import InvalidInput
+from kdn.origin.config import OriginConfig
+from kdn.origin.ingest.documents import discover, read_document
+from kdn.origin.ingest.executors import Executor, OnResult, make_executor
+from kdn.origin.ingest.report import IngestSummary, Progress
+from kdn.origin.store import OriginStore
+from kdn.origin.worker import DocumentResult, DocumentTask
+
+__all__ = ["ingest"]
+
+
+def ingest(
+    paths: Sequence[str | Path],
+    config: OriginConfig,
+    *,
+    executor: Executor | None = None,
+    progress: bool = False,
+    on_result: OnResult | None = None,
+) -> IngestSummary:
+    """Ingest ``paths`` into ``config``'s store; never raises for a bad document (see summary).
+
+    ``executor``: reuse one (tests, benchmarks); otherwise one is made from ``config`` and closed.
+    Raises :class:`~kdn.errors.UnknownModel` before any work for an unknown model spec.
+    """
+    OriginStore(config.store_path, fsync=config.fsync, verify=config.verify_on_start).close()  # self-check once
+    own = executor is None
+    ex = executor if executor is not None else make_executor(config)
+    try:
+        info = ex.info()
+        ns = config.default_namespace
+        found = discover(paths)
+        summary = IngestSummary(
+            model=info["spec"],
+            fingerprint=info["fingerprint"],
+            namespace=str(ns),
+            codecs=list(info["codecs"]),
+            workers=int(info.get("workers", 0)),
+            ignored=found.ignored,
+        )
+        bar = Progress(len(found.sources) + len(found.problems), progress)
+        t0 = time.perf_counter()
+
+        def record(r: DocumentResult) -> None:
+            summary.results.append(r)
+            bar.update(r)
+            if on_result is not None:
+                on_result(r)
+
+        for p in found.problems:
+            record(p)
+
+        def tasks() -> Iterator[DocumentTask]:
+            for s in found.sources:
+                try:
+                    text, digest = read_document(s.path)
+                except InvalidInput as exc:
+                    record(DocumentResult(s.doc_id, "failed", str(exc)))
+                    continue
+                yield DocumentTask(s.doc_id, text, digest, ns.tenant, ns.salt)
+
+        try:
+            ex.run(tasks(), record)
+        finally:
+            bar.close()
+        summary.seconds = time.perf_counter() - t0
+        summary.worker_deaths = int(getattr(ex, "deaths", 0))
+        return summary
+    finally:
+        if own:
+            ex.close()

@@ -1,0 +1,144 @@
+"""What an ingest run reports: the summary of every document's result, and live progress."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdn.origin.worker import DocumentResult
+
+__all__ = ["IngestSummary", "Progress"]
+
+
+@dataclass(slots=True)
+class IngestSummary:
+    model: str
+    fingerprint: str
+    namespace: str
+    codecs: list[str]
+    workers: int
+    results: list[DocumentResult] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    worker_deaths: int = 0
+
+    def count(self, status: str) -> int:
+        return sum(1 for r in self.results if r.status == status)
+
+    @property
+    def failed(self) -> int:
+        return self.count("failed")
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.n_tokens for r in self.results)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Tokens this run actually ran through the model (documents with computed chunks)."""
+        return sum(r.n_chunks * _chunk(r) for r in self.results if r.computed_chunks)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(r.bytes_written for r in self.results)
+
+    @property
+    def chunks(self) -> int:
+        return sum(r.n_chunks for r in self.results)
+
+    @property
+    def computed_chunks(self) -> int:
+        return sum(r.computed_chunks for r in self.results)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "namespace": self.namespace,
+            "codecs": self.codecs,
+            "workers": self.workers,
+            "seconds": round(self.seconds, 3),
+            "documents": len(self.results),
+            "by_status": {s: self.count(s) for s in ("stored", "skipped", "truncated", "short", "failed")},
+            "tokens": self.tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "chunks": self.chunks,
+            "computed_chunks": self.computed_chunks,
+            "bytes_written": self.bytes_written,
+            "tokens_per_s": round(self.prefilled_tokens / self.seconds, 1) if self.seconds else 0.0,
+            "worker_deaths": self.worker_deaths,
+            "ignored": self.ignored,
+            "results": [{k: v for k, v in r.to_dict().items() if k != "keys"} | {"keys": len(r.keys)} for r in self.results],
+            "failed": self.failed,
+        }
+
+    def render(self) -> str:
+        lines = [
+            f"ingest: {len(self.results)} documents with {self.model} ({self.fingerprint[:16]}…) "
+            f"into namespace {self.namespace!r}, codecs {', '.join(self.codecs)}, "
+            f"{'in-process' if not self.workers else f'{self.workers} Ray workers'}",
+            "  " + ", ".join(f"{self.count(s)} {s}" for s in ("stored", "skipped", "truncated", "short", "failed")),
+            f"  {self.tokens} tokens, {self.chunks} chunks ({self.computed_chunks} computed), "
+            f"{_human(self.bytes_written)} written in {self.seconds:.2f}s "
+            f"({self.prefilled_tokens / self.seconds if self.seconds else 0:.0f} prefilled tokens/s)",
+        ]
+        if self.worker_deaths:
+            lines.append(f"  {self.worker_deaths} worker deaths; their documents were redone")
+        notes = [r for r in self.results if r.status in ("failed", "truncated", "short")]
+        for r in notes:
+            lines.append(f"  {r.status.upper():9} {r.doc_id}: {r.message}")
+        if self.ignored:
+            lines.append(f"  ignored {len(self.ignored)} files that are not text-like (by suffix)")
+        return "\n".join(lines)
+
+
+def _chunk(r: DocumentResult) -> int:
+    covered = r.n_tokens - r.tail_tokens - r.beyond_window_tokens
+    return covered // r.n_chunks if r.n_chunks else 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class Progress:
+    """Live progress (rich): documents, tokens, bytes and prefill rate. No-op when disabled."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._p = None
+        self.docs = self.tokens = self.bytes = 0
+        self._t0 = time.perf_counter()
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+            self._p = RichProgress(
+                TextColumn("ingest"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("docs  {task.fields[tokens]} tokens  {task.fields[bytes]}  {task.fields[rate]} tok/s"),
+                TimeElapsedColumn(),
+                transient=False,
+            )
+            self._task = self._p.add_task("ingest", total=total, tokens=0, bytes="0 B", rate="0")
+            self._p.start()
+
+    def update(self, r: DocumentResult) -> None:
+        self.docs += 1
+        self.tokens += r.n_tokens
+        self.bytes += r.bytes_written
+        if self._p is not None:
+            dt = max(time.perf_counter() - self._t0, 1e-9)
+            self._p.update(self._task, advance=1, tokens=self.tokens, bytes=_human(self.bytes), rate=f"{self.tokens / dt:.0f}")
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()
