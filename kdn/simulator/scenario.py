@@ -131,7 +131,7 @@ Workload = Annotated[SyntheticWorkload | TraceWorkload, Field(discriminator="kin
 
 class CacheSpec(_Strict):
     edge_cache_gb: float = Field(64.0, ge=0, description="cache capacity of each edge")
-    eviction: str = Field("lru", description="an edge.policies eviction policy")
+    eviction: str = Field("lru", description="a kdn.edge.eviction policy name")
     storage_codec: str = Field("raw", description="codec KV is stored in at edges (scales capacity use)")
 
     @field_validator("eviction")
