@@ -59,7 +59,7 @@ import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -67,7 +67,6 @@ from pydantic import Field
 
 from kdn.artifact import ArtifactReader, Section, encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig
-from kdn.config import RoleConfig
 from kdn.errors import FingerprintMismatch, InvalidInput, KdnError
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.models import DTYPES, _weights_digest, model_fingerprint
@@ -94,34 +93,22 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _PREFETCH_HINT = 8
 
 
-class KdnConnectorConfig(RoleConfig):
-    """``kv_connector_extra_config`` of the KDN connector. Defaults live here."""
+class KdnConnectorConfig(ClientConfig):
+    """``kv_connector_extra_config`` of the KDN connector: every :class:`~kdn.client.ClientConfig`
+    setting (edge, fallback edges, token, TLS, shared memory, timeouts, write-back; their defaults
+    live there), plus what only the connector has. ``tenant``/``salt`` are the namespace of requests
+    that name none (no ``cache_salt``, no ``kdn_tenant``). Loads are always lossless."""
 
-    edge: str | None = Field(None, description="host:port of the local edge; None: the connector never reuses")
-    fallback_edges: list[str] = Field(default_factory=list, description="further edges, used while earlier ones are down")
-    token: str | None = Field(None, description="bearer token for tenants without an entry in `tokens`")
-    tokens: dict[str, str] = Field(default_factory=dict, description="tenant -> bearer token")
-    default_tenant: str = Field("default", description="tenant of requests that name none (no cache_salt, no kdn_tenant)")
+    tokens: dict[str, str] = Field(default_factory=dict, description="tenant -> bearer token (other tenants use `token`)")
     chunk_size: int = Field(DEFAULT_CHUNK_SIZE, gt=0, description="tokens per chunk; a multiple of vLLM's block size")
-    shm: Literal["auto", "on", "off"] = Field("auto", description="shared-memory answers from a same-host edge")
-    write_back: bool = Field(True, description="Put newly computed full chunks to the edge")
-    put_codec: str = Field("raw", description="codec of chunks written back")
-    fetch_concurrency: int = Field(4, ge=1, le=64, description="chunks fetched at once")
-    lookup_timeout_s: float = Field(1.0, gt=0, description="deadline of the scheduler's Lookup")
-    fetch_timeout_s: float = Field(10.0, gt=0, description="deadline of one chunk's Fetch")
-    put_timeout_s: float = Field(30.0, gt=0, description="deadline of one chunk's Put")
-    edge_backoff_s: float = Field(5.0, gt=0, description="after a failed Lookup, no Lookups for this long")
-    max_pending_puts: int = Field(256, ge=1, description="write-backs in flight at most; more are dropped")
+    lookup_timeout_s: float = Field(1.0, gt=0, description="deadline of the scheduler's Lookup (it holds up a scheduler step)")
     model_dir: str | None = Field(None, description="directory that names the weights (default: vLLM's model path)")
 
     def client_config(self, ns: Namespace) -> ClientConfig:
-        return ClientConfig(
-            edge=self.edge, fallback_edges=self.fallback_edges, edge_backoff_s=self.edge_backoff_s,
-            token=self.tokens.get(ns.tenant, self.token), tenant=ns.tenant, salt=ns.salt, shm=self.shm,
-            require_lossless=True, put_codec=self.put_codec, fetch_concurrency=self.fetch_concurrency,
-            lookup_timeout_s=self.lookup_timeout_s, fetch_timeout_s=self.fetch_timeout_s,
-            put_timeout_s=self.put_timeout_s, max_pending_puts=self.max_pending_puts,
-        )
+        """The client settings of one namespace's requests."""
+        shared = self.model_dump(include=set(ClientConfig.model_fields))
+        return ClientConfig(**{**shared, "tenant": ns.tenant, "salt": ns.salt,
+                               "token": self.tokens.get(ns.tenant, self.token), "require_lossless": True})
 
 
 def engine_fingerprint(model_dir: str | Path, dtype: torch.dtype, chunk_size: int) -> ModelFingerprint:
@@ -136,12 +123,12 @@ def engine_fingerprint(model_dir: str | Path, dtype: torch.dtype, chunk_size: in
                              dtype=_DTYPE_NAMES[dtype], chunk_size=chunk_size)
 
 
-def request_namespace(cache_salt: str | None, params: dict[str, Any] | None, default_tenant: str) -> Namespace | None:
+def request_namespace(cache_salt: str | None, params: dict[str, Any] | None, default: Namespace) -> Namespace | None:
     """The namespace of one request, or None when it opted out (``kv_transfer_params: {"kdn": false}``).
 
     ``kv_transfer_params`` ``{"kdn_tenant": T, "kdn_salt": S}`` wins; else ``cache_salt`` (which
     also separates vLLM's own prefix cache) read as ``tenant`` or ``tenant:salt``, and a salt that
-    is no valid tenant name becomes a tenant named by its digest; else ``default_tenant``."""
+    is no valid tenant name becomes a tenant named by its digest; else ``default``."""
     params = params or {}
     if params.get("kdn") is False:
         return None
@@ -152,7 +139,7 @@ def request_namespace(cache_salt: str | None, params: dict[str, Any] | None, def
             return Namespace.parse(cache_salt)
         except InvalidInput:
             return Namespace("salt-" + hashlib.blake2b(cache_salt.encode(), digest_size=16).hexdigest())
-    return Namespace(default_tenant)
+    return default
 
 
 # -- metadata: scheduler -> worker, one per step ------------------------------------------------
@@ -348,7 +335,7 @@ class KdnConnector(KVConnectorBase_V1):
         if st is not None or self.config.edge is None:
             return st
         try:
-            ns = request_namespace(request.cache_salt, request.kv_transfer_params, self.config.default_tenant)
+            ns = request_namespace(request.cache_salt, request.kv_transfer_params, self.config.namespace)
         except InvalidInput as exc:
             LOG.warning("KDN: request %s names an invalid namespace (%s); not cached", request.request_id, exc)
             return None

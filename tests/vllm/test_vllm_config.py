@@ -69,13 +69,15 @@ def test_engine_fingerprint_is_the_origins(vllm_mod, model_dir):
 
 def test_namespace_comes_from_the_request(vllm_mod):
     ns = vllm_mod.request_namespace
-    assert ns(None, None, "default") == Namespace("default")
-    assert ns("acme", None, "default") == Namespace("acme")
-    assert ns("acme:s3cret", None, "default") == Namespace("acme", "s3cret")
-    assert ns("acme", {"kdn_tenant": "beta", "kdn_salt": "x"}, "default") == Namespace("beta", "x")
-    assert ns("acme", {"kdn": False}, "default") is None
-    odd = ns("not a tenant/name!", None, "default")
-    assert odd.tenant.startswith("salt-") and odd != ns("not a tenant/name?", None, "default")
+    default = Namespace("default")
+    assert ns(None, None, default) == default
+    assert ns(None, None, Namespace("team", "pepper")) == Namespace("team", "pepper")
+    assert ns("acme", None, default) == Namespace("acme")
+    assert ns("acme:s3cret", None, default) == Namespace("acme", "s3cret")
+    assert ns("acme", {"kdn_tenant": "beta", "kdn_salt": "x"}, default) == Namespace("beta", "x")
+    assert ns("acme", {"kdn": False}, default) is None
+    odd = ns("not a tenant/name!", None, default)
+    assert odd.tenant.startswith("salt-") and odd != ns("not a tenant/name?", None, default)
 
 
 def test_cpu_paged_views_follow_the_vec_kernels_block_layout(vllm_mod):
@@ -103,3 +105,17 @@ def test_cpu_paged_views_follow_the_vec_kernels_block_layout(vllm_mod):
         vllm_mod.PagedKV.of(kv, "FLASHINFER", None, D)
     cuda_like = vllm_mod.PagedKV.of(kv, "FLASH_ATTN", None, D)
     assert torch.equal(cuda_like.k, kv[..., :D]) and torch.equal(cuda_like.v, kv[..., D:])
+
+
+def test_connector_config_is_a_client_config_per_namespace(vllm_mod):
+    cfg = vllm_mod.KdnConnectorConfig.build({"edge": "127.0.0.1:7070", "fetch_timeout_s": 3.5, "token": "t0",
+                                             "tokens": {"acme": "t1"}, "write_back": False, "require_lossless": False})
+    acme = cfg.client_config(Namespace("acme", "s"))
+    other = cfg.client_config(Namespace("beta"))
+    assert (acme.edge, acme.fetch_timeout_s, acme.write_back) == ("127.0.0.1:7070", 3.5, False)
+    assert (acme.tenant, acme.salt, acme.token) == ("acme", "s", "t1")
+    assert (other.tenant, other.token) == ("beta", "t0")
+    assert acme.require_lossless and other.require_lossless  # loads into vLLM's blocks are always lossless
+    assert cfg.lookup_timeout_s == 1.0 and acme.lookup_timeout_s == 1.0
+    with pytest.raises(Exception, match="flux"):
+        vllm_mod.KdnConnectorConfig.build({"flux": 1})
