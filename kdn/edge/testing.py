@@ -134,6 +134,13 @@ class InMemoryOverlay:
         for node in self.nodes.values():
             await node.stop()
 
+    async def __aenter__(self) -> "InMemoryOverlay":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     def owners(self, key: bytes) -> list[str]:
         return [m.node_id for m in next(iter(self.nodes.values())).overlay.owners(key)]
 

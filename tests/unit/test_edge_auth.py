@@ -70,64 +70,60 @@ def test_foreign_namespace_refused_identically_whether_or_not_it_exists() -> Non
         return ctx.code, ctx.details, out
 
     async def main() -> None:
-        ov = InMemoryOverlay(1, origin=origin, tokens={"tok-acme": ["acme"], "tok-globex": ["globex"]})
-        await ov.start()
-        node = ov.nodes["e0"]
-        node.store.put(acme.blobs[0], tenant="acme")  # chunk 0 exists here, chunk 1 only at the origin
-        cfg = node.config
-        server = SimpleNamespace(config=cfg, auth=TokenAuth.from_config(cfg.tokens), node=node, shm=None)
-        servicer = EdgeServicer(server)  # type: ignore[arg-type]
+        async with InMemoryOverlay(1, origin=origin, tokens={"tok-acme": ["acme"], "tok-globex": ["globex"]}) as ov:
+            node = ov.nodes["e0"]
+            node.store.put(acme.blobs[0], tenant="acme")  # chunk 0 exists here, chunk 1 only at the origin
+            cfg = node.config
+            server = SimpleNamespace(config=cfg, auth=TokenAuth.from_config(cfg.tokens), node=node, shm=None)
+            servicer = EdgeServicer(server)  # type: ignore[arg-type]
 
-        code, _, out = await call(servicer, _fetch_req(acme, 0, "acme"), "tok-acme")
-        assert code is None and b"".join(out) == acme.blobs[0]
+            code, _, out = await call(servicer, _fetch_req(acme, 0, "acme"), "tok-acme")
+            assert code is None and b"".join(out) == acme.blobs[0]
 
-        answers = set()
-        for i in (0, 1):  # exists locally / exists upstream / never existed -> the same answer
-            answers.add((await call(servicer, _fetch_req(acme, i, "acme"), "tok-globex"))[:2])
-        never = make_chain(1, namespace=Namespace("acme"), seed=9)
-        answers.add((await call(servicer, _fetch_req(never, 0, "acme"), "tok-globex"))[:2])
-        assert len(answers) == 1
-        code, details = answers.pop()
-        assert code == grpc.StatusCode.UNAUTHENTICATED and "acme" in details
-        assert origin.fetches == 0  # refused before anything was looked up
+            answers = set()
+            for i in (0, 1):  # exists locally / exists upstream / never existed -> the same answer
+                answers.add((await call(servicer, _fetch_req(acme, i, "acme"), "tok-globex"))[:2])
+            never = make_chain(1, namespace=Namespace("acme"), seed=9)
+            answers.add((await call(servicer, _fetch_req(never, 0, "acme"), "tok-globex"))[:2])
+            assert len(answers) == 1
+            code, details = answers.pop()
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "acme" in details
+            assert origin.fetches == 0  # refused before anything was looked up
 
-        for token in (None, "wrong"):
-            code, details, _ = await call(servicer, _fetch_req(acme, 0, "acme"), token)
-            assert code == grpc.StatusCode.UNAUTHENTICATED
-        # a granted tenant asking for another tenant's key: absent, exactly like a missing key
-        globex_req = _fetch_req(acme, 0, "globex")
-        code, _, _ = await call(servicer, globex_req, "tok-globex")
-        assert code == grpc.StatusCode.NOT_FOUND
-        await ov.stop()
+            for token in (None, "wrong"):
+                code, details, _ = await call(servicer, _fetch_req(acme, 0, "acme"), token)
+                assert code == grpc.StatusCode.UNAUTHENTICATED
+            # a granted tenant asking for another tenant's key: absent, exactly like a missing key
+            globex_req = _fetch_req(acme, 0, "globex")
+            code, _, _ = await call(servicer, globex_req, "tok-globex")
+            assert code == grpc.StatusCode.NOT_FOUND
 
     asyncio.run(main())
 
 
 def test_malformed_input_is_invalid_argument() -> None:
     async def main() -> None:
-        ov = InMemoryOverlay(1, origin=origin_with([]))
-        await ov.start()
-        node = ov.nodes["e0"]
-        server = SimpleNamespace(config=node.config, auth=TokenAuth(), node=node, shm=None)
-        servicer = EdgeServicer(server)  # type: ignore[arg-type]
-        chain = make_chain(1)
-        bad = [
-            pb.FetchRequest(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant="default"), key=b"short"),
-            pb.FetchRequest(fingerprint=b"x" * 5, namespace=pb.Namespace(tenant="default"), key=bytes(chain.keys[0])),
-            pb.FetchRequest(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant="bad/tenant"), key=bytes(chain.keys[0])),
-            pb.FetchRequest(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant="default"), key=bytes(chain.keys[0]),
-                            next_keys=[b"\x00" * 32] * 5000),
-        ]
-        codes = []
-        for req in bad:
-            ctx = _Context(None)
-            try:
-                async for _ in servicer.Fetch(req, ctx):  # type: ignore[arg-type]
+        async with InMemoryOverlay(1, origin=origin_with([])) as ov:
+            node = ov.nodes["e0"]
+            server = SimpleNamespace(config=node.config, auth=TokenAuth(), node=node, shm=None)
+            servicer = EdgeServicer(server)  # type: ignore[arg-type]
+            chain = make_chain(1)
+            bad = [
+                pb.FetchRequest(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant="default"), key=b"short"),
+                pb.FetchRequest(fingerprint=b"x" * 5, namespace=pb.Namespace(tenant="default"), key=bytes(chain.keys[0])),
+                pb.FetchRequest(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant="bad/tenant"), key=bytes(chain.keys[0])),
+                pb.FetchRequest(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant="default"), key=bytes(chain.keys[0]),
+                                next_keys=[b"\x00" * 32] * 5000),
+            ]
+            codes = []
+            for req in bad:
+                ctx = _Context(None)
+                try:
+                    async for _ in servicer.Fetch(req, ctx):  # type: ignore[arg-type]
+                        pass
+                except _Aborted:
                     pass
-            except _Aborted:
-                pass
-            codes.append(ctx.code)
-        assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
-        await ov.stop()
+                codes.append(ctx.code)
+            assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]
 
     asyncio.run(main())

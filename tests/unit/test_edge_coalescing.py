@@ -62,20 +62,18 @@ def test_100_concurrent_fetches_one_origin_fetch(at_owner: bool) -> None:
     origin = origin_with([chain], delay_s=0.02)
 
     async def main() -> None:
-        ov = InMemoryOverlay(3, origin=origin)
-        await ov.start()
-        key = chain.keys[0]
-        node = ov.nodes[ov.owners(key)[0]] if at_owner else ov.non_owner(key)
-        results = await asyncio.gather(*[node.fetch_bytes(chain.spec(0)) for _ in range(100)])
-        assert origin.fetches == 1
-        assert all(data == chain.blobs[0] for data, _ in results)
-        counters, _ = await node.stats()
-        assert counters["kdn_edge_coalesced_requests_total"] == 99
-        # now it is held: more fetches are local hits, still one origin fetch
-        data, source = await node.fetch_bytes(chain.spec(0))
-        assert data == chain.blobs[0] and source == "memory"
-        assert origin.fetches == 1
-        await ov.stop()
+        async with InMemoryOverlay(3, origin=origin) as ov:
+            key = chain.keys[0]
+            node = ov.nodes[ov.owners(key)[0]] if at_owner else ov.non_owner(key)
+            results = await asyncio.gather(*[node.fetch_bytes(chain.spec(0)) for _ in range(100)])
+            assert origin.fetches == 1
+            assert all(data == chain.blobs[0] for data, _ in results)
+            counters, _ = await node.stats()
+            assert counters["kdn_edge_coalesced_requests_total"] == 99
+            # now it is held: more fetches are local hits, still one origin fetch
+            data, source = await node.fetch_bytes(chain.spec(0))
+            assert data == chain.blobs[0] and source == "memory"
+            assert origin.fetches == 1
 
     asyncio.run(main())
 
@@ -85,12 +83,10 @@ def test_missing_everywhere_is_not_found_once() -> None:
     origin = origin_with([], delay_s=0.01)
 
     async def main() -> None:
-        ov = InMemoryOverlay(3, origin=origin)
-        await ov.start()
-        node = ov.nodes[ov.owners(chain.keys[0])[0]]
-        outs = await asyncio.gather(*[node.fetch_bytes(chain.spec(0)) for _ in range(20)], return_exceptions=True)
-        assert all(isinstance(o, NotFound) for o in outs)
-        assert origin.fetches == 1
-        await ov.stop()
+        async with InMemoryOverlay(3, origin=origin) as ov:
+            node = ov.nodes[ov.owners(chain.keys[0])[0]]
+            outs = await asyncio.gather(*[node.fetch_bytes(chain.spec(0)) for _ in range(20)], return_exceptions=True)
+            assert all(isinstance(o, NotFound) for o in outs)
+            assert origin.fetches == 1
 
     asyncio.run(main())

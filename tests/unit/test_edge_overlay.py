@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kdn.edge.clock import FakeClock
 from kdn.edge.overlay import Member, Overlay
 from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
@@ -70,34 +72,32 @@ def test_fetch_fails_over_when_an_owner_is_killed_and_returns() -> None:
     origin = origin_with([chain])
 
     async def main() -> None:
-        ov = InMemoryOverlay(5, origin=origin, peer_backoff_s=2.0)
-        await ov.start()
-        key = chain.keys[0]
-        primary, secondary, third = (m.node_id for m in ov.nodes["e0"].overlay.owners(key, 3))
-        client_node, other = (n for nid, n in ov.nodes.items() if nid not in (primary, secondary, third))
-        assert (await client_node.fetch_bytes(chain.spec(0)))[0] == chain.blobs[0]
-        assert origin.fetches == 1  # through the primary owner, which keeps a copy
-        assert await ov.nodes[primary].lookup_local([key], tenant="default") == ["memory"]
+        async with InMemoryOverlay(5, origin=origin, peer_backoff_s=2.0) as ov:
+            key = chain.keys[0]
+            primary, secondary, third = (m.node_id for m in ov.nodes["e0"].overlay.owners(key, 3))
+            client_node, other = (n for nid, n in ov.nodes.items() if nid not in (primary, secondary, third))
+            assert (await client_node.fetch_bytes(chain.spec(0)))[0] == chain.blobs[0]
+            assert origin.fetches == 1  # through the primary owner, which keeps a copy
+            assert await ov.nodes[primary].lookup_local([key], tenant="default") == ["memory"]
 
-        ov.kill(primary)  # as a SIGKILL would: every link to it fails
-        data, source = await other.fetch_bytes(chain.spec(0))
-        assert data == chain.blobs[0] and source == "peer"  # via the secondary, which refetched
-        assert primary in ov.nodes[secondary].overlay.down()
-        assert [m.node_id for m in ov.nodes[secondary].overlay.owners(key)] == [secondary, third]
-        assert origin.fetches == 2
-        other.store.delete(key, tenant="default")
-        data, source = await other.fetch_bytes(chain.spec(0))
-        assert data == chain.blobs[0] and source == "peer"
-        assert origin.fetches == 2  # the secondary kept it
+            ov.kill(primary)  # as a SIGKILL would: every link to it fails
+            data, source = await other.fetch_bytes(chain.spec(0))
+            assert data == chain.blobs[0] and source == "peer"  # via the secondary, which refetched
+            assert primary in ov.nodes[secondary].overlay.down()
+            assert [m.node_id for m in ov.nodes[secondary].overlay.owners(key)] == [secondary, third]
+            assert origin.fetches == 2
+            other.store.delete(key, tenant="default")
+            data, source = await other.fetch_bytes(chain.spec(0))
+            assert data == chain.blobs[0] and source == "peer"
+            assert origin.fetches == 2  # the secondary kept it
 
-        ov.revive(primary)
-        ov.clock.advance(2.1)  # type: ignore[attr-defined]
-        assert [m.node_id for m in other.overlay.owners(key)][0] == primary
-        other.store.delete(key, tenant="default")
-        data, source = await other.fetch_bytes(chain.spec(0))
-        assert data == chain.blobs[0] and source == "peer"
-        assert primary not in other.overlay.down()
-        await ov.stop()
+            ov.revive(primary)
+            ov.clock.advance(2.1)  # type: ignore[attr-defined]
+            assert [m.node_id for m in other.overlay.owners(key)][0] == primary
+            other.store.delete(key, tenant="default")
+            data, source = await other.fetch_bytes(chain.spec(0))
+            assert data == chain.blobs[0] and source == "peer"
+            assert primary not in other.overlay.down()
 
     asyncio.run(main())
 
@@ -114,19 +114,17 @@ def test_corrupt_bytes_from_a_peer_are_dropped_and_fetched_elsewhere() -> None:
     origin = origin_with([chain])
 
     async def main() -> None:
-        ov = InMemoryOverlay(3, origin=origin)
-        await ov.start()
-        key = chain.keys[0]
-        primary = ov.owners(key)[0]
-        ov.nodes[primary].store.put(chain.blobs[0], tenant="default")
-        client_node = ov.non_owner(key)
-        ov.links[(client_node.node_id, primary)] = _CorruptPeer(primary, ov.nodes[primary])
-        data, source = await client_node.fetch_bytes(chain.spec(0))
-        assert data == chain.blobs[0]
-        assert source in ("peer", "origin")
-        counters, _ = await client_node.stats()
-        assert counters["kdn_edge_corrupt_upstream_total"] == 1
-        await ov.stop()
+        async with InMemoryOverlay(3, origin=origin) as ov:
+            key = chain.keys[0]
+            primary = ov.owners(key)[0]
+            ov.nodes[primary].store.put(chain.blobs[0], tenant="default")
+            client_node = ov.non_owner(key)
+            ov.links[(client_node.node_id, primary)] = _CorruptPeer(primary, ov.nodes[primary])
+            data, source = await client_node.fetch_bytes(chain.spec(0))
+            assert data == chain.blobs[0]
+            assert source in ("peer", "origin")
+            counters, _ = await client_node.stats()
+            assert counters["kdn_edge_corrupt_upstream_total"] == 1
 
     asyncio.run(main())
 
@@ -136,24 +134,18 @@ def test_origin_down_serves_what_it_holds_and_reports_it() -> None:
     origin = origin_with([chain])
 
     async def main() -> None:
-        ov = InMemoryOverlay(1, origin=origin)
-        await ov.start()
-        node = ov.nodes["e0"]
-        await node.fetch_bytes(chain.spec(0))
-        origin.up = False
-        assert (await node.fetch_bytes(chain.spec(0)))[0] == chain.blobs[0]
-        try:
-            await node.fetch_bytes(chain.spec(1))
-        except Unavailable:
-            pass
-        else:  # pragma: no cover
-            raise AssertionError("a miss with the origin down must be Unavailable")
-        counters, details = await node.stats()
-        assert counters["origin_available"] == 0.0 and details["origin"]["available"] is False
-        origin.up = True
-        counters, _ = await node.stats()
-        assert counters["origin_available"] == 1.0
-        await ov.stop()
+        async with InMemoryOverlay(1, origin=origin) as ov:
+            node = ov.nodes["e0"]
+            await node.fetch_bytes(chain.spec(0))
+            origin.up = False
+            assert (await node.fetch_bytes(chain.spec(0)))[0] == chain.blobs[0]
+            with pytest.raises(Unavailable):  # a miss with the origin down
+                await node.fetch_bytes(chain.spec(1))
+            counters, details = await node.stats()
+            assert counters["origin_available"] == 0.0 and details["origin"]["available"] is False
+            origin.up = True
+            counters, _ = await node.stats()
+            assert counters["origin_available"] == 1.0
 
     asyncio.run(main())
 
@@ -163,16 +155,10 @@ def test_local_only_never_goes_upstream() -> None:
     origin = origin_with([chain])
 
     async def main() -> None:
-        ov = InMemoryOverlay(2, origin=origin)
-        await ov.start()
-        try:
-            await ov.nodes["e0"].fetch_bytes(chain.spec(0, local_only=True))
-        except NotFound:
-            pass
-        else:  # pragma: no cover
-            raise AssertionError("expected NotFound")
-        assert origin.fetches == 0
-        await ov.stop()
+        async with InMemoryOverlay(2, origin=origin) as ov:
+            with pytest.raises(NotFound):
+                await ov.nodes["e0"].fetch_bytes(chain.spec(0, local_only=True))
+            assert origin.fetches == 0
 
     asyncio.run(main())
 
@@ -183,19 +169,17 @@ def test_inconsistent_views_do_not_bounce_a_key_between_edges() -> None:
     origin = origin_with([chain], delay_s=0.01)
 
     async def main() -> None:
-        ov = InMemoryOverlay(2, origin=origin, replicas=1)
-        await ov.start()
-        key = chain.keys[0]
-        owner = ov.owners(key)[0]
-        other = next(n for n in ov.ids if n != owner)
-        # the owner's view is stale: it believes the other node owns everything
-        ov.nodes[owner].overlay.owners = lambda k, r=None: [ov.nodes[owner].overlay.members[other]]  # type: ignore[method-assign]
-        results = await asyncio.wait_for(
-            asyncio.gather(*(ov.nodes[n].fetch_bytes(chain.spec(0)) for n in (owner, other) for _ in range(5))), 5
-        )
-        assert all(data == chain.blobs[0] for data, _ in results)
-        assert 1 <= origin.fetches <= 2
-        await ov.stop()
+        async with InMemoryOverlay(2, origin=origin, replicas=1) as ov:
+            key = chain.keys[0]
+            owner = ov.owners(key)[0]
+            other = next(n for n in ov.ids if n != owner)
+            # the owner's view is stale: it believes the other node owns everything
+            ov.nodes[owner].overlay.owners = lambda k, r=None: [ov.nodes[owner].overlay.members[other]]  # type: ignore[method-assign]
+            results = await asyncio.wait_for(
+                asyncio.gather(*(ov.nodes[n].fetch_bytes(chain.spec(0)) for n in (owner, other) for _ in range(5))), 5
+            )
+            assert all(data == chain.blobs[0] for data, _ in results)
+            assert 1 <= origin.fetches <= 2
 
     asyncio.run(main())
 

@@ -14,20 +14,18 @@ def test_read_ahead_fetches_the_next_depth_chunks_only() -> None:
     origin = origin_with([chain])
 
     async def main() -> None:
-        ov = InMemoryOverlay(1, origin=origin, prefetch_depth=2)
-        await ov.start()
-        node = ov.nodes["e0"]
-        await node.fetch_bytes(chain.spec(0), next_keys=chain.keys[1:])
-        await node.prefetcher.drain()
-        held = await node.lookup_local(chain.keys, tenant="default")
-        assert len(held) == 3  # chunk 0 + two ahead, not more
-        assert sorted(origin.fetched) == sorted(chain.keys[:3])
-        # the following request is a local hit and pushes the window on
-        data, source = await node.fetch_bytes(chain.spec(1), next_keys=chain.keys[2:])
-        assert source == "memory" and data == chain.blobs[1]
-        await node.prefetcher.drain()
-        assert len(await node.lookup_local(chain.keys, tenant="default")) == 4
-        await ov.stop()
+        async with InMemoryOverlay(1, origin=origin, prefetch_depth=2) as ov:
+            node = ov.nodes["e0"]
+            await node.fetch_bytes(chain.spec(0), next_keys=chain.keys[1:])
+            await node.prefetcher.drain()
+            held = await node.lookup_local(chain.keys, tenant="default")
+            assert len(held) == 3  # chunk 0 + two ahead, not more
+            assert sorted(origin.fetched) == sorted(chain.keys[:3])
+            # the following request is a local hit and pushes the window on
+            data, source = await node.fetch_bytes(chain.spec(1), next_keys=chain.keys[2:])
+            assert source == "memory" and data == chain.blobs[1]
+            await node.prefetcher.drain()
+            assert len(await node.lookup_local(chain.keys, tenant="default")) == 4
 
     asyncio.run(main())
 
@@ -37,17 +35,15 @@ def test_prefetch_and_foreground_miss_coalesce() -> None:
     origin = origin_with([chain], delay_s=0.03)
 
     async def main() -> None:
-        ov = InMemoryOverlay(1, origin=origin, prefetch_depth=2)
-        await ov.start()
-        node = ov.nodes["e0"]
-        await node.fetch_bytes(chain.spec(0), next_keys=chain.keys[1:])
-        await asyncio.sleep(0.005)  # prefetch of chunk 1 is now in flight
-        data, _ = await node.fetch_bytes(chain.spec(1))
-        assert data == chain.blobs[1]
-        await node.prefetcher.drain()
-        assert origin.fetched.count(chain.keys[1]) == 1
-        assert origin.fetches == 3
-        await ov.stop()
+        async with InMemoryOverlay(1, origin=origin, prefetch_depth=2) as ov:
+            node = ov.nodes["e0"]
+            await node.fetch_bytes(chain.spec(0), next_keys=chain.keys[1:])
+            await asyncio.sleep(0.005)  # prefetch of chunk 1 is now in flight
+            data, _ = await node.fetch_bytes(chain.spec(1))
+            assert data == chain.blobs[1]
+            await node.prefetcher.drain()
+            assert origin.fetched.count(chain.keys[1]) == 1
+            assert origin.fetches == 3
 
     asyncio.run(main())
 
@@ -80,17 +76,15 @@ def test_operator_prefetch_of_a_document_and_of_keys() -> None:
     origin = origin_with([chain], documents={"handbook": chain.keys})
 
     async def main() -> None:
-        ov = InMemoryOverlay(1, origin=origin)
-        await ov.start()
-        node = ov.nodes["e0"]
-        keys = await node.resolve_keys([], "handbook", fingerprint=chain.fingerprint, namespace=chain.namespace, token=None)
-        assert keys == chain.keys
-        assert node.prefetch(keys[:2], fingerprint=chain.fingerprint, namespace=chain.namespace) == 2
-        await node.prefetcher.drain()
-        assert node.prefetch(keys, fingerprint=chain.fingerprint, namespace=chain.namespace) == 2  # 2 held already
-        await node.prefetcher.drain()
-        assert len(await node.lookup_local(chain.keys, tenant="acme")) == 4
-        assert origin.fetches == 4
-        await ov.stop()
+        async with InMemoryOverlay(1, origin=origin) as ov:
+            node = ov.nodes["e0"]
+            keys = await node.resolve_keys([], "handbook", fingerprint=chain.fingerprint, namespace=chain.namespace, token=None)
+            assert keys == chain.keys
+            assert node.prefetch(keys[:2], fingerprint=chain.fingerprint, namespace=chain.namespace) == 2
+            await node.prefetcher.drain()
+            assert node.prefetch(keys, fingerprint=chain.fingerprint, namespace=chain.namespace) == 2  # 2 held already
+            await node.prefetcher.drain()
+            assert len(await node.lookup_local(chain.keys, tenant="acme")) == 4
+            assert origin.fetches == 4
 
     asyncio.run(main())
