@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from concurrent.futures import Future
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Coroutine, Literal, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Literal, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -373,6 +374,23 @@ class AsyncKdnClient:
             await self.transport.close()
 
 
+def _blocking(method: Callable[..., Any], *, on_loop: bool = False) -> Callable[..., Any]:
+    """The synchronous twin of an :class:`AsyncKdnClient` method, run on the client's loop thread.
+    ``on_loop``: a plain method that must be called from inside the loop (it starts tasks)."""
+
+    @functools.wraps(method)
+    def run(self: "KdnClient", *args: Any, **kwargs: Any) -> Any:
+        if on_loop:
+
+            async def call() -> Any:
+                return method(self.aio, *args, **kwargs)
+
+            return self._run(call())
+        return self._run(method(self.aio, *args, **kwargs))
+
+    return run
+
+
 class KdnClient:
     """Synchronous facade over :class:`AsyncKdnClient`, which runs on a private loop thread
     (so background write-backs proceed while the caller generates). Close it, or use ``with``."""
@@ -406,53 +424,13 @@ class KdnClient:
     def keys_for(self, tokens: Sequence[int] | np.ndarray, fingerprint: ModelFingerprint, chunk_size: int) -> list[ChunkKey]:
         return self.aio.keys_for(tokens, fingerprint, chunk_size)
 
-    def lookup(self, fingerprint: ModelFingerprint, keys: Sequence[ChunkKey]) -> int:
-        return self._run(self.aio.lookup(fingerprint, keys))
-
-    def put(self, fingerprint: ModelFingerprint, key: ChunkKey, data: bytes) -> bool:
-        return self._run(self.aio.put(fingerprint, key, data))
-
-    def reuse(
-        self,
-        tokens: Sequence[int] | np.ndarray,
-        *,
-        fingerprint: ModelFingerprint,
-        kv_shape: KVShape,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        max_tokens: int | None = None,
-    ) -> Reuse:
-        return self._run(
-            self.aio.reuse(tokens, fingerprint=fingerprint, kv_shape=kv_shape, chunk_size=chunk_size, max_tokens=max_tokens)
-        )
-
-    def schedule_write_back(
-        self,
-        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        keys: Sequence[ChunkKey],
-        *,
-        fingerprint: ModelFingerprint,
-        chunk_size: int,
-        start: int,
-    ) -> bool:
-        async def go() -> bool:
-            return self.aio.schedule_write_back(layers, keys, fingerprint=fingerprint, chunk_size=chunk_size, start=start)
-
-        return self._run(go())
-
-    def write_back(
-        self,
-        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        keys: Sequence[ChunkKey],
-        *,
-        fingerprint: ModelFingerprint,
-        chunk_size: int,
-        start: int,
-    ) -> int:
-        """Encode and Put now, waiting for the edge (what ``schedule_write_back`` does later)."""
-        return self._run(self.aio.write_back(layers, keys, fingerprint=fingerprint, chunk_size=chunk_size, start=start))
-
-    def flush(self, timeout: float | None = None) -> None:
-        self._run(self.aio.flush(timeout))
+    # the blocking twins of AsyncKdnClient's operations: same signatures and docstrings
+    lookup = _blocking(AsyncKdnClient.lookup)
+    put = _blocking(AsyncKdnClient.put)
+    reuse = _blocking(AsyncKdnClient.reuse)
+    write_back = _blocking(AsyncKdnClient.write_back)
+    schedule_write_back = _blocking(AsyncKdnClient.schedule_write_back, on_loop=True)
+    flush = _blocking(AsyncKdnClient.flush)
 
     def close(self, *, flush_timeout: float = 5.0) -> None:
         if self._closed:
