@@ -28,17 +28,7 @@ from kdn.artifact import (
     verify_artifact,
 )
 from kdn.codecs import CODECS, lossless_codecs
-from kdn.errors import (
-    ArtifactCorrupt,
-    ArtifactError,
-    FingerprintMismatch,
-    InvalidInput,
-    KdnError,
-    LossyRefused,
-    MessageTooLarge,
-    UnknownCodec,
-    UnsupportedVersion,
-)
+from kdn import errors as kerr
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint
 from kdn.proto import kdn_pb2 as pb
 
@@ -147,9 +137,9 @@ def test_iter_sections_and_verify_and_read_header() -> None:
     assert len(list(iter_sections(pieces, expect_fingerprint=FP))) == 4
     assert verify_artifact(blob).codec == "lz4"
     assert read_header(blob[:200]).key == bytes(KEY)
-    with pytest.raises(ArtifactCorrupt):
+    with pytest.raises(kerr.ArtifactCorrupt):
         read_header(blob[:20])
-    with pytest.raises(ArtifactCorrupt, match="truncated"):
+    with pytest.raises(kerr.ArtifactCorrupt, match="truncated"):
         list(iter_sections(pieces[:-1]))
 
 
@@ -158,33 +148,33 @@ def test_iter_sections_and_verify_and_read_header() -> None:
 
 def test_wrong_fingerprint_key_or_lossiness_is_refused() -> None:
     blob = _encode(_kv(), "int8")
-    with pytest.raises(FingerprintMismatch):
+    with pytest.raises(kerr.FingerprintMismatch):
         decode_artifact(blob, expect_fingerprint=ModelFingerprint(b"\x01" * 32))
-    with pytest.raises(ArtifactCorrupt, match="expected"):
+    with pytest.raises(kerr.ArtifactCorrupt, match="expected"):
         decode_artifact(blob, expect_key=ChunkKey(b"\x02" * 32))
-    with pytest.raises(LossyRefused):
+    with pytest.raises(kerr.LossyRefused):
         decode_artifact(blob, require_lossless=True)
     decode_artifact(_encode(_kv(), "zstd"), require_lossless=True)
 
 
 def test_encoder_refuses_bad_input() -> None:
-    with pytest.raises(InvalidInput):
+    with pytest.raises(kerr.InvalidInput):
         encode_artifact(torch.zeros(2, 3, 2, 8, 4), key=KEY, parent_key=ROOT_KEY, fingerprint=FP)
-    with pytest.raises(InvalidInput):
+    with pytest.raises(kerr.InvalidInput):
         encode_artifact(torch.zeros(2, 2, 8, 4), key=KEY, parent_key=ROOT_KEY, fingerprint=FP)
-    with pytest.raises(InvalidInput):
+    with pytest.raises(kerr.InvalidInput):
         encode_artifact(torch.zeros(1, 2, 1, 2, 2, dtype=torch.int32), key=KEY, parent_key=ROOT_KEY, fingerprint=FP)
-    with pytest.raises(InvalidInput):
+    with pytest.raises(kerr.InvalidInput):
         encode_artifact(_kv(), key=ChunkKey(b"short"), parent_key=ROOT_KEY, fingerprint=FP)
-    with pytest.raises(UnknownCodec):
+    with pytest.raises(kerr.UnknownCodec):
         encode_artifact(_kv(), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="nope")
 
 
 # -- hostile input -------------------------------------------------------------------------------
 
 
-def _must_fail(blob: bytes | bytearray, **kw: object) -> KdnError:
-    with pytest.raises(KdnError) as exc:
+def _must_fail(blob: bytes | bytearray, **kw: object) -> kerr.KdnError:
+    with pytest.raises(kerr.KdnError) as exc:
         decode_artifact(bytes(blob), **kw)
     return exc.value
 
@@ -199,7 +189,7 @@ def test_every_single_bit_flip_is_detected(codec: str) -> None:
         bad = bytearray(blob)
         bad[bit // 8] ^= 1 << (bit % 8)
         err = _must_fail(bad, expect_fingerprint=FP)
-        assert isinstance(err, (ArtifactError, MessageTooLarge, UnknownCodec, FingerprintMismatch)), repr(err)
+        assert isinstance(err, (kerr.ArtifactError, kerr.MessageTooLarge, kerr.UnknownCodec, kerr.FingerprintMismatch)), repr(err)
         kinds[type(err).__name__] = kinds.get(type(err).__name__, 0) + 1
     assert kinds.get("ArtifactCorrupt", 0) > len(blob) * 7, kinds
 
@@ -208,20 +198,20 @@ def test_every_truncation_is_detected() -> None:
     blob = _encode(_kv(layers=1, heads=1, tokens=2, dim=4), "zstd")
     for n in range(len(blob)):
         err = _must_fail(blob[:n])
-        assert isinstance(err, ArtifactCorrupt), (n, err)
+        assert isinstance(err, kerr.ArtifactCorrupt), (n, err)
     reader = ArtifactReader()
     reader.feed(blob[:-1])
-    with pytest.raises(ArtifactCorrupt, match="truncated"):
+    with pytest.raises(kerr.ArtifactCorrupt, match="truncated"):
         reader.finish()
 
 
 def test_trailing_garbage_is_detected() -> None:
     blob = _encode(_kv(), "raw")
-    with pytest.raises(ArtifactCorrupt, match="after the artifact trailer"):
+    with pytest.raises(kerr.ArtifactCorrupt, match="after the artifact trailer"):
         decode_artifact(blob + b"\x00")
     reader = ArtifactReader()
     reader.feed(blob)
-    with pytest.raises(ArtifactCorrupt):
+    with pytest.raises(kerr.ArtifactCorrupt):
         reader.feed(b"x")
 
 
@@ -260,47 +250,47 @@ def test_arbitrary_bytes_never_decode(garbage: bytes) -> None:
 def test_wrong_magic() -> None:
     blob = bytearray(_encode(_kv(), "raw"))
     blob[:4] = b"KDNX"
-    with pytest.raises(ArtifactCorrupt, match="magic"):
+    with pytest.raises(kerr.ArtifactCorrupt, match="magic"):
         decode_artifact(bytes(blob))
-    with pytest.raises(ArtifactCorrupt, match="magic"):
+    with pytest.raises(kerr.ArtifactCorrupt, match="magic"):
         ArtifactReader().feed(b"GIF8")  # fails fast, before a whole prefix arrived
 
 
 def test_future_version_with_valid_checksums() -> None:
     header, sections = _split(_encode(_kv(), "raw"))
-    with pytest.raises(UnsupportedVersion, match="version 2"):
+    with pytest.raises(kerr.UnsupportedVersion, match="version 2"):
         decode_artifact(_frame(header.SerializeToString(), sections, version=2))
     header.layout_version = 99
-    with pytest.raises(UnsupportedVersion, match="layout"):
+    with pytest.raises(kerr.UnsupportedVersion, match="layout"):
         decode_artifact(_frame(header.SerializeToString(), sections))
-    with pytest.raises(ArtifactCorrupt):
+    with pytest.raises(kerr.ArtifactCorrupt):
         decode_artifact(_frame(header.SerializeToString(), sections, version=0))
 
 
 def test_unknown_codec_with_valid_checksums() -> None:
     header, sections = _split(_encode(_kv(), "raw"))
     header.codec = "from-the-future"
-    with pytest.raises(UnknownCodec, match="from-the-future"):
+    with pytest.raises(kerr.UnknownCodec, match="from-the-future"):
         decode_artifact(_frame(header.SerializeToString(), sections))
 
 
 def test_lossy_flag_that_lies_is_refused() -> None:
     header, sections = _split(_encode(_kv(), "int8"))
     header.lossy = False
-    with pytest.raises(ArtifactCorrupt, match="lossy"):
+    with pytest.raises(kerr.ArtifactCorrupt, match="lossy"):
         decode_artifact(_frame(header.SerializeToString(), sections), require_lossless=True)
 
 
 def test_section_that_decodes_to_the_wrong_size() -> None:
     header, sections = _split(_encode(_kv(), "raw"))
     sections[1] = sections[1][:-2]
-    with pytest.raises(ArtifactCorrupt):
+    with pytest.raises(kerr.ArtifactCorrupt):
         decode_artifact(_frame(header.SerializeToString(), sections))
     header, sections = _split(_encode(_kv(), "zstd"))
     import zstandard
 
     sections[0] = zstandard.ZstdCompressor().compress(b"\x00" * 10)  # valid zstd, wrong size
-    with pytest.raises(ArtifactCorrupt):
+    with pytest.raises(kerr.ArtifactCorrupt):
         decode_artifact(_frame(header.SerializeToString(), sections))
 
 
@@ -321,7 +311,7 @@ def test_huge_header_length_is_refused_without_allocating() -> None:
     prefix = struct.pack("<4sHHI", b"KDNA", 1, 0, HUGE)
 
     def attempt() -> None:
-        with pytest.raises(ArtifactCorrupt, match="header declares"):
+        with pytest.raises(kerr.ArtifactCorrupt, match="header declares"):
             decode_artifact(prefix + b"\x00" * 64)
 
     assert _peak_bytes(attempt) < 1 << 20
@@ -337,7 +327,7 @@ def test_huge_section_length_is_refused_without_allocating(codec: str) -> None:
     blob += struct.pack("<I", HUGE) + b"\x00" * 64
 
     def attempt() -> None:
-        with pytest.raises(ArtifactCorrupt, match="declares"):
+        with pytest.raises(kerr.ArtifactCorrupt, match="declares"):
             decode_artifact(blob)
 
     assert _peak_bytes(attempt) < 1 << 20
@@ -352,7 +342,7 @@ def test_header_declaring_a_huge_shape_is_refused_without_allocating(codec: str)
     blob = _frame(header.SerializeToString(), sections)
 
     def attempt() -> None:
-        with pytest.raises((MessageTooLarge, ArtifactCorrupt)):
+        with pytest.raises((kerr.MessageTooLarge, kerr.ArtifactCorrupt)):
             decode_artifact(blob)
 
     assert _peak_bytes(attempt) < 1 << 20
@@ -368,7 +358,7 @@ def test_decompression_bomb_is_bounded_by_max_bytes() -> None:
     assert zstandard is not None
 
     def attempt() -> None:
-        with pytest.raises(MessageTooLarge):
+        with pytest.raises(kerr.MessageTooLarge):
             decode_artifact(blob, max_bytes=8 << 20)
 
     assert _peak_bytes(attempt) < 4 << 20
@@ -377,7 +367,7 @@ def test_decompression_bomb_is_bounded_by_max_bytes() -> None:
 def test_oversized_stream_is_refused() -> None:
     blob = _encode(_kv(tokens=64), "raw")
     reader = ArtifactReader(max_bytes=len(blob) - 1)
-    with pytest.raises(MessageTooLarge):
+    with pytest.raises(kerr.MessageTooLarge):
         for i in range(0, len(blob), 100):
             reader.feed(blob[i : i + 100])
 
@@ -446,6 +436,6 @@ def test_reader_refuses_a_geometry_other_than_its_buffer_before_writing() -> Non
     kv = _kv()
     L, _, H, T, D = kv.shape
     out = torch.zeros((L, 2, H, T + 1, D), dtype=kv.dtype)
-    with pytest.raises(FingerprintMismatch):
+    with pytest.raises(kerr.FingerprintMismatch):
         ArtifactReader(out=out).feed(_encode(kv, "raw"))
     assert not out.any()
