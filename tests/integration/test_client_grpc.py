@@ -18,6 +18,7 @@ from kdn.integrations.transformers import generate
 from kdn.keys import Namespace
 from kdn.models import load_model
 from kdn.ops.query import main as query_main
+from tests.children import reap
 
 pytestmark = pytest.mark.integration
 
@@ -261,6 +262,4 @@ def test_edge_process_sigkilled_between_requests(lm, origin, tmp_path, capsys):
         out = _query(capsys, "--edge", address, "--tenant", "killed", "--prompt", prompt, "--timeout", "2")
         assert out["outputs_match"] and out["reused_tokens"] == 0 and "Unavailable" in out["warnings"][0]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        reap(proc, 10)

@@ -16,6 +16,7 @@ import pytest
 
 from kdn.artifact import verify_artifact
 from kdn.origin.store import OriginStore
+from tests.children import reap
 
 pytestmark = pytest.mark.integration
 
@@ -61,9 +62,7 @@ def test_killed_ingest_reruns_to_completion(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        reap(proc)
     done_before = _documents_recorded(store)
     assert 2 <= done_before < n
 

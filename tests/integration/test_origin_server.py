@@ -17,6 +17,7 @@ from kdn.wire.channel import STREAM_PIECE, auth_metadata, sync_channel
 from kdn.wire.errors import from_rpc_error
 from kdn.origin.config import OriginConfig
 from kdn.origin.server import OriginServer
+from tests.children import reap
 
 pytestmark = pytest.mark.integration
 
@@ -219,6 +220,4 @@ def test_kdn_origin_command_serves_until_sigterm(tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
+        reap(proc)

@@ -18,6 +18,7 @@ from kdn import blobstore
 from kdn.artifact import encode_artifact
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, StorageFull, Unavailable
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
+from tests.children import reap
 
 FP = ModelFingerprint(bytes(range(32)))
 OTHER_FP = ModelFingerprint(bytes(32))
@@ -584,9 +585,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_visible(tmp_path: Path) -> Non
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
+        reap(child)
     again = TieredStore([DiskTier(root, 1 << 30, fsync=False)], policy="lru", clock=FakeClock())
     assert again.get(CHAIN[1][0], tenant="acme") is None
     assert again.get(CHAIN[0][0], tenant="acme") == (CHAIN[0][1], "disk")
