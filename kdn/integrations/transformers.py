@@ -33,16 +33,20 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
+from kdn.blend import BlendStats
 from kdn.client import KdnClient, Reuse
 from kdn.errors import InvalidInput
 from kdn.keys import DEFAULT_CHUNK_SIZE, ModelFingerprint
 from kdn.kv import KVShape, cache_from_layers
 from kdn.models import DTYPES, HFTokenizer, LoadedModel, Tokenizer, _weights_digest, is_model_dir, model_fingerprint
+
+if TYPE_CHECKING:
+    from kdn.integrations.blend import BlendOptions
 
 __all__ = ["KdnModel", "Result", "Timings", "prepare", "generate", "weights_identity"]
 
@@ -81,6 +85,7 @@ class Timings:
     prefill_s: float = 0.0
     first_token_s: float = 0.0
     total_s: float = 0.0
+    blend_s: float = 0.0  # documents: re-placing segments + selective recompute (inside build_s)
 
     def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
@@ -100,6 +105,8 @@ class Result:
     via: str = ""
     written_back: bool = False
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    blend: BlendStats | None = None  # documents: what the blend recomputed
+    documents_tokens: int = 0
 
 
 def weights_identity(model: Any) -> str:
@@ -173,8 +180,15 @@ def generate(
     max_new_tokens: int = 32,
     eos_token_id: int | None = None,
     write_back: bool = True,
+    documents: Sequence[str | Sequence[int]] | None = None,
+    prefix: str | Sequence[int] = (),
+    blend: "BlendOptions | None" = None,
 ) -> Result:
     """Greedy generation that reuses the edge's KV for the prompt's longest cached prefix.
+
+    ``documents``: the prompt is ``prefix + documents + prompt`` and every document is reused
+    wherever it sits, as a segment re-placed and partly recomputed (:mod:`kdn.integrations.blend`),
+    when the model's blend verdict allows; otherwise as an exact prefix, with a warning.
 
     ``client=None`` is a plain full recompute through the same code path (the baseline).
     ``model``: a :class:`KdnModel` from :func:`prepare` (do that once: naming the weights of a
@@ -183,6 +197,18 @@ def generate(
     """
     t_start = time.perf_counter()
     km = prepare(model, tokenizer)
+    if documents is not None:
+        from kdn.integrations.blend import BlendOptions, generate_with_documents
+
+        if max_new_tokens < 1:
+            raise InvalidInput("max_new_tokens must be at least 1")
+        eos = eos_token_id if eos_token_id is not None else getattr(km.config, "eos_token_id", None)
+        return generate_with_documents(
+            km, prompt if isinstance(prompt, str) else _token_list(prompt, km.tokenizer), list(documents),
+            prefix=prefix, client=client, max_new_tokens=max_new_tokens,
+            eos_ids=set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]),
+            options=blend or BlendOptions(), t_start=t_start,
+        )
     tokens = _token_list(prompt, km.tokenizer)
     if not tokens:
         raise InvalidInput("empty prompt")
