@@ -404,11 +404,36 @@ def _info(spec: str) -> dict[str, Any]:
     return info
 
 
+def _train_retrieval(args: argparse.Namespace) -> int:
+    from kdn.lab.retrieval import RetrievalTrainConfig, default_retrieval_dir, train_retrieval
+
+    out = args.out or default_retrieval_dir()
+    if (out / "config.json").is_file() and not args.force:
+        print(f"{out} already holds a model (use --force to retrain)", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"out_dir": str(out), "skipped": True}))
+        return 0
+    cfg = RetrievalTrainConfig.preset(args.preset)
+    overrides = {k: v for k, v in (("steps", args.steps), ("seed", args.seed), ("threads", args.threads)) if v is not None}
+    result = train_retrieval(replace(cfg, **overrides), out, progress=True)
+    d = result.as_dict()
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        print(f"saved {result.out_dir}: {result.params / 1e6:.2f}M params, held-out accuracy with full prefill "
+              f"{result.heldout_accuracy:.3f} on {result.heldout_prompts} prompts of {result.eval_docs} documents, "
+              f"in {result.seconds:.0f}s")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kdn model", description="model tools")
     sub = parser.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train-reference", help="train the small reference LM on the Python stdlib")
     tr.add_argument("--out", type=Path, default=None, help=f"output dir (default $KDN_CACHE/{REFERENCE_DIRNAME})")
+    tr.add_argument("--task", default="stdlib", choices=["stdlib", "retrieval"],
+                    help="stdlib: language model on the Python stdlib (codec quality); retrieval: the multi-document "
+                         "retrieval task (blend quality, kdn.lab.retrieval)")
     tr.add_argument("--preset", default="default", choices=["default", "tiny"])
     tr.add_argument("--steps", type=int, default=None, help="optimiser steps (overrides the preset)")
     tr.add_argument("--seed", type=int, default=None)
@@ -428,6 +453,8 @@ def main(argv: list[str]) -> int:
                 for k, v in info.items():
                     print(f"{k:>20}: {v}")
             return 0
+        if args.task == "retrieval":
+            return _train_retrieval(args)
         out = args.out or default_reference_dir()
         if (out / "config.json").is_file() and not args.force:
             print(f"{out} already holds a model (use --force to retrain)", file=sys.stderr)
