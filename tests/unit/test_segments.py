@@ -66,3 +66,26 @@ def test_corrupt_wrong_model_wrong_length_and_chain_chunks_are_refused() -> None
     chain_chunk = encode_artifact(seg.kv, key=ChunkKey(seg.key), parent_key=ROOT_KEY, fingerprint=FP)
     with pytest.raises(ArtifactCorrupt, match="not a segment"):
         decode_segment(chain_chunk, seg.tokens, key=seg.key, fingerprint=FP)
+
+
+def test_origin_ingests_a_segment_once_and_an_edge_store_serves_and_pins_it(tiny_model, tmp_path) -> None:
+    from kdn.blend import prefill_segment
+    from kdn.edge.store import MemoryTier, TieredStore
+    from kdn.origin.segments import ingest_segments
+    from kdn.origin.store import OriginStore
+    from kdn.prefill import document_tokens
+
+    text = "A policy manual paragraph that many prompts will quote, in any order."
+    with OriginStore(tmp_path / "origin", fsync=False) as store:
+        first = ingest_segments(tiny_model, store, [("manual", text)], namespace=NS)
+        again = ingest_segments(tiny_model, store, [("manual", text)], namespace=NS)
+        assert first[0].computed and not again[0].computed and first[0].key == again[0].key
+        data = store.get(first[0].key, "raw", tenant=NS.tenant)
+        assert store.document(NS.tenant, tiny_model.fingerprint, "manual#segment").keys == (first[0].key,)
+    toks = document_tokens(tiny_model, text)
+    seg = decode_segment(data, toks, key=first[0].key, fingerprint=tiny_model.fingerprint)
+    assert torch.equal(seg.kv, prefill_segment(tiny_model.model, toks))
+    edge = TieredStore([MemoryTier(len(data) * 4)])
+    edge.put(data, tenant=NS.tenant)
+    assert edge.pin([ChunkKey(first[0].key)], tenant=NS.tenant) == 1
+    assert edge.get(ChunkKey(first[0].key), tenant=NS.tenant)[0] == data
