@@ -95,11 +95,12 @@ def ttft(repeat: int, doc_tokens: int = 512, n_docs: int = 8, ratio: float = 0.1
 
 @torch.inference_mode()
 def no_decay(model_dir: Path | None, queries: int = 200, pool: int = 50, per_query: int = 8, ratio: float = 0.15) -> dict[str, Any]:
-    """On the retrieval model when given (accuracy per window is then meaningful), else on ``tiny``."""
+    """Edge bytes and reuse over a stream of queries (on the retrieval model when given, else ``tiny``)."""
     lm = load_model(str(model_dir) if model_dir is not None else "tiny")
     km = prepare(lm)
-    cases = (blend_eval.retrieval_cases(model_dir, lm, queries, per_query, seed=1) if model_dir is not None
-             else blend_eval.generic_cases(lm, queries, per_query, 128, seed=1))
+    # a pool of 50 documents of 128 tokens (held-out stdlib text), 8 per query in random subsets and
+    # orders; the retrieval task's own pool is smaller (documents with disjoint keys)
+    cases = blend_eval.generic_cases(lm, queries, per_query, 128, seed=1)
     pool_docs = sorted({d for c in cases for d in c.docs})
     edge = MemoryEdgeTransport()
     windows: list[dict[str, float]] = []
@@ -179,7 +180,12 @@ def markdown(res: dict[str, Any]) -> str:
                          f"{r['compute']:.1%} | {r['reused']:.1%} | {r['ttft_ms']:.1f} |")
         full = q["methods"]["full"]["accuracy"] or 0.0
         b15 = q["methods"].get("blend@0.15")
-        if b15 and full:
+        if full < 0.9:
+            lines += ["", f"**This model did not learn the task** (full-prefill accuracy {full:.3f} < 0.90): accuracy "
+                      "columns say nothing about blending, and the goal (blend at ≤ 15% recompute keeps ≥ 98% of "
+                      "full-prefill accuracy) is NOT SHOWN. Agreement and KL still compare each method's predictions "
+                      "with full prefill's on the answer tokens of a 4-layer model trained on this input distribution."]
+        elif b15 and full:
             kept = b15["accuracy"] / full
             lines += ["", f"Goal: blend at ≤ 15% recompute keeps ≥ 98% of full-prefill accuracy and ≥ 95% answer top-1 "
                       f"agreement — blend@0.15 keeps {kept:.1%} ({b15['accuracy']:.3f} vs {full:.3f}), agreement "
@@ -216,7 +222,7 @@ def markdown(res: dict[str, Any]) -> str:
                   "|---|---|---|---|---|"]
         for w in d["windows"]:
             lines.append(f"| {w['queries']} | {w['edge_artifacts']} | {w['edge_bytes'] / 1e6:.2f} MB | "
-                         f"{w['reused_fraction']:.3f} | {w['accuracy']:.2f} |")
+                         f"{w['reused_fraction']:.3f} | — |")
     if res.get("plot"):
         lines += ["", "![blend](benchmarks/results/blend.png)"]
     return "\n".join(lines) + "\n"

@@ -119,13 +119,16 @@ def retrieval_cases(model_dir: Path, lm: LoadedModel, n: int, n_docs: int, seed:
     return cases
 
 
-def generic_cases(lm: LoadedModel, n: int, n_docs: int, doc_tokens: int, seed: int, question_tokens: int = 16) -> list[Case]:
-    """Documents from held-out stdlib text (when the tokenizer is not byte-level) or seeded random
+def generic_cases(lm: LoadedModel, n: int, n_docs: int, doc_tokens: int, seed: int, question_tokens: int = 16,
+                  *, text: bool = True) -> list[Case]:
+    """Documents from held-out stdlib text (``text``, when its tokens are diverse) or seeded random
     tokens; a pool of documents reused in random subsets and orders."""
     gen = torch.Generator().manual_seed(seed + 99)
     vocab = int(lm.config.vocab_size)
     stream: list[int] = []
     try:
+        if not text:
+            raise OSError("random tokens asked for")
         from kdn.lab.reference import heldout_texts
 
         for text in heldout_texts(max_files=40):
@@ -135,7 +138,7 @@ def generic_cases(lm: LoadedModel, n: int, n_docs: int, doc_tokens: int, seed: i
     except (KdnError, OSError):
         stream = []
     need = (POOL_DOCS * doc_tokens) + n * question_tokens
-    if len(stream) < need:
+    if len(stream) < need or len(set(stream[:need])) < 64:  # too short, or a tokenizer that knows no code
         stream = torch.randint(3, vocab, (need,), generator=gen).tolist()
     pool = [tuple(stream[i * doc_tokens : (i + 1) * doc_tokens]) for i in range(POOL_DOCS)]
     qbase = POOL_DOCS * doc_tokens

@@ -22,6 +22,15 @@ LM can be downloaded here. So KDN trains one, in minutes, on this task:
 
 ``kdn model train-reference --task retrieval [--preset default|tiny] [--out DIR]``; default
 location ``$KDN_CACHE/retrieval-model``.
+
+Status, measured on the shared 2-core machine (2026-11-30): the model does **not** learn this task
+in the budget. Every configuration tried (4x16 and 2x32 heads, 512/128/100 keys, 1,500 steps of 16
+sequences, lr 3e-3..1e-2, with and without an induction warm-up) stays on the plateau where it
+predicts "some value word" (loss ~ ln(num_values)) and scores 0% with full prefill on held-out
+prompts; even a 1-layer model does not learn to copy *any* value from context within 200 steps,
+while the same model learns a fixed-offset copy in ~75. The retrieval circuit (an induction head)
+needs more optimisation than 15 CPU-minutes give here; the quality goal of blending is therefore
+not shown on a model that reads.
 """
 
 from __future__ import annotations
