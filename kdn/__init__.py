@@ -14,7 +14,8 @@ Floors (each may import only its own floor and the floors below it):
 
 0. **contracts** — what every part agrees on and nothing else: ``errors``, ``keys``, ``kv``,
    ``models``, ``prefill``, ``artifact``, ``codecs``, ``placement``, ``config``, ``blobstore``,
-   ``procs``, ``console``, ``proto`` (generated stubs).
+   ``procs``, ``console``, ``proto`` (generated stubs), ``segments`` (position-free document KV)
+   and ``blend`` (re-placing segments and recomputing a share of them, run by hosts and the lab).
 1. **wire** — ``kdn.wire``: channels, auth, the gRPC status ↔ error mapping, stream frames.
 2. **parts** — ``kdn.client`` and ``kdn.client_transport`` and ``kdn.integrations`` (the
    inference host), ``kdn.edge``, ``kdn.origin``, ``kdn.lab`` (reference models and quality
