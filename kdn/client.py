@@ -44,9 +44,10 @@ from pydantic import Field, model_validator
 from kdn.artifact import ArtifactReader, encode_artifact
 from kdn.client_transport import EdgeTransport, FailoverEdgeTransport, GrpcEdgeTransport, is_loopback
 from kdn.config import RoleConfig
-from kdn.errors import Unavailable
+from kdn.errors import ArtifactCorrupt, Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.kv import KVShape
+from kdn.segments import SEGMENT_PARENT, SegmentKey
 from kdn.wire.convert import FetchSpec
 from kdn.wire.tls import TlsFiles
 
@@ -248,6 +249,75 @@ class AsyncKdnClient:
             self.config.put_timeout_s, "Put",
         )
 
+    async def fetch_segment(
+        self, fingerprint: ModelFingerprint, key: SegmentKey, kv_shape: KVShape, *, tokens: int
+    ) -> tuple[torch.Tensor, int]:
+        """Fetch one segment (:mod:`kdn.segments`) of ``tokens`` tokens into ``(L, 2, H, tokens, D)``.
+
+        Verified like a chunk (checksums, fingerprint, key, lossless when required) and refused
+        unless it is a segment of exactly that length. Returns ``(kv, bytes)``; raises KdnError.
+        """
+        assert self.transport is not None
+        out = torch.empty(kv_shape.chunk_shape(tokens), dtype=kv_shape.dtype)  # (L, 2, H, n, D)
+        reader = ArtifactReader(expect_fingerprint=fingerprint, expect_key=ChunkKey(key),
+                                require_lossless=self.config.require_lossless, out=out)
+        n_bytes = 0
+
+        async def go() -> None:
+            nonlocal n_bytes
+            spec = FetchSpec(ChunkKey(key), fingerprint, self.config.namespace, codec=self.config.codec,
+                             require_lossless=self.config.require_lossless)
+            stream = self.transport.fetch(spec, timeout=self.config.fetch_timeout_s)
+            async with aclosing(stream):
+                async for piece, _via in stream:
+                    reader.feed(piece)  # geometry other than out's (another length) is refused here
+                    n_bytes += len(piece)
+            header = reader.finish()
+            if header.parent_key != bytes(SEGMENT_PARENT):
+                raise ArtifactCorrupt("artifact under a segment key is not a segment")
+
+        await _deadline(go(), self.config.fetch_timeout_s, "Fetch of a segment")
+        return out, n_bytes
+
+    async def fetch_segments(
+        self, fingerprint: ModelFingerprint, wanted: Sequence[tuple[SegmentKey, int]], kv_shape: KVShape
+    ) -> list[tuple[torch.Tensor, int] | Exception]:
+        """Fetch ``(key, tokens)`` segments, ``fetch_concurrency`` at once: each result is
+        ``(kv, bytes)`` or the KdnError that stopped it (``NotFound`` for a miss). Never raises
+        because the cache failed."""
+        if self.transport is None:
+            return [Unavailable("no edge configured") for _ in wanted]
+        sem = asyncio.Semaphore(self.config.fetch_concurrency)
+
+        async def one(key: SegmentKey, n: int) -> tuple[torch.Tensor, int]:
+            async with sem:
+                return await self.fetch_segment(fingerprint, key, kv_shape, tokens=n)
+
+        res = await asyncio.gather(*(one(k, n) for k, n in wanted), return_exceptions=True)
+        for r in res:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+        return list(res)  # type: ignore[arg-type]
+
+    def schedule_put(self, fingerprint: ModelFingerprint, key: ChunkKey | SegmentKey, data: bytes) -> bool:
+        """Put one container in the background (a segment computed here; call from the loop).
+        False when dropped."""
+        if self.transport is None or not self.config.write_back or len(self._pending) >= self.config.max_pending_puts:
+            return False
+
+        async def put() -> int:
+            try:
+                return int(await self.put(fingerprint, ChunkKey(key), data))
+            except Exception as exc:  # a write-back never raises into the request
+                self.counters["write_back_errors"] += 1
+                LOG.debug("KDN put of segment %s failed: %s", bytes(key).hex()[:16], exc)
+                return 0
+
+        task = asyncio.get_running_loop().create_task(put())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return True
+
     # -- the request-level operations (never fail because the cache did) ----------------------
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray, fingerprint: ModelFingerprint, chunk_size: int) -> list[ChunkKey]:
@@ -428,6 +498,8 @@ class KdnClient:
     lookup = _blocking(AsyncKdnClient.lookup)
     put = _blocking(AsyncKdnClient.put)
     reuse = _blocking(AsyncKdnClient.reuse)
+    fetch_segments = _blocking(AsyncKdnClient.fetch_segments)
+    schedule_put = _blocking(AsyncKdnClient.schedule_put, on_loop=True)
     write_back = _blocking(AsyncKdnClient.write_back)
     schedule_write_back = _blocking(AsyncKdnClient.schedule_write_back, on_loop=True)
     flush = _blocking(AsyncKdnClient.flush)

@@ -4,6 +4,7 @@
     ├── InvalidInput              a caller gave us something malformed (ValueError too)
     │   ├── UnknownCodec          codec name/id not in the registry
     │   ├── UnknownModel          model spec that is neither built in nor a model directory
+    │   ├── UnsupportedModel      a model an operation cannot serve correctly (e.g. a RoPE variant blend can't move)
     │   └── MessageTooLarge       a declared or received size above the configured bound
     ├── ArtifactError             bytes of an artifact container are unusable
     │   ├── ArtifactCorrupt       checksum mismatch, bad magic, truncated, inconsistent header
@@ -36,6 +37,11 @@ class UnknownCodec(InvalidInput):
 
 class UnknownModel(InvalidInput):
     """A model spec that is neither a built-in name nor a local model directory."""
+
+
+class UnsupportedModel(InvalidInput):
+    """A model an operation refuses because it cannot serve it correctly (e.g. a RoPE variant
+    whose keys cannot be moved to another position by a rotation)."""
 
 
 class MessageTooLarge(InvalidInput):

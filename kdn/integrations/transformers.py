@@ -31,75 +31,25 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
 from kdn.client import KdnClient, Reuse
+from kdn.integrations.records import KdnModel, Result, Timings
 from kdn.errors import InvalidInput
 from kdn.keys import DEFAULT_CHUNK_SIZE, ModelFingerprint
 from kdn.kv import KVShape, cache_from_layers
 from kdn.models import DTYPES, HFTokenizer, LoadedModel, Tokenizer, _weights_digest, is_model_dir, model_fingerprint
 
+if TYPE_CHECKING:
+    from kdn.integrations.blend import BlendOptions
+
 __all__ = ["KdnModel", "Result", "Timings", "prepare", "generate", "weights_identity"]
 
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-@dataclass(frozen=True, slots=True)
-class KdnModel:
-    """A causal LM with what KDN needs to name its KV."""
-
-    model: Any
-    tokenizer: Tokenizer | None
-    fingerprint: ModelFingerprint
-    chunk_size: int
-    kv_shape: KVShape
-
-    @property
-    def config(self) -> Any:
-        return self.model.config
-
-
-@dataclass(frozen=True, slots=True)
-class Timings:
-    """Seconds. ``ttft_s`` runs from the call to the first generated token and covers the rest of
-    the first group: ``keys_s`` (chunk-key hashing), ``lookup_s``, ``fetch_s`` (wall time of the
-    fetch, which includes ``decode_s``: verify + decode + place, overlapped with the transfer),
-    ``build_s`` (cache assembly), ``prefill_s`` (forward over the remainder, yields the first
-    token's logits) and ``first_token_s`` (choosing it)."""
-
-    ttft_s: float
-    keys_s: float = 0.0
-    lookup_s: float = 0.0
-    fetch_s: float = 0.0
-    decode_s: float = 0.0
-    build_s: float = 0.0
-    prefill_s: float = 0.0
-    first_token_s: float = 0.0
-    total_s: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
-
-
-@dataclass(frozen=True, slots=True)
-class Result:
-    """One generation: the new tokens (prompt excluded), their text, and what KDN contributed."""
-
-    tokens: list[int]
-    text: str | None
-    timings: Timings
-    prompt_tokens: int
-    reused_tokens: int
-    computed_tokens: int
-    fetched_bytes: int = 0
-    via: str = ""
-    written_back: bool = False
-    warnings: tuple[str, ...] = field(default_factory=tuple)
 
 
 def weights_identity(model: Any) -> str:
@@ -173,8 +123,15 @@ def generate(
     max_new_tokens: int = 32,
     eos_token_id: int | None = None,
     write_back: bool = True,
+    documents: Sequence[str | Sequence[int]] | None = None,
+    prefix: str | Sequence[int] = (),
+    blend: "BlendOptions | None" = None,
 ) -> Result:
     """Greedy generation that reuses the edge's KV for the prompt's longest cached prefix.
+
+    ``documents``: the prompt is ``prefix + documents + prompt`` and every document is reused
+    wherever it sits, as a segment re-placed and partly recomputed (:mod:`kdn.integrations.blend`),
+    when the model's blend verdict allows; otherwise as an exact prefix, with a warning.
 
     ``client=None`` is a plain full recompute through the same code path (the baseline).
     ``model``: a :class:`KdnModel` from :func:`prepare` (do that once: naming the weights of a
@@ -183,6 +140,18 @@ def generate(
     """
     t_start = time.perf_counter()
     km = prepare(model, tokenizer)
+    if documents is not None:
+        from kdn.integrations.blend import BlendOptions, generate_with_documents
+
+        if max_new_tokens < 1:
+            raise InvalidInput("max_new_tokens must be at least 1")
+        eos = eos_token_id if eos_token_id is not None else getattr(km.config, "eos_token_id", None)
+        return generate_with_documents(
+            km, prompt if isinstance(prompt, str) else _token_list(prompt, km.tokenizer), list(documents),
+            prefix=prefix, client=client, max_new_tokens=max_new_tokens,
+            eos_ids=set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]),
+            options=blend or BlendOptions(), t_start=t_start, generate=generate,
+        )
     tokens = _token_list(prompt, km.tokenizer)
     if not tokens:
         raise InvalidInput("empty prompt")

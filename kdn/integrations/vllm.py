@@ -67,7 +67,7 @@ from pydantic import Field
 
 from kdn.artifact import ArtifactReader, Section, encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig
-from kdn.errors import FingerprintMismatch, InvalidInput, KdnError
+from kdn.errors import FingerprintMismatch, InvalidInput
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.models import DTYPES, _weights_digest, model_fingerprint
 from kdn.wire.convert import FetchSpec

@@ -39,17 +39,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kdn.errors import InvalidInput, KdnError
+from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root  # noqa: F401  (part of this module's API)
 
 REFERENCE_DIRNAME = "reference-model"
-META_FILE = "kdn_reference.json"
-EOS_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
-
-
-def cache_root(env: dict[str, str] | None = None) -> Path:
-    """``$KDN_CACHE`` or ``~/.cache/kdn``; never inside the repository."""
-    env = os.environ if env is None else env
-    return Path(env.get("KDN_CACHE") or Path.home() / ".cache" / "kdn").expanduser()
 
 
 def default_reference_dir(env: dict[str, str] | None = None) -> Path:
@@ -404,11 +396,36 @@ def _info(spec: str) -> dict[str, Any]:
     return info
 
 
+def _train_retrieval(args: argparse.Namespace) -> int:
+    from kdn.lab.retrieval import RetrievalTrainConfig, default_retrieval_dir, train_retrieval
+
+    out = args.out or default_retrieval_dir()
+    if (out / "config.json").is_file() and not args.force:
+        print(f"{out} already holds a model (use --force to retrain)", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"out_dir": str(out), "skipped": True}))
+        return 0
+    cfg = RetrievalTrainConfig.preset(args.preset)
+    overrides = {k: v for k, v in (("steps", args.steps), ("seed", args.seed), ("threads", args.threads)) if v is not None}
+    result = train_retrieval(replace(cfg, **overrides), out, progress=True)
+    d = result.as_dict()
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        print(f"saved {result.out_dir}: {result.params / 1e6:.2f}M params, held-out accuracy with full prefill "
+              f"{result.heldout_accuracy:.3f} on {result.heldout_prompts} prompts of {result.eval_docs} documents, "
+              f"in {result.seconds:.0f}s")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kdn model", description="model tools")
     sub = parser.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train-reference", help="train the small reference LM on the Python stdlib")
     tr.add_argument("--out", type=Path, default=None, help=f"output dir (default $KDN_CACHE/{REFERENCE_DIRNAME})")
+    tr.add_argument("--task", default="stdlib", choices=["stdlib", "retrieval"],
+                    help="stdlib: language model on the Python stdlib (codec quality); retrieval: the multi-document "
+                         "retrieval task (blend quality, kdn.lab.retrieval)")
     tr.add_argument("--preset", default="default", choices=["default", "tiny"])
     tr.add_argument("--steps", type=int, default=None, help="optimiser steps (overrides the preset)")
     tr.add_argument("--seed", type=int, default=None)
@@ -428,6 +445,8 @@ def main(argv: list[str]) -> int:
                 for k, v in info.items():
                     print(f"{k:>20}: {v}")
             return 0
+        if args.task == "retrieval":
+            return _train_retrieval(args)
         out = args.out or default_reference_dir()
         if (out / "config.json").is_file() and not args.force:
             print(f"{out} already holds a model (use --force to retrain)", file=sys.stderr)

@@ -34,6 +34,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("tune", "kdn.simulator.cli:main_tune", "search placement settings; print the cost/TTFT Pareto front"),
     Command("model", "kdn.lab.reference:main", "model tools: `kdn model train-reference`, `kdn model info`"),
     Command("eval-codec", "kdn.lab.quality:main", "judge a codec by what the model does with decoded KV"),
+    Command("eval-blend", "kdn.lab.blend_eval:main", "judge document blending (non-prefix reuse) against full prefill and baselines"),
 )
 
 

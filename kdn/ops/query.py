@@ -7,6 +7,12 @@ cache assembly, remainder prefill, first token), how many prompt tokens were reu
 and the generated text. If the cache failed (edge down, timeout, corrupt artifact, another
 model's artifact) the answer is still computed locally and the one warning says what happened.
 ``--compare`` also runs a full recompute and reports whether the outputs match.
+
+``--documents a.md b.md c.md`` reuses each document wherever it sits in the prompt
+(``[--prompt-file][documents…][--prompt]``): each is fetched as a segment (or computed here and
+stored as one), re-placed and blended at the ratio the model's verdict names (``kdn eval-blend``);
+``--blend-ratio R`` forces a ratio for experiments. Without a passing verdict the documents are
+reused as an exact prefix only, and the warning says so.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default 256)")
     p.add_argument("--prompt", help="prompt text (after --prompt-file's text when both are given)")
     p.add_argument("--prompt-file", type=Path, help="file whose text starts the prompt (e.g. a document)")
+    p.add_argument("--documents", nargs="+", type=Path, metavar="FILE",
+                   help="documents reused anywhere in the prompt (segments, blended): placed after --prompt-file, before --prompt")
+    p.add_argument("--blend-ratio", type=float, default=None,
+                   help="with --documents: recompute this share of document tokens regardless of the verdict")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--tenant", default=None, help="namespace tenant (default: default)")
     p.add_argument("--salt", default=None, help="namespace salt")
@@ -58,19 +68,41 @@ def _prompt(args: argparse.Namespace) -> str:
     return "".join(parts)
 
 
+def _read(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KdnError(f"cannot read {what} {path}: {exc}") from exc
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kdn.client import ClientConfig, KdnClient
     from kdn.integrations.transformers import generate
     from kdn.keys import DEFAULT_CHUNK_SIZE
     from kdn.models import load_model
 
-    prompt = _prompt(args)
+    documents = [_read(p, "--documents file") for p in args.documents] if args.documents else None
+    if documents is not None:
+        prefix = _read(args.prompt_file, "--prompt-file") if args.prompt_file is not None else ""
+        if not args.prompt:
+            raise KdnError("with --documents give the question as --prompt TEXT")
+        prompt = args.prompt
+    else:
+        prompt = _prompt(args)
     overrides = dict(edge=args.edge, fallback_edges=args.fallback_edges, tenant=args.tenant, salt=args.salt, token=args.token, shm=args.shm,
                      fetch_timeout_s=args.timeout, write_back=False if args.no_write_back else None)
     cfg = ClientConfig.from_file(args.config, **overrides) if args.config else ClientConfig.build(**overrides)
     lm = load_model(args.model, dtype=args.dtype, chunk_size=args.chunk_size or DEFAULT_CHUNK_SIZE)
     with KdnClient(cfg) as client:
-        result = generate(lm, prompt, client=client, max_new_tokens=args.max_new_tokens)
+        if documents is not None:
+            from kdn.blend import Deviation
+            from kdn.integrations.blend import BlendOptions
+
+            opts = BlendOptions(policy=Deviation(args.blend_ratio) if args.blend_ratio is not None else None)
+            result = generate(lm, prompt, documents=documents, prefix=prefix, client=client,
+                              max_new_tokens=args.max_new_tokens, blend=opts)
+        else:
+            result = generate(lm, prompt, client=client, max_new_tokens=args.max_new_tokens)
         client.flush(cfg.put_timeout_s)
         written = int(client.counters["written_back"])
     out: dict[str, Any] = {
@@ -91,8 +123,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "text": result.text,
         "warnings": list(result.warnings),
     }
+    if result.blend is not None:
+        out["blend"] = {"policy": result.blend.policy, "document_tokens": result.blend.candidates,
+                        "recomputed_tokens": result.blend.selected, "compute_share": result.blend.layer_token_fraction,
+                        "blend_ms": result.timings.blend_s * 1e3}
     if args.compare:
-        base = generate(lm, prompt, max_new_tokens=args.max_new_tokens)
+        full_prompt = prompt if documents is None else prefix + "".join(documents) + prompt
+        base = generate(lm, full_prompt, max_new_tokens=args.max_new_tokens)
         out["recompute"] = {"ttft_s": base.timings.ttft_s, "tokens": base.tokens}
         out["outputs_match"] = base.tokens == result.tokens
         out["speedup"] = base.timings.ttft_s / max(result.timings.ttft_s, 1e-9)
@@ -120,6 +157,10 @@ def render(out: dict[str, Any]) -> None:
         f"({out['fetched_bytes'] / 1e6:.1f} MB), computed {out['computed_tokens']}; "
         f"wrote back {out['written_back_chunks']} chunk(s)"
     )
+    if "blend" in out:
+        b = out["blend"]
+        console.print(f"documents blended ({b['policy']}): {b['recomputed_tokens']} of {b['document_tokens']} document "
+                      f"tokens recomputed, compute share {b['compute_share']:.1%}, {b['blend_ms']:.1f} ms")
     if "recompute" in out:
         console.print(
             f"full recompute: TTFT {out['recompute']['ttft_s'] * 1e3:.1f} ms "

@@ -17,7 +17,8 @@ KDN = Path(__file__).resolve().parents[2] / "kdn"
 
 CONTRACTS = {
     "kdn.errors", "kdn.keys", "kdn.kv", "kdn.models", "kdn.prefill", "kdn.artifact", "kdn.codecs",
-    "kdn.placement", "kdn.config", "kdn.blobstore", "kdn.procs", "kdn.console", "kdn.proto",
+    "kdn.placement", "kdn.config", "kdn.blobstore", "kdn.procs", "kdn.console", "kdn.proto", "kdn.segments",
+    "kdn.blend",
 }  # fmt: skip
 WIRE = {"kdn.wire"}
 CLIENT = {"kdn.client", "kdn.client_transport"}

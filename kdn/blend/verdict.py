@@ -1,0 +1,76 @@
+"""The per-model blend verdict: did blending keep this model's answers, and at what recompute ratio.
+
+``kdn eval-blend`` measures a model on held-out prompts and writes one verdict per model
+fingerprint; the inference host reads it before blending. No verdict, or a failing one, means the
+host does not blend for that model: it falls back to prefix reuse and says so. A verdict is
+written atomically (temporary file, then rename) under ``$KDN_CACHE/blend-verdicts/<fp>.json``.
+
+Gate: at the chosen ratio blend keeps ``>= min_accuracy_kept`` of full-prefill accuracy and
+``>= min_agreement`` top-1 agreement with full prefill on the answer tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kdn.errors import InvalidInput
+from kdn.keys import ModelFingerprint
+
+VERDICT_DIRNAME = "blend-verdicts"
+MIN_ACCURACY_KEPT = 0.98
+MIN_AGREEMENT = 0.95
+
+
+def verdict_root(env: dict[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get("KDN_CACHE") or Path.home() / ".cache" / "kdn").expanduser() / VERDICT_DIRNAME
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What ``kdn eval-blend`` concluded for one model fingerprint."""
+
+    fingerprint: str  # hex
+    passed: bool
+    ratio: float  # recompute ratio the host should use (the smallest that passed)
+    check_layer: int = 1
+    reason: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def verdict_path(fingerprint: ModelFingerprint, root: Path | None = None) -> Path:
+    return (root or verdict_root()) / f"{bytes(fingerprint).hex()}.json"
+
+
+def write_verdict(v: Verdict, root: Path | None = None) -> Path:
+    path = (root or verdict_root()) / f"{v.fingerprint}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".verdict-", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(v.as_dict(), fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_verdict(fingerprint: ModelFingerprint, root: Path | None = None) -> Verdict | None:
+    """The model's verdict, or None when it has none. A malformed file raises InvalidInput."""
+    path = verdict_path(fingerprint, root)
+    if not path.is_file():
+        return None
+    try:
+        d = json.loads(path.read_text())
+        v = Verdict(**d)
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"blend verdict {path} is malformed: {exc}") from exc
+    if v.fingerprint != bytes(fingerprint).hex():
+        raise InvalidInput(f"blend verdict {path} names another model")
+    return v

@@ -1,0 +1,184 @@
+"""Documents reused anywhere in the prompt, on the inference host (``generate(..., documents=[...])``).
+
+One request, laid out ``[prefix][document_1] … [document_n][question]``::
+
+    each document ─► segment key (kdn.segments) ─► Fetch from the edge, all at once
+       hit  ─► verified segment KV, computed alone at positions 0..n-1
+       miss ─► prefill that document alone here, Put it as a segment (background), use it
+    prefix ─► prefilled here (it sits at position 0, so its KV is exact)
+    kdn.blend.place  ─► keys rotated to where each document now sits (naive concatenation)
+    kdn.blend.blend  ─► recompute the share of document tokens the model's verdict names
+    question ─► prefilled over the blended KV; greedy decoding
+
+Why here and not on the edge: see :mod:`kdn.blend.recompute` (the host has the weights, the
+prefix and every other segment of this prompt; the blended KV is specific to it).
+
+Invariants:
+- blended KV is never written back: only segments (each document's own KV, computed alone) are
+  Put, so 200 prompts over 50 documents store 50 segments, not 200 contexts;
+- blending needs a passing verdict for the model (``kdn eval-blend``, :mod:`kdn.blend.verdict`):
+  without one the request falls back to prefix reuse of the concatenated prompt and says so in
+  :attr:`Result.warnings`; a model whose RoPE variant cannot be moved by a rotation is refused
+  the same way (:class:`~kdn.errors.UnsupportedModel`), never blended wrong;
+- a cache failure (edge down, corrupt or wrong-model segment) never changes the answer: the
+  request is recomputed in full locally, exactly as without KDN, with one warning.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from kdn.blend import Deviation, Policy, blend, check_model, place, prefill_segment
+from kdn.blend.verdict import read_verdict
+from kdn.client import LOG, KdnClient
+from kdn.errors import InvalidInput, KdnError, NotFound
+from kdn.integrations.records import KdnModel, Result, Timings
+from kdn.segments import Segment, encode_segment, segment_key
+
+
+
+@dataclass(frozen=True, slots=True)
+class BlendOptions:
+    """How documents are blended. ``policy=None``: the model's verdict decides (and must pass);
+    a policy given here skips the verdict (for evaluation and experiments)."""
+
+    policy: Policy | None = None
+    verdict_root: Path | None = None
+    put_segments: bool = True
+
+
+def _tokens(km: "KdnModel", text: str | Sequence[int]) -> list[int]:
+    if isinstance(text, str):
+        if km.tokenizer is None:
+            raise InvalidInput("text documents need a tokenizer")
+        return list(km.tokenizer.encode(text))
+    return [int(t) for t in text]
+
+
+def _policy(km: "KdnModel", options: BlendOptions) -> tuple[Policy | None, str | None]:
+    """The policy to blend with, or ``(None, why not)``."""
+    try:
+        check_model(km.model)
+    except KdnError as exc:
+        return None, f"blending refused: {exc}"
+    if options.policy is not None:
+        return options.policy, None
+    try:
+        v = read_verdict(km.fingerprint, options.verdict_root)
+    except KdnError as exc:
+        return None, f"blend verdict unreadable ({exc})"
+    if v is None:
+        return None, ("no blend verdict for this model (run `kdn eval-blend --model DIR`); "
+                      "reusing documents as an exact prefix only")
+    if not v.passed:
+        return None, f"this model failed the blend quality gate ({v.reason}); reusing documents as an exact prefix only"
+    return Deviation(v.ratio, v.check_layer), None
+
+
+def generate_with_documents(
+    km: "KdnModel",
+    question: str | Sequence[int],
+    documents: Sequence[str | Sequence[int]],
+    *,
+    prefix: str | Sequence[int] = (),
+    client: KdnClient | None,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    options: BlendOptions,
+    t_start: float,
+    generate: Callable[..., Result],
+) -> Result:
+    """``generate``: the prefix-reuse generation (:func:`kdn.integrations.transformers.generate`),
+    used for the fallbacks."""
+    from dataclasses import replace
+
+    pre = _tokens(km, prefix) if prefix else []
+    docs = [_tokens(km, d) for d in documents]
+    q = _tokens(km, question)
+    if not q:
+        raise InvalidInput("the question (the text after the documents) must hold at least one token")
+    if any(not d for d in docs):
+        raise InvalidInput("empty document")
+    flat = pre + [t for d in docs for t in d] + q
+
+    def fallback(why: str, *, use_client: bool) -> Result:
+        LOG.warning(why)
+        r = generate(km, flat, client=client if use_client else None, max_new_tokens=max_new_tokens,
+                     eos_token_id=min(eos_ids) if eos_ids else None)
+        return replace(r, warnings=(why, *r.warnings), via=r.via or ("prefix" if use_client else "recompute"))
+
+    if client is None or not docs:
+        return generate(km, flat, client=None, max_new_tokens=max_new_tokens)
+    policy, why = _policy(km, options)
+    if policy is None:
+        return fallback(str(why), use_client=True)
+
+    shape = km.kv_shape
+    t0 = time.perf_counter()
+    keys = [segment_key(d, fingerprint=km.fingerprint, namespace=client.config.namespace) for d in docs]
+    results = client.fetch_segments(km.fingerprint, [(k, len(d)) for k, d in zip(keys, docs)], shape)
+    t1 = time.perf_counter()
+    segments: list[Segment] = []
+    fetched = missed = 0
+    n_bytes = 0
+    written = False
+    with torch.inference_mode():
+        for key, d, r in zip(keys, docs, results):
+            if isinstance(r, NotFound):
+                kv = prefill_segment(km.model, d).to(shape.dtype)  # (L, 2, H, n, D), computed alone
+                seg = Segment(key, tuple(d), kv)
+                missed += 1
+                if options.put_segments:
+                    written |= client.schedule_put(km.fingerprint, key, encode_segment(seg, fingerprint=km.fingerprint,
+                                                                                       codec=client.config.put_codec))
+            elif isinstance(r, Exception):
+                return fallback(f"KDN segment fetch failed ({type(r).__name__}: {r}); recomputing the whole prompt "
+                                "locally", use_client=False)
+            else:
+                seg = Segment(key, tuple(d), r[0])
+                fetched += 1
+                n_bytes += r[1]
+            segments.append(seg)
+        t2 = time.perf_counter()
+        prefix_kv = prefill_segment(km.model, pre).to(shape.dtype) if pre else None  # (L, 2, H, P, D), exact
+        layout = place(km.model, segments, prefix_tokens=pre, prefix_kv=prefix_kv)
+        cache, stats = blend(km.model, layout, policy)
+        t3 = time.perf_counter()
+        out = km.model(input_ids=torch.tensor([q], dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
+        cache = out.cache
+        t4 = time.perf_counter()
+        nxt = int(torch.argmax(out.logits[0, -1]).item())
+        t_first = time.perf_counter()
+        generated = [nxt]
+        while len(generated) < max_new_tokens and nxt not in eos_ids:
+            out = km.model(input_ids=torch.tensor([[nxt]], dtype=torch.long), cache=cache, use_cache=True,
+                           logits_to_keep=1)
+            cache = out.cache
+            nxt = int(torch.argmax(out.logits[0, -1]).item())
+            generated.append(nxt)
+    t_end = time.perf_counter()
+    doc_tokens = sum(len(d) for d in docs)
+    reused = sum(len(s.tokens) for s, r in zip(segments, results) if not isinstance(r, Exception)) - \
+        sum(1 for p in stats.selected_positions if _from_fetched(p, layout.spans, results))
+    timings = Timings(ttft_s=t_first - t_start, fetch_s=t1 - t0, build_s=(t2 - t1) + (t3 - t2), prefill_s=t4 - t3,
+                      first_token_s=t_first - t4, total_s=t_end - t_start, blend_s=stats.seconds)
+    warnings: tuple[str, ...] = ()
+    if missed:
+        warnings = (f"{missed} of {len(docs)} documents were not cached as segments: computed here"
+                    + (" and stored" if options.put_segments else ""),)
+    text = km.tokenizer.decode(generated) if km.tokenizer is not None else None
+    return Result(tokens=generated, text=text, timings=timings, prompt_tokens=len(flat), reused_tokens=max(0, reused),
+                  computed_tokens=len(flat) - max(0, reused), fetched_bytes=n_bytes, via=f"blend:{stats.policy}",
+                  written_back=written, warnings=warnings, blend=stats, documents_tokens=doc_tokens)
+
+
+def _from_fetched(pos: int, spans: Sequence[tuple[int, int]], results: Sequence[Any]) -> bool:
+    for (s, e), r in zip(spans, results):
+        if s <= pos < e:
+            return not isinstance(r, Exception)
+    return False

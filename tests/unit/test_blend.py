@@ -1,0 +1,199 @@
+"""Blending: segments re-placed by rotation, partly recomputed, and the host path around it.
+
+What must hold: a rotation by δ equals a fresh prefill δ positions later for every RoPE variant we
+claim (default, linear, llama3, yarn, partial rotary) and anything else is refused; a segment at
+position 0 is prefix reuse bit for bit; recomputing every token is a full prefill; the host falls
+back, with the answer of a full prefill, when a segment is corrupt or another model's, and when
+the model has no passing verdict; blended KV is never written back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdn.blend import Deviation, FirstK, Naive, blend, place, prefill_segment, rope_spec
+from kdn.blend.verdict import Verdict, read_verdict, write_verdict
+from kdn.client import ClientConfig, KdnClient
+from kdn.client_transport import MemoryEdgeTransport
+from kdn.errors import UnsupportedModel
+from kdn.integrations.blend import BlendOptions
+from kdn.integrations.transformers import generate, prepare
+from kdn.keys import DEFAULT_NAMESPACE
+from kdn.segments import Segment, encode_segment, segment_key
+
+
+def _llama(rope: dict | None = None, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=2048)
+    if rope is not None:
+        cfg["rope_parameters"] = rope
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+
+
+def _stablelm_partial():
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    torch.manual_seed(0)
+    return StableLmForCausalLM(StableLmConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=2048, partial_rotary_factor=0.25)).eval()
+
+
+ROPES = {
+    "default": lambda: _llama(),
+    "linear": lambda: _llama(dict(rope_type="linear", factor=4.0, rope_theta=10000.0)),
+    "llama3": lambda: _llama(dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=256, rope_theta=500000.0)),
+    "yarn": lambda: _llama(dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=512, rope_theta=10000.0)),
+    "partial-rotary": _stablelm_partial,
+}
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("variant", sorted(ROPES))
+def test_rotated_segment_equals_a_fresh_prefill_at_the_target_position(variant: str) -> None:
+    model = ROPES[variant]()
+    spec = rope_spec(model)
+    assert (spec.rotary_dim < spec.head_dim) == (variant == "partial-rotary")
+    doc, delta = _ids(24, 1), 301
+    stored = prefill_segment(model, doc)  # (L, 2, H, n, D) at positions 0..n-1
+    with torch.inference_mode():
+        fresh = model(input_ids=torch.tensor([doc]), position_ids=torch.arange(delta, delta + 24).unsqueeze(0),
+                      use_cache=True).cache
+    for l, layer in enumerate(fresh.layers):
+        moved = spec.rotate(stored[l, 0], delta)  # (H, n, D)
+        torch.testing.assert_close(moved, layer.keys[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(stored[l, 1], layer.values[0], rtol=1e-4, atol=1e-4)
+
+
+def test_sequence_dependent_rope_is_refused_with_a_clear_error() -> None:
+    with pytest.raises(UnsupportedModel, match="'dynamic'.*not supported"):
+        rope_spec(_llama(dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)))
+
+
+def test_a_model_that_rotates_differently_is_caught_by_the_check() -> None:
+    from transformers import GlmConfig, GlmForCausalLM  # interleaved rotary pairs
+
+    torch.manual_seed(0)
+    glm = GlmForCausalLM(GlmConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=512, pad_token_id=0)).eval()
+    with pytest.raises(UnsupportedModel, match="differ from a fresh prefill"):
+        rope_spec(glm)
+
+
+def test_segment_at_position_zero_is_prefix_reuse_bit_exact(tiny_model) -> None:
+    model = tiny_model.model
+    doc, q = _ids(40, 2), _ids(6, 3)
+    seg = Segment(segment_key(doc, fingerprint=tiny_model.fingerprint, namespace=DEFAULT_NAMESPACE), tuple(doc),
+                  prefill_segment(model, doc))
+    layout = place(model, [seg])
+    cache, stats = blend(model, layout, Naive())
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([doc]), use_cache=True).cache
+    for got, want in zip(cache.layers, ref.layers):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    # and the generated tokens equal prefix reuse of the same document
+    edge = MemoryEdgeTransport()
+    with KdnClient(ClientConfig(edge="mem"), transport=edge) as client:
+        opts = BlendOptions(policy=Naive())
+        blended = generate(tiny_model, q, documents=[doc], client=client, blend=opts, max_new_tokens=6)
+        again = generate(tiny_model, q, documents=[doc], client=client, blend=opts, max_new_tokens=6)
+    full = generate(tiny_model, doc + q, max_new_tokens=6)
+    assert blended.tokens == again.tokens == full.tokens
+    assert again.reused_tokens == len(doc) and again.via == "blend:naive"
+
+
+def test_recomputing_every_token_is_a_full_prefill(tiny_mha_model) -> None:
+    model = tiny_mha_model.model
+    prefix, docs, q = _ids(5, 4), [_ids(30, 5), _ids(20, 6), _ids(25, 7)], _ids(7, 8)
+    segs = [Segment(segment_key(d, fingerprint=tiny_mha_model.fingerprint, namespace=DEFAULT_NAMESPACE), tuple(d),
+                    prefill_segment(model, d)) for d in docs]
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([prefix + sum(docs, []) + q])).logits[0, -len(q):]
+    for policy in (Deviation(1.0, check_layer=0), Deviation(1.0, check_layer=1), FirstK(10_000)):
+        layout = place(model, segs, prefix_tokens=prefix, prefix_kv=prefill_segment(model, prefix))
+        cache, stats = blend(model, layout, policy)
+        assert stats.selected == stats.candidates == 75
+        with torch.inference_mode():
+            got = model(input_ids=torch.tensor([q]), cache=cache, use_cache=True).logits[0]
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    layout = place(model, segs, prefix_tokens=prefix, prefix_kv=prefill_segment(model, prefix))
+    _, stats = blend(model, layout, Deviation(0.15))
+    assert stats.selected == 12 and len(set(stats.selected_positions)) == 12
+    assert all(5 <= p < 80 for p in stats.selected_positions)  # only document tokens, never the prefix
+
+
+def _client(edge: MemoryEdgeTransport, **kw) -> KdnClient:
+    return KdnClient(ClientConfig(edge="mem", **kw), transport=edge)
+
+
+def test_segments_are_stored_once_and_blends_are_never_written_back(tiny_model) -> None:
+    docs, q = [_ids(30, 10), _ids(30, 11), _ids(30, 12)], _ids(5, 13)
+    edge = MemoryEdgeTransport()
+    opts = BlendOptions(policy=Deviation(0.2))
+    with _client(edge) as client:
+        first = generate(tiny_model, q, documents=docs, client=client, blend=opts, max_new_tokens=3)
+        client.flush(5)
+        assert len(edge.store) == 3 and first.warnings  # three segments computed here and stored
+        second = generate(tiny_model, q, documents=docs[::-1], client=client, blend=opts, max_new_tokens=3)
+        client.flush(5)
+    keys = {bytes(segment_key(d, fingerprint=tiny_model.fingerprint, namespace=DEFAULT_NAMESPACE)) for d in docs}
+    assert {k for _, k in edge.store} == keys  # nothing but the three segments, after two blends
+    assert second.reused_tokens >= 90 - second.blend.selected and not second.warnings
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "wrong-model"])
+def test_a_bad_segment_falls_back_to_full_recompute_with_the_same_answer(tiny_model, tiny_mha_model, fault) -> None:
+    docs, q = [_ids(30, 20), _ids(30, 21)], _ids(5, 22)
+    edge = MemoryEdgeTransport()
+    key = segment_key(docs[1], fingerprint=tiny_model.fingerprint, namespace=DEFAULT_NAMESPACE)
+    if fault == "corrupt":
+        seg = Segment(key, tuple(docs[1]), prefill_segment(tiny_model.model, docs[1]))
+        edge.store[("default", bytes(key))] = encode_segment(seg, fingerprint=tiny_model.fingerprint)
+        edge.corrupt.add(bytes(key))
+    else:  # another model's KV under this key (same shape: tiny-mha has more KV heads, so use its own fp)
+        other = Segment(key, tuple(docs[1]), prefill_segment(tiny_model.model, docs[1]))
+        edge.store[("default", bytes(key))] = encode_segment(other, fingerprint=tiny_mha_model.fingerprint)
+    with _client(edge, write_back=False) as client:
+        r = generate(tiny_model, q, documents=docs, client=client, blend=BlendOptions(policy=Naive()), max_new_tokens=5)
+    full = generate(tiny_model, docs[0] + docs[1] + q, max_new_tokens=5)
+    assert r.tokens == full.tokens and r.reused_tokens == 0
+    assert any("segment fetch failed" in w for w in r.warnings)
+
+
+def test_no_or_failing_verdict_means_prefix_reuse_and_says_so(tiny_model, tmp_path) -> None:
+    docs, q = [_ids(30, 30), _ids(30, 31)], _ids(5, 32)
+    full = generate(tiny_model, docs[0] + docs[1] + q, max_new_tokens=4)
+    with _client(MemoryEdgeTransport()) as client:
+        r = generate(tiny_model, q, documents=docs, client=client, blend=BlendOptions(verdict_root=tmp_path),
+                     max_new_tokens=4)
+        assert r.tokens == full.tokens and "no blend verdict" in r.warnings[0] and r.blend is None
+        fp = bytes(tiny_model.fingerprint).hex()
+        write_verdict(Verdict(fp, passed=False, ratio=0.15, reason="agreement 0.50 < 0.95"), tmp_path)
+        r = generate(tiny_model, q, documents=docs, client=client, blend=BlendOptions(verdict_root=tmp_path),
+                     max_new_tokens=4)
+        assert r.tokens == full.tokens and "failed the blend quality gate" in r.warnings[0]
+        write_verdict(Verdict(fp, passed=True, ratio=0.3), tmp_path)
+        assert read_verdict(tiny_model.fingerprint, tmp_path).ratio == 0.3
+        r = generate(tiny_model, q, documents=docs, client=client, blend=BlendOptions(verdict_root=tmp_path),
+                     max_new_tokens=4)
+        assert r.via == "blend:blend@0.3" and r.blend.selected == 18
+
+
+def test_unsupported_rope_falls_back_with_the_reason(tmp_path) -> None:
+    model = prepare(_llama(dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)))
+    docs, q = [_ids(20, 40), _ids(20, 41)], _ids(4, 42)
+    with _client(MemoryEdgeTransport()) as client:
+        r = generate(model, q, documents=docs, client=client, blend=BlendOptions(policy=Deviation(0.15)),
+                     max_new_tokens=3)
+    assert r.tokens == generate(model, docs[0] + docs[1] + q, max_new_tokens=3).tokens
+    assert "blending refused" in r.warnings[0] and "dynamic" in r.warnings[0]
