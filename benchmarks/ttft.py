@@ -235,7 +235,7 @@ def plot(rows: list[dict], path: Path, model: str) -> Path:
 
 
 def append(rows: list[dict], args: argparse.Namespace, png: Path, reps: int, load_start: float) -> None:
-    cmd = "benchmarks/ttft.py" + (" --quick" if args.quick else "") + (f" --model {args.model}" if args.model != "small-125m" else "")
+    cmd = " ".join(["benchmarks/ttft.py", *sys.argv[1:]])  # the command as run, so a reader can rerun it
     lines = [
         "", f"## TTFT with KDN reuse ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
         f"Command: `.venv/bin/python {cmd}` — model `{args.model}` fp32, chunk 256, raw codec, edge as a",
