@@ -81,6 +81,11 @@ class EdgeConfig(RoleConfig):
     max_message_bytes: int = Field(MAX_MESSAGE, ge=64 << 10, description="bound on any single gRPC message")
     stream_piece_bytes: int = Field(STREAM_PIECE, ge=4 << 10, description="size of each streamed Fetch message")
     max_artifact_bytes: int = Field(512 << 20, ge=1 << 10, description="largest artifact accepted by Put or upstream")
+    put_buffer_bytes: int = Field(
+        1 << 30, ge=1 << 10,
+        description="bound on the bytes buffered by all in-flight Puts together; a Put that would pass it is "
+        "refused (RESOURCE_EXHAUSTED). A Put holds its bytes about twice while they are joined",
+    )
     max_chain_keys: int = Field(4096, ge=1, description="longest key chain accepted in Lookup/Prefetch/Hint")
     shm: bool = Field(True, description="offer the same-host shared-memory path")
     shm_dir: str = Field("/dev/shm", description="where shared-memory segments live")

@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,7 +40,7 @@ from kdn.edge.overlay import Member, MembershipProvider, Overlay, file_members, 
 from kdn.edge.shm import ShmPool
 from kdn.edge.store import TieredStore, build_store
 from kdn.edge.upstream import FORWARDED_HEADER, FetchSpec, OriginUpstream, PeerUpstream, Upstream
-from kdn.errors import Unavailable
+from kdn.errors import StorageFull, Unavailable
 from kdn.keys import ChunkKey, parse_fingerprint
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
@@ -53,11 +54,44 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kdn.v1.EdgeService"
 
 
+class PutBudget:
+    """Bytes held by in-flight Puts, bounded across all of them (``EdgeConfig.put_buffer_bytes``).
+
+    Each Put takes a lease; every piece it buffers is reserved first, and a reservation that would
+    pass the bound refuses that Put with ``StorageFull`` (RESOURCE_EXHAUSTED) and frees what it
+    held. Runs on the event loop only (no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+
+    @contextmanager
+    def lease(self) -> Iterator[Callable[[int], None]]:
+        held = 0
+
+        def reserve(n: int) -> None:
+            nonlocal held
+            if self.used + n > self.limit:
+                raise StorageFull(
+                    f"in-flight Puts hold {self.used} bytes; {n} more would pass the {self.limit}-byte budget"
+                )
+            self.used += n
+            held += n
+            self.peak = max(self.peak, self.used)
+
+        try:
+            yield reserve
+        finally:
+            self.used -= held
+
+
 class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
     """``EdgeService`` over the node: every handler runs in the :func:`kdn.wire.service.rpc` envelope."""
 
     def __init__(self, server: "EdgeServer") -> None:
         self._s = server
+        self.put_budget = PutBudget(server.config.put_buffer_bytes)
 
     @property
     def node(self) -> EdgeNode:
@@ -122,11 +156,14 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
 
     @rpc
     async def Put(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        header, data = await receive_put(
-            request_iterator, limit=self._s.config.max_artifact_bytes,
-            authorize=lambda ns: self.auth.check(bearer_token(context.invocation_metadata()), ns.tenant),
-        )
-        await self.node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key)
+        with self.put_budget.lease() as reserve:
+            header, data = await receive_put(
+                request_iterator, limit=self._s.config.max_artifact_bytes,
+                authorize=lambda ns: self.auth.check(bearer_token(context.invocation_metadata()), ns.tenant),
+                reserve=reserve, check_container=True,
+            )
+            await self.node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key)
+            del data
         return pb.PutResponse(stored=True)
 
     @rpc
