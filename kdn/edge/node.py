@@ -12,8 +12,9 @@ tests wire together with in-memory upstreams (no sockets). The read path of ``fe
      the whole overlay fetches a key from the origin once), then the next owners' local copies,
      then the origin directly;
    a peer that fails and then fails a health check is marked down (the overlay skips it until a
-   backoff passes); corrupt or mismatching bytes from any source are dropped and the next source
-   is tried;
+   backoff passes); bytes from any source that this edge cannot use for any reason (checksum,
+   size, a codec it does not know, hostile codec metadata, a newer version, another key) are
+   dropped and the next source is tried;
 3. what came from upstream is verified (header key/fingerprint, then every checksum by
    ``TieredStore.put``) before it is stored or served. Bytes are never served unverified: memory
    holds only what was verified on put, disk is verified on every read.
@@ -271,10 +272,16 @@ class EdgeNode:
                 else:
                     await self._peer_failed(member, up, exc)
                 continue
-            except KdnError as exc:  # FingerprintMismatch, LossyRefused, Unauthorized: the answer itself
+            except KdnError as exc:
                 self.metrics.upstream.labels(target, type(exc).__name__).inc()
-                if member is None:
-                    self.origin_available = True
+                if member is not None:
+                    # whatever a peer's answer was wrong with, the next source may do better (a peer
+                    # of another version, a lossy copy where lossless is asked): try it
+                    errors.append(f"{up.name}: {type(exc).__name__}: {exc}")
+                    unavailable = True
+                    continue
+                # the origin's FingerprintMismatch, LossyRefused, Unauthorized: the answer itself
+                self.origin_available = True
                 raise
             if member is None:
                 self.origin_available = True
@@ -283,11 +290,13 @@ class EdgeNode:
                 forward = False
             try:
                 await self._admit(data, spec)
-            except (ArtifactError, FingerprintMismatch) as exc:
+            except KdnError as exc:
+                # any project error about the bytes (checksum, size, unknown codec, hostile codec
+                # metadata, newer version, wrong key or model): drop them and try the next source
                 self.metrics.corrupt.inc()
                 self.metrics.upstream.labels(target, "corrupt").inc()
                 errors.append(f"{up.name}: {exc}")
-                log.warning("%s: dropped bad artifact from %s: %s", self.node_id, up.name, exc)
+                log.warning("%s: dropped bad artifact from %s: %s: %s", self.node_id, up.name, type(exc).__name__, exc)
                 unavailable = True
                 continue
             self.metrics.upstream.labels(target, "ok").inc()
