@@ -86,6 +86,10 @@ class EdgeConfig(RoleConfig):
         description="bound on the bytes buffered by all in-flight Puts together; a Put that would pass it is "
         "refused (RESOURCE_EXHAUSTED). A Put holds its bytes about twice while they are joined",
     )
+    decode_check: bool = Field(
+        True, description="decode every section of what a Put or an upstream fetch brings before keeping it "
+        "(checksums are unkeyed: a checksum-valid artifact may still not decode); False skips the CPU cost",
+    )
     max_chain_keys: int = Field(4096, ge=1, description="longest key chain accepted in Lookup/Prefetch/Hint")
     shm: bool = Field(True, description="offer the same-host shared-memory path")
     shm_dir: str = Field("/dev/shm", description="where shared-memory segments live")

@@ -15,8 +15,11 @@ tests wire together with in-memory upstreams (no sockets). The read path of ``fe
    backoff passes); bytes from any source that this edge cannot use for any reason (checksum,
    size, a codec it does not know, hostile codec metadata, a newer version, another key) are
    dropped and the next source is tried;
-3. what came from upstream is verified (header key/fingerprint, then every checksum by
-   ``TieredStore.put``) before it is stored or served. Bytes are never served unverified: memory
+3. what came from upstream is verified (header key/fingerprint, a decode of every section when
+   ``decode_check`` is on, then every checksum by ``TieredStore.put``) before it is stored or
+   served; a Put is decode-checked the same way, so a checksum-valid but undecodable artifact
+   (checksums are unkeyed: anyone can make one) is refused instead of shadowing the honest Put
+   of the same key that comes after it (the first writer of a key wins). Bytes are never served unverified: memory
    holds only what was verified on put, disk is verified on every read.
 
 After chunk i, the request's ``next_keys[:prefetch_depth]`` are offered to the prefetcher.
@@ -38,8 +41,9 @@ from kdn.edge.overlay import Member, Overlay
 from kdn.edge.prefetch import Prefetcher, PrefetchJob
 from kdn.edge.store import EntryMeta, TieredStore
 from kdn.edge.upstream import FetchSpec, SingleFlight, Upstream
-from kdn.artifact import read_header
+from kdn.artifact import ArtifactReader, read_header
 from kdn.errors import (
+    ArtifactCorrupt,
     ArtifactError,
     FingerprintMismatch,
     InvalidInput,
@@ -54,6 +58,7 @@ from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 
 log = logging.getLogger(__name__)
 
+_DECODE_PIECE = 1 << 20  # bytes fed to the decode check at a time
 _MAX_LOOKUP_HOPS = 8  # peer Lookups per chain before the rest is asked of the origin
 
 
@@ -64,6 +69,23 @@ class ScheduledHints(Protocol):
     async def run_due(self) -> int: ...
 
     def describe(self) -> list[dict[str, Any]]: ...
+
+
+def check_decodes(data: bytes, fingerprint: bytes | None = None) -> None:
+    """Decode every section of ``data`` (one at a time, then dropped): checksums are unkeyed, so a
+    checksum-valid container may still not decode, and the edge must not keep what no reader can
+    use (the first writer of a key wins, so a poisoned entry would shadow every honest Put after
+    it). Raises a KdnError; a codec's own exception on hostile bytes becomes ``ArtifactCorrupt``."""
+    reader = ArtifactReader(expect_fingerprint=fingerprint)  # type: ignore[arg-type]
+    view = memoryview(data)
+    try:
+        for at in range(0, len(view), _DECODE_PIECE):  # piecewise: a few sections' KV alive at once
+            reader.feed(view[at : at + _DECODE_PIECE])
+        reader.finish()
+    except KdnError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a codec tripping over crafted bytes
+        raise ArtifactCorrupt(f"artifact does not decode: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,6 +335,8 @@ class EdgeNode:
         header = read_header(memoryview(data))
         if header.key != bytes(spec.key):
             raise FingerprintMismatch(f"upstream answered {header.key.hex()[:16]} for {bytes(spec.key).hex()[:16]}")
+        if self.config.decode_check:
+            await asyncio.to_thread(check_decodes, data, bytes(spec.fingerprint))
         try:
             await asyncio.to_thread(
                 self.store.put, data, tenant=spec.namespace.tenant, expect_fingerprint=bytes(spec.fingerprint)
@@ -375,6 +399,8 @@ class EdgeNode:
         header = read_header(memoryview(data))
         if header.key != bytes(key):
             raise InvalidInput(f"Put declared key {bytes(key).hex()[:16]} but the artifact holds {header.key.hex()[:16]}")
+        if self.config.decode_check:
+            await asyncio.to_thread(check_decodes, data, bytes(fingerprint))
         meta = await asyncio.to_thread(self.store.put, data, tenant=namespace.tenant, expect_fingerprint=bytes(fingerprint))
         self.metrics.bytes_in.labels("put").inc(len(data))
         return meta

@@ -123,3 +123,49 @@ def test_concurrent_large_puts_cannot_buffer_past_the_budget() -> None:
             assert code is None
 
     asyncio.run(main())
+
+
+def _poisoned(blob: bytes) -> bytes:
+    """Checksum-valid (every check recomputed) but undecodable: the first section is cut short."""
+    from kdn.edge.testing import reseal
+
+    return reseal(blob, payloads=lambda ps: [ps[0][: len(ps[0]) // 2], *ps[1:]])
+
+
+def test_a_checksum_valid_undecodable_put_does_not_shadow_the_honest_put_after_it() -> None:
+    from kdn.artifact import decode_artifact, verify_artifact
+
+    async def stream(chain: Any, blob: bytes) -> AsyncIterator[pb.PutChunk]:
+        for m in put_messages(blob, key=chain.keys[0], fingerprint=chain.fingerprint, namespace=Namespace("default")):
+            yield m
+
+    async def main() -> None:
+        for codec in ("raw", "zstd", "kvq"):
+            chain = make_chain(1, codec=codec)
+            poison = _poisoned(chain.blobs[0])
+            verify_artifact(poison)  # passes every integrity check ...
+            try:
+                decode_artifact(poison)  # ... yet no reader can use it
+                raise AssertionError("the crafted artifact decodes")
+            except Exception as exc:  # noqa: BLE001 - whatever the codec raises
+                assert not isinstance(exc, AssertionError)
+            async with InMemoryOverlay(1, origin=origin_with([])) as ov:
+                node = ov.nodes["e0"]
+                servicer = _servicer(node)
+                code, details = await _put(servicer, stream(chain, poison))
+                assert code == grpc.StatusCode.DATA_LOSS, (codec, code, details)
+                assert not node.store.contains(chain.keys[0], tenant="default")
+                assert (await _put(servicer, stream(chain, chain.blobs[0])))[0] is None
+                data, _ = await node.fetch_bytes(chain.spec(0, local_only=True))
+                assert data == chain.blobs[0]  # the honest bytes are what is served
+                # and an undecodable answer from upstream is not kept either
+                other = make_chain(1, codec=codec, seed=5)
+                ov.origin.artifacts[bytes(other.keys[0])] = _poisoned(other.blobs[0])
+                try:
+                    await node.fetch_bytes(other.spec(0))
+                    raise AssertionError("served an undecodable artifact")
+                except Exception as exc:  # noqa: BLE001
+                    assert not isinstance(exc, AssertionError)
+                assert not node.store.contains(other.keys[0], tenant="default")
+
+    asyncio.run(main())
