@@ -73,7 +73,12 @@ class EdgeConfig(RoleConfig):
     upstream_tls_cert: str | None = None
     upstream_tls_key: str | None = None
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; 0 = ephemeral, None = off")
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str = Field(
+        "127.0.0.1", description="where /metrics listens; its figures are node-wide (all tenants), so loopback by default"
+    )
+    metrics_token: str | None = Field(
+        None, description="when set, /metrics answers only scrapes that send 'Authorization: Bearer <token>'"
+    )
     fetch_deadline_s: float = Field(30.0, gt=0, description="deadline of upstream fetches (peer or origin)")
     peer_deadline_s: float = Field(5.0, gt=0, description="deadline of peer lookups and fetches")
     admin_deadline_s: float = Field(10.0, gt=0)

@@ -68,7 +68,7 @@ class ScheduledHints(Protocol):
 
     async def run_due(self) -> int: ...
 
-    def describe(self) -> list[dict[str, Any]]: ...
+    def describe(self, tenants: frozenset[str] | None = None) -> list[dict[str, Any]]: ...
 
 
 def check_decodes(data: bytes, fingerprint: bytes | None = None) -> None:
@@ -478,8 +478,28 @@ class EdgeNode:
         self.origin_available = await self.origin.healthy()
         return self.origin_available
 
-    async def stats(self) -> tuple[dict[str, float], dict[str, Any]]:
-        """(flat counters, details) for the Stats RPC and ``kdn stats``."""
+    async def stats(self, tenants: frozenset[str] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+        """(flat counters, details) for the Stats RPC and ``kdn stats``.
+
+        ``tenants`` None (an operator: auth off or a ``*`` token): the node's figures. Every
+        counter then is **global** (all tenants' traffic together: hits, misses, bytes, upstream
+        and prefetch counts, store occupancy, coalescing, peers, uptime) and the details list every
+        tenant's schedules. For a tenant's token (``tenants`` = what it is granted) the answer
+        holds only that tenant's figures: ``tenant_entries``, ``tenant_bytes``, ``tenant_pinned``
+        (its resident entries) and its own schedules; nothing that moves with another tenant's
+        requests, no other tenant's names or ids.
+        """
+        if tenants is not None:
+            entries = [s for t in sorted(tenants) for s in self.store.entries(tenant=t)]
+            counters = {
+                "tenant_entries": float(len(entries)),
+                "tenant_bytes": float(sum(s.meta.size for s in entries)),
+                "tenant_pinned": float(sum(1 for s in entries if s.pinned)),
+            }
+            details: dict[str, Any] = {"node_id": self.node_id, "scope": "tenant", "tenants": sorted(tenants)}
+            if self.scheduler is not None:
+                details["schedules"] = self.scheduler.describe(tenants)
+            return counters, details
         await self.probe_origin()
         counters: dict[str, float] = {}
         for name, value in self._store_stats().items():
@@ -494,8 +514,9 @@ class EdgeNode:
         counters["peers"] = float(len(self.overlay.members) - 1)
         counters["peers_down"] = float(len(self.overlay.down()))
         counters["uptime_s"] = time.time() - self._started
-        details: dict[str, Any] = {
+        details = {
             "node_id": self.node_id,
+            "scope": "node",
             "address": self.address,
             "origin": {"address": self.config.origin, "available": self.origin_available},
             "overlay": self.overlay.snapshot(),

@@ -185,7 +185,12 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
     @rpc
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         self.authorize_admin(context)
-        counters, details = await self.node.stats()
+        scope = self.auth.scope(bearer_token(context.invocation_metadata()))
+        counters, details = await self.node.stats(tenants=scope)
+        if scope is not None:  # a tenant's token: its own figures only (EdgeNode.stats)
+            return pb.StatsResponse(
+                node_id=self._s.config.node_id, role="edge", counters=counters, json=EdgeNode.details_json(details)
+            )
         if self._s.shm is not None:
             counters["shm_segments"] = float(len(self._s.shm))
             counters["shm_bytes"] = float(self._s.shm.bytes_used)
@@ -281,7 +286,10 @@ class EdgeServer:
         await self.node.start()
         await self._server.start()
         if c.metrics_port is not None:
-            self.metrics_port = metrics.serve(c.metrics_host, c.metrics_port)
+            self.metrics_port = metrics.serve(c.metrics_host, c.metrics_port, token=c.metrics_token)
+            if c.metrics_token is None and c.metrics_host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning("%s: /metrics on %s answers anyone who can reach it (set metrics_token)",
+                            c.node_id, c.metrics_host)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         return self
