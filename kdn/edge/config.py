@@ -56,6 +56,10 @@ class EdgeConfig(RoleConfig):
     )
     policy: str = Field("prefix", description="eviction policy name (kdn.edge.eviction registry)")
     replicas: int = Field(2, ge=1, le=16, description="owners per key in the overlay")
+    bounded_load_c: float = Field(
+        1.25, ge=1.0, le=16.0, description="bounded-load factor: a peer is asked first only while it got under "
+        "c x its share of this node's requests to peers (a hot key's reads spread over its replicas)",
+    )
     prefetch_depth: int = Field(2, ge=0, le=64, description="chunks fetched ahead after chunk i")
     prefetch_queue: int = Field(256, ge=1, description="bound on queued background prefetches; more are dropped")
     prefetch_workers: int = Field(2, ge=1, le=64)

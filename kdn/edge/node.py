@@ -6,6 +6,9 @@ tests wire together with in-memory upstreams (no sockets). The read path of ``fe
 1. the local tiers (memory hits are served inline; disk reads, which verify every checksum, run
    in a worker thread);
 2. on a miss, one upstream fetch per key however many requests wait for it (:class:`SingleFlight`):
+   - the other live owners are asked in bounded-load order (:meth:`Overlay.balanced_peers`): the
+     preferred owner first unless this node already sent it more than ``bounded_load_c`` times
+     its share of requests, so a hot key's reads spread over its replicas;
    - if this node is one of the key's owners: ask the other live owners for their local copy,
      then the origin;
    - otherwise: ask the first live owner to fetch it (it goes to the origin and keeps a copy, so
@@ -257,7 +260,7 @@ class EdgeNode:
     async def _fetch_upstream(self, spec: FetchSpec, token: str | None, forwarded: bool = False) -> tuple[bytes, str]:
         """Owners, then the origin. Runs once per key per burst (under SingleFlight)."""
         owners = self.overlay.owners(spec.key)
-        peers = [m for m in owners if m.node_id != self.node_id]
+        peers = self.overlay.balanced_peers(spec.key, self.config.bounded_load_c)  # a hot key spreads
         # A non-owner asks the first owner that answers to fetch on its behalf (so the owner keeps
         # a copy and the overlay goes to the origin once); owners only ask each other's copies.
         forward = not forwarded and bool(peers) and len(peers) == len(owners)
@@ -275,6 +278,7 @@ class EdgeNode:
             else:
                 up = self._peer(member)
                 target = "peer"
+                self.overlay.sent(member.node_id)
             try:
                 data = await up.fetch(sub, token=self.config.upstream_token or token)
             except NotFound as exc:
@@ -366,10 +370,11 @@ class EdgeNode:
         hops = 0
         while i < len(keys) and hops < _MAX_LOOKUP_HOPS:
             hops += 1
-            peers = self.overlay.peer_owners(keys[i])
+            peers = self.overlay.balanced_peers(keys[i], self.config.bounded_load_c)
             n = 0
             for member in peers:
                 up = self._peer(member)
+                self.overlay.sent(member.node_id)
                 try:
                     n = await up.lookup(keys[i:], fingerprint=fingerprint, namespace=namespace, token=tok)
                 except KdnError as exc:

@@ -261,3 +261,53 @@ def test_any_unusable_artifact_from_a_peer_falls_back_to_the_origin(case: str) -
             assert client_node.store.contains(key, tenant="default")
 
     asyncio.run(main())
+
+
+class _CountingPeer(NodeUpstream):
+    calls = 0
+    keys: list[bytes]
+
+    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
+        self.calls += 1
+        self.keys = [*getattr(self, "keys", []), bytes(spec.key)]
+        return await super().fetch(spec, token=token)
+
+
+def test_a_hot_key_spreads_over_its_replicas_under_bounded_load() -> None:
+    """One hot key, 3 edges, 2 replicas: the edge that is not an owner (and, its memory full,
+    keeps nothing) sends every read upstream. Bounded load spreads them over both owners (each
+    at most c = 1.25 x its share) instead of piling all of them on the first owner."""
+    from kdn.edge.store import build_store
+
+    hot = make_chain(1)
+    cold = make_chain(40, seed=8)
+    origin = origin_with([hot, cold])
+
+    async def main() -> None:
+        async with InMemoryOverlay(3, origin=origin, replicas=2) as ov:
+            key = hot.keys[0]
+            owners = ov.owners(key)
+            client = ov.non_owner(key)
+            client.store = build_store(client.config.model_copy(update={"memory_bytes": 16, "disk_dir": None}))
+            links = {o: _CountingPeer(o, ov.nodes[o]) for o in ov.ids if o != client.node_id}
+            for o, link in links.items():
+                ov.links[(client.node_id, o)] = link
+            for _ in range(100):
+                data, _ = await client.fetch_bytes(hot.spec(0))
+                assert data == hot.blobs[0]
+            calls = [links[o].calls for o in owners]
+            assert sum(calls) == 100 and max(calls) <= 63 and min(calls) >= 37, calls
+            assert origin.fetches <= 2  # the owners still fetch it from the origin once each at most
+
+            # keys that are not hot keep their preferred owner: locality is not given up
+            for link in links.values():
+                link.calls, link.keys = 0, []
+            first = {bytes(k): ov.owners(k)[0] for k in cold.keys if client.node_id not in ov.owners(k)}
+            for i, k in enumerate(cold.keys):
+                if bytes(k) in first:
+                    await client.fetch_bytes(cold.spec(i))
+            assert sum(link.calls for link in links.values()) == len(first)
+            preferred = sum(1 for k, o in first.items() if k in links[o].keys)
+            assert preferred >= 0.7 * len(first), (preferred, len(first))
+
+    asyncio.run(main())
