@@ -23,6 +23,7 @@ from kdn.wire.channel import MAX_MESSAGE, STREAM_PIECE
 from kdn.wire.tls import TlsFiles
 
 _ADDRESS_HELP = "host:port"
+_MAX_BYTES = 1 << 50  # 1 PiB: a byte budget above it is a typo (1e29), not a bound
 
 
 def _check_address(value: str, what: str) -> str:
@@ -45,9 +46,9 @@ class EdgeConfig(RoleConfig):
     peer_weights: dict[str, float] = Field(default_factory=dict, description="node_id -> placement weight (default 1)")
     weight: float = Field(1.0, gt=0, description="this node's placement weight")
     origin: str | None = Field(None, description="origin address host:port; None = no origin")
-    memory_bytes: int = Field(1 << 30, ge=0, description="memory tier budget")
+    memory_bytes: int = Field(1 << 30, ge=0, le=_MAX_BYTES, description="memory tier budget")
     disk_dir: str | None = Field(None, description="disk tier directory; None = no disk tier")
-    disk_bytes: int = Field(10 << 30, ge=0, description="disk tier budget")
+    disk_bytes: int = Field(10 << 30, ge=0, le=_MAX_BYTES, description="disk tier budget")
     disk_fsync: bool = Field(
         True, description="fsync disk-tier blobs before they become visible; False is faster but a power cut may lose recent writes"
     )
@@ -91,7 +92,7 @@ class EdgeConfig(RoleConfig):
     stream_piece_bytes: int = Field(STREAM_PIECE, ge=4 << 10, description="size of each streamed Fetch message")
     max_artifact_bytes: int = Field(512 << 20, ge=1 << 10, description="largest artifact accepted by Put or upstream")
     put_buffer_bytes: int = Field(
-        1 << 30, ge=1 << 10,
+        1 << 30, ge=1 << 10, le=_MAX_BYTES,
         description="bound on the bytes buffered by all in-flight Puts together; a Put that would pass it is "
         "refused (RESOURCE_EXHAUSTED). A Put holds its bytes about twice while they are joined",
     )

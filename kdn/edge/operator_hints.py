@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import secrets
 from pathlib import Path
@@ -161,8 +162,8 @@ class HintService:
         if action == A.UNPIN:
             return store.unpin(keys, tenant=tenant), ""
         if action == A.SET_TTL:
-            if req.ttl_s < 0:
-                raise InvalidInput(f"ttl_s must be >= 0, got {req.ttl_s}")
+            if not math.isfinite(req.ttl_s) or req.ttl_s < 0:  # NaN would otherwise clear every TTL
+                raise InvalidInput(f"ttl_s must be a finite number >= 0 (0 clears the TTL), got {req.ttl_s}")
             return store.set_ttl(keys, req.ttl_s if req.ttl_s > 0 else None, tenant=tenant), ""
         if action == A.SET_PRIORITY:
             return store.set_priority(keys, req.priority, tenant=tenant), ""

@@ -40,7 +40,7 @@ from kdn.edge.overlay import Member, MembershipProvider, Overlay, file_members, 
 from kdn.edge.shm import ShmPool
 from kdn.edge.store import TieredStore, build_store
 from kdn.edge.upstream import FORWARDED_HEADER, FetchSpec, OriginUpstream, PeerUpstream, Upstream
-from kdn.errors import StorageFull, Unavailable
+from kdn.errors import ConfigError, StorageFull, Unavailable
 from kdn.keys import ChunkKey, parse_fingerprint
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
@@ -52,6 +52,42 @@ from kdn.wire.service import Servicer, add_servicer, rpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kdn.v1.EdgeService"
+
+
+def _check_bindable(listen: str) -> None:
+    """Raise a one-line OSError when ``listen``'s fixed port is taken (port 0 always binds)."""
+    import socket
+
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # let gRPC say what it makes of the host
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                raise OSError(f"cannot bind {listen}: {exc.strerror or exc}") from None
+
+
+def _check_tls_pair(tls: Any) -> None:
+    """Refuse unreadable TLS files, or a key that is not the certificate's, with a clear ConfigError."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(str(tls.cert), str(tls.key))
+    except ssl.SSLError as exc:
+        reason = "the TLS key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else \
+            f"cannot load the TLS certificate/key: {exc.reason or exc}"
+        raise ConfigError(f"{reason} (tls_cert={tls.cert}, tls_key={tls.key})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the TLS certificate/key: {exc}") from None
 
 
 class PutBudget:
@@ -246,15 +282,25 @@ class EdgeServer:
 
     async def start(self) -> "EdgeServer":
         c = self.config
-        store = self._store if self._store is not None else await asyncio.to_thread(build_store, c, clock=self.clock)
-        self._server = grpc.aio.server(options=grpc_options(c.max_message_bytes))
         tls = c.server_tls
         if tls is not None:
-            self.port = self._server.add_secure_port(c.listen, tls.server_credentials())
-        else:
-            self.port = self._server.add_insecure_port(c.listen)
+            _check_tls_pair(tls)  # gRPC would only say "Failed to bind"
+        _check_bindable(c.listen)  # before gRPC, which logs its own multi-line complaint
+        store = self._store if self._store is not None else await asyncio.to_thread(build_store, c, clock=self.clock)
+        self._server = grpc.aio.server(options=grpc_options(c.max_message_bytes))
+        try:
+            if tls is not None:
+                self.port = self._server.add_secure_port(c.listen, tls.server_credentials())
+            else:
+                self.port = self._server.add_insecure_port(c.listen)
+        except (RuntimeError, OSError) as exc:  # grpcio raises RuntimeError("Failed to bind ...")
+            self.port = 0
+            log.debug("bind %s failed: %s", c.listen, exc)
         if not self.port:
-            raise OSError(f"cannot bind {c.listen}")
+            self._server = None
+            if self._store is None:
+                await asyncio.to_thread(store.close)
+            raise OSError(f"cannot bind {c.listen}: the port is in use or the host is not an address of this machine")
         self_member = Member(c.node_id, self.address, c.weight)
         overlay = Overlay(
             self_member,
