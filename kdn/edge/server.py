@@ -120,6 +120,30 @@ class PutBudget:
             yield reserve
         finally:
             self.used -= held
+            if held >= _TRIM_AFTER and self.used == 0:
+                _trim_heap()
+
+
+_TRIM_AFTER = 64 << 20  # a Put that held this much: give the freed heap back once no Put holds any
+
+
+def _trim_heap() -> None:
+    """Return freed heap to the OS (glibc ``malloc_trim``). A big Put's pieces (and gRPC's buffers
+    for them) are freed when it ends, but glibc keeps freed arena memory mapped: without this, a
+    flood of large refused Puts leaves the edge's RSS at its peak. A no-op where there is no glibc."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM: Any = None
 
 
 class EdgeServicer(Servicer, pbg.EdgeServiceServicer):

@@ -175,9 +175,10 @@ def parse_put_header(chunk: pb.PutChunk, *, limit: int, authorize: Callable[[Nam
 
 
 class _PrefixCheck:
-    """Parses a Put's container prefix (magic, version, header) as its first bytes arrive, so a
-    stream of junk is refused after its first message instead of after it was buffered whole.
-    Only the prefix is checked here; the store verifies every checksum of the complete bytes."""
+    """Parses a Put's container as its bytes arrive (magic, version, header, then each section's
+    length and checksum, without decoding), so a stream of junk is refused at the first message
+    that holds a bad byte instead of after it was buffered whole. The reader keeps at most one
+    unfinished section of its own; the store verifies the complete bytes again."""
 
     def __init__(self, limit: int) -> None:
         from kdn.artifact import ArtifactReader  # late: the artifact reader brings torch
@@ -193,8 +194,8 @@ class _PrefixCheck:
             if isinstance(exc, KdnError):
                 raise
             raise InvalidInput(f"Put: unusable artifact header: {type(exc).__name__}") from exc
-        if self._reader.header is not None or self._reader.complete:
-            self._reader = None  # the prefix is good: stop parsing, drop what the reader held
+        if self._reader.complete:
+            self._reader = None  # all verified: drop what the reader held
 
 
 async def receive_put(
@@ -208,8 +209,8 @@ async def receive_put(
     """Read a whole Put stream, bounded by ``limit`` and by the declared size. The token is checked
     (``authorize``) as soon as the header names the tenant, before any data is buffered.
 
-    ``check_container``: parse the artifact's prefix (magic, version, header) as it arrives and
-    refuse the stream at the first bad byte (the rest is never read). ``reserve(n)`` is called
+    ``check_container``: parse the artifact (magic, version, header, section lengths and
+    checksums) as it arrives and refuse the stream at the first bad byte (the rest is never read). ``reserve(n)`` is called
     before ``n`` more bytes are held (each piece, then once for the joined result, which is the
     one copy made): it raises to refuse the Put (the edge's budget across concurrent Puts)."""
     header: PutHeader | None = None
