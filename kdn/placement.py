@@ -33,7 +33,7 @@ import numpy as np
 from kdn.errors import InvalidInput
 from kdn.keys import KEY_BYTES
 
-__all__ = ["BoundedLoadPlacement", "Node", "Placement", "key_point"]
+__all__ = ["BoundedLoadPlacement", "Node", "Placement", "bounded_capacity", "key_point"]
 
 DEFAULT_VNODES = 1000
 
@@ -246,6 +246,14 @@ class Placement:
         return self._ids_arr[idx]
 
 
+def bounded_capacity(c: float, assigned: int, weight: float, total_weight: float) -> int:
+    """The bounded-load rule: the most a node of ``weight`` (of ``total_weight``) may hold when
+    ``assigned`` items are placed plus one: ``ceil(c * (assigned + 1) * weight / total_weight)``.
+    Used for keys by :class:`BoundedLoadPlacement` and for requests by the edge's overlay (a hot
+    key's reads spread over its replicas)."""
+    return math.ceil(c * (assigned + 1) * weight / total_weight - 1e-9)  # tolerate float noise
+
+
 class BoundedLoadPlacement:
     """Consistent hashing with bounded loads over a :class:`Placement`.
 
@@ -274,8 +282,7 @@ class BoundedLoadPlacement:
     def capacity(self, node_id: str, assigned: int | None = None) -> int:
         """Most keys ``node_id`` may hold when ``assigned`` keys (default: now) are placed plus one."""
         m = len(self._where) if assigned is None else assigned
-        share = self.c * (m + 1) * self.ring.weight(node_id) / self.ring.total_weight
-        return math.ceil(share - 1e-9)  # tolerate float noise: ceil(1050.0000000001) is 1050
+        return bounded_capacity(self.c, m, self.ring.weight(node_id), self.ring.total_weight)
 
     def add(self, node: Node) -> None:
         self.ring.add(node)

@@ -44,6 +44,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -113,16 +114,34 @@ class BitPlan:
 
     @classmethod
     def from_bytes(cls, meta: bytes) -> "BitPlan":
+        # meta comes from a checksummed but unkeyed header: anyone can write it. Refuse what JSON
+        # allows and the plan cannot hold (Infinity/NaN, floats or bools for bit counts, deep
+        # nesting, huge numbers) as ArtifactCorrupt, never OverflowError/RecursionError/TypeError.
+        def no_constant(name: str) -> Any:
+            raise ValueError(f"{name} is not a number kvq accepts")
+
+        def int_field(v: Any) -> int:
+            if type(v) is not int:
+                raise ValueError(f"expected an integer, got {type(v).__name__}")
+            return v
+
         try:
-            d = json.loads(meta)
-            if d.pop("v") != FORMAT:
+            d = json.loads(meta, parse_constant=no_constant)
+            if not isinstance(d, dict) or d.pop("v", None) != FORMAT:
                 raise ValueError("unknown kvq meta format")
             table = d.pop("table", None)
             if table is not None:
-                table = tuple((int(k), int(v)) for k, v in table)
+                if not isinstance(table, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in table):
+                    raise ValueError("kvq bit table must be a list of [k, v] pairs")
+                table = tuple((int_field(k), int_field(v)) for k, v in table)
+            for name in ("k_bits", "v_bits", "group", "anchor_bits", "early_bonus"):
+                if name in d:
+                    int_field(d[name])
+            if "early_frac" in d and (type(d["early_frac"]) not in (int, float) or not math.isfinite(d["early_frac"])):
+                raise ValueError("early_frac must be a finite number")
             return cls(table=table, **d)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ArtifactCorrupt(f"kvq codec_meta is malformed: {exc}") from exc
+        except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
+            raise ArtifactCorrupt(f"kvq codec_meta is malformed: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 def _qmax(bits: int) -> int:

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import signal
 import sys
 from typing import TYPE_CHECKING, Any, Sequence
@@ -46,7 +47,7 @@ def parse_bytes(text: str) -> int:
         if t and t[-1] in _SUFFIX:
             return int(float(t[:-1]) * _SUFFIX[t[-1]])
         return int(t)
-    except ValueError:
+    except (ValueError, OverflowError):  # "x", "nanG", "infG"
         raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512M, 10G)") from None
 
 
@@ -150,14 +151,40 @@ def _run(argv: list[str]) -> int:
     except KdnError as exc:
         print(f"kdn edge: {exc}", file=sys.stderr)
         return 2
+    except (UnicodeDecodeError, OSError) as exc:  # a binary or unreadable --config file
+        print(f"kdn edge: cannot read config {args.config}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(_serve(config))
+    except KdnError as exc:  # e.g. a TLS key that is not the certificate's
+        print(f"kdn edge: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"kdn edge: cannot serve: {exc}", file=sys.stderr)
         return 1
 
 
 # -- hints ---------------------------------------------------------------------------------------
+
+
+def _ttl_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"seconds must be a finite number >= 0 (0 clears the TTL), got {text!r}")
+    return value
+
+
+def _int32(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not -(1 << 31) <= value < (1 << 31):
+        raise argparse.ArgumentTypeError(f"priority must fit in 32 bits (-2147483648..2147483647), got {text}")
+    return value
 
 
 def _hint_parser(command: str) -> argparse.ArgumentParser:
@@ -170,9 +197,9 @@ def _hint_parser(command: str) -> argparse.ArgumentParser:
     p.add_argument("--document", default="", help="an origin document id instead of keys")
     p.add_argument("keys", nargs="*", help="chunk keys, 64 hex digits each")
     if command == "ttl":
-        p.add_argument("--seconds", type=float, required=True)
+        p.add_argument("--seconds", type=_ttl_seconds, required=True, help="seconds from now; 0 clears the TTL")
     if command == "priority":
-        p.add_argument("--priority", type=int, required=True)
+        p.add_argument("--priority", type=_int32, required=True)
     if command == "schedule":
         p.add_argument("--cron", required=True, help='"M H DOM MON DOW", e.g. "0 8 * * *" (UTC)')
     if command == "cancel":

@@ -23,6 +23,7 @@ from kdn.wire.channel import MAX_MESSAGE, STREAM_PIECE
 from kdn.wire.tls import TlsFiles
 
 _ADDRESS_HELP = "host:port"
+_MAX_BYTES = 1 << 50  # 1 PiB: a byte budget above it is a typo (1e29), not a bound
 
 
 def _check_address(value: str, what: str) -> str:
@@ -45,9 +46,9 @@ class EdgeConfig(RoleConfig):
     peer_weights: dict[str, float] = Field(default_factory=dict, description="node_id -> placement weight (default 1)")
     weight: float = Field(1.0, gt=0, description="this node's placement weight")
     origin: str | None = Field(None, description="origin address host:port; None = no origin")
-    memory_bytes: int = Field(1 << 30, ge=0, description="memory tier budget")
+    memory_bytes: int = Field(1 << 30, ge=0, le=_MAX_BYTES, description="memory tier budget")
     disk_dir: str | None = Field(None, description="disk tier directory; None = no disk tier")
-    disk_bytes: int = Field(10 << 30, ge=0, description="disk tier budget")
+    disk_bytes: int = Field(10 << 30, ge=0, le=_MAX_BYTES, description="disk tier budget")
     disk_fsync: bool = Field(
         True, description="fsync disk-tier blobs before they become visible; False is faster but a power cut may lose recent writes"
     )
@@ -56,6 +57,10 @@ class EdgeConfig(RoleConfig):
     )
     policy: str = Field("prefix", description="eviction policy name (kdn.edge.eviction registry)")
     replicas: int = Field(2, ge=1, le=16, description="owners per key in the overlay")
+    bounded_load_c: float = Field(
+        1.25, ge=1.0, le=16.0, description="bounded-load factor: a peer is asked first only while it got under "
+        "c x its share of this node's requests to peers (a hot key's reads spread over its replicas)",
+    )
     prefetch_depth: int = Field(2, ge=0, le=64, description="chunks fetched ahead after chunk i")
     prefetch_queue: int = Field(256, ge=1, description="bound on queued background prefetches; more are dropped")
     prefetch_workers: int = Field(2, ge=1, le=64)
@@ -73,7 +78,12 @@ class EdgeConfig(RoleConfig):
     upstream_tls_cert: str | None = None
     upstream_tls_key: str | None = None
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; 0 = ephemeral, None = off")
-    metrics_host: str = "127.0.0.1"
+    metrics_host: str = Field(
+        "127.0.0.1", description="where /metrics listens; its figures are node-wide (all tenants), so loopback by default"
+    )
+    metrics_token: str | None = Field(
+        None, description="when set, /metrics answers only scrapes that send 'Authorization: Bearer <token>'"
+    )
     fetch_deadline_s: float = Field(30.0, gt=0, description="deadline of upstream fetches (peer or origin)")
     peer_deadline_s: float = Field(5.0, gt=0, description="deadline of peer lookups and fetches")
     admin_deadline_s: float = Field(10.0, gt=0)
@@ -81,6 +91,15 @@ class EdgeConfig(RoleConfig):
     max_message_bytes: int = Field(MAX_MESSAGE, ge=64 << 10, description="bound on any single gRPC message")
     stream_piece_bytes: int = Field(STREAM_PIECE, ge=4 << 10, description="size of each streamed Fetch message")
     max_artifact_bytes: int = Field(512 << 20, ge=1 << 10, description="largest artifact accepted by Put or upstream")
+    put_buffer_bytes: int = Field(
+        1 << 30, ge=1 << 10, le=_MAX_BYTES,
+        description="bound on the bytes buffered by all in-flight Puts together; a Put that would pass it is "
+        "refused (RESOURCE_EXHAUSTED). A Put holds its bytes about twice while they are joined",
+    )
+    decode_check: bool = Field(
+        True, description="decode every section of what a Put or an upstream fetch brings before keeping it "
+        "(checksums are unkeyed: a checksum-valid artifact may still not decode); False skips the CPU cost",
+    )
     max_chain_keys: int = Field(4096, ge=1, description="longest key chain accepted in Lookup/Prefetch/Hint")
     shm: bool = Field(True, description="offer the same-host shared-memory path")
     shm_dir: str = Field("/dev/shm", description="where shared-memory segments live")

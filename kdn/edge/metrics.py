@@ -9,6 +9,7 @@ and source; store-side figures (evictions, bytes per tier, ...) are read from
 
 from __future__ import annotations
 
+import hmac
 import re
 from typing import Callable, Mapping
 
@@ -69,11 +70,45 @@ class EdgeMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Serve ``/metrics`` over HTTP; returns the bound port."""
-        from prometheus_client import start_http_server
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None) -> int:
+        """Serve ``/metrics`` over HTTP; returns the bound port.
 
-        self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        The figures are the node's, all tenants together (see ``EdgeNode.stats``), so the endpoint
+        binds to loopback by default (``EdgeConfig.metrics_host``); with ``token`` every scrape
+        must send ``Authorization: Bearer <token>`` (else 401), for a scraper on another host."""
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        metrics = self
+        expected = f"Bearer {token}".encode() if token else None
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if expected is not None:
+                    got = (self.headers.get("Authorization") or "").encode()
+                    if not hmac.compare_digest(got, expected):
+                        self.send_response(401)
+                        self.send_header("WWW-Authenticate", "Bearer")
+                        self.end_headers()
+                        return
+                body = metrics.exposition()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet
+                pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+        self._http = Server((host, port), Handler)
+        self._thread = threading.Thread(target=self._http.serve_forever, name=f"metrics-{self.node_id}", daemon=True)
+        self._thread.start()
         self.port = int(self._http.server_address[1])
         return self.port
 

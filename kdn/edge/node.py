@@ -6,16 +6,23 @@ tests wire together with in-memory upstreams (no sockets). The read path of ``fe
 1. the local tiers (memory hits are served inline; disk reads, which verify every checksum, run
    in a worker thread);
 2. on a miss, one upstream fetch per key however many requests wait for it (:class:`SingleFlight`):
+   - the other live owners are asked in bounded-load order (:meth:`Overlay.balanced_peers`): the
+     preferred owner first unless this node already sent it more than ``bounded_load_c`` times
+     its share of requests, so a hot key's reads spread over its replicas;
    - if this node is one of the key's owners: ask the other live owners for their local copy,
      then the origin;
    - otherwise: ask the first live owner to fetch it (it goes to the origin and keeps a copy, so
      the whole overlay fetches a key from the origin once), then the next owners' local copies,
      then the origin directly;
    a peer that fails and then fails a health check is marked down (the overlay skips it until a
-   backoff passes); corrupt or mismatching bytes from any source are dropped and the next source
-   is tried;
-3. what came from upstream is verified (header key/fingerprint, then every checksum by
-   ``TieredStore.put``) before it is stored or served. Bytes are never served unverified: memory
+   backoff passes); bytes from any source that this edge cannot use for any reason (checksum,
+   size, a codec it does not know, hostile codec metadata, a newer version, another key) are
+   dropped and the next source is tried;
+3. what came from upstream is verified (header key/fingerprint, a decode of every section when
+   ``decode_check`` is on, then every checksum by ``TieredStore.put``) before it is stored or
+   served; a Put is decode-checked the same way, so a checksum-valid but undecodable artifact
+   (checksums are unkeyed: anyone can make one) is refused instead of shadowing the honest Put
+   of the same key that comes after it (the first writer of a key wins). Bytes are never served unverified: memory
    holds only what was verified on put, disk is verified on every read.
 
 After chunk i, the request's ``next_keys[:prefetch_depth]`` are offered to the prefetcher.
@@ -37,8 +44,9 @@ from kdn.edge.overlay import Member, Overlay
 from kdn.edge.prefetch import Prefetcher, PrefetchJob
 from kdn.edge.store import EntryMeta, TieredStore
 from kdn.edge.upstream import FetchSpec, SingleFlight, Upstream
-from kdn.artifact import read_header
+from kdn.artifact import ArtifactReader, read_header
 from kdn.errors import (
+    ArtifactCorrupt,
     ArtifactError,
     FingerprintMismatch,
     InvalidInput,
@@ -53,6 +61,7 @@ from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 
 log = logging.getLogger(__name__)
 
+_DECODE_PIECE = 1 << 20  # bytes fed to the decode check at a time
 _MAX_LOOKUP_HOPS = 8  # peer Lookups per chain before the rest is asked of the origin
 
 
@@ -62,7 +71,24 @@ class ScheduledHints(Protocol):
 
     async def run_due(self) -> int: ...
 
-    def describe(self) -> list[dict[str, Any]]: ...
+    def describe(self, tenants: frozenset[str] | None = None) -> list[dict[str, Any]]: ...
+
+
+def check_decodes(data: bytes, fingerprint: bytes | None = None) -> None:
+    """Decode every section of ``data`` (one at a time, then dropped): checksums are unkeyed, so a
+    checksum-valid container may still not decode, and the edge must not keep what no reader can
+    use (the first writer of a key wins, so a poisoned entry would shadow every honest Put after
+    it). Raises a KdnError; a codec's own exception on hostile bytes becomes ``ArtifactCorrupt``."""
+    reader = ArtifactReader(expect_fingerprint=fingerprint)  # type: ignore[arg-type]
+    view = memoryview(data)
+    try:
+        for at in range(0, len(view), _DECODE_PIECE):  # piecewise: a few sections' KV alive at once
+            reader.feed(view[at : at + _DECODE_PIECE])
+        reader.finish()
+    except KdnError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a codec tripping over crafted bytes
+        raise ArtifactCorrupt(f"artifact does not decode: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +260,7 @@ class EdgeNode:
     async def _fetch_upstream(self, spec: FetchSpec, token: str | None, forwarded: bool = False) -> tuple[bytes, str]:
         """Owners, then the origin. Runs once per key per burst (under SingleFlight)."""
         owners = self.overlay.owners(spec.key)
-        peers = [m for m in owners if m.node_id != self.node_id]
+        peers = self.overlay.balanced_peers(spec.key, self.config.bounded_load_c)  # a hot key spreads
         # A non-owner asks the first owner that answers to fetch on its behalf (so the owner keeps
         # a copy and the overlay goes to the origin once); owners only ask each other's copies.
         forward = not forwarded and bool(peers) and len(peers) == len(owners)
@@ -252,6 +278,7 @@ class EdgeNode:
             else:
                 up = self._peer(member)
                 target = "peer"
+                self.overlay.sent(member.node_id)
             try:
                 data = await up.fetch(sub, token=self.config.upstream_token or token)
             except NotFound as exc:
@@ -271,10 +298,16 @@ class EdgeNode:
                 else:
                     await self._peer_failed(member, up, exc)
                 continue
-            except KdnError as exc:  # FingerprintMismatch, LossyRefused, Unauthorized: the answer itself
+            except KdnError as exc:
                 self.metrics.upstream.labels(target, type(exc).__name__).inc()
-                if member is None:
-                    self.origin_available = True
+                if member is not None:
+                    # whatever a peer's answer was wrong with, the next source may do better (a peer
+                    # of another version, a lossy copy where lossless is asked): try it
+                    errors.append(f"{up.name}: {type(exc).__name__}: {exc}")
+                    unavailable = True
+                    continue
+                # the origin's FingerprintMismatch, LossyRefused, Unauthorized: the answer itself
+                self.origin_available = True
                 raise
             if member is None:
                 self.origin_available = True
@@ -283,11 +316,13 @@ class EdgeNode:
                 forward = False
             try:
                 await self._admit(data, spec)
-            except (ArtifactError, FingerprintMismatch) as exc:
+            except KdnError as exc:
+                # any project error about the bytes (checksum, size, unknown codec, hostile codec
+                # metadata, newer version, wrong key or model): drop them and try the next source
                 self.metrics.corrupt.inc()
                 self.metrics.upstream.labels(target, "corrupt").inc()
                 errors.append(f"{up.name}: {exc}")
-                log.warning("%s: dropped bad artifact from %s: %s", self.node_id, up.name, exc)
+                log.warning("%s: dropped bad artifact from %s: %s: %s", self.node_id, up.name, type(exc).__name__, exc)
                 unavailable = True
                 continue
             self.metrics.upstream.labels(target, "ok").inc()
@@ -304,6 +339,8 @@ class EdgeNode:
         header = read_header(memoryview(data))
         if header.key != bytes(spec.key):
             raise FingerprintMismatch(f"upstream answered {header.key.hex()[:16]} for {bytes(spec.key).hex()[:16]}")
+        if self.config.decode_check:
+            await asyncio.to_thread(check_decodes, data, bytes(spec.fingerprint))
         try:
             await asyncio.to_thread(
                 self.store.put, data, tenant=spec.namespace.tenant, expect_fingerprint=bytes(spec.fingerprint)
@@ -333,10 +370,11 @@ class EdgeNode:
         hops = 0
         while i < len(keys) and hops < _MAX_LOOKUP_HOPS:
             hops += 1
-            peers = self.overlay.peer_owners(keys[i])
+            peers = self.overlay.balanced_peers(keys[i], self.config.bounded_load_c)
             n = 0
             for member in peers:
                 up = self._peer(member)
+                self.overlay.sent(member.node_id)
                 try:
                     n = await up.lookup(keys[i:], fingerprint=fingerprint, namespace=namespace, token=tok)
                 except KdnError as exc:
@@ -366,6 +404,8 @@ class EdgeNode:
         header = read_header(memoryview(data))
         if header.key != bytes(key):
             raise InvalidInput(f"Put declared key {bytes(key).hex()[:16]} but the artifact holds {header.key.hex()[:16]}")
+        if self.config.decode_check:
+            await asyncio.to_thread(check_decodes, data, bytes(fingerprint))
         meta = await asyncio.to_thread(self.store.put, data, tenant=namespace.tenant, expect_fingerprint=bytes(fingerprint))
         self.metrics.bytes_in.labels("put").inc(len(data))
         return meta
@@ -443,8 +483,28 @@ class EdgeNode:
         self.origin_available = await self.origin.healthy()
         return self.origin_available
 
-    async def stats(self) -> tuple[dict[str, float], dict[str, Any]]:
-        """(flat counters, details) for the Stats RPC and ``kdn stats``."""
+    async def stats(self, tenants: frozenset[str] | None = None) -> tuple[dict[str, float], dict[str, Any]]:
+        """(flat counters, details) for the Stats RPC and ``kdn stats``.
+
+        ``tenants`` None (an operator: auth off or a ``*`` token): the node's figures. Every
+        counter then is **global** (all tenants' traffic together: hits, misses, bytes, upstream
+        and prefetch counts, store occupancy, coalescing, peers, uptime) and the details list every
+        tenant's schedules. For a tenant's token (``tenants`` = what it is granted) the answer
+        holds only that tenant's figures: ``tenant_entries``, ``tenant_bytes``, ``tenant_pinned``
+        (its resident entries) and its own schedules; nothing that moves with another tenant's
+        requests, no other tenant's names or ids.
+        """
+        if tenants is not None:
+            entries = [s for t in sorted(tenants) for s in self.store.entries(tenant=t)]
+            counters = {
+                "tenant_entries": float(len(entries)),
+                "tenant_bytes": float(sum(s.meta.size for s in entries)),
+                "tenant_pinned": float(sum(1 for s in entries if s.pinned)),
+            }
+            details: dict[str, Any] = {"node_id": self.node_id, "scope": "tenant", "tenants": sorted(tenants)}
+            if self.scheduler is not None:
+                details["schedules"] = self.scheduler.describe(tenants)
+            return counters, details
         await self.probe_origin()
         counters: dict[str, float] = {}
         for name, value in self._store_stats().items():
@@ -459,8 +519,9 @@ class EdgeNode:
         counters["peers"] = float(len(self.overlay.members) - 1)
         counters["peers_down"] = float(len(self.overlay.down()))
         counters["uptime_s"] = time.time() - self._started
-        details: dict[str, Any] = {
+        details = {
             "node_id": self.node_id,
+            "scope": "node",
             "address": self.address,
             "origin": {"address": self.config.origin, "available": self.origin_available},
             "overlay": self.overlay.snapshot(),

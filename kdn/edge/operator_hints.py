@@ -10,18 +10,26 @@ is followed) or key list is offered to the prefetcher. Named schedules are persi
 scheduler as JSON beside the disk tier (``.hint-schedules.json``) and come back on restart. Tokens are never
 written to disk: a schedule restored after a restart fetches with the edge's ``upstream_token``
 (configure one when the origin requires auth). ``SET_TTL`` with ``ttl_s == 0`` clears the TTL.
+
+Schedule ids are per tenant: the id a tenant chooses (or is given) is kept as ``tenant/id``, so two
+tenants may use the same id, and no answer tells one tenant whether another holds an id. A
+schedules file that cannot be read does not stop the edge: it is moved aside (``.bad`` suffix)
+with a warning and the edge starts with no schedules, as with the retention file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import secrets
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from kdn.edge.clock import Clock, MonotonicClock
 from kdn.edge.schedules import HintScheduler, schedules_file
-from kdn.errors import InvalidInput, NotFound
+from kdn.errors import ConfigError, InvalidInput, NotFound
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, parse_key
 from kdn.proto import kdn_pb2 as pb
 
@@ -32,6 +40,29 @@ log = logging.getLogger(__name__)
 
 A = pb.HintRequest
 PREFETCH_ACTION = "prefetch"
+_SID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+def scoped_id(tenant: str, schedule_id: str) -> str:
+    """The scheduler's id of ``tenant``'s schedule ``schedule_id`` (tenant names hold no ``/``)."""
+    if not _SID_RE.match(schedule_id):
+        raise InvalidInput(f"schedule id must match {_SID_RE.pattern}, got {schedule_id!r}")
+    return f"{tenant}/{schedule_id}"
+
+
+def _open_scheduler(clock: Clock, path: Path | None, actions: Mapping[str, Any]) -> HintScheduler:
+    try:
+        return HintScheduler(clock, path=path, actions=actions)
+    except ConfigError as exc:
+        assert path is not None
+        aside = path.with_name(path.name + ".bad")
+        try:
+            path.replace(aside)
+            where = f"moved to {aside}"
+        except OSError as move_exc:
+            where = f"could not be moved aside ({move_exc}); schedules are kept in memory only"
+        log.warning("ignoring the hint schedules file (%s; %s): the edge starts with no schedules", exc, where)
+        return HintScheduler(clock, path=None if path.exists() and not aside.exists() else path, actions=actions)
 
 
 class HintService:
@@ -39,19 +70,22 @@ class HintService:
         self._node = node
         self._clock = clock or MonotonicClock()
         self._tokens: dict[str, str | None] = {}  # in memory only
-        self.scheduler = HintScheduler(
-            self._clock,
-            path=schedules_file(disk_dir) if disk_dir else None,
-            actions={PREFETCH_ACTION: self._fire},
+        self.scheduler = _open_scheduler(
+            self._clock, schedules_file(disk_dir) if disk_dir else None, {PREFETCH_ACTION: self._fire}
         )
         self.fired = 0
+        for info in self.scheduler.list():  # a file of an edge before per-tenant ids: scope them
+            tenant = info.params.get("tenant", "")
+            if "/" not in info.schedule_id and tenant and info.action == PREFETCH_ACTION:
+                self.scheduler.add(scoped_id(tenant, info.schedule_id), info.cron, PREFETCH_ACTION, params=info.params)
+                self.scheduler.cancel(info.schedule_id)
 
     async def _fire(self, params: Mapping[str, Any]) -> int:
         node = self._node
         ns = Namespace(params["tenant"], params.get("salt", ""))
         fp_hex = params.get("fingerprint", "")
         fp = parse_fingerprint(fp_hex) if fp_hex else ModelFingerprint(bytes(32))
-        token = self._tokens.get(params.get("schedule_id", ""))
+        token = self._tokens.get(f"{ns.tenant}/{params.get('schedule_id', '')}")
         keys = await node.resolve_keys(
             [parse_key(k) for k in params.get("keys", ())], params.get("document", ""),
             fingerprint=fp, namespace=ns, token=token,
@@ -65,12 +99,15 @@ class HintService:
         results = await self.scheduler.run_due()
         return sum(1 for r in results.values() if r is None)
 
-    def describe(self) -> list[dict[str, Any]]:
+    def describe(self, tenants: frozenset[str] | None = None) -> list[dict[str, Any]]:
+        """The schedules, each with the id its tenant knows it by; only ``tenants``' when given."""
         return [
-            {"schedule_id": i.schedule_id, "cron": i.cron, "next_fire": i.next_fire.isoformat(), "runs": i.runs,
+            {"schedule_id": i.params.get("schedule_id", i.schedule_id), "cron": i.cron,
+             "next_fire": i.next_fire.isoformat(), "runs": i.runs,
              "tenant": i.params.get("tenant", ""), "document": i.params.get("document", ""),
              "keys": len(i.params.get("keys", ()))}
             for i in self.scheduler.list()
+            if tenants is None or i.params.get("tenant", "") in tenants
         ]
 
     async def _fetch_missing(
@@ -100,20 +137,18 @@ class HintService:
             if req.document and not fp_hex:
                 raise InvalidInput("a document schedule needs the model fingerprint")
             sid = req.schedule_id or secrets.token_hex(6)
-            existing = self.scheduler.get(sid)
-            if existing is not None and existing.params.get("tenant") != ns.tenant:
-                raise InvalidInput(f"schedule id {sid!r} is taken")
+            scoped = scoped_id(ns.tenant, sid)  # the tenant's own id namespace: nothing to squat or probe
             params = {"schedule_id": sid, "tenant": ns.tenant, "salt": ns.salt, "fingerprint": fp_hex,
                       "document": req.document, "keys": [bytes(k).hex() for k in keys]}
-            self.scheduler.add(sid, req.cron, PREFETCH_ACTION, params=params)  # InvalidInput names a bad field
-            self._tokens[sid] = token
+            self.scheduler.add(scoped, req.cron, PREFETCH_ACTION, params=params)  # InvalidInput names a bad field
+            self._tokens[scoped] = token
             return 1, sid
         if action == A.CANCEL_SCHEDULE:
-            info = self.scheduler.get(req.schedule_id)
-            if info is None or info.params.get("tenant") != ns.tenant:
+            scoped = scoped_id(ns.tenant, req.schedule_id)
+            if self.scheduler.get(scoped) is None:
                 raise NotFound(f"no schedule {req.schedule_id!r}")
-            self.scheduler.cancel(req.schedule_id)
-            self._tokens.pop(req.schedule_id, None)
+            self.scheduler.cancel(scoped)
+            self._tokens.pop(scoped, None)
             return 1, req.schedule_id
         if req.document and not keys:
             keys = await node.resolve_keys(
@@ -127,8 +162,8 @@ class HintService:
         if action == A.UNPIN:
             return store.unpin(keys, tenant=tenant), ""
         if action == A.SET_TTL:
-            if req.ttl_s < 0:
-                raise InvalidInput(f"ttl_s must be >= 0, got {req.ttl_s}")
+            if not math.isfinite(req.ttl_s) or req.ttl_s < 0:  # NaN would otherwise clear every TTL
+                raise InvalidInput(f"ttl_s must be a finite number >= 0 (0 clears the TTL), got {req.ttl_s}")
             return store.set_ttl(keys, req.ttl_s if req.ttl_s > 0 else None, tenant=tenant), ""
         if action == A.SET_PRIORITY:
             return store.set_priority(keys, req.priority, tenant=tenant), ""

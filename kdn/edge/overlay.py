@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 from kdn.edge.clock import Clock, MonotonicClock
-from kdn.placement import Node, Placement
+from kdn.placement import Node, Placement, bounded_capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,7 @@ class Overlay:
         self._members: dict[str, Member] = {}
         self._health: dict[str, _Health] = {}
         self._placement = Placement([])
+        self._sent: dict[str, int] = {}  # requests this node sent to each peer (bounded-load counts)
         self.version = 0
         self.refresh()
 
@@ -76,6 +77,7 @@ class Overlay:
         self._members = members
         self._placement = Placement([Node(m.node_id, m.weight) for m in members.values()])
         self._health = {nid: self._health.get(nid, _Health()) for nid in members}
+        self._sent = {nid: n for nid, n in self._sent.items() if nid in members}
         self.version += 1
         return True
 
@@ -122,6 +124,27 @@ class Overlay:
 
     def peer_owners(self, key: bytes) -> list[Member]:
         return [m for m in self.owners(key) if m.node_id != self.self_id]
+
+    def balanced_peers(self, key: bytes, c: float) -> list[Member]:
+        """The key's live peer owners, the one to ask first in front: consistent hashing with
+        bounded loads (:func:`kdn.placement.bounded_capacity`) over the requests this node sent.
+        The first owner in preference order whose count is under its capacity (``c`` x its
+        weighted share of all requests sent to peers so far, plus one) leads; when all are at
+        capacity, the least loaded does. Spread keys keep their preferred owner (everyone has
+        room), while a hot key's reads move on to its other replicas instead of piling on one.
+        Call :meth:`sent` for each request actually sent."""
+        peers = self.peer_owners(key)
+        if len(peers) < 2:
+            return peers
+        total = sum(self._sent.values())
+        weight = sum(m.weight for nid, m in self._members.items() if nid != self.self_id)
+        for i, m in enumerate(peers):
+            if self._sent.get(m.node_id, 0) < bounded_capacity(c, total, m.weight, weight):
+                return [m, *peers[:i], *peers[i + 1 :]]
+        return sorted(peers, key=lambda m: self._sent.get(m.node_id, 0) / m.weight)
+
+    def sent(self, node_id: str) -> None:
+        self._sent[node_id] = self._sent.get(node_id, 0) + 1
 
     def snapshot(self) -> dict[str, object]:
         return {

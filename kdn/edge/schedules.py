@@ -55,7 +55,8 @@ Action = Callable[[], Any]
 NamedAction = Callable[[Mapping[str, Any]], Any]
 """A registered action: called with the schedule's JSON parameters."""
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_ID_RE = re.compile(r"^(?!\.)[A-Za-z0-9_.\-]{1,128}(/[A-Za-z0-9_.\-]{1,128})?$")
+"""A schedule id; an edge scopes the ids its tenants choose as ``tenant/id`` (one namespace per tenant)."""
 _FILE_VERSION = 1
 _MAX_PARAMS_BYTES = 64 * 1024
 
@@ -64,7 +65,9 @@ def schedules_file(state_dir: str | Path) -> Path:
     """The edge's schedules file in ``state_dir`` (its disk tier's root), adopting a file of the
     old name once."""
     path = Path(state_dir) / SCHEDULES_FILE
-    adopt_legacy_name(path, path.with_name(LEGACY_SCHEDULES_FILE))
+    legacy = path.with_name(LEGACY_SCHEDULES_FILE)
+    if legacy.is_file() and not legacy.is_symlink():  # a directory of that name is a tenant's: never adopt it
+        adopt_legacy_name(path, legacy)
     return path
 
 
@@ -295,7 +298,7 @@ class HintScheduler:
             text = self._path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read hint schedules {self._path}: {exc}") from exc
         try:
             doc = json.loads(text)
@@ -321,8 +324,8 @@ class HintScheduler:
                         entry.schedule_id, entry.action_name,
                     )
                 self._schedules[entry.schedule_id] = entry
-        except (KdnError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"hint schedules file {self._path} is invalid: {exc}") from exc
+        except (KdnError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+            raise ConfigError(f"hint schedules file {self._path} is invalid: {type(exc).__name__}: {exc}") from exc
 
 
 def _check_id(value: object) -> str:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,7 +40,7 @@ from kdn.edge.overlay import Member, MembershipProvider, Overlay, file_members, 
 from kdn.edge.shm import ShmPool
 from kdn.edge.store import TieredStore, build_store
 from kdn.edge.upstream import FORWARDED_HEADER, FetchSpec, OriginUpstream, PeerUpstream, Upstream
-from kdn.errors import Unavailable
+from kdn.errors import ConfigError, StorageFull, Unavailable
 from kdn.keys import ChunkKey, parse_fingerprint
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
@@ -53,11 +54,104 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kdn.v1.EdgeService"
 
 
+def _check_bindable(listen: str) -> None:
+    """Raise a one-line OSError when ``listen``'s fixed port is taken (port 0 always binds)."""
+    import socket
+
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # let gRPC say what it makes of the host
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                raise OSError(f"cannot bind {listen}: {exc.strerror or exc}") from None
+
+
+def _check_tls_pair(tls: Any) -> None:
+    """Refuse unreadable TLS files, or a key that is not the certificate's, with a clear ConfigError."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(str(tls.cert), str(tls.key))
+    except ssl.SSLError as exc:
+        reason = "the TLS key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else \
+            f"cannot load the TLS certificate/key: {exc.reason or exc}"
+        raise ConfigError(f"{reason} (tls_cert={tls.cert}, tls_key={tls.key})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the TLS certificate/key: {exc}") from None
+
+
+class PutBudget:
+    """Bytes held by in-flight Puts, bounded across all of them (``EdgeConfig.put_buffer_bytes``).
+
+    Each Put takes a lease; every piece it buffers is reserved first, and a reservation that would
+    pass the bound refuses that Put with ``StorageFull`` (RESOURCE_EXHAUSTED) and frees what it
+    held. Runs on the event loop only (no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+
+    @contextmanager
+    def lease(self) -> Iterator[Callable[[int], None]]:
+        held = 0
+
+        def reserve(n: int) -> None:
+            nonlocal held
+            if self.used + n > self.limit:
+                raise StorageFull(
+                    f"in-flight Puts hold {self.used} bytes; {n} more would pass the {self.limit}-byte budget"
+                )
+            self.used += n
+            held += n
+            self.peak = max(self.peak, self.used)
+
+        try:
+            yield reserve
+        finally:
+            self.used -= held
+            if held >= _TRIM_AFTER and self.used == 0:
+                _trim_heap()
+
+
+_TRIM_AFTER = 64 << 20  # a Put that held this much: give the freed heap back once no Put holds any
+
+
+def _trim_heap() -> None:
+    """Return freed heap to the OS (glibc ``malloc_trim``). A big Put's pieces (and gRPC's buffers
+    for them) are freed when it ends, but glibc keeps freed arena memory mapped: without this, a
+    flood of large refused Puts leaves the edge's RSS at its peak. A no-op where there is no glibc."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM: Any = None
+
+
 class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
     """``EdgeService`` over the node: every handler runs in the :func:`kdn.wire.service.rpc` envelope."""
 
     def __init__(self, server: "EdgeServer") -> None:
         self._s = server
+        self.put_budget = PutBudget(server.config.put_buffer_bytes)
 
     @property
     def node(self) -> EdgeNode:
@@ -122,11 +216,14 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
 
     @rpc
     async def Put(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        header, data = await receive_put(
-            request_iterator, limit=self._s.config.max_artifact_bytes,
-            authorize=lambda ns: self.auth.check(bearer_token(context.invocation_metadata()), ns.tenant),
-        )
-        await self.node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key)
+        with self.put_budget.lease() as reserve:
+            header, data = await receive_put(
+                request_iterator, limit=self._s.config.max_artifact_bytes,
+                authorize=lambda ns: self.auth.check(bearer_token(context.invocation_metadata()), ns.tenant),
+                reserve=reserve, check_container=True,
+            )
+            await self.node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key)
+            del data
         return pb.PutResponse(stored=True)
 
     @rpc
@@ -148,7 +245,12 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
     @rpc
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         self.authorize_admin(context)
-        counters, details = await self.node.stats()
+        scope = self.auth.scope(bearer_token(context.invocation_metadata()))
+        counters, details = await self.node.stats(tenants=scope)
+        if scope is not None:  # a tenant's token: its own figures only (EdgeNode.stats)
+            return pb.StatsResponse(
+                node_id=self._s.config.node_id, role="edge", counters=counters, json=EdgeNode.details_json(details)
+            )
         if self._s.shm is not None:
             counters["shm_segments"] = float(len(self._s.shm))
             counters["shm_bytes"] = float(self._s.shm.bytes_used)
@@ -204,15 +306,25 @@ class EdgeServer:
 
     async def start(self) -> "EdgeServer":
         c = self.config
-        store = self._store if self._store is not None else await asyncio.to_thread(build_store, c, clock=self.clock)
-        self._server = grpc.aio.server(options=grpc_options(c.max_message_bytes))
         tls = c.server_tls
         if tls is not None:
-            self.port = self._server.add_secure_port(c.listen, tls.server_credentials())
-        else:
-            self.port = self._server.add_insecure_port(c.listen)
+            _check_tls_pair(tls)  # gRPC would only say "Failed to bind"
+        _check_bindable(c.listen)  # before gRPC, which logs its own multi-line complaint
+        store = self._store if self._store is not None else await asyncio.to_thread(build_store, c, clock=self.clock)
+        self._server = grpc.aio.server(options=grpc_options(c.max_message_bytes))
+        try:
+            if tls is not None:
+                self.port = self._server.add_secure_port(c.listen, tls.server_credentials())
+            else:
+                self.port = self._server.add_insecure_port(c.listen)
+        except (RuntimeError, OSError) as exc:  # grpcio raises RuntimeError("Failed to bind ...")
+            self.port = 0
+            log.debug("bind %s failed: %s", c.listen, exc)
         if not self.port:
-            raise OSError(f"cannot bind {c.listen}")
+            self._server = None
+            if self._store is None:
+                await asyncio.to_thread(store.close)
+            raise OSError(f"cannot bind {c.listen}: the port is in use or the host is not an address of this machine")
         self_member = Member(c.node_id, self.address, c.weight)
         overlay = Overlay(
             self_member,
@@ -244,7 +356,10 @@ class EdgeServer:
         await self.node.start()
         await self._server.start()
         if c.metrics_port is not None:
-            self.metrics_port = metrics.serve(c.metrics_host, c.metrics_port)
+            self.metrics_port = metrics.serve(c.metrics_host, c.metrics_port, token=c.metrics_token)
+            if c.metrics_token is None and c.metrics_host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning("%s: /metrics on %s answers anyone who can reach it (set metrics_token)",
+                            c.node_id, c.metrics_host)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         return self

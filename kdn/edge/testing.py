@@ -149,6 +149,42 @@ class InMemoryOverlay:
         return next(n for nid, n in self.nodes.items() if nid not in owners)
 
 
+def reseal(blob: bytes, *, header: Any = None, payloads: Any = None) -> bytes:
+    """A copy of the container ``blob`` whose header and/or section payloads were changed by
+    ``header(h) -> None`` (edits the parsed ``ArtifactHeader`` in place) and ``payloads(list) ->
+    list``, with every checksum and the digest recomputed: the bytes pass any integrity check, so
+    only a decoder or a header check can refuse them. For tests of what checksums cannot catch."""
+    import struct
+
+    import xxhash
+
+    from kdn.artifact import section_infos
+    from kdn.proto import kdn_pb2 as pb
+
+    magic, version, flags, hlen = struct.unpack_from("<4sHHI", blob)
+    h = pb.ArtifactHeader.FromString(blob[12 : 12 + hlen])
+    pos = 12 + hlen + 8
+    sections = []
+    for _ in section_infos(h):
+        (n,) = struct.unpack_from("<I", blob, pos)
+        sections.append(blob[pos + 4 : pos + 4 + n])
+        pos += 4 + n + 8
+    if header is not None:
+        header(h)
+    if payloads is not None:
+        sections = payloads(sections)
+    hbytes = h.SerializeToString()
+    prefix = struct.pack("<4sHHI", magic, version, flags, len(hbytes))
+    checks = [struct.pack("<Q", xxhash.xxh3_64_intdigest(prefix + hbytes))]
+    out = [prefix, hbytes, checks[0]]
+    for payload in sections:
+        framed = struct.pack("<I", len(payload)) + payload
+        checks.append(struct.pack("<Q", xxhash.xxh3_64_intdigest(framed)))
+        out += [framed, checks[-1]]
+    out += [b"KDNE", xxhash.xxh3_128_digest(b"".join(checks))]
+    return b"".join(out)
+
+
 def origin_with(chains: Sequence[Chain], **kw: object) -> InMemoryUpstream:
     artifacts: dict[bytes, bytes] = {}
     tenants: dict[bytes, str] = {}

@@ -55,6 +55,14 @@ class TokenAuth:
         if tenants is None or not (ANY_TENANT in tenants or tenant in tenants):
             raise Unauthorized(f"token does not grant namespace {tenant!r}")
 
+    def scope(self, token: str | None) -> frozenset[str] | None:
+        """The tenants ``token`` may see node-wide answers (Stats) for: None = every tenant (auth
+        off, or a ``*`` token: an operator). Call after :meth:`check_admin`."""
+        if not self.enabled:
+            return None
+        tenants = self._tenants(token) or frozenset()
+        return None if ANY_TENANT in tenants else tenants
+
     def check_admin(self, token: str | None) -> None:
         """Node-wide calls (Stats): any valid token."""
         if self.enabled and self._tenants(token) is None:

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterable, Callable, Iterator, Sequence
 
-from kdn.errors import InvalidInput, MessageTooLarge
+from kdn.errors import InvalidInput, KdnError, MessageTooLarge
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, parse_key
 from kdn.proto import kdn_pb2 as pb
 from kdn.wire.channel import STREAM_PIECE, split_pieces
@@ -174,26 +174,76 @@ def parse_put_header(chunk: pb.PutChunk, *, limit: int, authorize: Callable[[Nam
     return PutHeader(key, fp, ns, h.total_size)
 
 
+class _PrefixCheck:
+    """Parses a Put's container as its bytes arrive (magic, version, header, then each section's
+    length and checksum, without decoding), so a stream of junk is refused at the first message
+    that holds a bad byte instead of after it was buffered whole. The reader keeps at most one
+    unfinished section of its own; the store verifies the complete bytes again."""
+
+    def __init__(self, limit: int) -> None:
+        from kdn.artifact import ArtifactReader  # late: the artifact reader brings torch
+
+        self._reader: Any = ArtifactReader(decode=False, max_bytes=limit)
+
+    def feed(self, piece: bytes) -> None:
+        if self._reader is None:
+            return
+        try:
+            self._reader.feed(piece)
+        except (KdnError, ValueError, OverflowError, RecursionError) as exc:
+            if isinstance(exc, KdnError):
+                raise
+            raise InvalidInput(f"Put: unusable artifact header: {type(exc).__name__}") from exc
+        if self._reader.complete:
+            self._reader = None  # all verified: drop what the reader held
+
+
 async def receive_put(
-    messages: AsyncIterable[pb.PutChunk], *, limit: int, authorize: Callable[[Namespace], None]
+    messages: AsyncIterable[pb.PutChunk],
+    *,
+    limit: int,
+    authorize: Callable[[Namespace], None],
+    reserve: Callable[[int], None] | None = None,
+    check_container: bool = False,
 ) -> tuple[PutHeader, bytes]:
     """Read a whole Put stream, bounded by ``limit`` and by the declared size. The token is checked
-    (``authorize``) as soon as the header names the tenant, before any data is buffered."""
+    (``authorize``) as soon as the header names the tenant, before any data is buffered.
+
+    ``check_container``: parse the artifact (magic, version, header, section lengths and
+    checksums) as it arrives and refuse the stream at the first bad byte (the rest is never read). ``reserve(n)`` is called
+    before ``n`` more bytes are held (each piece, then once for the joined result, which is the
+    one copy made): it raises to refuse the Put (the edge's budget across concurrent Puts)."""
     header: PutHeader | None = None
-    buf = bytearray()
+    pieces: list[bytes] = []
+    size = 0
+    check: _PrefixCheck | None = None
     async for chunk in messages:
         if header is None:
             header = parse_put_header(chunk, limit=limit, authorize=authorize)
+            check = _PrefixCheck(limit) if check_container else None
         elif chunk.HasField("header"):
             raise InvalidInput("only the first Put message may carry a header")
-        buf += chunk.data
-        if len(buf) > limit or (header.total_size and len(buf) > header.total_size):
-            raise MessageTooLarge(f"Put sent more bytes than declared/allowed ({len(buf)})")
+        piece = chunk.data
+        size += len(piece)
+        if size > limit or (header.total_size and size > header.total_size):
+            raise MessageTooLarge(f"Put sent more bytes than declared/allowed ({size})")
+        if check is not None:
+            check.feed(piece)
+        if piece:
+            if reserve is not None:
+                reserve(len(piece))
+            pieces.append(piece)
     if header is None:
         raise InvalidInput("empty Put stream")
-    if header.total_size and len(buf) != header.total_size:
-        raise InvalidInput(f"Put declared {header.total_size} bytes but sent {len(buf)}")
-    return header, bytes(buf)
+    if header.total_size and size != header.total_size:
+        raise InvalidInput(f"Put declared {header.total_size} bytes but sent {size}")
+    if len(pieces) == 1:
+        return header, pieces[0]
+    if reserve is not None:
+        reserve(size)
+    data = b"".join(pieces)
+    pieces.clear()
+    return header, data
 
 
 @dataclass(frozen=True, slots=True)

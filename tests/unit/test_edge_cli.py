@@ -35,3 +35,61 @@ def test_flags_override_file(tmp_path: Path) -> None:
         build_config(_run_parser().parse_args(["--policy", "nope"]))
     with pytest.raises(ConfigError, match="listen"):
         build_config(_run_parser().parse_args(["--listen", "nowhere"]))
+
+
+def test_bad_flags_and_files_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 19: binary config, absurd byte bounds, priority past int32, ttl NaN: a clear error
+    (argparse's usage line, or one ``kdn edge: ...`` line), never a traceback or a silent success."""
+    from kdn.edge.cli import main
+    from kdn.edge.config import EdgeConfig
+
+    binary = tmp_path / "edge.yaml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert main(["--config", str(binary)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kdn edge:") and "\n" not in err and "Traceback" not in err
+
+    for absurd in (1e29, 10**18, float("inf")):
+        with pytest.raises(ConfigError, match="memory_bytes"):
+            EdgeConfig.build({"memory_bytes": absurd})
+    (tmp_path / "big.json").write_text('{"memory_bytes": 1e29}')
+    assert main(["--config", str(tmp_path / "big.json")]) == 2
+    assert "memory_bytes" in capsys.readouterr().err
+    for size in ("infG", "nanG", "1e400"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_bytes(size)
+
+    key = "ab" * 32
+    for argv in (["priority", "--edge", "127.0.0.1:1", "--priority", "99999999999", key],
+                 ["ttl", "--edge", "127.0.0.1:1", "--seconds", "nan", key],
+                 ["ttl", "--edge", "127.0.0.1:1", "--seconds", "inf", key],
+                 ["ttl", "--edge", "127.0.0.1:1", "--seconds", "-1", key]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)  # refused before anything is sent
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and ("priority" in err or "seconds" in err)
+
+
+def test_the_edge_refuses_a_nan_ttl_instead_of_clearing_ttls() -> None:
+    import asyncio
+
+    from kdn.edge.operator_hints import HintService
+    from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
+    from kdn.errors import InvalidInput
+    from kdn.proto import kdn_pb2 as pb
+
+    chain = make_chain(1)
+
+    async def main() -> None:
+        async with InMemoryOverlay(1, origin=origin_with([chain])) as ov:
+            node = ov.nodes["e0"]
+            node.store.put(chain.blobs[0], tenant="default", ttl_s=60)
+            hints = HintService(node, disk_dir=None, clock=ov.clock)
+            for bad in (float("nan"), float("inf"), -1.0):
+                req = pb.HintRequest(action=pb.HintRequest.SET_TTL, ttl_s=bad)
+                with pytest.raises(InvalidInput):
+                    await hints.apply(req, chain.namespace, None, chain.keys)
+            assert node.store.entries()[0].ttl_left_s == pytest.approx(60)  # the TTL is still there
+
+    asyncio.run(main())

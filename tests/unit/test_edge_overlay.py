@@ -196,3 +196,118 @@ def test_peers_file_provider_keeps_last_good_list(tmp_path) -> None:  # type: ig
     assert [m.node_id for m in read()] == ["c"]
     f.write_text('{"a": ')  # half-written
     assert [m.node_id for m in read()] == ["c"]
+
+
+class _FixedPeer(NodeUpstream):
+    """A peer that answers every fetch with the same (checksum-valid) bytes."""
+
+    blob = b""
+
+    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
+        return self.blob
+
+
+def _hostile_peer_blobs() -> dict[str, bytes]:
+    from kdn.edge.testing import reseal
+
+    honest = make_chain(1).blobs[0]
+    kvq = make_chain(1, codec="kvq").blobs[0]
+
+    def codec(name: str):  # type: ignore[no-untyped-def]
+        def edit(h) -> None:  # type: ignore[no-untyped-def]
+            h.codec, h.codec_level = name, ""
+        return edit
+
+    def kvq_meta(meta: bytes):  # type: ignore[no-untyped-def]
+        def edit(h) -> None:  # type: ignore[no-untyped-def]
+            h.codec_meta = meta
+        return edit
+
+    def layout(h) -> None:  # type: ignore[no-untyped-def]
+        h.layout_version = 99
+
+    return {
+        "unknown_codec": reseal(honest, header=codec("zzz-next-release")),
+        "oversized": make_chain(1, shape=(8, 8, 4, 64)).blobs[0],  # same key, far bigger
+        "kvq_infinity": reseal(kvq, header=kvq_meta(b'{"v":1,"k_bits":Infinity,"v_bits":4}')),
+        "kvq_float_bits": reseal(kvq, header=kvq_meta(b'{"v":1,"k_bits":4.5,"v_bits":4}')),
+        "kvq_table_infinity": reseal(kvq, header=kvq_meta(b'{"v":1,"k_bits":4,"v_bits":4,"table":[[1e999,4]]}')),
+        "kvq_deep": reseal(kvq, header=kvq_meta(b"[" * 20000 + b"]" * 20000)),
+        "newer_layout": reseal(honest, header=layout),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_hostile_peer_blobs()))
+def test_any_unusable_artifact_from_a_peer_falls_back_to_the_origin(case: str) -> None:
+    """Not only checksum failures: whatever makes a peer's bytes unusable here (a codec from a
+    newer release, a size over this edge's bound, hostile codec metadata, a newer layout), the
+    fetch drops them and goes on to the next source."""
+    chain = make_chain(1)
+    origin = origin_with([chain])
+    bad = _hostile_peer_blobs()[case]
+    assert bad != chain.blobs[0]
+
+    async def main() -> None:
+        async with InMemoryOverlay(3, origin=origin, max_artifact_bytes=16 << 10) as ov:
+            key = chain.keys[0]
+            primary = ov.owners(key)[0]
+            client_node = ov.non_owner(key)
+            peer = _FixedPeer(primary, ov.nodes[primary])
+            peer.blob = bad
+            for other in ov.owners(key):
+                ov.links[(client_node.node_id, other)] = peer
+            data, source = await client_node.fetch_bytes(chain.spec(0))
+            assert data == chain.blobs[0] and source == "origin"
+            assert client_node.store.contains(key, tenant="default")
+
+    asyncio.run(main())
+
+
+class _CountingPeer(NodeUpstream):
+    calls = 0
+    keys: list[bytes]
+
+    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
+        self.calls += 1
+        self.keys = [*getattr(self, "keys", []), bytes(spec.key)]
+        return await super().fetch(spec, token=token)
+
+
+def test_a_hot_key_spreads_over_its_replicas_under_bounded_load() -> None:
+    """One hot key, 3 edges, 2 replicas: the edge that is not an owner (and, its memory full,
+    keeps nothing) sends every read upstream. Bounded load spreads them over both owners (each
+    at most c = 1.25 x its share) instead of piling all of them on the first owner."""
+    from kdn.edge.store import build_store
+
+    hot = make_chain(1)
+    cold = make_chain(40, seed=8)
+    origin = origin_with([hot, cold])
+
+    async def main() -> None:
+        async with InMemoryOverlay(3, origin=origin, replicas=2) as ov:
+            key = hot.keys[0]
+            owners = ov.owners(key)
+            client = ov.non_owner(key)
+            client.store = build_store(client.config.model_copy(update={"memory_bytes": 16, "disk_dir": None}))
+            links = {o: _CountingPeer(o, ov.nodes[o]) for o in ov.ids if o != client.node_id}
+            for o, link in links.items():
+                ov.links[(client.node_id, o)] = link
+            for _ in range(100):
+                data, _ = await client.fetch_bytes(hot.spec(0))
+                assert data == hot.blobs[0]
+            calls = [links[o].calls for o in owners]
+            assert sum(calls) == 100 and max(calls) <= 63 and min(calls) >= 37, calls
+            assert origin.fetches <= 2  # the owners still fetch it from the origin once each at most
+
+            # keys that are not hot keep their preferred owner: locality is not given up
+            for link in links.values():
+                link.calls, link.keys = 0, []
+            first = {bytes(k): ov.owners(k)[0] for k in cold.keys if client.node_id not in ov.owners(k)}
+            for i, k in enumerate(cold.keys):
+                if bytes(k) in first:
+                    await client.fetch_bytes(cold.spec(i))
+            assert sum(link.calls for link in links.values()) == len(first)
+            preferred = sum(1 for k, o in first.items() if k in links[o].keys)
+            assert preferred >= 0.7 * len(first), (preferred, len(first))
+
+    asyncio.run(main())

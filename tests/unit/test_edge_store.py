@@ -63,6 +63,34 @@ def tiers_of(store: TieredStore, keys, tenant: str = "acme") -> list[str | None]
 # put / get basics and verification
 
 
+def test_a_graceful_close_keeps_every_acknowledged_memory_entry_across_a_restart(tmp_path: Path) -> None:
+    """Issue 19 measured 0/300 after SIGTERM + restart with the default memory tier over disk."""
+    chain = make_chain(120, seed=4)
+    store = mem_disk(tmp_path, 200, 400)
+    for _, data in chain:
+        store.put(data, tenant="acme")
+    store.pin([chain[0][0]], tenant="acme")
+    assert set(tiers_of(store, [k for k, _ in chain])) == {"memory"}  # all acknowledged, none on disk yet
+    store.close()
+
+    again = mem_disk(tmp_path, 200, 400)
+    assert len(again.entries(tenant="acme")) == len(chain)  # N/N back
+    for key, data in chain:
+        assert again.get(key, tenant="acme", promote=False) == (data, "disk")
+    assert again.stats()["pinned"] == 1
+    again.close()
+
+    # a disk budget smaller than memory: what fits is kept, and nothing breaks
+    small = tmp_path / "small"
+    store = TieredStore([MemoryTier(50 * SIZE), DiskTier(small, 10 * SIZE, fsync=False)], policy="lru", clock=FakeClock())
+    for _, data in chain[:40]:
+        store.put(data, tenant="acme")
+    store.close()
+    back = TieredStore([MemoryTier(50 * SIZE), DiskTier(small, 10 * SIZE, fsync=False)], policy="lru", clock=FakeClock())
+    assert len(back.entries(tenant="acme")) == 10
+    back.close()
+
+
 def test_put_get_roundtrip_and_meta() -> None:
     store = TieredStore([MemoryTier(10 * SIZE)], clock=FakeClock())
     key, data = CHAIN[1]
@@ -370,7 +398,7 @@ def test_restart_rebuilds_the_disk_index(tmp_path: Path) -> None:
 
     again = mem_disk(tmp_path, 1, 10)
     assert {s.meta.key for s in again.entries(tenant="acme")} == on_disk
-    assert again.entries(tenant="beta") == []  # beta's entry was in memory only
+    assert [s.tier for s in again.entries(tenant="beta")] == ["disk"]  # the graceful close moved it down
     for key, data in CHAIN[:5]:
         assert again.get(key, tenant="acme", promote=False) == (data, "disk")
     meta = again.meta(CHAIN[1][0], tenant="acme")
@@ -407,7 +435,7 @@ def test_restart_drops_partial_and_foreign_files_and_never_shows_a_killed_writer
 
     again = mem_disk(tmp_path, 1, 10)
     keys = {s.meta.key for s in again.entries(tenant="acme")}
-    assert keys == {good[1], good[2]}
+    assert keys == {good[1], good[2], CHAIN[3][0]}  # CHAIN[3] was in memory: the close moved it down
     assert again.tiers[1].dropped_on_open >= 3  # type: ignore[attr-defined]
     assert again.tiers[1].swept_tmp == 1  # type: ignore[attr-defined]
     assert not tmp.exists() and not p0.exists() and not wrong.exists()
@@ -493,9 +521,11 @@ def test_concurrent_readers_and_writers_see_only_correct_bytes(tmp_path: Path) -
     disk_keys = {e.meta.key for e in store.entries() if e.tier == "disk"}
     files = {p.name for p in (tmp_path / "disk").rglob("*") if p.is_file()}
     assert files == {k.hex() for k in disk_keys}
-    store.close()
+    resident = {e.meta.key for e in store.entries()}
+    store.close()  # moves the memory entries down, as far as the disk budget allows
     reopened = mem_disk(tmp_path, 5, 10)
-    assert {e.meta.key for e in reopened.entries()} == disk_keys
+    back = {e.meta.key for e in reopened.entries()}
+    assert back <= resident and len(back) == min(len(resident), 10)
 
 
 def test_build_store_builds_memory_over_disk(tmp_path: Path) -> None:
@@ -533,12 +563,12 @@ def test_pins_priorities_and_ttls_survive_restart(tmp_path: Path) -> None:
     assert state[k[4]].ttl_left_s == pytest.approx(500)
     assert again.stats()["pinned"] == 2
     assert state[CHAIN[6][0]].ttl_left_s == pytest.approx(4500) and state[CHAIN[6][0]].priority == 2
-    assert CHAIN[7][0] not in state  # it was in memory
+    assert state[CHAIN[7][0]].priority == 3  # it was in memory: the graceful close moved it to disk
     again.close()
 
     # a smaller disk budget on restart trims unpinned, low-priority entries first
     third = mem_disk(tmp_path, 1, 4, clock=clock)
-    assert {s.meta.key for s in third.entries(tenant="acme")} == {k[0], k[1], k[2], CHAIN[6][0]}
+    assert {s.meta.key for s in third.entries(tenant="acme")} == {k[0], k[1], k[2], CHAIN[7][0]}
     # an unreadable hints file is ignored, not fatal
     third.close()
     (tmp_path / "disk" / RETENTION_FILE).write_text("{broken")

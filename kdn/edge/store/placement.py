@@ -147,6 +147,26 @@ class Placement:
             ix.forget(eid, entry)
             ix.count["evictions"] += 1
 
+    def flush_down(self, writes: list[StagedWrite]) -> int:
+        """Move every entry of a tier that does not survive a restart (memory) down to a tier
+        below it that does (disk), coldest first; for a graceful close. An entry that finds no
+        room below is dropped, as eviction would. Returns how many entries were moved."""
+        ix = self._ix
+        moved = 0
+        for i, tier in enumerate(ix.tiers):
+            if tier.durable or not any(t.durable for t in ix.tiers[i + 1 :]):
+                continue
+            while True:
+                eid = self.victim(i)
+                if eid is None:  # pinned or staged entries are never victims: take them too
+                    eid = next((e for e, entry in ix.entries.items() if entry.tier == i and e not in self.staging), None)
+                if eid is None:
+                    break
+                before = ix.count["demotions"]
+                self.evict(i, eid, writes)
+                moved += ix.count["demotions"] - before
+        return moved
+
     def drop(self, eid: EntryId, entry: Entry) -> None:
         """Remove a resident entry for good (delete, expiry, corruption)."""
         ix = self._ix

@@ -260,12 +260,23 @@ class TieredStore:
             return out
 
     def close(self) -> None:
-        """Close every tier. Writes already started finish; later calls raise Unavailable."""
+        """Close every tier. Writes already started finish; later calls raise Unavailable.
+
+        Entries of a tier that does not survive a restart (memory) are first moved down to a
+        durable tier below it (disk) when there is one and it has room, so a graceful stop
+        keeps acknowledged entries (see the package docstring: a SIGKILL does not)."""
+        writes: list[StagedWrite] = []
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            pending = list(self._place.staging.values())
+            flushed = self._place.flush_down(writes)
+            if flushed and self._ix.hinted:
+                self._retention.seq += 1
+            pending = [w for w in self._place.staging.values() if w not in writes]
+        self._place.run_writes(writes)
+        if flushed:
+            self._save_hints()  # pins/TTLs/priorities of the entries that moved to disk
         for w in pending:
             w.done.wait(timeout=30)
         for tier in self._ix.tiers:
