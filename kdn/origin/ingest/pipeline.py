@@ -8,13 +8,16 @@ from typing import Iterator, Sequence
 
 from kdn.errors import InvalidInput
 from kdn.origin.config import OriginConfig
-from kdn.origin.ingest.documents import discover, read_document
+from kdn.origin.ingest.documents import discover, read_text
 from kdn.origin.ingest.executors import Executor, OnResult, make_executor
 from kdn.origin.ingest.report import IngestSummary, Progress
 from kdn.origin.store import OriginStore
 from kdn.origin.worker import DocumentResult, DocumentTask
 
-__all__ = ["ingest"]
+__all__ = ["BYTES_PER_TOKEN", "ingest"]
+
+# bytes of a file read per token of the model window: more than any token of a real tokenizer spans
+BYTES_PER_TOKEN = 64
 
 
 def ingest(
@@ -57,14 +60,19 @@ def ingest(
         for p in found.problems:
             record(p)
 
+        # only the first tokens of a document within the window are ever used: read (and send to
+        # a worker) a bounded prefix of each file, generous enough for any tokenizer's window
+        window = int(info.get("max_positions", 0) or 0)
+        max_bytes = window * BYTES_PER_TOKEN if window > 0 else None
+
         def tasks() -> Iterator[DocumentTask]:
             for s in found.sources:
                 try:
-                    text, digest = read_document(s.path)
+                    doc = read_text(s.path, max_bytes)
                 except InvalidInput as exc:
                     record(DocumentResult(s.doc_id, "failed", str(exc)))
                     continue
-                yield DocumentTask(s.doc_id, text, digest, ns.tenant, ns.salt)
+                yield DocumentTask(s.doc_id, doc.text, doc.digest, ns.tenant, ns.salt, complete=doc.complete)
 
         try:
             ex.run(tasks(), record)
