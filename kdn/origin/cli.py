@@ -142,7 +142,9 @@ def main_origin(argv: list[str]) -> int:
         print(f"origin {config.node_id} serving on {address}; models: "
               + ", ".join(f"{s} ({fp[:16]}…)" for fp, s in models.items())
               + f"; store {config.store_path}"
-              + (f" ({check.artifacts} artifacts, {check.dropped_missing + check.dropped_corrupt} dropped on check)" if check else ""),
+              + (f" ({check.artifacts} artifacts, {check.dropped_missing + check.dropped_corrupt} dropped on check"
+                 + (f", {check.unknown_codec} in codecs this version does not know, kept but not served" if check.unknown_codec else "")
+                 + ")" if check else ""),
               flush=True)
     try:
         while not stop.wait(0.5):
