@@ -26,7 +26,9 @@ Several processes (Ray workers on one node) may open the same root: SQLite seria
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -37,7 +39,7 @@ from typing import Iterable, Literal, Sequence
 from kdn.artifact import verify_artifact
 from kdn.blobstore import BlobStore
 from kdn.codecs import get_codec
-from kdn.errors import ArtifactError, InvalidInput, NotFound, UnknownCodec
+from kdn.errors import ArtifactError, ConfigError, InvalidInput, NotFound, UnknownCodec
 from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint
 from kdn.proto import kdn_pb2 as pb
 
@@ -144,17 +146,38 @@ class OriginStore:
         verify: Literal["full", "size", "none"] = "full",
     ) -> None:
         self.root = Path(root).expanduser()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.blobs = BlobStore(self.root / _BLOB_DIR, fsync=fsync)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable")
+            self.blobs = BlobStore(self.root / _BLOB_DIR, fsync=fsync)
+        except OSError as exc:
+            what = ("it exists and is not a directory" if isinstance(exc, FileExistsError)
+                    else "a part of its path is a file" if isinstance(exc, NotADirectoryError) else exc.strerror or exc)
+            raise ConfigError(f"origin store {self.root}: cannot use it as a store directory ({what})") from exc
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / _MANIFEST, timeout=60.0, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")  # blobs are fsynced; lost rows are re-adopted
-        self._db.execute("PRAGMA busy_timeout=60000")
-        self._db.executescript(_SCHEMA)
+        manifest = self.root / _MANIFEST
+        try:
+            self._db = sqlite3.connect(manifest, timeout=60.0, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # blobs are fsynced; lost rows are re-adopted
+            self._db.execute("PRAGMA busy_timeout=60000")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise ConfigError(
+                f"origin store manifest {manifest} is not usable ({exc}); move it (and any -wal/-shm beside it) "
+                "aside: the next open re-indexes the artifacts on disk, document records are lost"
+            ) from exc
         self.check: StoreCheck | None = None
         if verify != "none":
-            self.check = self._self_check(full=verify == "full", swept=self.blobs.swept)
+            try:
+                self.check = self._self_check(full=verify == "full", swept=self.blobs.swept)
+            except sqlite3.DatabaseError as exc:  # a manifest that opens but is damaged inside
+                self._db.close()
+                raise ConfigError(
+                    f"origin store manifest {manifest} is damaged ({exc}); move it (and any -wal/-shm beside it) "
+                    "aside: the next open re-indexes the artifacts on disk, document records are lost"
+                ) from exc
 
     # -- artifacts ------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -42,6 +43,18 @@ class Discovery:
     sources: list[Source] = field(default_factory=list)
     problems: list[DocumentResult] = field(default_factory=list)  # paths that do not exist ...
     ignored: list[str] = field(default_factory=list)  # files in directories that are not text-like
+    not_regular: list[str] = field(default_factory=list)  # FIFOs, sockets, devices in directories: skipped
+
+    def nothing_to_ingest(self) -> str:
+        """Why there is no document at all (for a one-line error), or "" when there is one."""
+        if self.sources:
+            return ""
+        why = [f"{p.doc_id}: {p.message}" for p in self.problems]
+        if self.ignored:
+            why.append(f"{len(self.ignored)} files that are not text-like (by suffix)")
+        if self.not_regular:
+            why.append(f"{len(self.not_regular)} entries that are not regular files")
+        return "nothing to ingest: no text document found" + (f" ({'; '.join(why)})" if why else "")
 
 
 def doc_id_for(path: Path) -> str:
@@ -74,7 +87,9 @@ def discover(paths: Iterable[str | Path]) -> Discovery:
                     f = Path(root) / name
                     if name.startswith("."):
                         continue
-                    if is_text_like(f):
+                    if not f.is_file():  # a FIFO named *.txt would block the reader forever
+                        out.not_regular.append(f.as_posix())
+                    elif is_text_like(f):
                         add(f)
                     else:
                         out.ignored.append(f.as_posix())
@@ -108,7 +123,12 @@ def read_text(path: Path, max_bytes: int | None = None) -> DocumentText:
     n_kept = pos = 0
     blank = True
     try:
-        with open(path, "rb") as f:
+        # non-blocking open: a FIFO (or device) must not hang ingest waiting for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InvalidInput("not a regular file")
+        with os.fdopen(fd, "rb") as f:
             while block := f.read(_BLOCK):
                 if pos == 0 and b"\x00" in block[:_BINARY_SNIFF]:
                     raise InvalidInput("binary file (NUL bytes): not a text document")
