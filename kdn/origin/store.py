@@ -226,7 +226,8 @@ class OriginStore:
         return sorted((a for a in found if known_codec(a.codec)), key=lambda a: (a.lossy, a.codec))
 
     def stored_keys(self, keys: Iterable[ChunkKey], *, tenant: str, codecs: Sequence[str] | None = None) -> set[ChunkKey]:
-        """The subset of ``keys`` stored for ``tenant`` (in every codec of ``codecs`` when given)."""
+        """The subset of ``keys`` stored for ``tenant`` (in every codec of ``codecs`` when given,
+        else in at least one codec this version knows: one it can serve)."""
         keys = [bytes(k) for k in keys]
         out: set[ChunkKey] = set()
         for start in range(0, len(keys), 500):
@@ -237,7 +238,7 @@ class OriginStore:
             for k, c in self._query(sql, (tenant, *batch)):
                 have.setdefault(bytes(k), set()).add(c)
             for k, cs in have.items():
-                if codecs is None or set(codecs) <= cs:
+                if set(codecs) <= cs if codecs is not None else any(known_codec(c) for c in cs):
                     out.add(ChunkKey(k))
         return out
 
