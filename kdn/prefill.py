@@ -9,6 +9,12 @@ model cannot attend past ``max_position_embeddings`` positions, so only the chun
 within the window exist. Chunks beyond ``max_positions // chunk_size`` are **not produced**;
 :class:`ChunkPlan` reports how many tokens that drops, and the origin's ingest summary says so.
 The trailing partial chunk (fewer than ``chunk_size`` tokens) never has a key: it is recomputed.
+
+Bounded tokenization: since nothing past the window is ever used, :func:`window_tokens` tokenizes
+growing prefixes of a text and stops once it holds more than the window plus a margin, so a 200 MB
+document costs the tokenizer a few hundred KB, not gigabytes. Tokenizers are local (pre-tokenizing
+BPE, bytes): a token at least :data:`CUT_MARGIN` tokens before a cut is the same token the whole
+text would give, so only the tokens before that margin are kept from a cut text.
 """
 
 from __future__ import annotations
@@ -63,6 +69,49 @@ def plan_chunks(n_tokens: int, chunk_size: int, max_positions: int) -> ChunkPlan
 def document_tokens(lm: LoadedModel, text: str) -> list[int]:
     """Tokens of a document as both origin and inference host compute them (no special tokens)."""
     return list(lm.tokenizer.encode(text))
+
+
+CUT_MARGIN = 64  # tokens dropped before a cut in the text: they might differ from the whole text's
+
+
+@dataclass(frozen=True, slots=True)
+class WindowTokens:
+    """The tokens of a text that a model window can use. ``complete``: ``tokens`` are all of the
+    text's tokens (the text was tokenized whole); otherwise the text holds more than ``counted``
+    tokens (a lower bound) and ``tokens`` is the stable prefix of at most ``limit`` tokens."""
+
+    tokens: list[int]
+    counted: int
+    complete: bool
+
+
+def window_tokens(lm: LoadedModel, text: str, limit: int | None = None, *, text_complete: bool = True) -> WindowTokens:
+    """The first tokens of ``text`` up to ``limit`` (default: the model window; 0 = no bound),
+    tokenizing growing prefixes so the tokenizer never sees much more than the window needs.
+
+    ``text_complete=False``: ``text`` is itself a prefix of a longer document (the caller read
+    only part of it), so its last :data:`CUT_MARGIN` tokens are not trusted either.
+    """
+    limit = lm.max_positions if limit is None else limit
+    if limit <= 0:
+        toks = document_tokens(lm, text)
+        return WindowTokens(toks, len(toks), text_complete) if text_complete else _cut(toks, len(toks))
+    want = limit + CUT_MARGIN
+    n = min(len(text), 4 * want + 1024)
+    while True:
+        toks = document_tokens(lm, text[:n])
+        if n >= len(text):
+            if text_complete:
+                return WindowTokens(toks, len(toks), True)
+            return _cut(toks, limit)
+        if len(toks) > want:
+            return _cut(toks, limit)
+        n = min(len(text), 2 * n)
+
+
+def _cut(toks: list[int], limit: int) -> WindowTokens:
+    keep = max(0, min(limit, len(toks) - CUT_MARGIN)) if limit > 0 else max(0, len(toks) - CUT_MARGIN)
+    return WindowTokens(toks[:keep], len(toks), False)
 
 
 def prefill_chunks(

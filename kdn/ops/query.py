@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kdn.console import report_error
-from kdn.errors import KdnError
+from kdn.errors import InvalidInput, KdnError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +75,29 @@ def _read(path: Path, what: str) -> str:
         raise KdnError(f"cannot read {what} {path}: {exc}") from exc
 
 
+def _window_prompt(lm: Any, prompt: str, max_new_tokens: int, model: str) -> list[int]:
+    """The prompt's tokens, refused with a clear error when the prompt and the answer do not fit
+    the model window. An error, not a silent cut: cutting a prompt changes the question asked
+    (and which end to keep is the user's choice), and a model run past its positions answers
+    garbage. Bounded: the tokenizer sees about the window's worth of text, not the whole prompt."""
+    from kdn.prefill import window_tokens
+
+    window = lm.max_positions
+    if window <= 0:
+        return window_tokens(lm, prompt, 0).tokens
+    if max_new_tokens >= window:
+        raise InvalidInput(f"--max-new-tokens {max_new_tokens} does not fit the window of {model} ({window} positions)")
+    room = window - max_new_tokens
+    wt = window_tokens(lm, prompt, room)
+    if not wt.complete or len(wt.tokens) > room:
+        raise InvalidInput(
+            f"prompt too long: more than {room} tokens ({len(prompt.encode('utf-8', 'replace'))} bytes of text), but "
+            f"{model} has {window} positions and --max-new-tokens {max_new_tokens} needs {max_new_tokens} of them; "
+            "shorten the prompt or ask for fewer new tokens"
+        )
+    return wt.tokens
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kdn.client import ClientConfig, KdnClient
     from kdn.integrations.transformers import generate
@@ -93,6 +116,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      fetch_timeout_s=args.timeout, write_back=False if args.no_write_back else None)
     cfg = ClientConfig.from_file(args.config, **overrides) if args.config else ClientConfig.build(**overrides)
     lm = load_model(args.model, dtype=args.dtype, chunk_size=args.chunk_size or DEFAULT_CHUNK_SIZE)
+    whole = prompt if documents is None else prefix + "".join(documents) + prompt
+    tokens = _window_prompt(lm, whole, args.max_new_tokens, args.model)
     with KdnClient(cfg) as client:
         if documents is not None:
             from kdn.blend import Deviation
@@ -102,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result = generate(lm, prompt, documents=documents, prefix=prefix, client=client,
                               max_new_tokens=args.max_new_tokens, blend=opts)
         else:
-            result = generate(lm, prompt, client=client, max_new_tokens=args.max_new_tokens)
+            result = generate(lm, tokens, client=client, max_new_tokens=args.max_new_tokens)
         client.flush(cfg.put_timeout_s)
         written = int(client.counters["written_back"])
     out: dict[str, Any] = {
@@ -128,8 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "recomputed_tokens": result.blend.selected, "compute_share": result.blend.layer_token_fraction,
                         "blend_ms": result.timings.blend_s * 1e3}
     if args.compare:
-        full_prompt = prompt if documents is None else prefix + "".join(documents) + prompt
-        base = generate(lm, full_prompt, max_new_tokens=args.max_new_tokens)
+        base = generate(lm, tokens if documents is None else whole, max_new_tokens=args.max_new_tokens)
         out["recompute"] = {"ttft_s": base.timings.ttft_s, "tokens": base.tokens}
         out["outputs_match"] = base.tokens == result.tokens
         out["speedup"] = base.timings.ttft_s / max(result.timings.ttft_s, 1e-9)

@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from kdn.console import report_error
-from kdn.errors import KdnError
+from kdn.errors import InvalidInput, KdnError
 from kdn.origin.config import OriginConfig
 
 
@@ -58,12 +58,16 @@ def main_ingest(argv: list[str]) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _common(p)
     args = p.parse_args(argv)
-    from kdn.origin.ingest import check_model_spec, ingest, make_executor
+    from kdn.origin.ingest import check_model_spec, discover, ingest, make_executor
 
     started_ray = False
     try:
         config = _config(args, models=[args.model] if args.model else None, namespace=args.namespace)
         check_model_spec(config.models[0])
+        # before any worker (which opens, so creates, the store): no document, nothing is made
+        found = discover(args.paths)
+        if not found.sources:
+            raise InvalidInput(found.nothing_to_ingest())
         if config.workers:
             from kdn.origin.ray_origin import ensure_ray
 
@@ -75,7 +79,7 @@ def main_ingest(argv: list[str]) -> int:
         return _fatal(args, exc)
     try:
         show = not args.json and not args.no_progress and sys.stderr.isatty()
-        summary = ingest(args.paths, config, executor=executor, progress=show)
+        summary = ingest(args.paths, config, executor=executor, progress=show, found=found)
     except KdnError as exc:
         return _fatal(args, exc)
     finally:
@@ -142,7 +146,9 @@ def main_origin(argv: list[str]) -> int:
         print(f"origin {config.node_id} serving on {address}; models: "
               + ", ".join(f"{s} ({fp[:16]}…)" for fp, s in models.items())
               + f"; store {config.store_path}"
-              + (f" ({check.artifacts} artifacts, {check.dropped_missing + check.dropped_corrupt} dropped on check)" if check else ""),
+              + (f" ({check.artifacts} artifacts, {check.dropped_missing + check.dropped_corrupt} dropped on check"
+                 + (f", {check.unknown_codec} in codecs this version does not know, kept but not served" if check.unknown_codec else "")
+                 + ")" if check else ""),
               flush=True)
     try:
         while not stop.wait(0.5):

@@ -287,12 +287,19 @@ class OriginServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         listen = self.config.listen
         tls = self.config.server_tls
-        if tls is not None:
-            port = server.add_secure_port(listen, tls.server_credentials())
+        try:
+            if tls is not None:
+                port = server.add_secure_port(listen, tls.server_credentials())
+            else:
+                port = server.add_insecure_port(listen)
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            port = 0
+            why = str(exc).split(";")[0]
         else:
-            port = server.add_insecure_port(listen)
+            why = ""
         if not port:
-            raise ConfigError(f"cannot listen on {listen}")
+            causes = "the port is in use or the address is not local" + (", or the TLS key and cert do not match" if tls else "")
+            raise ConfigError(f"cannot listen on {listen}: {causes}" + (f" ({why})" if why else ""))
         await server.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -16,13 +16,19 @@ Invariants:
 - keys are content addresses (they hash the model, namespace and every token up to the chunk), so
   writing the same key twice is a no-op: retries and concurrent writers cannot duplicate;
 - on open the store checks itself: temp files of dead writers are swept, rows whose blob is
-  missing, truncated or (with ``verify="full"``) fails its checksums are dropped with the blob.
+  missing, truncated or (with ``verify="full"``) fails its checksums are dropped with the blob;
+- a blob in a codec this version does not know (a newer version wrote it, then was rolled back)
+  never stops the store from opening: it is kept on disk untouched, counted and warned about on
+  open, left out of :meth:`OriginStore.variants`, and :meth:`OriginStore.get` answers NotFound.
 
 Several processes (Ray workers on one node) may open the same root: SQLite serialises writers.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import sqlite3
 import threading
 import time
@@ -32,7 +38,8 @@ from typing import Iterable, Literal, Sequence
 
 from kdn.artifact import verify_artifact
 from kdn.blobstore import BlobStore
-from kdn.errors import ArtifactError, InvalidInput, NotFound
+from kdn.codecs import get_codec
+from kdn.errors import ArtifactError, ConfigError, InvalidInput, NotFound, UnknownCodec
 from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint
 from kdn.proto import kdn_pb2 as pb
 
@@ -61,6 +68,8 @@ CREATE TABLE IF NOT EXISTS documents (
     PRIMARY KEY (tenant, fingerprint, doc_id)
 );
 """
+
+log = logging.getLogger(__name__)
 
 _BLOB_DIR = "blobs"
 _MANIFEST = "manifest.sqlite"
@@ -106,10 +115,20 @@ class StoreCheck:
     removed_orphans: int  # blobs without a row that failed verification, deleted
     swept_tmp: int  # temp files of dead writers
     seconds: float
+    unknown_codec: int = 0  # blobs in a codec this version does not know: kept on disk, not served
 
 
 def codec_spec_of(header: pb.ArtifactHeader) -> str:
     return f"{header.codec}:{header.codec_level}" if header.codec_level else header.codec
+
+
+def known_codec(spec: str) -> bool:
+    """Whether this version can decode ``spec`` (a newer one may have written codecs it cannot)."""
+    try:
+        get_codec(spec)
+    except UnknownCodec:
+        return False
+    return True
 
 
 def _blob_name(key: ChunkKey, codec: str) -> str:
@@ -127,17 +146,38 @@ class OriginStore:
         verify: Literal["full", "size", "none"] = "full",
     ) -> None:
         self.root = Path(root).expanduser()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.blobs = BlobStore(self.root / _BLOB_DIR, fsync=fsync)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable")
+            self.blobs = BlobStore(self.root / _BLOB_DIR, fsync=fsync)
+        except OSError as exc:
+            what = ("it exists and is not a directory" if isinstance(exc, FileExistsError)
+                    else "a part of its path is a file" if isinstance(exc, NotADirectoryError) else exc.strerror or exc)
+            raise ConfigError(f"origin store {self.root}: cannot use it as a store directory ({what})") from exc
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / _MANIFEST, timeout=60.0, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")  # blobs are fsynced; lost rows are re-adopted
-        self._db.execute("PRAGMA busy_timeout=60000")
-        self._db.executescript(_SCHEMA)
+        manifest = self.root / _MANIFEST
+        try:
+            self._db = sqlite3.connect(manifest, timeout=60.0, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # blobs are fsynced; lost rows are re-adopted
+            self._db.execute("PRAGMA busy_timeout=60000")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise ConfigError(
+                f"origin store manifest {manifest} is not usable ({exc}); move it (and any -wal/-shm beside it) "
+                "aside: the next open re-indexes the artifacts on disk, document records are lost"
+            ) from exc
         self.check: StoreCheck | None = None
         if verify != "none":
-            self.check = self._self_check(full=verify == "full", swept=self.blobs.swept)
+            try:
+                self.check = self._self_check(full=verify == "full", swept=self.blobs.swept)
+            except sqlite3.DatabaseError as exc:  # a manifest that opens but is damaged inside
+                self._db.close()
+                raise ConfigError(
+                    f"origin store manifest {manifest} is damaged ({exc}); move it (and any -wal/-shm beside it) "
+                    "aside: the next open re-indexes the artifacts on disk, document records are lost"
+                ) from exc
 
     # -- artifacts ------------------------------------------------------------------------------
 
@@ -179,12 +219,15 @@ class OriginStore:
         return _row_artifact(rows[0]) if rows else None
 
     def variants(self, key: ChunkKey, *, tenant: str) -> list[StoredArtifact]:
-        """Every codec this key is stored in for ``tenant`` (lossless first, then by name)."""
+        """Every codec this version knows this key is stored in for ``tenant`` (lossless first,
+        then by name)."""
         rows = self._query("SELECT * FROM artifacts WHERE key=? AND tenant=?", (bytes(key), tenant))
-        return sorted((_row_artifact(r) for r in rows), key=lambda a: (a.lossy, a.codec))
+        found = (_row_artifact(r) for r in rows)
+        return sorted((a for a in found if known_codec(a.codec)), key=lambda a: (a.lossy, a.codec))
 
     def stored_keys(self, keys: Iterable[ChunkKey], *, tenant: str, codecs: Sequence[str] | None = None) -> set[ChunkKey]:
-        """The subset of ``keys`` stored for ``tenant`` (in every codec of ``codecs`` when given)."""
+        """The subset of ``keys`` stored for ``tenant`` (in every codec of ``codecs`` when given,
+        else in at least one codec this version knows: one it can serve)."""
         keys = [bytes(k) for k in keys]
         out: set[ChunkKey] = set()
         for start in range(0, len(keys), 500):
@@ -195,7 +238,7 @@ class OriginStore:
             for k, c in self._query(sql, (tenant, *batch)):
                 have.setdefault(bytes(k), set()).add(c)
             for k, cs in have.items():
-                if codecs is None or set(codecs) <= cs:
+                if set(codecs) <= cs if codecs is not None else any(known_codec(c) for c in cs):
                     out.add(ChunkKey(k))
         return out
 
@@ -205,6 +248,10 @@ class OriginStore:
         row = self.artifact(key, codec)
         if row is None or row.tenant != tenant:
             raise NotFound(f"artifact {bytes(key).hex()[:16]}… ({codec}) is not stored")
+        if not known_codec(codec):  # kept for the version that wrote it; never dropped here
+            raise NotFound(
+                f"artifact {bytes(key).hex()[:16]}… is stored only in codec {codec!r}, which this version does not know"
+            )
         data = self.blobs.get(tenant, _blob_name(key, codec))
         problem = None
         if data is None:
@@ -299,7 +346,7 @@ class OriginStore:
         rows = [_row_artifact(r) for r in self._query("SELECT * FROM artifacts", ())]
         by_file = {(r.tenant, _blob_name(r.key, r.codec)): r for r in rows}
         seen: set[tuple[str, str]] = set()
-        kept = dropped_corrupt = adopted = removed = 0
+        kept = dropped_corrupt = adopted = removed = unknown = 0
         for info in self.blobs.scan():
             key_hex, _, _codec_file = info.name.partition(".")
             try:
@@ -309,6 +356,9 @@ class OriginStore:
             row = by_file.get((info.prefix, info.name))
             if row is not None:
                 seen.add((info.prefix, info.name))
+                if not known_codec(row.codec):
+                    unknown += 1
+                    continue
                 ok = row.size == info.size
                 if ok and full:
                     ok = self._blob_valid(info.prefix, info.name, key)
@@ -324,6 +374,9 @@ class OriginStore:
             if data is not None and len(key) == KEY_BYTES:
                 try:
                     header = verify_artifact(data, expect_key=ChunkKey(key))
+                except UnknownCodec:
+                    unknown += 1  # a newer version's blob: leave it for that version
+                    continue
                 except ArtifactError:
                     header = None
             if header is not None and _blob_name(ChunkKey(key), codec_spec_of(header)) == info.name:
@@ -347,6 +400,9 @@ class OriginStore:
         missing = [r for f, r in by_file.items() if f not in seen]
         for r in missing:
             self._execute("DELETE FROM artifacts WHERE key=? AND codec=?", (bytes(r.key), r.codec))
+        if unknown:
+            log.warning("origin store %s: %d artifacts are in codecs this version does not know; "
+                        "kept on disk, not served", self.root, unknown)
         return StoreCheck(
             artifacts=kept + adopted,
             dropped_missing=len(missing),
@@ -355,6 +411,7 @@ class OriginStore:
             removed_orphans=removed,
             swept_tmp=swept,
             seconds=time.perf_counter() - t0,
+            unknown_codec=unknown,
         )
 
     def _blob_valid(self, tenant: str, name: str, key: bytes) -> bool:

@@ -27,7 +27,7 @@ from kdn.artifact import encode_artifact
 from kdn.codecs import get_codec
 from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys
 from kdn.models import LoadedModel, load_model
-from kdn.prefill import document_tokens, plan_chunks, prefill_chunks
+from kdn.prefill import plan_chunks, prefill_chunks, window_tokens
 from kdn.origin.config import OriginConfig
 from kdn.origin.store import DocumentRecord, OriginStore
 
@@ -44,6 +44,7 @@ class DocumentTask:
     tenant: str
     salt: str = ""
     attempt: int = 0
+    complete: bool = True  # False: ``text`` is only the first part of the document (see ingest)
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in DocumentTask.__dataclass_fields__}
@@ -138,8 +139,14 @@ class PrefillWorker:
         t = DocumentTask(**task)
         t0 = time.perf_counter()
         ns = Namespace(t.tenant, t.salt)
-        tokens = document_tokens(self.lm, t.text)
+        # bounded: the tokenizer sees about the window's worth of text, however long the document
+        wt = window_tokens(self.lm, t.text, text_complete=t.complete)
+        tokens = wt.tokens
         plan = plan_chunks(len(tokens), self.lm.chunk_size, self.lm.max_positions)
+        n_tokens, beyond = len(tokens), plan.beyond_window_tokens
+        if not wt.complete:  # longer than the window: ``counted`` is a lower bound of its tokens
+            n_tokens = max(wt.counted, len(tokens))
+            beyond = n_tokens - plan.covered_tokens - plan.tail_tokens
         keys, computed, written = self._store_chain(np.asarray(tokens[: plan.covered_tokens], dtype=np.int64), ns, self.codecs)
         self.store.record_document(
             DocumentRecord(
@@ -147,9 +154,9 @@ class PrefillWorker:
                 fingerprint=self.lm.fingerprint,
                 doc_id=t.doc_id,
                 content_hash=t.content_hash,
-                n_tokens=len(tokens),
+                n_tokens=n_tokens,
                 keys=tuple(keys),
-                beyond_window_tokens=plan.beyond_window_tokens,
+                beyond_window_tokens=beyond,
                 updated=time.time(),
             )
         )
@@ -157,6 +164,12 @@ class PrefillWorker:
             status: Status = "short"
             message = (
                 f"{len(tokens)} tokens: shorter than one chunk ({self.lm.chunk_size} tokens); nothing to store"
+            )
+        elif not wt.complete:
+            status = "truncated"
+            message = (
+                f"more than {n_tokens} tokens: the rest lies beyond the model window ({self.lm.max_positions} "
+                f"positions) and was not tokenized; stored the first {plan.n_chunks} chunks only"
             )
         elif plan.truncated:
             status = "truncated"
@@ -172,13 +185,13 @@ class PrefillWorker:
             doc_id=t.doc_id,
             status=status,
             message=message,
-            n_tokens=len(tokens),
+            n_tokens=n_tokens,
             n_chunks=plan.n_chunks,
             computed_chunks=computed,
             already_stored=plan.n_chunks - computed,
             bytes_written=written,
             tail_tokens=plan.tail_tokens,
-            beyond_window_tokens=plan.beyond_window_tokens,
+            beyond_window_tokens=beyond,
             keys=tuple(bytes(k).hex() for k in keys),
             seconds=time.perf_counter() - t0,
             worker_pid=os.getpid(),

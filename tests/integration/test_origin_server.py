@@ -221,3 +221,39 @@ def test_kdn_origin_command_serves_until_sigterm(tmp_path):
         assert proc.wait(timeout=30) == 0
     finally:
         reap(proc)
+
+
+def test_an_origin_over_blobs_in_an_unknown_codec_starts_and_answers_not_found(tmp_path, tiny_model):
+    """Issue 19 item 9: a store holding a newer version's blobs (a codec this version does not
+    know) starts; Lookup does not offer them and Fetch answers NOT_FOUND, never INTERNAL."""
+    from kdn.origin.store import OriginStore, _blob_name
+    from tests.reframe import frame, split
+
+    ns = Namespace("acme")
+    cfg = OriginConfig(store_dir=str(tmp_path), models=["tiny"], codecs=["raw"], listen="127.0.0.1:0", fsync=False,
+                       tokens={"tok-a": ["acme"]}, verify_on_start="full")
+    with OriginServer(cfg, preloaded=(tiny_model,)) as srv:
+        keys = srv.ingest_text(TEXT, namespace=ns, doc_id="doc-1")
+    store = OriginStore(tmp_path, fsync=False, verify="none")
+    newer = {}
+    for k in keys[:2]:  # the newer version re-wrote the first two chunks in its codec and dropped raw
+        _, header, payloads = split(store.get(k, "raw", tenant="acme"))
+        header.codec = "zstd-next"
+        newer[k] = frame(header, payloads)
+        store.blobs.put("acme", _blob_name(k, "zstd-next"), newer[k])
+        store.delete(k, "raw")
+    store._execute("INSERT INTO artifacts VALUES (?,?,?,?,?,?,?,?,?)",
+                   (bytes(keys[0]), "zstd-next", "acme", bytes(tiny_model.fingerprint), len(newer[keys[0]]), 256, 0, 0, 0.0))
+    store.close()  # keys[0]: blob and row; keys[1]: a blob only
+    with OriginServer(cfg, preloaded=(tiny_model,)) as srv:
+        assert srv.store.check is not None and srv.store.check.unknown_codec == 2
+        ch = sync_channel(srv.address)
+        stub = pbg.OriginServiceStub(ch)
+        r = _call(stub.Lookup, pb.LookupRequest(fingerprint=bytes(tiny_model.fingerprint), namespace=pb.Namespace(tenant="acme"),
+                                                keys=[bytes(k) for k in keys]))
+        assert r.available == 0  # the chain's first chunk is not servable here any more
+        for k in keys[:2]:
+            with pytest.raises(NotFound):
+                _fetch(stub, tiny_model.fingerprint, k)
+        assert decode_artifact(b"".join(m.data for m in _fetch(stub, tiny_model.fingerprint, keys[2]))).header.key == bytes(keys[2])
+        ch.close()

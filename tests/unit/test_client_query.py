@@ -34,3 +34,25 @@ def test_query_errors_are_clear(capsys, tmp_path):
     assert "UnknownModel" in json.loads(capsys.readouterr().out)["error"]
     assert main(["--model", "tiny", "--prompt", "x", "--tenant", "bad tenant!", "--json"]) == 2
     assert "tenant" in json.loads(capsys.readouterr().out)["message"]
+
+
+def test_a_prompt_longer_than_the_window_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    """Issue 19 item 5: a 5 MB prompt is refused with one line (never run past the model's
+    positions, never a torch traceback), and the tokenizer only sees about a window of it."""
+    from kdn.models import ByteTokenizer
+
+    seen: list[int] = []
+    real = ByteTokenizer.encode
+    monkeypatch.setattr(ByteTokenizer, "encode", lambda self, text: seen.append(len(text)) or real(self, text))
+    doc = tmp_path / "huge.txt"
+    doc.write_text("lorem ipsum " * 440_000)  # ~5 MB
+    assert main(["--model", "tiny", "--prompt-file", str(doc), "--max-new-tokens", "2", "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert "InvalidInput" in out["error"] and "prompt too long" in out["message"] and "8192 positions" in out["message"]
+    assert seen and max(seen) <= 1 << 20
+    # 2x the window (no longer runs past the positions, exit 0)
+    assert main(["--model", "tiny", "--prompt", "x" * 16384, "--max-new-tokens", "2", "--json"]) == 2
+    assert "prompt too long" in json.loads(capsys.readouterr().out)["message"]
+    # the prompt and the answer must both fit
+    assert main(["--model", "tiny", "--prompt", "x" * 8190, "--max-new-tokens", "3", "--json"]) == 2
+    assert "prompt too long" in json.loads(capsys.readouterr().out)["message"]

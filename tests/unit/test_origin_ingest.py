@@ -118,3 +118,45 @@ def test_keys_match_the_inference_host_and_reingest_skips(docs, config, executor
     assert s3.computed_chunks == 1
     assert len(list(store.blobs.scan())) == n_blobs
     store.close()
+
+
+def test_a_huge_document_is_tokenized_only_up_to_the_window(tmp_path, config, executor, tiny_model, monkeypatch):
+    """Issue 19 item 5: a 64 MB document costs the tokenizer (and memory) about a window, not GBs,
+    and the chunks stored are those of the whole document's tokenization."""
+    import tracemalloc
+
+    line = "Reuse the KV cache of long contexts, chunk by chunk. "
+    huge = tmp_path / "huge.txt"
+    with open(huge, "w") as f:
+        for _ in range(64):
+            f.write(line * (1_000_000 // len(line) + 1))  # ~1 MB each
+    seen: list[int] = []
+    real = type(tiny_model.tokenizer).encode
+    monkeypatch.setattr(type(tiny_model.tokenizer), "encode", lambda self, text: seen.append(len(text)) or real(self, text))
+    tracemalloc.start()
+    try:
+        s = ingest([huge], config, executor=executor)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    (r,) = s.results
+    assert r.status == "truncated" and "beyond the model window" in r.message
+    assert r.n_chunks == tiny_model.max_positions // tiny_model.chunk_size
+    assert seen and max(seen) <= 1 << 20  # the tokenizer never saw more than 1 MiB of the 64 MB
+    assert peak < 64 << 20, f"peak traced memory {peak / 2**20:.0f} MiB"
+    head = huge.read_text()[: 2 * tiny_model.max_positions]
+    whole = chunk_keys(real(tiny_model.tokenizer, head)[: tiny_model.max_positions], fingerprint=tiny_model.fingerprint,
+                       namespace=Namespace("acme"), chunk_size=tiny_model.chunk_size)
+    assert list(r.keys) == [bytes(k).hex() for k in whole]
+
+
+def test_read_text_keeps_a_prefix_but_checks_and_hashes_the_whole_file(tmp_path):
+    from kdn.origin.ingest.documents import read_text
+
+    p = tmp_path / "doc.txt"
+    p.write_bytes("é".encode() * 1000 + b"\xff")  # invalid UTF-8 far past the prefix
+    with pytest.raises(InvalidInput, match="not valid UTF-8"):
+        read_text(p, 10)
+    p.write_text("é" * 1000)
+    full, cut = read_text(p), read_text(p, 11)  # 11 bytes: the cut splits a 2-byte character
+    assert full.complete and not cut.complete and cut.text == "é" * 5 and cut.digest == full.digest

@@ -148,3 +148,35 @@ def test_store_survives_reopen_from_another_process_view(tmp_path):
     other.close()
     s.close()
     assert os.path.exists(tmp_path / "manifest.sqlite")
+
+
+def test_a_blob_in_an_unknown_codec_never_stops_the_store(tmp_path, caplog):
+    """Issue 19 item 9: a newer version wrote blobs in a codec this one does not know (then was
+    rolled back). Opening with a full check skips them (kept on disk, counted, warned about) and
+    serves the rest; get() answers NotFound, never an unexpected error."""
+    from kdn.origin.store import _blob_name
+    from tests.reframe import frame, split
+
+    s = OriginStore(tmp_path, fsync=False)
+    (k0, good), (k1, b1), (k2, b2) = _artifacts(3)
+    s.put(good, tenant="t")
+    newer = {}
+    for k, b in ((k1, b1), (k2, b2)):
+        _, header, payloads = split(b)
+        header.codec = "zstd-next"
+        newer[k] = frame(header, payloads)
+        s.blobs.put("t", _blob_name(k, "zstd-next"), newer[k])
+    s._execute("INSERT INTO artifacts VALUES (?,?,?,?,?,?,?,?,?)", (bytes(k1), "zstd-next", "t", bytes(FP), len(newer[k1]), 4, 1, 0, 0.0))
+    s.close()  # k1 has its row (written by the newer version), k2 is an orphan blob
+    with caplog.at_level("WARNING", logger="kdn.origin.store"):
+        s2 = OriginStore(tmp_path, fsync=False, verify="full")
+    assert s2.check is not None and s2.check.unknown_codec == 2 and s2.check.artifacts == 1
+    assert "does not know" in caplog.text
+    assert s2.get(k0, "raw", tenant="t") == good
+    assert s2.variants(k1, tenant="t") == []
+    with pytest.raises(NotFound, match="zstd-next"):
+        s2.get(k1, "zstd-next", tenant="t")
+    for k in (k1, k2):  # kept for the version that wrote them
+        assert s2.blobs.get("t", _blob_name(k, "zstd-next")) == newer[k]
+    assert s2.artifact(k1, "zstd-next") is not None
+    s2.close()

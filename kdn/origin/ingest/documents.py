@@ -1,14 +1,17 @@
 """Which files are documents, and reading one: discovery and the text rules of ingest.
 
 :func:`discover` expands paths (directories recursively, text-like files only, hidden entries
-skipped; explicit files are always tried); :func:`read_document` reads one file and refuses empty,
-binary and non-UTF-8 files with a clear message.
+skipped; explicit files are always tried); :func:`read_text` streams one file (hashing and checking all of it,
+keeping only the prefix a model window can use) and refuses empty, binary and non-UTF-8 files with
+a clear message.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -16,7 +19,7 @@ from typing import Iterable
 from kdn.errors import InvalidInput
 from kdn.origin.worker import DocumentResult
 
-__all__ = ["Discovery", "Source", "discover", "doc_id_for", "is_text_like", "read_document"]
+__all__ = ["Discovery", "DocumentText", "Source", "discover", "doc_id_for", "is_text_like", "read_document", "read_text"]
 
 TEXT_SUFFIXES = frozenset(
     """.txt .md .markdown .rst .adoc .tex .org .csv .tsv .json .jsonl .yaml .yml .toml .ini .cfg .conf .xml
@@ -26,6 +29,7 @@ TEXT_SUFFIXES = frozenset(
 )
 TEXT_NAMES = frozenset({"Makefile", "Dockerfile", "README", "LICENSE", "CHANGELOG", "NOTICE"})
 _BINARY_SNIFF = 8192
+_BLOCK = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,18 @@ class Discovery:
     sources: list[Source] = field(default_factory=list)
     problems: list[DocumentResult] = field(default_factory=list)  # paths that do not exist ...
     ignored: list[str] = field(default_factory=list)  # files in directories that are not text-like
+    not_regular: list[str] = field(default_factory=list)  # FIFOs, sockets, devices in directories: skipped
+
+    def nothing_to_ingest(self) -> str:
+        """Why there is no document at all (for a one-line error), or "" when there is one."""
+        if self.sources:
+            return ""
+        why = [f"{p.doc_id}: {p.message}" for p in self.problems]
+        if self.ignored:
+            why.append(f"{len(self.ignored)} files that are not text-like (by suffix)")
+        if self.not_regular:
+            why.append(f"{len(self.not_regular)} entries that are not regular files")
+        return "nothing to ingest: no text document found" + (f" ({'; '.join(why)})" if why else "")
 
 
 def doc_id_for(path: Path) -> str:
@@ -71,7 +87,9 @@ def discover(paths: Iterable[str | Path]) -> Discovery:
                     f = Path(root) / name
                     if name.startswith("."):
                         continue
-                    if is_text_like(f):
+                    if not f.is_file():  # a FIFO named *.txt would block the reader forever
+                        out.not_regular.append(f.as_posix())
+                    elif is_text_like(f):
                         add(f)
                     else:
                         out.ignored.append(f.as_posix())
@@ -84,20 +102,69 @@ def discover(paths: Iterable[str | Path]) -> Discovery:
     return out
 
 
-def read_document(path: Path) -> tuple[str, str]:
-    """The text and content hash of a file; InvalidInput with a clear reason when unusable."""
+@dataclass(frozen=True, slots=True)
+class DocumentText:
+    """A document as ingest uses it: ``text`` (all of it when ``complete``, else the first
+    ``max_bytes`` bytes cut at a character boundary), the content hash of the whole file, its size."""
+
+    text: str
+    digest: str
+    complete: bool
+    size: int
+
+
+def read_text(path: Path, max_bytes: int | None = None) -> DocumentText:
+    """Stream ``path`` once: hash and check all of it (NUL bytes in the first 8 KiB, UTF-8,
+    not only whitespace) but keep only the first ``max_bytes`` bytes (None: all), so a huge file
+    costs bounded memory. InvalidInput with a clear reason when the file is unusable."""
+    h = hashlib.blake2b(digest_size=16)
+    check = codecs.getincrementaldecoder("utf-8")()
+    kept: list[bytes] = []
+    n_kept = pos = 0
+    blank = True
     try:
-        data = path.read_bytes()
+        # non-blocking open: a FIFO (or device) must not hang ingest waiting for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise InvalidInput("not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            while block := f.read(_BLOCK):
+                if pos == 0 and b"\x00" in block[:_BINARY_SNIFF]:
+                    raise InvalidInput("binary file (NUL bytes): not a text document")
+                h.update(block)
+                try:
+                    part = check.decode(block)
+                except UnicodeDecodeError as exc:
+                    raise _not_utf8(pos + exc.start, exc) from exc
+                blank = blank and not part.strip()
+                if max_bytes is None or n_kept < max_bytes:
+                    take = block if max_bytes is None else block[: max_bytes - n_kept]
+                    kept.append(take)
+                    n_kept += len(take)
+                pos += len(block)
     except OSError as exc:
         raise InvalidInput(f"cannot read: {exc.strerror or exc}") from exc
-    if not data:
+    if pos == 0:
         raise InvalidInput("empty file: nothing to ingest")
-    if b"\x00" in data[:_BINARY_SNIFF]:
-        raise InvalidInput("binary file (NUL bytes): not a text document")
     try:
-        text = data.decode("utf-8")
+        check.decode(b"", final=True)
     except UnicodeDecodeError as exc:
-        raise InvalidInput(f"not valid UTF-8 (byte {exc.start}: {exc.reason}); convert it to UTF-8 first") from exc
-    if not text.strip():
+        raise _not_utf8(pos, exc) from exc
+    if blank:
         raise InvalidInput("only whitespace: nothing to ingest")
-    return text, hashlib.blake2b(data, digest_size=16).hexdigest()
+    complete = n_kept == pos
+    data = b"".join(kept)
+    # a cut may split a character: the incremental decoder leaves the partial one out
+    text = data.decode("utf-8") if complete else codecs.getincrementaldecoder("utf-8")().decode(data)
+    return DocumentText(text, h.hexdigest(), complete, pos)
+
+
+def _not_utf8(at: int, exc: UnicodeDecodeError) -> InvalidInput:
+    return InvalidInput(f"not valid UTF-8 (byte {at}: {exc.reason}); convert it to UTF-8 first")
+
+
+def read_document(path: Path) -> tuple[str, str]:
+    """The whole text and content hash of a file; InvalidInput with a clear reason when unusable."""
+    doc = read_text(path)
+    return doc.text, doc.digest

@@ -8,13 +8,16 @@ from typing import Iterator, Sequence
 
 from kdn.errors import InvalidInput
 from kdn.origin.config import OriginConfig
-from kdn.origin.ingest.documents import discover, read_document
+from kdn.origin.ingest.documents import Discovery, discover, read_text
 from kdn.origin.ingest.executors import Executor, OnResult, make_executor
 from kdn.origin.ingest.report import IngestSummary, Progress
 from kdn.origin.store import OriginStore
 from kdn.origin.worker import DocumentResult, DocumentTask
 
-__all__ = ["ingest"]
+__all__ = ["BYTES_PER_TOKEN", "ingest"]
+
+# bytes of a file read per token of the model window: more than any token of a real tokenizer spans
+BYTES_PER_TOKEN = 64
 
 
 def ingest(
@@ -24,19 +27,26 @@ def ingest(
     executor: Executor | None = None,
     progress: bool = False,
     on_result: OnResult | None = None,
+    found: Discovery | None = None,
 ) -> IngestSummary:
     """Ingest ``paths`` into ``config``'s store; never raises for a bad document (see summary).
 
     ``executor``: reuse one (tests, benchmarks); otherwise one is made from ``config`` and closed.
-    Raises :class:`~kdn.errors.UnknownModel` before any work for an unknown model spec.
+    ``found``: ``paths`` already discovered (the CLI checks there is something to do first).
+    Raises :class:`~kdn.errors.UnknownModel` before any work for an unknown model spec, and
+    InvalidInput when ``paths`` hold no document and no problem at all (an empty directory).
+    Nothing is created on disk when no path holds a document.
     """
-    OriginStore(config.store_path, fsync=config.fsync, verify=config.verify_on_start).close()  # self-check once
+    found = found if found is not None else discover(paths)
+    if not found.sources and not found.problems:
+        raise InvalidInput(found.nothing_to_ingest())
+    if found.sources:
+        OriginStore(config.store_path, fsync=config.fsync, verify=config.verify_on_start).close()  # self-check once
     own = executor is None
     ex = executor if executor is not None else make_executor(config)
     try:
         info = ex.info()
         ns = config.default_namespace
-        found = discover(paths)
         summary = IngestSummary(
             model=info["spec"],
             fingerprint=info["fingerprint"],
@@ -44,6 +54,7 @@ def ingest(
             codecs=list(info["codecs"]),
             workers=int(info.get("workers", 0)),
             ignored=found.ignored,
+            not_regular=found.not_regular,
         )
         bar = Progress(len(found.sources) + len(found.problems), progress)
         t0 = time.perf_counter()
@@ -57,14 +68,19 @@ def ingest(
         for p in found.problems:
             record(p)
 
+        # only the first tokens of a document within the window are ever used: read (and send to
+        # a worker) a bounded prefix of each file, generous enough for any tokenizer's window
+        window = int(info.get("max_positions", 0) or 0)
+        max_bytes = window * BYTES_PER_TOKEN if window > 0 else None
+
         def tasks() -> Iterator[DocumentTask]:
             for s in found.sources:
                 try:
-                    text, digest = read_document(s.path)
+                    doc = read_text(s.path, max_bytes)
                 except InvalidInput as exc:
                     record(DocumentResult(s.doc_id, "failed", str(exc)))
                     continue
-                yield DocumentTask(s.doc_id, text, digest, ns.tenant, ns.salt)
+                yield DocumentTask(s.doc_id, doc.text, doc.digest, ns.tenant, ns.salt, complete=doc.complete)
 
         try:
             ex.run(tasks(), record)

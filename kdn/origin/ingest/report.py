@@ -20,6 +20,7 @@ class IngestSummary:
     workers: int
     results: list[DocumentResult] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    not_regular: list[str] = field(default_factory=list)  # FIFOs, sockets, devices: skipped
     seconds: float = 0.0
     worker_deaths: int = 0
 
@@ -73,6 +74,7 @@ class IngestSummary:
             "tokens_per_s": round(self.prefilled_tokens / self.seconds, 1) if self.seconds else 0.0,
             "worker_deaths": self.worker_deaths,
             "ignored": self.ignored,
+            "not_regular": self.not_regular,
             "results": [{k: v for k, v in r.to_dict().items() if k != "keys"} | {"keys": len(r.keys)} for r in self.results],
             "failed": self.failed,
         }
@@ -94,6 +96,9 @@ class IngestSummary:
             lines.append(f"  {r.status.upper():9} {r.doc_id}: {r.message}")
         if self.ignored:
             lines.append(f"  ignored {len(self.ignored)} files that are not text-like (by suffix)")
+        if self.not_regular:
+            lines.append(f"  skipped {len(self.not_regular)} entries that are not regular files (FIFO, socket, device): "
+                         + ", ".join(self.not_regular[:5]) + (" …" if len(self.not_regular) > 5 else ""))
         return "\n".join(lines)
 
 
