@@ -15,10 +15,8 @@ Seeded and bounded: a fixed number of mutants per seed, with a wall-clock cap as
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
-import traceback
 from collections import Counter
 
 import lz4.frame
@@ -182,14 +180,6 @@ def _stream(rng: random.Random, m: bytes) -> None:
     r.finish()
 
 
-# kvq codec_meta with Infinity (OverflowError) or deep nesting (RecursionError): issue 19 item 3,
-# fixed in kdn/codecs/kvq.py on another branch (rel-edge). Until that is merged the test fails with
-# one of exactly those two exceptions, and only when nothing else was found (see the end).
-KVQ_META_OWNED_ELSEWHERE = (OverflowError, RecursionError)
-
-
-@pytest.mark.xfail(raises=KVQ_META_OWNED_ELSEWHERE, strict=False,
-                   reason="kvq codec_meta Infinity/deep nesting: OverflowError/RecursionError, fixed on branch rel-edge")
 @pytest.mark.parametrize("seed", [19, 2026])
 def test_checksum_valid_mutants_raise_only_project_errors(seed):
     rng = random.Random(seed)
@@ -197,7 +187,6 @@ def test_checksum_valid_mutants_raise_only_project_errors(seed):
     for _, b in bases:  # the unmutated artifacts decode
         decode_artifact(b)
     bad: dict[str, str] = {}
-    kvq_meta: list[BaseException] = []
     reached: Counter[str] = Counter()  # mutants that passed every check and decoded, by codec
     deadline = time.monotonic() + CAP_S / 2
     done = 0
@@ -207,10 +196,6 @@ def test_checksum_valid_mutants_raise_only_project_errors(seed):
         try:
             if (name := _feed_all(rng, m)) is not None and m != blob:
                 reached[name] += 1
-        except KVQ_META_OWNED_ELSEWHERE as exc:
-            if not any(f.filename.endswith(os.path.join("codecs", "kvq.py")) for f in traceback.extract_tb(exc.__traceback__)):
-                bad.setdefault(f"{type(exc).__name__} ({codec})", f"{exc!s:.200}")
-            kvq_meta.append(exc)
         except Exception as exc:  # anything that is not a KdnError
             bad.setdefault(f"{type(exc).__name__} ({codec})", f"{exc!s:.200}")
         if time.monotonic() > deadline:
@@ -218,5 +203,3 @@ def test_checksum_valid_mutants_raise_only_project_errors(seed):
     assert done >= 200, f"only {done} mutants in the time cap: the fuzz loop is too slow to mean much"
     assert set(reached) == {c.split(":")[0] for c in CODECS}, f"mutants that reached a decoder: {dict(reached)}"
     assert not bad, "non-project exceptions from checksum-valid artifacts:\n" + "\n".join(f"  {k}: {v}" for k, v in bad.items())
-    if kvq_meta:
-        raise kvq_meta[0]  # the xfail above: only these two types, only from kvq metadata
