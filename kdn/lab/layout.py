@@ -7,8 +7,11 @@ special tokens below. Shared by every trainer (:mod:`kdn.lab.reference`, :mod:`k
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
+from typing import Any
 
 META_FILE = "kdn_reference.json"
 EOS_TOKEN = "<|endoftext|>"
@@ -19,3 +22,16 @@ def cache_root(env: dict[str, str] | None = None) -> Path:
     """``$KDN_CACHE`` or ``~/.cache/kdn``; never inside the repository."""
     env = os.environ if env is None else env
     return Path(env.get("KDN_CACHE") or Path.home() / ".cache" / "kdn").expanduser()
+
+
+def publish(tmp: Path, out: Path, meta: dict[str, Any]) -> None:
+    """Write :data:`META_FILE` into the finished directory ``tmp`` and move it to ``out`` in one
+    rename, so ``out`` is always a whole model (a previous one is swapped out, then removed)."""
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)

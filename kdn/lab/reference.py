@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kdn.errors import InvalidInput, KdnError
-from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root  # noqa: F401  (part of this module's API)
+from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish  # noqa: F401  (part of this module's API)
 
 REFERENCE_DIRNAME = "reference-model"
 
@@ -353,14 +353,7 @@ def _save(model: Any, tok: Any, cfg: TrainConfig, result: TrainResult, split: Co
             "python": sys.version.split()[0],
             "torch": torch.__version__,
         }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        publish(tmp, out, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

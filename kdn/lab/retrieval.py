@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from typing import Any, Callable
 import torch
 
 from kdn.errors import InvalidInput
-from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root
+from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish
 
 RETRIEVAL_DIRNAME = "retrieval-model"
 PREFIX_TEXT = "R :"
@@ -360,14 +359,7 @@ def _save(model: Any, tok: Any, cfg: RetrievalTrainConfig, result: RetrievalResu
             "python": sys.version.split()[0],
             "torch": torch.__version__,
         }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        publish(tmp, out, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
