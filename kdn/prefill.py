@@ -20,7 +20,7 @@ text would give, so only the tokens before that margin are kept from a cut text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -152,3 +152,16 @@ def logits_with_chunks(lm: LoadedModel, chunks: Sequence[torch.Tensor], rest: Se
     with torch.inference_mode():
         out = lm.model(input_ids=ids, cache=cache, use_cache=True)
     return out.logits[0]  # (R, V)
+
+
+def greedy_tail(model: Any, cache: Any, first: int, *, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """Greedy generation after the first token: ``[first, ...]`` until ``max_new_tokens`` tokens
+    or an EOS id, each step one token over (and extending) ``cache``."""
+    generated = [first]
+    nxt = first
+    while len(generated) < max_new_tokens and nxt not in eos_ids:
+        out = model(input_ids=torch.tensor([[nxt]], dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
+        cache = out.cache
+        nxt = int(torch.argmax(out.logits[0, -1]).item())
+        generated.append(nxt)
+    return generated

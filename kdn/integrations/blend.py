@@ -38,6 +38,7 @@ from kdn.blend.verdict import read_verdict
 from kdn.client import LOG, KdnClient
 from kdn.errors import InvalidInput, KdnError, NotFound
 from kdn.integrations.records import KdnModel, Result, Timings
+from kdn.prefill import greedy_tail
 from kdn.segments import Segment, encode_segment, segment_key
 
 
@@ -154,13 +155,7 @@ def generate_with_documents(
         t4 = time.perf_counter()
         nxt = int(torch.argmax(out.logits[0, -1]).item())
         t_first = time.perf_counter()
-        generated = [nxt]
-        while len(generated) < max_new_tokens and nxt not in eos_ids:
-            out = km.model(input_ids=torch.tensor([[nxt]], dtype=torch.long), cache=cache, use_cache=True,
-                           logits_to_keep=1)
-            cache = out.cache
-            nxt = int(torch.argmax(out.logits[0, -1]).item())
-            generated.append(nxt)
+        generated = greedy_tail(km.model, cache, nxt, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     t_end = time.perf_counter()
     doc_tokens = sum(len(d) for d in docs)
     reused = sum(len(s.tokens) for s, r in zip(segments, results) if not isinstance(r, Exception)) - \

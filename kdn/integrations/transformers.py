@@ -41,6 +41,7 @@ from kdn.client import KdnClient, Reuse
 from kdn.integrations.records import KdnModel, Result, Timings
 from kdn.errors import InvalidInput
 from kdn.keys import DEFAULT_CHUNK_SIZE, ModelFingerprint
+from kdn.prefill import greedy_tail
 from kdn.kv import KVShape, cache_from_layers
 from kdn.models import DTYPES, HFTokenizer, LoadedModel, Tokenizer, _weights_digest, is_model_dir, model_fingerprint
 
@@ -170,7 +171,6 @@ def generate(
     t1 = time.perf_counter()
     keys_s = max(0.0, (t1 - t0) - reuse.lookup_s - reuse.fetch_s)
 
-    generated: list[int] = []
     written = False
     with torch.inference_mode():
         tb = time.perf_counter()
@@ -187,19 +187,13 @@ def generate(
         tf = time.perf_counter()
         nxt = int(torch.argmax(out.logits[0, -1]).item())
         t_first = time.perf_counter()
-        generated.append(nxt)
         if client is not None and write_back and reuse.edge_usable and reuse.keys:
             # the layers' tensors are replaced, not mutated, by later steps: safe to encode later
             layers = [(layer.keys, layer.values) for layer in cache.layers]
             start = reuse.chunks if reuse.warning else reuse.available
             written = client.schedule_write_back(layers, list(reuse.keys), fingerprint=km.fingerprint,
                                                  chunk_size=km.chunk_size, start=start)
-        while len(generated) < max_new_tokens and nxt not in eos_ids:
-            out = km.model(input_ids=torch.tensor([[nxt]], dtype=torch.long), cache=cache, use_cache=True,
-                           logits_to_keep=1)
-            cache = out.cache
-            nxt = int(torch.argmax(out.logits[0, -1]).item())
-            generated.append(nxt)
+        generated = greedy_tail(km.model, cache, nxt, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     t_end = time.perf_counter()
     timings = Timings(
         ttft_s=t_first - t_start, keys_s=keys_s, lookup_s=reuse.lookup_s, fetch_s=reuse.fetch_s,
