@@ -40,6 +40,7 @@ import torch
 
 from kdn.errors import InvalidInput, KdnError
 from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish  # noqa: F401  (part of this module's API)
+from kdn.lab.training import fit
 
 REFERENCE_DIRNAME = "reference-model"
 
@@ -275,8 +276,6 @@ def train_reference(
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
 ) -> TrainResult:
     """Train the reference model and save it as a Hugging Face directory at ``out_dir``."""
-    from tqdm import tqdm
-
     t0 = time.perf_counter()
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
@@ -298,28 +297,13 @@ def train_reference(
         eval_gen = torch.Generator().manual_seed(cfg.seed + 2)
         held_windows = _windows(held_ids, cfg.eval_windows, min(cfg.seq_len, held_ids.numel() - 1) + 1, eval_gen)
         initial = _eval_loss(model, held_windows, cfg.batch_size)
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95),
-        )
-        bar = tqdm(range(cfg.steps), desc="train-reference", disable=not progress, file=sys.stderr, dynamic_ncols=True)
-        ema = None
-        for step in bar:
-            for group in opt.param_groups:
-                group["lr"] = _lr_at(step, cfg)
-            batch = _windows(train_ids, cfg.batch_size, cfg.seq_len + 1, data_gen)  # (B, S+1)
-            logits = model(input_ids=batch[:, :-1]).logits  # (B, S, V)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            lv = loss.item()
-            ema = lv if ema is None else 0.9 * ema + 0.1 * lv
-            bar.set_postfix(loss=f"{ema:.3f}")
-        bar.close()
+
+        def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            b = _windows(train_ids, cfg.batch_size, cfg.seq_len + 1, data_gen)  # (B, S+1)
+            return b[:, :-1], b[:, 1:]
+
+        fit(model, steps=cfg.steps, lr=cfg.lr, weight_decay=cfg.weight_decay, lr_at=lambda s: _lr_at(s, cfg),
+            batch=batch, desc="train-reference", progress=progress)
         final = _eval_loss(model, held_windows, cfg.batch_size)
         seconds = time.perf_counter() - t0
         result = TrainResult(

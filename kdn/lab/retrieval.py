@@ -49,6 +49,7 @@ import torch
 
 from kdn.errors import InvalidInput
 from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish
+from kdn.lab.training import fit
 
 RETRIEVAL_DIRNAME = "retrieval-model"
 PREFIX_TEXT = "R :"
@@ -296,8 +297,6 @@ def train_retrieval(
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
 ) -> RetrievalResult:
     """Train the retrieval reference model and save it as a Hugging Face directory."""
-    from tqdm import tqdm
-
     t0 = time.perf_counter()
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
@@ -309,26 +308,8 @@ def train_retrieval(
         n_params = sum(p.numel() for p in model.parameters())
         log(f"retrieval model: {n_params / 1e6:.2f}M params, vocab {tok.get_vocab_size()}, {cfg.steps} steps")
         gen = torch.Generator().manual_seed(cfg.seed + 1)
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-        bar = tqdm(range(cfg.steps), desc="train-retrieval", disable=not progress, file=sys.stderr, dynamic_ncols=True)
-        ema = float("nan")
-        for step in bar:
-            for group in opt.param_groups:
-                group["lr"] = _lr_at(step, cfg)
-            x, y = _train_batch(cfg, tok, gen, step)  # (B, S) each
-            logits = model(input_ids=x).logits  # (B, S, V)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            lv = loss.item()
-            ema = lv if math.isnan(ema) else 0.9 * ema + 0.1 * lv
-            bar.set_postfix(loss=f"{ema:.3f}")
-        bar.close()
+        ema = fit(model, steps=cfg.steps, lr=cfg.lr, weight_decay=cfg.weight_decay, lr_at=lambda s: _lr_at(s, cfg),
+                  batch=lambda s: _train_batch(cfg, tok, gen, s), desc="train-retrieval", progress=progress)
         prompts = heldout_prompts(cfg.task, cfg.eval_prompts, cfg.eval_docs, cfg.seed)
         acc = full_prefill_accuracy(model, tok, prompts)
         result = RetrievalResult(Path(out_dir), n_params, cfg.steps, ema, acc, len(prompts), cfg.eval_docs,
