@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from kdn.edge.server import EdgeServicer
+from kdn.edge.server import EdgeServicer, PutBudget
 from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb
@@ -34,7 +34,8 @@ class _Context:
 
 
 def _servicer(node: Any) -> EdgeServicer:
-    return EdgeServicer(SimpleNamespace(config=node.config, auth=TokenAuth(), node=node, shm=None))  # type: ignore[arg-type]
+    return EdgeServicer(SimpleNamespace(config=node.config, auth=TokenAuth(), node=node, shm=None,
+                                        put_budget=PutBudget(node.config.put_buffer_bytes)))  # type: ignore[arg-type]
 
 
 async def _put(servicer: EdgeServicer, messages: AsyncIterator[pb.PutChunk]) -> tuple[Any, str]:
