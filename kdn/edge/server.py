@@ -21,6 +21,7 @@ the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from contextlib import contextmanager
@@ -102,6 +103,21 @@ class PutBudget:
         self.limit = limit
         self.used = 0
         self.peak = 0
+        self._trim: asyncio.TimerHandle | None = None
+
+    def refused(self) -> None:
+        """A Put was refused: gRPC frees what it buffered for the stream when the call is torn
+        down, just after this; give that heap back to the OS then (once per burst of refusals)."""
+        if self._trim is None:
+            self._trim = asyncio.get_running_loop().call_later(0.25, self._trim_when_idle)
+
+    def _trim_when_idle(self) -> None:
+        self._trim = None
+        if self.used == 0:
+            gc.collect()  # a refused call's exception, traceback and frames form cycles that hold its messages
+            _trim_heap()
+        else:
+            self.refused()  # Puts in flight hold the heap now: try again a little later
 
     @contextmanager
     def lease(self) -> Iterator[Callable[[int], None]]:
@@ -172,6 +188,8 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
 
     def refused(self, rpc_name: str, code: grpc.StatusCode, exc: BaseException) -> None:
         self.node.metrics.refused.labels(rpc_name, code.name).inc()
+        if rpc_name == "Put":
+            self.put_budget.refused()
 
     def _keys(self, raw: Any) -> list[ChunkKey]:
         return parse_keys(raw, limit=self._s.config.max_chain_keys)
