@@ -29,7 +29,7 @@ import struct
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Literal
+from typing import Callable, Iterable, Iterator, Literal
 
 import torch
 import xxhash
@@ -164,6 +164,7 @@ class ArtifactReader:
         decode: bool = True,
         assemble: bool = False,
         out: torch.Tensor | None = None,
+        sink: Callable[[Section], None] | None = None,
     ) -> None:
         """``assemble``: decode every section straight into one ``(L, 2, H, T, D)`` tensor,
         :attr:`kv` (allocated when the first section has been verified); the yielded sections
@@ -172,7 +173,12 @@ class ArtifactReader:
         ``out``: decode into this caller-owned ``(L, 2, H, T, D)`` tensor instead (any strides,
         e.g. chunk i's token range of a whole prefix's KV); the header must declare exactly that
         geometry and dtype, or the artifact is refused (FingerprintMismatch) before any byte is
-        written to ``out``."""
+        written to ``out``.
+
+        ``sink``: called with each verified section instead of returning it, its tensor borrowed
+        from the bytes being fed where the codec allows (:meth:`kdn.codecs.base.Codec.borrow`:
+        the raw codec's section is a read-only view, no copy). The sink must copy what it needs
+        and keep no reference to the tensor (the fed buffer is reused after ``feed`` returns)."""
         self._expect_fp = expect_fingerprint
         self._expect_key = expect_key
         self._require_lossless = require_lossless
@@ -180,6 +186,7 @@ class ArtifactReader:
         self._decode = decode
         self._assemble = (assemble or out is not None) and decode
         self.kv: torch.Tensor | None = out  # (L, 2, H, T, D) when assembling
+        self._sink = sink if not self._assemble and decode else None
         self._buf = bytearray()  # bytes that arrived but belong to an unfinished part
         self._view: memoryview = memoryview(b"")  # what the current feed() parses
         self._pos = 0  # bytes of _view consumed
@@ -387,6 +394,9 @@ class ArtifactReader:
         self._next += 1
         if not self._decode:
             return True
+        if self._sink is not None:
+            self._sink(Section(info.layer, info.kind, self._codec.borrow(framed[4:], info)))
+            return True  # the section (and its view of the fed bytes) is gone once the sink returns
         if not self._assemble:
             return Section(info.layer, info.kind, self._codec.decode(framed[4:], info))
         if self.kv is None:

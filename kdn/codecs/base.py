@@ -68,6 +68,13 @@ class Codec(ABC):
     def decode(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
         """Back to a ``(H, T, D)`` tensor of ``info.dtype``. Raises ArtifactCorrupt on bad bytes."""
 
+    def borrow(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
+        """The section as a ``(H, T, D)`` tensor that may share ``payload``'s memory (valid only as
+        long as ``payload`` is, and read-only): codecs that store the tensor's bytes as they are
+        return a view, so a caller that copies the section into its own layout copies once.
+        Default: :meth:`decode` (a new tensor)."""
+        return self.decode(payload, info)
+
     def decode_into(self, payload: memoryview, info: SectionInfo, out: torch.Tensor) -> None:
         """Decode into ``out``, a ``(H, T, D)`` tensor of ``info.dtype`` (a view into a larger
         buffer, e.g. one layer's K of a whole chunk). Codecs that can write in place override

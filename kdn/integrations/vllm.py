@@ -584,18 +584,23 @@ class _LoadJob:
         conn = self.conn
         client = conn._clients_for(spec.tenant, spec.salt)
         key = ChunkKey(spec.keys[i])
-        reader = ArtifactReader(expect_fingerprint=conn.fingerprint, expect_key=key, require_lossless=True)
+        c = spec.first + i
+
+        def place(section: Section) -> None:
+            # a verified section, borrowed from the received bytes (raw codec: a view, no copy):
+            # the scatter into the engine's blocks is the one copy out of the receive buffer
+            self._place(spec, c, section)
+            if section.kind == "v":
+                with self.cond:
+                    self.progress[r][i] = section.layer + 1
+                    self.cond.notify_all()
+
+        reader = ArtifactReader(expect_fingerprint=conn.fingerprint, expect_key=key, require_lossless=True, sink=place)
         stream = _fetch_stream(client, conn.fingerprint, key, [ChunkKey(k) for k in spec.keys[i + 1 : i + 1 + _PREFETCH_HINT]],
                                conn.config.fetch_timeout_s)
-        c = spec.first + i
         async with aclosing(stream):
             async for piece, _via in stream:
-                for section in reader.feed(piece):
-                    self._place(spec, c, section)
-                    if section.kind == "v":
-                        with self.cond:
-                            self.progress[r][i] = section.layer + 1
-                            self.cond.notify_all()
+                reader.feed(piece)
         reader.finish()
 
     def _place(self, spec: LoadSpec, c: int, section: Section) -> None:

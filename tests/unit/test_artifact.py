@@ -439,3 +439,31 @@ def test_reader_refuses_a_geometry_other_than_its_buffer_before_writing() -> Non
     with pytest.raises(kerr.FingerprintMismatch):
         ArtifactReader(out=out).feed(_encode(kv, "raw"))
     assert not out.any()
+
+
+def test_sink_gets_verified_sections_borrowed_from_the_fed_bytes() -> None:
+    """``sink``: each verified section goes to the caller as it completes, a view of the fed bytes
+    for the raw codec (the caller's one copy), and the fed buffer is free again after ``feed``."""
+    import torch
+
+    from kdn.artifact import ArtifactReader, decode_artifact
+    from kdn.edge.testing import make_chain
+
+    blob = make_chain(1, shape=(3, 2, 8, 4)).blobs[0]
+    whole = decode_artifact(blob).kv  # (L, 2, H, T, D)
+    got: dict[tuple[int, str], torch.Tensor] = {}
+    buf = bytearray(blob)
+    reader = ArtifactReader(sink=lambda s: got.__setitem__((s.layer, s.kind), s.tensor.clone()))
+    assert reader.feed(memoryview(buf)) == []
+    reader.finish()
+    assert sorted(got) == [(layer, kind) for layer in range(3) for kind in "kv"]
+    for (layer, kind), t in got.items():
+        assert torch.equal(t, whole[layer, 0 if kind == "k" else 1])
+    buf.extend(b"x")  # no view of the buffer is left exported (a bytearray cannot resize while one is)
+
+    bad = bytearray(blob)
+    bad[len(bad) // 2] ^= 0x08
+    seen: list[tuple[int, str]] = []
+    with pytest.raises(kerr.ArtifactCorrupt):
+        ArtifactReader(sink=lambda s: seen.append((s.layer, s.kind))).feed(bad)
+    assert len(seen) < 6  # the corrupt section never reached the sink

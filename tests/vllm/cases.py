@@ -98,7 +98,10 @@ def _run_cases(args: Any, results: dict[str, Any], model_dir: Path, fp: Any, edg
         kv_transfer_config=KVTransferConfig(
             kv_connector="KdnConnector", kv_connector_module_path="kdn.integrations.vllm", kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"edge": proxy.address, "chunk_size": C, "shm": "off", "edge_backoff_s": 0.5},
+            kv_connector_extra_config={"edge": proxy.address, "chunk_size": C, "shm": "off", "edge_backoff_s": 0.5,
+                                       # every byte through the fault proxy (the bulk path would go
+                                       # around it; its faults: tests/integration/test_bulk.py)
+                                       "bulk": False},
         ),
     )
     results["engine_start_s"] = time.time() - t0
