@@ -124,9 +124,10 @@ class SegmentCache:
     the caller asks otherwise.
     """
 
-    def __init__(self, directory: str = DEFAULT_SHM_DIR, max_maps: int = 32) -> None:
+    def __init__(self, directory: str = DEFAULT_SHM_DIR, max_maps: int = 32, max_bytes: int = 1 << 30) -> None:
         self.directory = directory
         self._max = max_maps
+        self._max_bytes = max_bytes  # a mapping keeps an unlinked segment's memory alive: bound it
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -148,7 +149,9 @@ class SegmentCache:
             mm = map_segment(name, size, self.directory)
             with self._lock:
                 self._maps[name] = mm
-                while len(self._maps) > self._max:
+                while len(self._maps) > 1 and (
+                    len(self._maps) > self._max or sum(len(m) for m in self._maps.values()) > self._max_bytes
+                ):
                     _, old = self._maps.popitem(last=False)
                     _close_quietly(old)
         try:

@@ -89,3 +89,19 @@ def test_segment_cache_maps_once_and_still_verifies(tmp_path: Path) -> None:
     assert len(cache) == 1  # and a map that failed it is dropped
     cache.close()
     pool.close()
+
+
+def test_segment_cache_bounds_the_bytes_it_keeps_mapped(tmp_path: Path) -> None:
+    """A cached mapping keeps a segment's memory alive after the edge unlinked it: the cache
+    bounds the bytes it holds, not only the count."""
+    from kdn.edge.shm import SegmentCache
+
+    chain = make_chain(4, shape=(2, 2, 64, 64))
+    size = len(chain.blobs[0])
+    pool = ShmPool("e0", directory=str(tmp_path))
+    cache = SegmentCache(str(tmp_path), max_maps=32, max_bytes=2 * size + size // 2)
+    for k, b in zip(chain.keys, chain.blobs):
+        cache.open(pool.publish("default", k, b)).close()
+    assert len(cache) == 2
+    cache.close()
+    pool.close()
