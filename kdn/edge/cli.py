@@ -101,6 +101,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key")
     p.add_argument("--tls-ca", help="require client certificates signed by this CA (mTLS)")
     p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory path")
+    p.add_argument("--no-bulk", action="store_true", help="disable the bulk byte path (plain TCP beside gRPC; off with TLS)")
+    p.add_argument("--bulk-port", type=int, help="port of the bulk byte path on the listen host (default: a free one)")
     p.add_argument("--json", action="store_true", help="accepted for uniformity: the ready/stopped events are always JSON lines")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -118,6 +120,7 @@ def build_config(args: argparse.Namespace) -> EdgeConfig:
         "tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_ca": args.tls_ca,
         "tokens": parse_tokens(args.token_grant) or None,
         "shm": False if args.no_shm else None,
+        "bulk": False if args.no_bulk else None, "bulk_port": args.bulk_port,
     }
     if args.config:
         return EdgeConfig.from_file(args.config, **overrides)
@@ -130,7 +133,7 @@ async def _serve(config: EdgeConfig) -> int:
     server = EdgeServer(config)
     await server.start()
     ready = {"event": "ready", "node_id": config.node_id, "address": server.address, "port": server.port,
-             "metrics_port": server.metrics_port}
+             "metrics_port": server.metrics_port, "bulk_port": server.bulk.port if server.bulk else None}
     print(json.dumps(ready), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
