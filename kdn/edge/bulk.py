@@ -15,9 +15,11 @@ new connections for ``ttl_s``; at most ``max_tickets`` are outstanding (the olde
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import secrets
 import socket
+import threading
 import time
 from collections import OrderedDict
 from typing import Any, Protocol
@@ -47,29 +49,37 @@ class BulkListener:
     """Serves :mod:`kdn.wire.bulk` for one :class:`~kdn.edge.server.EdgeServer`."""
 
     def __init__(self, server: BulkHost, host: str, port: int = 0, *, ttl_s: float = 600.0,
-                 max_tickets: int = 4096) -> None:
+                 max_tickets: int = 4096, max_connections: int = 256) -> None:
         self._s = server
         self.host = host
         self.port = port
         self.ttl_s = ttl_s
         self._max_tickets = max_tickets
         self._tickets: OrderedDict[bytes, tuple[str | None, float]] = OrderedDict()
+        self.max_connections = max_connections
         self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._accept: asyncio.Task[None] | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
 
     # -- tickets -------------------------------------------------------------------------------
 
     def grant(self, token: str | None) -> bytes:
         now = time.monotonic()
-        while self._tickets and (len(self._tickets) >= self._max_tickets or next(iter(self._tickets.values()))[1] < now):
-            self._tickets.popitem(last=False)
         ticket = secrets.token_bytes(wb.TICKET_BYTES)
-        self._tickets[ticket] = (token, now + self.ttl_s)
+        with self._lock:
+            while self._tickets and (
+                len(self._tickets) >= self._max_tickets or next(iter(self._tickets.values()))[1] < now
+            ):
+                self._tickets.popitem(last=False)
+            self._tickets[ticket] = (token, now + self.ttl_s)
         return ticket
 
     def _redeem(self, ticket: bytes) -> str | None:
-        entry = self._tickets.get(ticket)
+        with self._lock:
+            entry = self._tickets.get(ticket)
         if entry is None or entry[1] < time.monotonic():
             raise Unauthorized("unknown or expired bulk ticket: ask OpenBulk again")
         return entry[0]
@@ -90,7 +100,8 @@ class BulkListener:
             raise
         self._sock = sock
         self.port = sock.getsockname()[1]
-        self._accept = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._loop = asyncio.get_running_loop()
+        self._accept = self._loop.create_task(self._accept_loop())
         return self.port
 
     async def stop(self) -> None:
@@ -98,12 +109,21 @@ class BulkListener:
             self._accept.cancel()
             await asyncio.gather(self._accept, return_exceptions=True)
             self._accept = None
-        for task in list(self._conns):
-            task.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for conn in conns:  # wakes the threads blocked in recv/send
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for t in threads:
+            # the threads may be waiting for this loop (a fetch in flight): wait without blocking it
+            while t.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -115,55 +135,67 @@ class BulkListener:
                 log.warning("%s: bulk accept failed: %s", self._s.config.node_id, exc)
                 await asyncio.sleep(0.1)
                 continue
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = loop.create_task(self._serve(conn))
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            with self._lock:
+                if len(self._threads) >= self.max_connections:
+                    conn.close()  # the client falls back to gRPC
+                    continue
+                conn.setblocking(True)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                t = threading.Thread(target=self._serve, args=(conn,), name="kdn-bulk", daemon=True)
+                self._conns.add(conn)
+                self._threads.add(t)
+            t.start()
 
-    # -- one connection ------------------------------------------------------------------------
+    # -- one connection, on its own thread ------------------------------------------------------
+    #
+    # Parsing, auth and the bytes' send/receive run here (the socket calls release the GIL, so
+    # several connections move bytes at once, beside the event loop); the node's coroutines and
+    # the Put budget run on the edge's event loop (:meth:`_on_loop`).
 
-    async def _serve(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+    def _on_loop(self, coro: Any) -> Any:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _serve(self, sock: socket.socket) -> None:
         try:
-            hello = bytearray(wb.HELLO.size)
-            await wb.recv_exactly(loop, sock, memoryview(hello))
+            hello = _recv_exactly(sock, wb.HELLO.size)
             try:
                 token = self._redeem(wb.parse_hello(bytes(hello)))
             except KdnError as exc:
-                await self._refuse(loop, sock, "OpenBulk", exc)
+                self._refuse(sock, "OpenBulk", exc)
                 return
-            await loop.sock_sendall(sock, wb.answer(0))
-            head = bytearray(wb.REQUEST.size)
+            sock.sendall(wb.answer(0))
             while True:
                 try:
-                    await wb.recv_exactly(loop, sock, memoryview(head))
+                    head = _recv_exactly(sock, wb.REQUEST.size)
                 except ConnectionError:
                     return  # the client closed between requests: the normal end
                 op, length = wb.REQUEST.unpack(head)
                 if op not in (wb.FETCH, wb.PUT) or length > wb.MAX_REQUEST:
-                    await self._refuse(loop, sock, "bulk", InvalidInput(f"bad bulk request (op {op}, {length} bytes)"))
+                    self._refuse(sock, "bulk", InvalidInput(f"bad bulk request (op {op}, {length} bytes)"))
                     return
-                body = bytearray(length)
-                await wb.recv_exactly(loop, sock, memoryview(body))
+                body = bytes(_recv_exactly(sock, length))
                 if op == wb.FETCH:
-                    await self._fetch(loop, sock, bytes(body), token)
-                elif not await self._put(loop, sock, bytes(body), token):
+                    self._fetch(sock, body, token)
+                elif not self._put(sock, body, token):
                     return  # the payload was not read: the stream cannot go on
-        except (ConnectionError, OSError):
-            return
+        except (OSError, RuntimeError, concurrent.futures.CancelledError):
+            return  # connection reset, or the edge is stopping (its loop gone)
         finally:
             sock.close()
+            with self._lock:
+                self._conns.discard(sock)
+                self._threads.discard(threading.current_thread())
 
-    async def _refuse(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, rpc: str, exc: BaseException) -> None:
+    def _refuse(self, sock: socket.socket, rpc: str, exc: BaseException) -> None:
         code, message = status_for(exc)
         if not isinstance(exc, KdnError):
             log.error("%s: bulk %s crashed", self._s.config.node_id, rpc, exc_info=exc)
         if self._s.node is not None:
             self._s.node.metrics.refused.labels(rpc, code.name).inc()
-        await loop.sock_sendall(sock, wb.answer(status_value(code) or status_value(grpc.StatusCode.UNKNOWN), message))
+        sock.sendall(wb.answer(status_value(code) or status_value(grpc.StatusCode.UNKNOWN), message))
 
-    async def _fetch(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: bytes, token: str | None) -> None:
+    def _fetch(self, sock: socket.socket, body: bytes, token: str | None) -> None:
         t0 = time.perf_counter()
         node = self._s.node
         assert node is not None
@@ -176,20 +208,20 @@ class BulkListener:
             self._s.auth.check(token, ns.tenant)
             spec = FetchSpec.from_proto(request, ns)
             next_keys = parse_keys(request.next_keys, limit=self._s.config.max_chain_keys)
-            data, source = await node.fetch_bytes(spec, token=token, next_keys=next_keys)
+            data, source = self._on_loop(node.fetch_bytes(spec, token=token, next_keys=next_keys))
         except Exception as exc:
-            await self._refuse(loop, sock, "Fetch", exc)
+            self._refuse(sock, "Fetch", exc)
             return
         view = memoryview(data)
         try:
-            await loop.sock_sendall(sock, wb.answer(0, source, len(view)))
-            await loop.sock_sendall(sock, view)  # the stored bytes themselves: no framing, no copy here
+            sock.sendall(wb.answer(0, source, len(view)))
+            sock.sendall(view)  # the stored bytes themselves: no framing, no copy here
         finally:
             view.release()
         node.metrics.bytes_out.labels("bulk").inc(len(data))
         node.metrics.latency.labels("Fetch", source).observe(time.perf_counter() - t0)
 
-    async def _put(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: bytes, token: str | None) -> bool:
+    def _put(self, sock: socket.socket, body: bytes, token: str | None) -> bool:
         """False when the payload was refused unread (the connection must close)."""
         node = self._s.node
         assert node is not None
@@ -205,23 +237,38 @@ class BulkListener:
             )
             if not header.total_size:
                 raise InvalidInput("a bulk Put must declare total_size")
+            self._on_loop(self._reserve(header.total_size))  # the edge's bound on bytes held by Puts
         except Exception as exc:
-            await self._refuse(loop, sock, "Put", exc)
+            self._refuse(sock, "Put", exc)
             return False
-        with self._s.put_budget.lease() as reserve:
-            try:
-                reserve(header.total_size)  # the edge's bound on bytes held by Puts in flight
-            except Exception as exc:
-                await self._refuse(loop, sock, "Put", exc)
-                return False
-            await loop.sock_sendall(sock, wb.answer(0))  # go ahead
-            data = bytearray(header.total_size)
-            await wb.recv_exactly(loop, sock, memoryview(data))
+        try:
+            sock.sendall(wb.answer(0))  # go ahead
+            data = _recv_exactly(sock, header.total_size)
             try:  # the store verifies every checksum before it keeps a byte
-                await node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key)
+                self._on_loop(node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key))
             except Exception as exc:
-                await self._refuse(loop, sock, "Put", exc)
+                self._refuse(sock, "Put", exc)
                 return True
             del data
-        await loop.sock_sendall(sock, wb.answer(0))
+        finally:
+            self._on_loop(self._release(header.total_size))
+        sock.sendall(wb.answer(0))
         return True
+
+    async def _reserve(self, n: int) -> None:
+        self._s.put_budget.take(n)
+
+    async def _release(self, n: int) -> None:
+        self._s.put_budget.give(n)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionResetError("peer closed the bulk connection")
+        got += k
+    return buf

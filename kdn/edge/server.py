@@ -21,7 +21,6 @@ the server keeps serving.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from contextlib import contextmanager
@@ -114,10 +113,24 @@ class PutBudget:
     def _trim_when_idle(self) -> None:
         self._trim = None
         if self.used == 0:
-            gc.collect()  # a refused call's exception, traceback and frames form cycles that hold its messages
             _trim_heap()
         else:
             self.refused()  # Puts in flight hold the heap now: try again a little later
+
+    def take(self, n: int) -> None:
+        """Hold ``n`` more bytes, or refuse with ``StorageFull``."""
+        if self.used + n > self.limit:
+            raise StorageFull(
+                f"in-flight Puts hold {self.used} bytes; {n} more would pass the {self.limit}-byte budget"
+            )
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    def give(self, n: int) -> None:
+        """Give back ``n`` bytes a finished (or refused) Put held."""
+        self.used -= n
+        if n >= _TRIM_AFTER and self.used == 0:
+            _trim_heap()
 
     @contextmanager
     def lease(self) -> Iterator[Callable[[int], None]]:
@@ -125,20 +138,13 @@ class PutBudget:
 
         def reserve(n: int) -> None:
             nonlocal held
-            if self.used + n > self.limit:
-                raise StorageFull(
-                    f"in-flight Puts hold {self.used} bytes; {n} more would pass the {self.limit}-byte budget"
-                )
-            self.used += n
+            self.take(n)
             held += n
-            self.peak = max(self.peak, self.used)
 
         try:
             yield reserve
         finally:
-            self.used -= held
-            if held >= _TRIM_AFTER and self.used == 0:
-                _trim_heap()
+            self.give(held)
 
 
 _TRIM_AFTER = 64 << 20  # a Put that held this much: give the freed heap back once no Put holds any
