@@ -182,7 +182,7 @@ class BulkListener:
         except (OSError, RuntimeError, concurrent.futures.CancelledError):
             return  # connection reset, or the edge is stopping (its loop gone)
         finally:
-            sock.close()
+            _close_gently(sock)
             with self._lock:
                 self._conns.discard(sock)
                 self._threads.discard(threading.current_thread())
@@ -260,6 +260,22 @@ class BulkListener:
 
     async def _release(self, n: int) -> None:
         self._s.put_budget.give(n)
+
+
+def _close_gently(sock: socket.socket, *, drain: int = 1 << 20, wait_s: float = 0.5) -> None:
+    """Close so that a refusal just sent arrives: a socket closed with unread input resets the
+    connection, and the peer may lose the answer. Stop sending, read and drop what the peer still
+    sends (at most ``drain`` bytes, ``wait_s`` seconds), then close."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(wait_s)
+        left = drain
+        while left > 0 and sock.recv(min(left, 65536)):
+            left -= 65536
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytearray:

@@ -109,13 +109,22 @@ def test_bulk_enforces_the_same_tokens_and_tenants_as_grpc() -> None:
     asyncio.run(main())
 
 
-async def _raw(port: int, payload: bytes, *, read: int = wb.ANSWER.size) -> bytes:
-    """Send ``payload`` on a fresh bulk connection, return what the edge answers (until close)."""
+async def _raw(port: int, payload: bytes, *, answers: int = 1) -> bytes:
+    """Send ``payload`` on a fresh bulk connection; return the edge's first ``answers`` answers
+    (header and text each; fewer if it closes first)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    out = b""
     try:
         writer.write(payload)
         await writer.drain()
-        return await asyncio.wait_for(reader.read(1 << 16), TIMEOUT)
+        for _ in range(answers):
+            try:
+                head = await asyncio.wait_for(reader.readexactly(wb.ANSWER.size), TIMEOUT)
+            except asyncio.IncompleteReadError:
+                break
+            tlen = wb.ANSWER.unpack(head)[2]
+            out += head + await asyncio.wait_for(reader.readexactly(tlen), TIMEOUT)
+        return out
     finally:
         writer.close()
 
@@ -141,17 +150,17 @@ def test_bad_frames_and_tickets_get_clear_errors_and_the_edge_keeps_serving() ->
                 ticket = srv.bulk.grant(None)
                 hello = wb.HELLO.pack(wb.MAGIC, wb.VERSION, ticket)
                 for bad in (wb.REQUEST.pack(9, 4) + b"abcd", wb.REQUEST.pack(wb.FETCH, wb.MAX_REQUEST + 1)):
-                    out = await _raw(port, hello + bad)
+                    out = await _raw(port, hello + bad, answers=2)
                     assert out[: wb.ANSWER.size] == wb.answer(0)  # hello accepted
                     assert wb.ANSWER.unpack_from(out, wb.ANSWER.size)[0] == 3  # INVALID_ARGUMENT
                 # a request that is not a FetchRequest: InvalidInput, and the connection goes on
-                out = await _raw(port, hello + wb.REQUEST.pack(wb.FETCH, 3) + b"\xff\xff\xff")
+                out = await _raw(port, hello + wb.REQUEST.pack(wb.FETCH, 3) + b"\xff\xff\xff", answers=2)
                 assert wb.ANSWER.unpack_from(out, wb.ANSWER.size)[0] == 3
                 # a Put that declares more than the edge takes: refused before a byte of it is read
                 big = pb.PutHeader(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant="default"),
                                    key=bytes(chain.keys[0]), total_size=srv.config.max_artifact_bytes + 1)
                 raw = big.SerializeToString()
-                out = await _raw(port, hello + wb.REQUEST.pack(wb.PUT, len(raw)) + raw)
+                out = await _raw(port, hello + wb.REQUEST.pack(wb.PUT, len(raw)) + raw, answers=2)
                 assert wb.ANSWER.unpack_from(out, wb.ANSWER.size)[0] == 8  # RESOURCE_EXHAUSTED
                 # a connection that hangs up mid-request leaves nothing behind
                 out = await _raw(port, hello + wb.REQUEST.pack(wb.FETCH, 100) + b"\x0a")
