@@ -208,7 +208,10 @@ class BulkListener:
             self._s.auth.check(token, ns.tenant)
             spec = FetchSpec.from_proto(request, ns)
             next_keys = parse_keys(request.next_keys, limit=self._s.config.max_chain_keys)
-            data, source = self._on_loop(node.fetch_bytes(spec, token=token, next_keys=next_keys))
+            assert self._loop is not None
+            held = node.fetch_held(spec, self._loop, token=token, next_keys=next_keys)
+            data, source = held if held is not None else \
+                self._on_loop(node.fetch_bytes(spec, token=token, next_keys=next_keys))
         except Exception as exc:
             self._refuse(sock, "Fetch", exc)
             return

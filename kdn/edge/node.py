@@ -237,6 +237,27 @@ class EdgeNode:
             self._read_ahead(spec, next_keys, token)
         return data, tier
 
+    def fetch_held(
+        self, spec: FetchSpec, loop: asyncio.AbstractEventLoop, *, token: str | None = None,
+        next_keys: Sequence[ChunkKey] = (),
+    ) -> tuple[bytes, str] | None:
+        """:meth:`fetch_bytes` for an artifact this node holds, from any thread (the store locks;
+        a disk read blocks the caller, not ``loop``); None when it is not held here (then ask
+        :meth:`fetch_bytes` on ``loop``: coalescing, peers and the origin live there). The bulk
+        byte path's threads answer hits this way without a round trip through the event loop."""
+        tenant = spec.namespace.tenant
+        if not self.store.lookup([spec.key], tenant=tenant):
+            return None
+        got = self.store.get(spec.key, tenant=tenant)
+        if got is None:
+            return None
+        data, tier = got
+        self.metrics.hits.labels(tier).inc()
+        self._check_served(data, spec)
+        if next_keys and self.config.prefetch_depth and not spec.local_only:
+            loop.call_soon_threadsafe(self._read_ahead, spec, next_keys, token)
+        return data, tier
+
     def _read_ahead(self, spec: FetchSpec, next_keys: Sequence[ChunkKey], token: str | None) -> None:
         ahead = list(next_keys[: self.config.prefetch_depth])
         held = len(self.store.lookup(ahead, tenant=spec.namespace.tenant))

@@ -211,10 +211,13 @@ def test_bulk_bytes_are_verified_by_the_client() -> None:
                 corrupt = bytearray(stored)
                 corrupt[len(corrupt) // 3] ^= 0x01
 
-                async def serve_corrupt(spec, **kw):  # noqa: ANN001, ANN003
-                    return bytes(corrupt), "memory"
+                real_get = srv.node.store.get
 
-                srv.node.fetch_bytes = serve_corrupt  # type: ignore[method-assign]
+                def serve_corrupt(key, **kw):  # noqa: ANN001, ANN003
+                    got = real_get(key, **kw)
+                    return (bytes(corrupt), got[1]) if got is not None else None
+
+                srv.node.store.get = serve_corrupt  # type: ignore[method-assign]
                 with pytest.raises(e.ArtifactCorrupt):
                     await fetch_verified(t, chain, 0)
             finally:
