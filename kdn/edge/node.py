@@ -74,12 +74,17 @@ class ScheduledHints(Protocol):
     def describe(self, tenants: frozenset[str] | None = None) -> list[dict[str, Any]]: ...
 
 
+def _drop(section: object) -> None:
+    return None
+
+
 def check_decodes(data: bytes, fingerprint: bytes | None = None) -> None:
     """Decode every section of ``data`` (one at a time, then dropped): checksums are unkeyed, so a
     checksum-valid container may still not decode, and the edge must not keep what no reader can
     use (the first writer of a key wins, so a poisoned entry would shadow every honest Put after
     it). Raises a KdnError; a codec's own exception on hostile bytes becomes ``ArtifactCorrupt``."""
-    reader = ArtifactReader(expect_fingerprint=fingerprint)  # type: ignore[arg-type]
+    # sections borrowed, not kept: the raw codec's check is its length (no copy), the others decode
+    reader = ArtifactReader(expect_fingerprint=fingerprint, sink=_drop)  # type: ignore[arg-type]
     view = memoryview(data)
     try:
         for at in range(0, len(view), _DECODE_PIECE):  # piecewise: a few sections' KV alive at once
