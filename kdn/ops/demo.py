@@ -1,4 +1,4 @@
-"""``kdn demo``: a whole KDN on this machine, and what it buys, in about two minutes.
+"""``kdn demo``: a whole KDN on this machine, and what it buys (2–3 minutes on an idle 2-core CPU, longer on a busy one).
 
 1. starts a local Ray cluster whose node carries both roles (``kdn_origin``, ``kdn_edge``);
 2. ingests the bundled sample documents (``kdn/ops/samples``) with the origin's Ray prefill workers
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -117,7 +118,9 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
         ocfg = OriginConfig(store_dir=str(work / "origin"), models=[args.model], codecs=["raw"], workers=1, worker_threads=cpus,
                             listen="127.0.0.1:0", fsync=False, verify_on_start="size")
         progress.step(f"ingesting {len(docs)} sample documents with {args.model} on a Ray prefill worker")
-        summary = ingest(docs, ocfg, progress=progress.enabled and not args.json)  # its bar prints to stdout
+        # progress on stderr: a bar on a terminal, else a line per document
+        summary = ingest(docs, ocfg, progress=("bar" if sys.stderr.isatty() and not args.json else "lines")
+                         if progress.enabled else "off")
         if summary.failed:
             raise KdnError(f"ingest failed for {summary.failed} document(s): {summary.to_json()}")
         progress.step(f"ingested {summary.tokens} tokens into {summary.chunks} chunks; starting origin + edge actors")
@@ -228,6 +231,8 @@ def render(out: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     progress = _Progress(enabled=True)
+    progress.step(f"kdn demo: {len(list(args.samples.glob('*.txt')))} documents with {args.model}; about 2–3 minutes on an "
+                  "idle 2-core CPU, longer on a busy one; importing Ray and torch")
     try:
         out = run(args, progress)
     except KdnError as exc:

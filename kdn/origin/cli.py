@@ -11,11 +11,17 @@ import json
 import signal
 import sys
 import threading
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from kdn.console import report_error
 from kdn.errors import InvalidInput, KdnError
-from kdn.origin.config import OriginConfig
+
+if TYPE_CHECKING:
+    from kdn.origin.config import OriginConfig
+
+# Both commands print their first line before importing torch, transformers and Ray (several
+# seconds on a small machine, tens of seconds on a busy one): a user sees at once what is going on.
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -29,7 +35,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _config(args: argparse.Namespace, **extra: Any) -> OriginConfig:
+def _config(args: argparse.Namespace, **extra: Any) -> "OriginConfig":
+    from kdn.origin.config import OriginConfig
+
     flags = dict(
         store_dir=args.store_dir,
         codecs=args.codecs,
@@ -55,9 +63,16 @@ def main_ingest(argv: list[str]) -> int:
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories (recursive)")
     p.add_argument("--model", help="model spec: built-in name or local model directory")
     p.add_argument("--namespace", help="TENANT or TENANT:SALT")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (default: a bar on a terminal, else one line per stage and document)")
     _common(p)
     args = p.parse_args(argv)
+    from kdn.console import StageLines
+
+    # a bar on a terminal; anywhere else (a pipe, a log, CI) plain lines, so it is never silent
+    mode = "off" if args.no_progress else "bar" if sys.stderr.isatty() else "lines"
+    stages = StageLines(sys.stderr if mode != "off" else None, prog="ingest")
+    stages.line("starting: importing torch and the model code")
     from kdn.origin.ingest import check_model_spec, discover, ingest, make_executor
 
     started_ray = False
@@ -68,18 +83,25 @@ def main_ingest(argv: list[str]) -> int:
         found = discover(args.paths)
         if not found.sources:
             raise InvalidInput(found.nothing_to_ingest())
+        stages.line(f"found {len(found.sources)} document(s) under {', '.join(args.paths)}; store {config.store_path}")
         if config.workers:
             from kdn.origin.ray_origin import ensure_ray
 
+            stages.line(f"connecting to Ray ({config.ray_address or 'RAY_ADDRESS, else a new local cluster'})")
             started_ray = ensure_ray(
                 address=config.ray_address, origin_slots=config.workers, num_cpus=None
             )
+            stages.line(f"starting {config.workers} Ray prefill worker(s), each loading {config.models[0]}")
+        else:
+            stages.line(f"loading {config.models[0]} in this process (no Ray)")
+        t_load = time.perf_counter()
         executor = make_executor(config)
+        if not config.workers:
+            stages.line(f"model loaded in {time.perf_counter() - t_load:.1f}s")
     except KdnError as exc:
         return _fatal(args, exc)
     try:
-        show = not args.json and not args.no_progress and sys.stderr.isatty()
-        summary = ingest(args.paths, config, executor=executor, progress=show, found=found)
+        summary = ingest(args.paths, config, executor=executor, progress=mode, found=found)
     except KdnError as exc:
         return _fatal(args, exc)
     finally:
@@ -104,6 +126,10 @@ def main_origin(argv: list[str]) -> int:
     p.add_argument("--token", action="append", metavar="TOKEN=TENANT[,TENANT]", help="grant a bearer token (repeatable)")
     _common(p)
     args = p.parse_args(argv)
+    from kdn.console import StageLines
+
+    stages = StageLines(sys.stderr, prog="origin")  # stdout holds only the ready line
+    stages.line("starting: importing torch, transformers and gRPC")
     started_ray = False
     server = None
     try:
@@ -126,9 +152,15 @@ def main_origin(argv: list[str]) -> int:
             from kdn.origin.compute import RayCompute
             from kdn.origin.ray_origin import ensure_ray
 
+            stages.line(f"connecting to Ray ({config.ray_address or 'RAY_ADDRESS, else a new local cluster'})")
             started_ray = ensure_ray(address=config.ray_address, origin_slots=config.workers)
+            stages.line(f"starting {config.workers} Ray prefill worker(s) with {', '.join(config.models)}")
             compute = RayCompute(config)
+        else:
+            stages.line(f"opening store {config.store_path} (check: {config.verify_on_start}) and loading "
+                        f"{', '.join(config.models)} in this process")
         server = OriginServer(config, compute=compute)
+        stages.line(f"binding {config.listen}")
         address = server.start()
     except KdnError as exc:
         if server is not None:
