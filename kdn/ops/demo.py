@@ -96,6 +96,7 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
     if not docs:
         raise KdnError(f"no *.txt sample documents in {args.samples}")
     t_start = time.perf_counter()
+    load_start = _load_1min()
     with ExitStack() as stack:
         work = args.keep or Path(tempfile.mkdtemp(prefix="kdn-demo-"))
         work.mkdir(parents=True, exist_ok=True)
@@ -168,6 +169,7 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
                 kdn_timings=hot.timings.as_dict(),
                 kdn_cold_timings=cold.timings.as_dict(),
             ))
+        load_end = _load_1min()
         progress.step("shutting down edge, origin and Ray")
     return {
         "model": args.model,
@@ -180,7 +182,16 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
         "queries": [asdict(r) for r in rows],
         "all_outputs_match": all(r.outputs_match for r in rows),
         "seconds": time.perf_counter() - t_start,
+        # the timings share the machine with everything else on it: the figures depend on it
+        "load_average": {"start_1min": load_start, "end_1min": load_end, "cpus": os.cpu_count() or 1},
     }
+
+
+def _load_1min() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # not available on this platform
+        return None
 
 
 def _quietly(fn: Any) -> None:
@@ -194,6 +205,16 @@ def _secs(s: float) -> str:
     return f"{s:.2f} s" if s < 10 else f"{s:.1f} s"
 
 
+def load_caption(load: dict[str, Any]) -> str:
+    """The load beside the table: speedups are ratios of two timings on a shared machine, and a
+    busy CPU stretches recompute and reuse by different factors."""
+    if load.get("start_1min") is None:
+        where = f"{load['cpus']} CPUs (load average unavailable here)"
+    else:
+        where = f"load average {load['start_1min']:.1f} → {load['end_1min']:.1f} (1 min) on {load['cpus']} CPUs"
+    return f"{where}; speedups depend on the load: rerun on an idle machine to compare figures"
+
+
 def render(out: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -202,7 +223,8 @@ def render(out: dict[str, Any]) -> None:
 
     console = Console()
     table = Table(title=f"KDN demo — time to first token, {out['model']} on CPU", box=box.SIMPLE_HEAD,
-                  pad_edge=False, collapse_padding=True)
+                  pad_edge=False, collapse_padding=True, caption=load_caption(out["load_average"]),
+                  caption_justify="left")
     for col, just in (("document", "left"), ("tokens", "right"), ("reused", "right"),
                       ("recompute", "right"), ("KDN cold", "right"), ("KDN hit", "right"),
                       ("speedup", "right"), ("same", "center")):

@@ -149,3 +149,24 @@ def test_quick_start_is_two_commands_that_print_as_they_go():
     assert test_cmd in (REPO / ".ci" / "run").read_text(encoding="utf-8")  # CI runs the same command
     for cmd in commands:
         assert "pip install -q" not in cmd  # pip says what it installs: minutes, not a silence
+
+
+def _demo_out(load: dict) -> dict:
+    q = dict(document="lease_policy.txt", prompt_tokens=4558, reused_tokens=4352, ttft_recompute_s=10.6,
+             ttft_kdn_cold_s=1.48, ttft_kdn_s=0.74, speedup=14.3, outputs_match=True, via="edge", text="cccc",
+             warnings=[], kdn_timings={}, kdn_cold_timings={})
+    return {"model": "small-125m", "fingerprint": "ab" * 32, "origin": "127.0.0.1:1", "edge": "127.0.0.1:2",
+            "edge_placement": "Ray actor", "ingest": {"documents": 1, "tokens": 4558, "chunks": 17, "seconds": 9.0},
+            "queries": [q], "all_outputs_match": True, "seconds": 80.0, "load_average": load}
+
+
+def test_demo_table_shows_the_load_average_and_says_speedups_depend_on_it(capsys):
+    """Issue 17 item 4: the load average (1 min, at the start and the end) and the cores beside the table."""
+    from kdn.ops.demo import render
+
+    render(_demo_out({"start_1min": 1.52, "end_1min": 3.04, "cpus": 2}))
+    text = " ".join(capsys.readouterr().out.split())  # rich wraps to the terminal's width
+    assert "load average 1.5 → 3.0 (1 min) on 2 CPUs" in text
+    assert "speedups depend on the load" in text
+    render(_demo_out({"start_1min": None, "end_1min": None, "cpus": 4}))
+    assert "4 CPUs (load average unavailable here)" in " ".join(capsys.readouterr().out.split())
