@@ -171,8 +171,11 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
             ))
         load_end = _load_1min()
         progress.step("shutting down edge, origin and Ray")
+    from kdn.models import BUILTIN_SPECS
+
     return {
         "model": args.model,
+        "untrained": args.model in BUILTIN_SPECS,  # built-in specs are seeded random weights
         "fingerprint": bytes(lm.fingerprint).hex(),
         "origin": origin_address,
         "edge": edge_address,
@@ -215,6 +218,16 @@ def load_caption(load: dict[str, Any]) -> str:
     return f"{where}; speedups depend on the load: rerun on an idle machine to compare figures"
 
 
+def untrained_note(model: str, sample: str) -> str:
+    """Said wherever a built-in model's answer could be taken for the product's: its weights are
+    random, so its text is noise by construction, and only "same" says whether reuse is right."""
+    seen = f" (e.g. {sample[:24]!r})" if sample else ""
+    return (f"note: {model} has random, untrained weights: it has the shape and cost of a real model, so the "
+            f"timings are real, but its answers{seen} are noise, not meant to be read. Reuse is shown correct by "
+            "'same': the edge's answer has exactly the tokens of a full recompute. For a trained model, "
+            "see `kdn model train-reference` and --model DIR.")
+
+
 def render(out: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -241,6 +254,9 @@ def render(out: dict[str, Any]) -> None:
         "KDN hit: the edge holds the chunks; speedup = recompute / KDN hit; same: identical greedy output.",
         style="dim", highlight=False,
     )
+    if out.get("untrained"):
+        console.print(untrained_note(out["model"], out["queries"][0]["text"] if out["queries"] else ""),
+                      style="yellow", highlight=False, markup=False)
     for q in out["queries"]:
         for w in q["warnings"]:
             console.print(f"[yellow]warning ({q['document']}):[/yellow] {w}", highlight=False)

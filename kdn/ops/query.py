@@ -135,9 +135,12 @@ def run(args: argparse.Namespace, stages: StageLines | None = None) -> dict[str,
             result = generate(lm, tokens, client=client, max_new_tokens=args.max_new_tokens)
         client.flush(cfg.put_timeout_s)
         written = int(client.counters["written_back"])
+    from kdn.models import BUILTIN_SPECS
+
     out: dict[str, Any] = {
         "edge": cfg.edge,
         "model": args.model,
+        "untrained": args.model in BUILTIN_SPECS,  # built-in specs are seeded random weights: the text is noise
         "dtype": args.dtype,
         "fingerprint": bytes(lm.fingerprint).hex(),
         "tenant": cfg.tenant,
@@ -199,6 +202,11 @@ def render(out: dict[str, Any]) -> None:
     for w in out["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {w}", markup=True, highlight=False)
     console.print("generated:", out["text"] if out["text"] is not None else out["tokens"], markup=False)
+    if out.get("untrained"):
+        console.print(f"note: {out['model']} has random, untrained weights (for timing): the generated text is noise, "
+                      "not meant to be read. Whether reuse is right shows in --compare: the same tokens as a full "
+                      "recompute. A trained model: `kdn model train-reference`, then --model DIR.",
+                      style="yellow", markup=False, highlight=False)
 
 
 def main(argv: list[str]) -> int:

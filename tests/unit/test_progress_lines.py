@@ -6,6 +6,7 @@ Run in-process: under pytest's capture stderr is not a TTY, as in a pipe. No Ray
 from __future__ import annotations
 
 import io
+import json
 import re
 import threading
 from pathlib import Path
@@ -170,3 +171,26 @@ def test_demo_table_shows_the_load_average_and_says_speedups_depend_on_it(capsys
     assert "speedups depend on the load" in text
     render(_demo_out({"start_1min": None, "end_1min": None, "cpus": 4}))
     assert "4 CPUs (load average unavailable here)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_demo_says_the_builtin_model_is_untrained_where_the_answers_appear(capsys):
+    """Issue 17 item 3: random weights answer noise; the table's note says so and points at 'same'."""
+    from kdn.ops.demo import render
+
+    out = _demo_out({"start_1min": 1.0, "end_1min": 1.0, "cpus": 2})
+    render({**out, "untrained": True})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "small-125m has random, untrained weights" in text and "not meant to be read" in text
+    assert "exactly the tokens of a full recompute" in text and "'cccc'" in text
+    render({**out, "untrained": False})
+    assert "untrained" not in capsys.readouterr().out
+
+
+def test_query_says_the_builtin_model_is_untrained_beside_its_answer(capsys, tmp_path):
+    from kdn.ops.query import main
+
+    assert main(["--model", "tiny", "--prompt", "Question: what is a cache? Answer:", "--max-new-tokens", "2"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "generated:" in text and "tiny has random, untrained weights" in text and "not meant to be read" in text
+    assert main(["--model", "tiny", "--prompt", "x", "--max-new-tokens", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["untrained"] is True
