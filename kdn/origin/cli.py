@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -15,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kdn.console import report_error
-from kdn.errors import InvalidInput, KdnError
+from kdn.errors import InvalidInput, KdnError, Unavailable
 
 if TYPE_CHECKING:
     from kdn.origin.config import OriginConfig
@@ -58,13 +59,19 @@ def _fatal(args: argparse.Namespace, exc: BaseException) -> int:
 
 
 def main_ingest(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kdn ingest", description="Turn documents into KV artifacts in the origin store.")
+    p = argparse.ArgumentParser(
+        prog="kdn ingest",
+        description="Turn documents into KV artifacts in the origin store. Where it prefills: with RAY_ADDRESS "
+                    "exported (after `kdn up`), on Ray workers on the cluster's kdn_origin nodes; else in this "
+                    "process. --workers N and --local override; the first lines say which it uses.")
     p.set_defaults(command="ingest")
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories (recursive)")
     p.add_argument("--model", help="model spec: built-in name or local model directory")
     p.add_argument("--namespace", help="TENANT or TENANT:SALT")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (default: a bar on a terminal, else one line per stage and document)")
+    p.add_argument("--local", action="store_true",
+                   help="prefill in this process even when RAY_ADDRESS names a cluster (default: its kdn_origin nodes)")
     _common(p)
     args = p.parse_args(argv)
     from kdn.console import StageLines
@@ -74,6 +81,7 @@ def main_ingest(argv: list[str]) -> int:
     stages = StageLines(sys.stderr if mode != "off" else None, prog="ingest")
     stages.line("starting: importing torch and the model code")
     from kdn.origin.ingest import check_model_spec, discover, ingest, make_executor
+    from kdn.origin.ingest.where import CLUSTER_ORIGIN_SHARE, Placement, decide
 
     started_ray = False
     try:
@@ -84,24 +92,48 @@ def main_ingest(argv: list[str]) -> int:
         if not found.sources:
             raise InvalidInput(found.nothing_to_ingest())
         stages.line(f"found {len(found.sources)} document(s) under {', '.join(args.paths)}; store {config.store_path}")
-        if config.workers:
+        given = config.model_fields_set  # flags and config file; not the defaults
+        place = decide(workers=config.workers if "workers" in given else None, local=args.local,
+                       ray_address=config.ray_address, env=os.environ)
+        share = 1.0
+        if place.mode != "local":
             from kdn.origin.ray_origin import ensure_ray
 
-            stages.line(f"connecting to Ray ({config.ray_address or 'RAY_ADDRESS, else a new local cluster'})")
-            started_ray = ensure_ray(
-                address=config.ray_address, origin_slots=config.workers, num_cpus=None
-            )
-            stages.line(f"starting {config.workers} Ray prefill worker(s), each loading {config.models[0]}")
+            stages.line(f"connecting to Ray ({place.address or 'a new local cluster'}; {place.reason})")
+            try:
+                started_ray = ensure_ray(address=place.address, origin_slots=place.workers or 1, num_cpus=None)
+            except Exception as exc:  # Ray's own errors (ConnectionError, auth, timeouts): one line
+                raise Unavailable(f"cannot join the Ray cluster at {place.address}: {type(exc).__name__}: "
+                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}; "
+                                  "--local to ingest in this process") from exc
+            if place.mode == "cluster":
+                share = CLUSTER_ORIGIN_SHARE
+                if place.workers is None:
+                    import ray
+
+                    nodes = int(ray.cluster_resources().get("kdn_origin", 0))
+                    if nodes == 0:
+                        stages.line(f"the cluster at {place.address} has no kdn_origin node: prefilling in this process")
+                        ray.shutdown()
+                        started_ray = False
+                        place = Placement("local", 0, None, f"no kdn_origin node at {place.address}")
+                    else:
+                        place = Placement("cluster", nodes, place.address, place.reason)
+        config = config.model_copy(update={"workers": place.workers or 0})
+        where = place.describe()
+        if place.mode == "local":
+            stages.line(f"prefilling {where}: loading {config.models[0]}")
         else:
-            stages.line(f"loading {config.models[0]} in this process (no Ray)")
+            stages.line(f"prefilling {where}: starting the workers, each loading {config.models[0]}")
         t_load = time.perf_counter()
-        executor = make_executor(config)
-        if not config.workers:
+        executor = make_executor(config, origin_share=share)
+        if place.mode == "local":
             stages.line(f"model loaded in {time.perf_counter() - t_load:.1f}s")
     except KdnError as exc:
         return _fatal(args, exc)
     try:
         summary = ingest(args.paths, config, executor=executor, progress=mode, found=found)
+        summary.where = where
     except KdnError as exc:
         return _fatal(args, exc)
     finally:

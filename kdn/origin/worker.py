@@ -249,9 +249,10 @@ class PrefillWorker:
 # different sizes. Ray Data would add a block/batch layer without adding throughput here.
 
 
-def spawn_workers(config: OriginConfig, model: str, *, n: int | None = None) -> list[Any]:
+def spawn_workers(config: OriginConfig, model: str, *, n: int | None = None, origin_share: float = 1.0) -> list[Any]:
     """Start ``n`` (default ``config.workers``) ``OriginWorker`` Ray actors for ``model``, each
-    needing one unit of ``kdn_origin`` and ``config.worker_threads`` CPUs.
+    needing ``origin_share`` (default one unit) of ``kdn_origin`` and ``config.worker_threads``
+    CPUs; with a share below one they are spread over the ``kdn_origin`` nodes.
 
     ``config.max_restarts``: Ray restarts a dead worker (SIGKILL, OOM) that many times; the driver
     resubmits the document it held (``max_task_retries=0``: the driver, not Ray, decides about
@@ -263,10 +264,11 @@ def spawn_workers(config: OriginConfig, model: str, *, n: int | None = None) -> 
     actor_cls = ray.remote(PrefillWorker)
     return [
         actor_cls.options(
-            resources={"kdn_origin": 1},
+            resources={"kdn_origin": origin_share},
             num_cpus=threads,
             max_restarts=config.max_restarts,
             max_task_retries=0,
+            **({"scheduling_strategy": "SPREAD"} if origin_share < 1 else {}),
         ).remote(config, model, threads=threads)
         for _ in range(config.workers if n is None else n)
     ]

@@ -40,7 +40,7 @@ def test_ingest_without_a_tty_prints_a_line_per_stage_and_per_document(tmp_path,
     assert lines and all(LINE.match(line) for line in lines), lines  # every line says which command and when
     text = "\n".join(lines)
     assert "found 3 document(s)" in text
-    assert "loading tiny in this process" in text and "model loaded" in text
+    assert "prefilling in this process, no Ray (--workers 0): loading tiny" in text and "model loaded" in text
     assert "3 document(s) to prefill with tiny in this process" in text
     for i in range(3):  # one line per document, with its id and status, as each finishes
         assert re.search(rf"\d/3 stored \S*doc{i}\.md: \d+ tokens", text), text

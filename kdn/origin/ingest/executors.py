@@ -169,10 +169,13 @@ def check_model_spec(spec: str) -> None:
         )
 
 
-def make_executor(config: OriginConfig, model: str | None = None) -> Executor:
-    """In-process when ``config.workers == 0``; otherwise Ray actors (Ray must be initialised)."""
+def make_executor(config: OriginConfig, model: str | None = None, *, origin_share: float = 1.0) -> Executor:
+    """In-process when ``config.workers == 0``; otherwise Ray actors (Ray must be initialised),
+    each asking ``origin_share`` of a ``kdn_origin`` unit (less than 1 on a cluster whose origin
+    servers hold the units: see :mod:`kdn.origin.ingest.where`)."""
     spec = model or config.models[0]
     check_model_spec(spec)
     if config.workers == 0:
         return LocalExecutor(PrefillWorker(config, spec))
-    return RayExecutor(spawn_workers(config, spec), max_attempts=config.max_attempts, max_restarts=config.max_restarts)
+    return RayExecutor(spawn_workers(config, spec, origin_share=origin_share),
+                       max_attempts=config.max_attempts, max_restarts=config.max_restarts)

@@ -26,6 +26,7 @@ class IngestSummary:
     not_regular: list[str] = field(default_factory=list)  # FIFOs, sockets, devices: skipped
     seconds: float = 0.0
     worker_deaths: int = 0
+    where: str = ""  # where it prefilled, as the CLI decided (kdn.origin.ingest.where)
 
     def count(self, status: str) -> int:
         return sum(1 for r in self.results if r.status == status)
@@ -66,6 +67,7 @@ class IngestSummary:
             "namespace": self.namespace,
             "codecs": self.codecs,
             "workers": self.workers,
+            "where": self.where or ("in this process" if not self.workers else f"on {self.workers} Ray worker(s)"),
             "seconds": round(self.seconds, 3),
             "documents": len(self.results),
             "by_status": {s: self.count(s) for s in ("stored", "skipped", "truncated", "short", "failed")},
@@ -86,7 +88,7 @@ class IngestSummary:
         lines = [
             f"ingest: {len(self.results)} documents with {self.model} ({self.fingerprint[:16]}…) "
             f"into namespace {self.namespace!r}, codecs {', '.join(self.codecs)}, "
-            f"{'in-process' if not self.workers else f'{self.workers} Ray workers'}",
+            + (self.where or ('in-process' if not self.workers else f'{self.workers} Ray workers')),
             "  " + ", ".join(f"{self.count(s)} {s}" for s in ("stored", "skipped", "truncated", "short", "failed")),
             f"  {self.tokens} tokens, {self.chunks} chunks ({self.computed_chunks} computed), "
             f"{_human(self.bytes_written)} written in {self.seconds:.2f}s "
