@@ -81,7 +81,7 @@ def main_ingest(argv: list[str]) -> int:
     stages = StageLines(sys.stderr if mode != "off" else None, prog="ingest")
     stages.line("starting: importing torch and the model code")
     from kdn.origin.ingest import check_model_spec, discover, ingest, make_executor
-    from kdn.origin.ingest.where import CLUSTER_ORIGIN_SHARE, Placement, decide
+    from kdn.origin.ingest.where import Placement, decide, origin_nodes
 
     started_ray = False
     try:
@@ -95,7 +95,7 @@ def main_ingest(argv: list[str]) -> int:
         given = config.model_fields_set  # flags and config file; not the defaults
         place = decide(workers=config.workers if "workers" in given else None, local=args.local,
                        ray_address=config.ray_address, env=os.environ)
-        share = 1.0
+        nodes: list[str] = []
         if place.mode != "local":
             from kdn.origin.ray_origin import ensure_ray
 
@@ -107,18 +107,19 @@ def main_ingest(argv: list[str]) -> int:
                                   f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}; "
                                   "--local to ingest in this process") from exc
             if place.mode == "cluster":
-                share = CLUSTER_ORIGIN_SHARE
-                if place.workers is None:
+                nodes = origin_nodes()
+                if not nodes and place.workers is None:
                     import ray
 
-                    nodes = int(ray.cluster_resources().get("kdn_origin", 0))
-                    if nodes == 0:
-                        stages.line(f"the cluster at {place.address} has no kdn_origin node: prefilling in this process")
-                        ray.shutdown()
-                        started_ray = False
-                        place = Placement("local", 0, None, f"no kdn_origin node at {place.address}")
-                    else:
-                        place = Placement("cluster", nodes, place.address, place.reason)
+                    stages.line(f"the cluster at {place.address} has no kdn_origin node: prefilling in this process")
+                    ray.shutdown()
+                    started_ray = False
+                    place = Placement("local", 0, None, f"no kdn_origin node at {place.address}")
+                elif not nodes:
+                    raise Unavailable(f"the cluster at {place.address} has no kdn_origin node for --workers "
+                                      f"{place.workers}; --local to ingest in this process")
+                elif place.workers is None:
+                    place = Placement("cluster", len(nodes), place.address, place.reason)
         config = config.model_copy(update={"workers": place.workers or 0})
         where = place.describe()
         if place.mode == "local":
@@ -126,7 +127,7 @@ def main_ingest(argv: list[str]) -> int:
         else:
             stages.line(f"prefilling {where}: starting the workers, each loading {config.models[0]}")
         t_load = time.perf_counter()
-        executor = make_executor(config, origin_share=share)
+        executor = make_executor(config, on_nodes=nodes)
         if place.mode == "local":
             stages.line(f"model loaded in {time.perf_counter() - t_load:.1f}s")
     except KdnError as exc:

@@ -17,7 +17,7 @@ The rules, first match wins:
 5. otherwise: in this process.
 
 On a cluster the ``kdn_origin`` unit of each origin node is held by its origin server (``kdn up``),
-so ingest workers there ask only :data:`CLUSTER_ORIGIN_SHARE` of it.
+so ingest workers are pinned to those nodes (:func:`origin_nodes`) and ask only for CPUs.
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ from typing import Literal, Mapping
 
 from kdn.errors import InvalidInput
 
-__all__ = ["CLUSTER_ORIGIN_SHARE", "Placement", "decide"]
-
-# what one ingest worker asks of a cluster node's kdn_origin unit (the origin server holds the unit)
-CLUSTER_ORIGIN_SHARE = 0.01
+__all__ = ["Placement", "decide", "origin_nodes"]
 
 Mode = Literal["local", "cluster", "new-ray"]
 
@@ -73,3 +70,10 @@ def decide(*, workers: int | None, local: bool, ray_address: str | None, env: Ma
     if address:
         return Placement("cluster", None, address, f"{named_by} is set")
     return Placement("local", 0, None, "no RAY_ADDRESS; after `kdn up`, export what it prints to use the cluster")
+
+
+def origin_nodes() -> list[str]:
+    """Ray node ids of the live nodes that carry ``kdn_origin`` (Ray must be initialised)."""
+    import ray
+
+    return sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("kdn_origin", 0) > 0)
