@@ -1,4 +1,4 @@
-"""``kdn demo``: a whole KDN on this machine, and what it buys, in about two minutes.
+"""``kdn demo``: a whole KDN on this machine, and what it buys (2–3 minutes on an idle 2-core CPU, longer on a busy one).
 
 1. starts a local Ray cluster whose node carries both roles (``kdn_origin``, ``kdn_edge``);
 2. ingests the bundled sample documents (``kdn/ops/samples``) with the origin's Ray prefill workers
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
     if not docs:
         raise KdnError(f"no *.txt sample documents in {args.samples}")
     t_start = time.perf_counter()
+    load_start = _load_1min()
     with ExitStack() as stack:
         work = args.keep or Path(tempfile.mkdtemp(prefix="kdn-demo-"))
         work.mkdir(parents=True, exist_ok=True)
@@ -117,7 +119,9 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
         ocfg = OriginConfig(store_dir=str(work / "origin"), models=[args.model], codecs=["raw"], workers=1, worker_threads=cpus,
                             listen="127.0.0.1:0", fsync=False, verify_on_start="size")
         progress.step(f"ingesting {len(docs)} sample documents with {args.model} on a Ray prefill worker")
-        summary = ingest(docs, ocfg, progress=progress.enabled and not args.json)  # its bar prints to stdout
+        # progress on stderr: a bar on a terminal, else a line per document
+        summary = ingest(docs, ocfg, progress=("bar" if sys.stderr.isatty() and not args.json else "lines")
+                         if progress.enabled else "off")
         if summary.failed:
             raise KdnError(f"ingest failed for {summary.failed} document(s): {summary.to_json()}")
         progress.step(f"ingested {summary.tokens} tokens into {summary.chunks} chunks; starting origin + edge actors")
@@ -165,9 +169,13 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
                 kdn_timings=hot.timings.as_dict(),
                 kdn_cold_timings=cold.timings.as_dict(),
             ))
+        load_end = _load_1min()
         progress.step("shutting down edge, origin and Ray")
+    from kdn.models import BUILTIN_SPECS
+
     return {
         "model": args.model,
+        "untrained": args.model in BUILTIN_SPECS,  # built-in specs are seeded random weights
         "fingerprint": bytes(lm.fingerprint).hex(),
         "origin": origin_address,
         "edge": edge_address,
@@ -177,7 +185,16 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
         "queries": [asdict(r) for r in rows],
         "all_outputs_match": all(r.outputs_match for r in rows),
         "seconds": time.perf_counter() - t_start,
+        # the timings share the machine with everything else on it: the figures depend on it
+        "load_average": {"start_1min": load_start, "end_1min": load_end, "cpus": os.cpu_count() or 1},
     }
+
+
+def _load_1min() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # not available on this platform
+        return None
 
 
 def _quietly(fn: Any) -> None:
@@ -191,6 +208,26 @@ def _secs(s: float) -> str:
     return f"{s:.2f} s" if s < 10 else f"{s:.1f} s"
 
 
+def load_caption(load: dict[str, Any]) -> str:
+    """The load beside the table: speedups are ratios of two timings on a shared machine, and a
+    busy CPU stretches recompute and reuse by different factors."""
+    if load.get("start_1min") is None:
+        where = f"{load['cpus']} CPUs (load average unavailable here)"
+    else:
+        where = f"load average {load['start_1min']:.1f} → {load['end_1min']:.1f} (1 min) on {load['cpus']} CPUs"
+    return f"{where}; speedups depend on the load: rerun on an idle machine to compare figures"
+
+
+def untrained_note(model: str, sample: str) -> str:
+    """Said wherever a built-in model's answer could be taken for the product's: its weights are
+    random, so its text is noise by construction, and only "same" says whether reuse is right."""
+    seen = f" (e.g. {sample[:24]!r})" if sample else ""
+    return (f"note: {model} has random, untrained weights: it has the shape and cost of a real model, so the "
+            f"timings are real, but its answers{seen} are noise, not meant to be read. Reuse is shown correct by "
+            "'same': the edge's answer has exactly the tokens of a full recompute. For a trained model, "
+            "see `kdn model train-reference` and --model DIR.")
+
+
 def render(out: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -199,7 +236,8 @@ def render(out: dict[str, Any]) -> None:
 
     console = Console()
     table = Table(title=f"KDN demo — time to first token, {out['model']} on CPU", box=box.SIMPLE_HEAD,
-                  pad_edge=False, collapse_padding=True)
+                  pad_edge=False, collapse_padding=True, caption=load_caption(out["load_average"]),
+                  caption_justify="left")
     for col, just in (("document", "left"), ("tokens", "right"), ("reused", "right"),
                       ("recompute", "right"), ("KDN cold", "right"), ("KDN hit", "right"),
                       ("speedup", "right"), ("same", "center")):
@@ -216,6 +254,9 @@ def render(out: dict[str, Any]) -> None:
         "KDN hit: the edge holds the chunks; speedup = recompute / KDN hit; same: identical greedy output.",
         style="dim", highlight=False,
     )
+    if out.get("untrained"):
+        console.print(untrained_note(out["model"], out["queries"][0]["text"] if out["queries"] else ""),
+                      style="yellow", highlight=False, markup=False)
     for q in out["queries"]:
         for w in q["warnings"]:
             console.print(f"[yellow]warning ({q['document']}):[/yellow] {w}", highlight=False)
@@ -228,6 +269,8 @@ def render(out: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     progress = _Progress(enabled=True)
+    progress.step(f"kdn demo: {len(list(args.samples.glob('*.txt')))} documents with {args.model}; about 2–3 minutes on an "
+                  "idle 2-core CPU, longer on a busy one; importing Ray and torch")
     try:
         out = run(args, progress)
     except KdnError as exc:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
-from kdn.console import report_error
+from kdn.console import StageLines, report_error
 from kdn.errors import InvalidInput, KdnError
 
 
@@ -98,7 +99,8 @@ def _window_prompt(lm: Any, prompt: str, max_new_tokens: int, model: str) -> lis
     return wt.tokens
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, stages: StageLines | None = None) -> dict[str, Any]:
+    stages = stages or StageLines(None, prog="query")
     from kdn.client import ClientConfig, KdnClient
     from kdn.integrations.transformers import generate
     from kdn.keys import DEFAULT_CHUNK_SIZE
@@ -115,10 +117,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides = dict(edge=args.edge, fallback_edges=args.fallback_edges, tenant=args.tenant, salt=args.salt, token=args.token, shm=args.shm,
                      fetch_timeout_s=args.timeout, write_back=False if args.no_write_back else None)
     cfg = ClientConfig.from_file(args.config, **overrides) if args.config else ClientConfig.build(**overrides)
+    stages.line(f"loading {args.model} in this process")
     lm = load_model(args.model, dtype=args.dtype, chunk_size=args.chunk_size or DEFAULT_CHUNK_SIZE)
     whole = prompt if documents is None else prefix + "".join(documents) + prompt
     tokens = _window_prompt(lm, whole, args.max_new_tokens, args.model)
-    with KdnClient(cfg) as client:
+    doing = (f"{len(tokens)} prompt tokens, " + (f"reusing what edge {cfg.edge} holds" if cfg.edge else "no edge: full prefill")
+             + f", then {args.max_new_tokens} new tokens")
+    with stages.ongoing(doing), KdnClient(cfg) as client:
         if documents is not None:
             from kdn.blend import Deviation
             from kdn.integrations.blend import BlendOptions
@@ -130,9 +135,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result = generate(lm, tokens, client=client, max_new_tokens=args.max_new_tokens)
         client.flush(cfg.put_timeout_s)
         written = int(client.counters["written_back"])
+    from kdn.models import BUILTIN_SPECS
+
     out: dict[str, Any] = {
         "edge": cfg.edge,
         "model": args.model,
+        "untrained": args.model in BUILTIN_SPECS,  # built-in specs are seeded random weights: the text is noise
         "dtype": args.dtype,
         "fingerprint": bytes(lm.fingerprint).hex(),
         "tenant": cfg.tenant,
@@ -153,7 +161,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "recomputed_tokens": result.blend.selected, "compute_share": result.blend.layer_token_fraction,
                         "blend_ms": result.timings.blend_s * 1e3}
     if args.compare:
-        base = generate(lm, tokens if documents is None else whole, max_new_tokens=args.max_new_tokens)
+        with stages.ongoing(f"--compare: full recompute of {len(tokens)} prompt tokens without the cache"):
+            base = generate(lm, tokens if documents is None else whole, max_new_tokens=args.max_new_tokens)
         out["recompute"] = {"ttft_s": base.timings.ttft_s, "tokens": base.tokens}
         out["outputs_match"] = base.tokens == result.tokens
         out["speedup"] = base.timings.ttft_s / max(result.timings.ttft_s, 1e-9)
@@ -193,15 +202,22 @@ def render(out: dict[str, Any]) -> None:
     for w in out["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {w}", markup=True, highlight=False)
     console.print("generated:", out["text"] if out["text"] is not None else out["tokens"], markup=False)
+    if out.get("untrained"):
+        console.print(f"note: {out['model']} has random, untrained weights (for timing): the generated text is noise, "
+                      "not meant to be read. Whether reuse is right shows in --compare: the same tokens as a full "
+                      "recompute. A trained model: `kdn model train-reference`, then --model DIR.",
+                      style="yellow", markup=False, highlight=False)
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    stages = StageLines(sys.stderr, prog="query")  # progress on stderr; stdout is the result
+    stages.line("starting: importing torch and the model code")
     # the client's one warning goes to the JSON / the rendered output, not twice to stderr
     logging.getLogger("kdn.client").addHandler(logging.NullHandler())
     logging.getLogger("kdn.client").propagate = False
     try:
-        out = run(args)
+        out = run(args, stages)
     except KdnError as exc:
         report_error("query", exc, as_json=args.json)
         return 2

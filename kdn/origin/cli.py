@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from kdn.console import report_error
-from kdn.errors import InvalidInput, KdnError
-from kdn.origin.config import OriginConfig
+from kdn.errors import InvalidInput, KdnError, Unavailable
+
+if TYPE_CHECKING:
+    from kdn.origin.config import OriginConfig
+
+# Both commands print their first line before importing torch, transformers and Ray (several
+# seconds on a small machine, tens of seconds on a busy one): a user sees at once what is going on.
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -29,7 +36,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _config(args: argparse.Namespace, **extra: Any) -> OriginConfig:
+def _config(args: argparse.Namespace, **extra: Any) -> "OriginConfig":
+    from kdn.origin.config import OriginConfig
+
     flags = dict(
         store_dir=args.store_dir,
         codecs=args.codecs,
@@ -50,15 +59,29 @@ def _fatal(args: argparse.Namespace, exc: BaseException) -> int:
 
 
 def main_ingest(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kdn ingest", description="Turn documents into KV artifacts in the origin store.")
+    p = argparse.ArgumentParser(
+        prog="kdn ingest",
+        description="Turn documents into KV artifacts in the origin store. Where it prefills: with RAY_ADDRESS "
+                    "exported (after `kdn up`), on Ray workers on the cluster's kdn_origin nodes; else in this "
+                    "process. --workers N and --local override; the first lines say which it uses.")
     p.set_defaults(command="ingest")
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories (recursive)")
     p.add_argument("--model", help="model spec: built-in name or local model directory")
     p.add_argument("--namespace", help="TENANT or TENANT:SALT")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (default: a bar on a terminal, else one line per stage and document)")
+    p.add_argument("--local", action="store_true",
+                   help="prefill in this process even when RAY_ADDRESS names a cluster (default: its kdn_origin nodes)")
     _common(p)
     args = p.parse_args(argv)
+    from kdn.console import StageLines
+
+    # a bar on a terminal; anywhere else (a pipe, a log, CI) plain lines, so it is never silent
+    mode = "off" if args.no_progress else "bar" if sys.stderr.isatty() else "lines"
+    stages = StageLines(sys.stderr if mode != "off" else None, prog="ingest")
+    stages.line("starting: importing torch and the model code")
     from kdn.origin.ingest import check_model_spec, discover, ingest, make_executor
+    from kdn.origin.ingest.where import Placement, decide, origin_nodes
 
     started_ray = False
     try:
@@ -68,18 +91,50 @@ def main_ingest(argv: list[str]) -> int:
         found = discover(args.paths)
         if not found.sources:
             raise InvalidInput(found.nothing_to_ingest())
-        if config.workers:
+        stages.line(f"found {len(found.sources)} document(s) under {', '.join(args.paths)}; store {config.store_path}")
+        given = config.model_fields_set  # flags and config file; not the defaults
+        place = decide(workers=config.workers if "workers" in given else None, local=args.local,
+                       ray_address=config.ray_address, env=os.environ)
+        nodes: list[str] = []
+        if place.mode != "local":
             from kdn.origin.ray_origin import ensure_ray
 
-            started_ray = ensure_ray(
-                address=config.ray_address, origin_slots=config.workers, num_cpus=None
-            )
-        executor = make_executor(config)
+            stages.line(f"connecting to Ray ({place.address or 'a new local cluster'}; {place.reason})")
+            try:
+                started_ray = ensure_ray(address=place.address, origin_slots=place.workers or 1, num_cpus=None)
+            except Exception as exc:  # Ray's own errors (ConnectionError, auth, timeouts): one line
+                raise Unavailable(f"cannot join the Ray cluster at {place.address}: {type(exc).__name__}: "
+                                  f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}; "
+                                  "--local to ingest in this process") from exc
+            if place.mode == "cluster":
+                nodes = origin_nodes()
+                if not nodes and place.workers is None:
+                    import ray
+
+                    stages.line(f"the cluster at {place.address} has no kdn_origin node: prefilling in this process")
+                    ray.shutdown()
+                    started_ray = False
+                    place = Placement("local", 0, None, f"no kdn_origin node at {place.address}")
+                elif not nodes:
+                    raise Unavailable(f"the cluster at {place.address} has no kdn_origin node for --workers "
+                                      f"{place.workers}; --local to ingest in this process")
+                elif place.workers is None:
+                    place = Placement("cluster", len(nodes), place.address, place.reason)
+        config = config.model_copy(update={"workers": place.workers or 0})
+        where = place.describe()
+        if place.mode == "local":
+            stages.line(f"prefilling {where}: loading {config.models[0]}")
+        else:
+            stages.line(f"prefilling {where}: starting the workers, each loading {config.models[0]}")
+        t_load = time.perf_counter()
+        executor = make_executor(config, on_nodes=nodes)
+        if place.mode == "local":
+            stages.line(f"model loaded in {time.perf_counter() - t_load:.1f}s")
     except KdnError as exc:
         return _fatal(args, exc)
     try:
-        show = not args.json and not args.no_progress and sys.stderr.isatty()
-        summary = ingest(args.paths, config, executor=executor, progress=show, found=found)
+        summary = ingest(args.paths, config, executor=executor, progress=mode, found=found)
+        summary.where = where
     except KdnError as exc:
         return _fatal(args, exc)
     finally:
@@ -104,6 +159,10 @@ def main_origin(argv: list[str]) -> int:
     p.add_argument("--token", action="append", metavar="TOKEN=TENANT[,TENANT]", help="grant a bearer token (repeatable)")
     _common(p)
     args = p.parse_args(argv)
+    from kdn.console import StageLines
+
+    stages = StageLines(sys.stderr, prog="origin")  # stdout holds only the ready line
+    stages.line("starting: importing torch, transformers and gRPC")
     started_ray = False
     server = None
     try:
@@ -126,9 +185,15 @@ def main_origin(argv: list[str]) -> int:
             from kdn.origin.compute import RayCompute
             from kdn.origin.ray_origin import ensure_ray
 
+            stages.line(f"connecting to Ray ({config.ray_address or 'RAY_ADDRESS, else a new local cluster'})")
             started_ray = ensure_ray(address=config.ray_address, origin_slots=config.workers)
+            stages.line(f"starting {config.workers} Ray prefill worker(s) with {', '.join(config.models)}")
             compute = RayCompute(config)
+        else:
+            stages.line(f"opening store {config.store_path} (check: {config.verify_on_start}) and loading "
+                        f"{', '.join(config.models)} in this process")
         server = OriginServer(config, compute=compute)
+        stages.line(f"binding {config.listen}")
         address = server.start()
     except KdnError as exc:
         if server is not None:

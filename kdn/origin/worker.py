@@ -249,9 +249,13 @@ class PrefillWorker:
 # different sizes. Ray Data would add a block/batch layer without adding throughput here.
 
 
-def spawn_workers(config: OriginConfig, model: str, *, n: int | None = None) -> list[Any]:
+def spawn_workers(
+    config: OriginConfig, model: str, *, n: int | None = None, on_nodes: Sequence[str] = ()
+) -> list[Any]:
     """Start ``n`` (default ``config.workers``) ``OriginWorker`` Ray actors for ``model``, each
-    needing one unit of ``kdn_origin`` and ``config.worker_threads`` CPUs.
+    needing one unit of ``kdn_origin`` and ``config.worker_threads`` CPUs; or, given ``on_nodes``
+    (Ray node ids), placed on those nodes in turn, needing only the CPUs (on a ``kdn up`` cluster
+    each origin node's one ``kdn_origin`` unit is held by its origin server).
 
     ``config.max_restarts``: Ray restarts a dead worker (SIGKILL, OOM) that many times; the driver
     resubmits the document it held (``max_task_retries=0``: the driver, not Ray, decides about
@@ -261,12 +265,19 @@ def spawn_workers(config: OriginConfig, model: str, *, n: int | None = None) -> 
 
     threads = config.worker_threads
     actor_cls = ray.remote(PrefillWorker)
+    def placement(i: int) -> dict[str, Any]:
+        if not on_nodes:
+            return {"resources": {"kdn_origin": 1}}
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(on_nodes[i % len(on_nodes)], soft=False)}
+
     return [
         actor_cls.options(
-            resources={"kdn_origin": 1},
             num_cpus=threads,
             max_restarts=config.max_restarts,
             max_task_retries=0,
+            **placement(i),
         ).remote(config, model, threads=threads)
-        for _ in range(config.workers if n is None else n)
+        for i in range(config.workers if n is None else n)
     ]

@@ -84,6 +84,9 @@ def test_cluster_end_to_end(cluster, tmp_path):
     ingest = _run(["ingest", str(docs), "--model", "tiny", "--codec", "raw", "--store",
                    str(state / "origin-store"), "--json", "--no-progress"], env, timeout=300)
     assert ingest.returncode == 0, ingest.stdout[-2000:] + ingest.stderr[-2000:]
+    # RAY_ADDRESS is exported: ingest ran on the cluster's origin node, not in-process (issue 17 item 13)
+    summary = json.loads(ingest.stdout)
+    assert summary["workers"] == 1 and f"cluster at {info['address']}" in summary["where"], summary["where"]
 
     lm = load_model("tiny")
     edges = {e["node_id"]: e["address"] for e in info["edges"]}

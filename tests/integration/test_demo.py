@@ -25,3 +25,4 @@ def test_demo_json_reports_reuse_and_equal_outputs(tmp_path):
         assert q["outputs_match"] and not q["warnings"]
         assert q["reused_tokens"] >= 256 * (q["prompt_tokens"] // 256 - 1)
     assert out["all_outputs_match"] and out["ingest"]["chunks"] > 0
+    assert set(out["load_average"]) == {"start_1min", "end_1min", "cpus"} and out["load_average"]["cpus"] >= 1

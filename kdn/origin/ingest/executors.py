@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from kdn.errors import UnknownModel
+from kdn.errors import Unavailable, UnknownModel
 from kdn.models import BUILTIN_SPECS, is_model_dir
 from kdn.origin.config import OriginConfig
 from kdn.origin.worker import DocumentResult, DocumentTask, PrefillWorker, spawn_workers
@@ -74,8 +74,15 @@ class RayExecutor:
 
     def info(self) -> dict[str, Any]:
         import ray
+        from ray.exceptions import GetTimeoutError
 
-        infos = ray.get([a.info.remote() for a in self.actors], timeout=self.probe_timeout_s)
+        try:
+            infos = ray.get([a.info.remote() for a in self.actors], timeout=self.probe_timeout_s)
+        except GetTimeoutError as exc:
+            raise Unavailable(
+                f"{len(self.actors)} Ray prefill worker(s) did not start within {self.probe_timeout_s:.0f}s: does the "
+                "cluster have a kdn_origin node with a free CPU? (`ray status`; --local to ingest in this process)"
+            ) from exc
         return {**infos[0], "workers": len(self.actors), "pids": [i["pid"] for i in infos]}
 
     def pids(self) -> list[int]:
@@ -169,10 +176,12 @@ def check_model_spec(spec: str) -> None:
         )
 
 
-def make_executor(config: OriginConfig, model: str | None = None) -> Executor:
-    """In-process when ``config.workers == 0``; otherwise Ray actors (Ray must be initialised)."""
+def make_executor(config: OriginConfig, model: str | None = None, *, on_nodes: Sequence[str] = ()) -> Executor:
+    """In-process when ``config.workers == 0``; otherwise Ray actors (Ray must be initialised),
+    on ``on_nodes`` when given (a cluster's ``kdn_origin`` nodes: see :mod:`kdn.origin.ingest.where`)."""
     spec = model or config.models[0]
     check_model_spec(spec)
     if config.workers == 0:
         return LocalExecutor(PrefillWorker(config, spec))
-    return RayExecutor(spawn_workers(config, spec), max_attempts=config.max_attempts, max_restarts=config.max_restarts)
+    return RayExecutor(spawn_workers(config, spec, on_nodes=on_nodes),
+                       max_attempts=config.max_attempts, max_restarts=config.max_restarts)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, TextIO
 
 from kdn.errors import InvalidInput
 from kdn.origin.config import OriginConfig
 from kdn.origin.ingest.documents import Discovery, discover, read_text
 from kdn.origin.ingest.executors import Executor, OnResult, make_executor
-from kdn.origin.ingest.report import IngestSummary, Progress
+from kdn.origin.ingest.report import IngestSummary, Progress, ProgressMode
 from kdn.origin.store import OriginStore
 from kdn.origin.worker import DocumentResult, DocumentTask
 
@@ -25,14 +25,17 @@ def ingest(
     config: OriginConfig,
     *,
     executor: Executor | None = None,
-    progress: bool = False,
+    progress: ProgressMode | bool = False,
     on_result: OnResult | None = None,
     found: Discovery | None = None,
+    progress_stream: TextIO | None = None,
 ) -> IngestSummary:
     """Ingest ``paths`` into ``config``'s store; never raises for a bad document (see summary).
 
     ``executor``: reuse one (tests, benchmarks); otherwise one is made from ``config`` and closed.
     ``found``: ``paths`` already discovered (the CLI checks there is something to do first).
+    ``progress``: ``"bar"`` (or True), ``"lines"`` (one line per document and a heartbeat, on
+    ``progress_stream``, default stderr) or ``"off"`` (or False); see :class:`Progress`.
     Raises :class:`~kdn.errors.UnknownModel` before any work for an unknown model spec, and
     InvalidInput when ``paths`` hold no document and no problem at all (an empty directory).
     Nothing is created on disk when no path holds a document.
@@ -56,7 +59,10 @@ def ingest(
             ignored=found.ignored,
             not_regular=found.not_regular,
         )
-        bar = Progress(len(found.sources) + len(found.problems), progress)
+        bar = Progress(len(found.sources) + len(found.problems), progress, stream=progress_stream)
+        where = "in this process" if not summary.workers else f"on {summary.workers} Ray worker(s)"
+        bar.lines.line(f"{len(found.sources)} document(s) to prefill with {summary.model} {where}; "
+                       f"codecs {', '.join(summary.codecs)}")
         t0 = time.perf_counter()
 
         def record(r: DocumentResult) -> None:
@@ -80,6 +86,7 @@ def ingest(
                 except InvalidInput as exc:
                     record(DocumentResult(s.doc_id, "failed", str(exc)))
                     continue
+                bar.started(s.doc_id)
                 yield DocumentTask(s.doc_id, doc.text, doc.digest, ns.tenant, ns.salt, complete=doc.complete)
 
         try:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Literal, TextIO
 
+from kdn.console import StageLines
 from kdn.origin.worker import DocumentResult
 
-__all__ = ["IngestSummary", "Progress"]
+__all__ = ["IngestSummary", "Progress", "ProgressMode"]
 
 
 @dataclass(slots=True)
@@ -23,6 +26,7 @@ class IngestSummary:
     not_regular: list[str] = field(default_factory=list)  # FIFOs, sockets, devices: skipped
     seconds: float = 0.0
     worker_deaths: int = 0
+    where: str = ""  # where it prefilled, as the CLI decided (kdn.origin.ingest.where)
 
     def count(self, status: str) -> int:
         return sum(1 for r in self.results if r.status == status)
@@ -63,6 +67,7 @@ class IngestSummary:
             "namespace": self.namespace,
             "codecs": self.codecs,
             "workers": self.workers,
+            "where": self.where or ("in this process" if not self.workers else f"on {self.workers} Ray worker(s)"),
             "seconds": round(self.seconds, 3),
             "documents": len(self.results),
             "by_status": {s: self.count(s) for s in ("stored", "skipped", "truncated", "short", "failed")},
@@ -83,7 +88,7 @@ class IngestSummary:
         lines = [
             f"ingest: {len(self.results)} documents with {self.model} ({self.fingerprint[:16]}…) "
             f"into namespace {self.namespace!r}, codecs {', '.join(self.codecs)}, "
-            f"{'in-process' if not self.workers else f'{self.workers} Ray workers'}",
+            + (self.where or ('in-process' if not self.workers else f'{self.workers} Ray workers')),
             "  " + ", ".join(f"{self.count(s)} {s}" for s in ("stored", "skipped", "truncated", "short", "failed")),
             f"  {self.tokens} tokens, {self.chunks} chunks ({self.computed_chunks} computed), "
             f"{_human(self.bytes_written)} written in {self.seconds:.2f}s "
@@ -115,14 +120,41 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-class Progress:
-    """Live progress (rich): documents, tokens, bytes and prefill rate. No-op when disabled."""
+ProgressMode = Literal["bar", "lines", "off"]
 
-    def __init__(self, total: int, enabled: bool) -> None:
+
+class Progress:
+    """Live progress of an ingest: documents, tokens, bytes and prefill rate.
+
+    ``mode``: ``"bar"`` a rich bar on stderr (a terminal); ``"lines"`` (a pipe, a log, CI) one line per
+    finished document plus, while nothing finishes, a heartbeat line every ``heartbeat_s`` naming
+    what is in flight (a thread calls :meth:`tick`); ``"off"`` (or ``False``) nothing. ``True``
+    means ``"bar"``. Lines go to ``stream`` (default stderr: stdout holds the summary).
+    """
+
+    def __init__(
+        self,
+        total: int,
+        mode: ProgressMode | bool,
+        *,
+        stream: TextIO | None = None,
+        heartbeat_s: float = 20.0,
+        clock: Callable[[], float] = time.monotonic,
+        background: bool = True,
+    ) -> None:
+        self.mode: ProgressMode = "bar" if mode is True else "off" if mode is False else mode
+        self.total = total
         self._p = None
         self.docs = self.tokens = self.bytes = 0
         self._t0 = time.perf_counter()
-        if enabled:
+        self.heartbeat_s = heartbeat_s
+        self.in_flight: dict[str, float] = {}  # doc id -> when it was handed to a worker
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lines = StageLines((stream or sys.stderr) if self.mode == "lines" else None, prog="ingest", clock=clock)
+        if self.mode == "bar":
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 
             self._p = RichProgress(
@@ -132,18 +164,55 @@ class Progress:
                 TextColumn("docs  {task.fields[tokens]} tokens  {task.fields[bytes]}  {task.fields[rate]} tok/s"),
                 TimeElapsedColumn(),
                 transient=False,
+                console=Console(file=stream or sys.stderr),
             )
             self._task = self._p.add_task("ingest", total=total, tokens=0, bytes="0 B", rate="0")
             self._p.start()
+        elif self.mode == "lines" and background and heartbeat_s > 0:
+            self._thread = threading.Thread(target=self._beat, name="ingest-progress", daemon=True)
+            self._thread.start()
+
+    def started(self, doc_id: str) -> None:
+        """``doc_id`` was handed to a worker (for the heartbeat's "working on ...")."""
+        with self._lock:
+            self.in_flight[doc_id] = self.lines.clock()
 
     def update(self, r: DocumentResult) -> None:
-        self.docs += 1
-        self.tokens += r.n_tokens
-        self.bytes += r.bytes_written
-        if self._p is not None:
+        with self._lock:
+            self.in_flight.pop(r.doc_id, None)
+            self.docs += 1
+            self.tokens += r.n_tokens
+            self.bytes += r.bytes_written
             dt = max(time.perf_counter() - self._t0, 1e-9)
-            self._p.update(self._task, advance=1, tokens=self.tokens, bytes=_human(self.bytes), rate=f"{self.tokens / dt:.0f}")
+            if self._p is not None:
+                self._p.update(self._task, advance=1, tokens=self.tokens, bytes=_human(self.bytes), rate=f"{self.tokens / dt:.0f}")
+            what = f"{r.n_tokens} tokens, {r.n_chunks} chunks ({r.computed_chunks} computed), {_human(r.bytes_written)}"
+            if r.status == "failed":
+                what = r.message
+            self.lines.line(f"{self.docs}/{self.total} {r.status} {r.doc_id}: {what}")
+
+    def tick(self) -> bool:
+        """Print a heartbeat if no line was printed for ``heartbeat_s``; returns whether it did."""
+        with self._lock:
+            now = self.lines.clock()
+            if self.lines.stream is None or now - self.lines.last < self.heartbeat_s:
+                return False
+            if self.in_flight:
+                doc, since = next(iter(self.in_flight.items()))
+                more = f" and {len(self.in_flight) - 1} more" if len(self.in_flight) > 1 else ""
+                doing = f"prefilling {doc}{more} ({now - since:.0f}s so far)"
+            else:
+                doing = "waiting for the workers"
+            self.lines.line(f"{self.docs}/{self.total} done; still working: {doing}")
+            return True
+
+    def _beat(self) -> None:
+        while not self._stop.wait(1.0):
+            self.tick()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         if self._p is not None:
             self._p.stop()
