@@ -221,6 +221,17 @@ class PolicyParams(_Strict):
     publish_to_origin: bool = Field(True, description="GPUs upload KV they computed to the origin")
 
 
+class NetworkSpec(_Strict):
+    """How transfers use links (:mod:`kdn.simulator.links`, :mod:`kdn.simulator.tcp`)."""
+
+    link_sharing: Literal["fifo", "fair"] = Field("fair", description="fair: transfers share a link as TCP flows do (processor sharing); fifo: one after another")
+    connections: Literal["pooled", "cold", "warm"] = Field(
+        "pooled", description="pooled: reuse a connection per site pair, slow start on first use and after idle; cold: a new connection each transfer; warm: always at full window (the old model)"
+    )
+    streams: int = Field(1, ge=1, description="parallel TCP connections per transfer (each brings its own initial window)")
+    initial_window_segments: int = Field(10, ge=1, description="TCP initial congestion window, segments")
+
+
 class Prices(_Strict):
     wan_per_gb: float = Field(0.05, ge=0, description="USD per GB crossing between cities")
     edge_gb_month: float = Field(2.0, ge=0, description="USD per GB-month of edge cache capacity")
@@ -276,6 +287,7 @@ class Scenario(_Strict):
     codecs: CodecChoice = CodecChoice()
     policies: list[str] = Field(default_factory=lambda: list(POLICY_NAMES), min_length=1)
     params: PolicyParams = PolicyParams()
+    network: NetworkSpec = NetworkSpec()
     prices: Prices = Prices()
     tune: TuneSpec = TuneSpec()
     report: ReportSpec = ReportSpec()

@@ -81,7 +81,8 @@ def make(cities: CityIndex, presets: Any, **changes: Any) -> Prepared:
 
 
 def test_fetch_time_is_latency_plus_size_over_bandwidth(cities: CityIndex, presets: Any) -> None:
-    p = make(cities, presets)
+    # the old model: FIFO links, connections always warm (tests/unit/test_sim_transfer.py: TCP)
+    p = make(cities, presets, network__link_sharing="fifo", network__connections="warm")
     sim = Simulation(p.scenario, p.topology, p.requests, presets, "origin_only")
     e, origin = 0, p.topology.n_edges  # New York edge, London origin
     ny, ldn = cities.find("New York City"), cities.find("London, GB")
@@ -382,3 +383,4 @@ def test_cost_model_is_pure(cities: CityIndex, presets: Any) -> None:
     assert cost.best_prefix("fetch", 0.0, float("-inf"), 2048, [1e9], [1]) == 1
     assert cost.best_prefix("recompute", 0.0, float("-inf"), 2048, [0.0], [1]) == 0
     assert cost.best_prefix("auto", 0.0, float("-inf"), 2048, [1e9], [1]) == 0  # too slow to fetch
+
