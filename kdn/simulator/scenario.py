@@ -281,6 +281,9 @@ class Scenario(_Strict):
         None, ge=1, description="GPU replicas at each edge site; requests queue for them (FIFO). Unset: unlimited, no queueing"
     )
     block_tokens: int = Field(512, ge=1, description="tokens per cached KV chunk (synthetic workloads; a trace brings its own)")
+    warmup_fraction: float = Field(
+        0.0, ge=0, lt=1, description="share of the leading requests (of whatever is run: the whole workload, a sweep's or the tuner's first N) that fill caches but are not counted"
+    )
     topology: TopologySpec
     workload: Workload
     cache: CacheSpec = CacheSpec()

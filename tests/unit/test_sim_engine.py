@@ -362,8 +362,8 @@ def test_tally_adds_a_plan() -> None:
     assert (t.blocks, t.recomputed, t.served_local, t.served_origin, t.lookup_local) == (4, 1, 2, 1, 3)
     assert t.ttft == [1.25]
     assert (t.gpu_s, t.gpu_s_saved, t.fetch_chosen, t.recompute_chosen) == (0.25, 0.75, 1, 0)
-    t.moved(100.0, wan=True)
-    t.moved(50.0, wan=False)
+    t.moved(100.0, wan=True, now=0.0)
+    t.moved(50.0, wan=False, now=0.0)
     assert (t.net_bytes, t.wan_bytes) == (150.0, 100.0)
 
 
@@ -384,3 +384,17 @@ def test_cost_model_is_pure(cities: CityIndex, presets: Any) -> None:
     assert cost.best_prefix("recompute", 0.0, float("-inf"), 2048, [0.0], [1]) == 0
     assert cost.best_prefix("auto", 0.0, float("-inf"), 2048, [1e9], [1]) == 0  # too slow to fetch
 
+
+@pytest.mark.parametrize("policy", ["nearest_edge", "consistent_hash"])
+def test_warmup_runs_but_does_not_count_the_leading_requests(cities: CityIndex, presets: Any, policy: str) -> None:
+    full = make(cities, presets, cache__edge_cache_gb=64)
+    warm = make(cities, presets, cache__edge_cache_gb=64, warmup_fraction=0.25)
+    r_full = run_policy(full.scenario, full.topology, full.requests, presets, policy)
+    r_warm = run_policy(warm.scenario, warm.topology, warm.requests, presets, policy)
+    skip = len(full.requests) // 4
+    assert r_warm.requests == len(full.requests) - skip
+    # the same run, counted from request `skip` on: identical per-request figures
+    np.testing.assert_array_equal(r_warm.ttft, r_full.ttft[skip:])
+    assert r_warm.hit_ratio > r_full.hit_ratio  # empty caches at the start no longer count
+    assert 0 < r_warm.wan_bytes < r_full.wan_bytes
+    assert r_warm.cost_breakdown["edge_storage"] < r_full.cost_breakdown["edge_storage"]
