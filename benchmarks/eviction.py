@@ -28,7 +28,7 @@ from kdn.edge.eviction import POLICIES, Belady, EvictionPolicy, PrefixAware, mak
 from kdn.simulator.cache import BoundedCache
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = REPO / "kdn" / "simulator" / "scenarios" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK_TOKENS = 512
 FRACTIONS = (0.01, 0.05, 0.10, 0.20)
 ORDER = ("lru", "s3fifo", "sieve", "prefix")

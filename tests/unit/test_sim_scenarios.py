@@ -18,7 +18,7 @@ from kdn.simulator.presets import load_presets
 from kdn.simulator.scenario import REPO_ROOT, load_scenario
 
 SCENARIOS = sorted((REPO_ROOT / "kdn" / "simulator" / "scenarios").glob("*.yaml"))
-TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = REPO_ROOT / "kdn" / "simulator" / "scenarios" / "traces" / "mooncake_conversation_trace.jsonl"
 
 TINY: dict[str, Any] = {
     "name": "tiny",
@@ -69,10 +69,18 @@ def bad(tmp_path: Path, ctx: dict[str, Any], mutate: Any) -> str:
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
 def test_shipped_scenarios_validate(path: Path, ctx: dict[str, Any]) -> None:
-    if "mooncake" in path.name and not TRACE.is_file():
-        pytest.skip("shared trace not present")
     sc = load_scenario(path, **ctx)
     assert sc.policies
+
+
+def test_mooncake_trace_ships_in_the_repo_next_to_its_scenario(ctx: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = REPO_ROOT / "kdn" / "simulator" / "scenarios" / "mooncake.yaml"
+    assert yaml.safe_load(src.read_text())["workload"]["path"] == "traces/mooncake_conversation_trace.jsonl"
+    assert "Apache" in (TRACE.parent / "README.md").read_text()
+    monkeypatch.chdir(tmp_path)  # resolved against the scenario file, not the working directory
+    sc = load_scenario(src, **ctx)
+    assert Path(sc.workload.path) == TRACE.resolve()
+    assert sum(1 for _ in TRACE.open()) == 12_031
 
 
 def test_shipped_scenarios_cover_the_issue() -> None:
