@@ -4,6 +4,8 @@ policy on this 2-core machine), memory reported.
     .venv/bin/python benchmarks/simulator.py            # the 1M-request run, every policy, + scenario tables
     .venv/bin/python benchmarks/simulator.py --quick    # 100k requests, no scenario tables
     .venv/bin/python benchmarks/simulator.py --netns    # only: transfer model vs real TCP (network namespaces)
+    .venv/bin/python benchmarks/simulator.py --advice --scenario S.yaml [--requests N]
+                                                        # only: fetch-or-recompute, old vs new transfer model
 
 The machine is shared with other jobs, so next to wall time each figure is also given as process
 CPU time (what the simulation itself used), and as a ratio against a baseline measured in the same
@@ -48,9 +50,12 @@ def main() -> int:
     ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     ap.add_argument("--no-tables", action="store_true", help="skip the 10-region and Mooncake scenario tables")
     ap.add_argument("--netns", action="store_true", help="only the transfer model vs real TCP in network namespaces")
+    ap.add_argument("--advice", action="store_true", help="only: fetch-or-recompute under the old and the new transfer model")
     args = ap.parse_args()
     if args.netns:
         return netns_validation(append=not args.no_append)
+    if args.advice:
+        return advice(args.scenario, args.requests, append=not args.no_append)
     n = args.requests or (100_000 if args.quick else None)
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -111,6 +116,38 @@ def main() -> int:
         with (ROOT / "BENCHMARKS.md").open("a") as f:
             f.write("\n".join(lines) + "\n")
         print("appended to BENCHMARKS.md")
+    return 0
+
+
+def advice(path: Path, limit: int | None, append: bool = True) -> int:
+    """How often the fetch-or-recompute rule fetches what the origin holds, and the TTFT that
+    follows, under the old transfer model (FIFO links, always-warm connections) and the new one
+    (fair links; pooled connections with slow start and restart after idle; cold connections)."""
+    prep = prepare(path, limit=limit)
+    sc = prep.scenario
+    rows = []
+    models = [("old: fifo, always warm", "fifo", "warm"), ("new: fair, pooled (default)", "fair", "pooled"), ("new: fair, cold", "fair", "cold")]
+    for label, sharing, conns in models:
+        variant = sc.model_copy(update={"network": sc.network.model_copy(update={"link_sharing": sharing, "connections": conns})})
+        for pol in ("origin_only", "nearest_edge"):
+            r = run_policy(variant, prep.topology, prep.requests, prep.presets, pol)
+            could = r.fetch_chosen + r.recompute_chosen
+            rows.append((label, pol, r.fetch_chosen, could, r.ttft_p50_s, r.ttft_p90_s, r.origin_ratio, r.hit_ratio))
+            print(f"{label:28s} {pol:13s} fetched {r.fetch_chosen:7,d} of {could:7,d} ({r.fetch_chosen / max(could, 1):.1%})  "
+                  f"p50 {r.ttft_p50_s:.3f} p90 {r.ttft_p90_s:.3f} s  origin {r.origin_ratio:.1%}  edge hit {r.hit_ratio:.1%}", flush=True)
+    if append:
+        lines = [
+            f"\n## Fetch or recompute under the new transfer model ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)\n",
+            f"Command: `.venv/bin/python benchmarks/simulator.py --advice --scenario {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
+            + (f" --requests {limit}" if limit else "") + f"` ({len(prep.requests):,} requests). "
+            "'fetched' = requests whose origin-held chunks the rule chose to fetch, of those that had any.\n",
+            "| transfer model | policy | fetched / could | TTFT p50 s | TTFT p90 s | chunks from origin | edge hit |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for label, pol, f, could, p50, p90, orig, hit in rows:
+            lines.append(f"| {label} | {pol} | {f:,} / {could:,} ({f / max(could, 1):.1%}) | {p50:.3f} | {p90:.3f} | {orig:.1%} | {hit:.1%} |")
+        with (ROOT / "BENCHMARKS.md").open("a") as fh:
+            fh.write("\n".join(lines) + "\n")
     return 0
 
 

@@ -398,3 +398,21 @@ def test_warmup_runs_but_does_not_count_the_leading_requests(cities: CityIndex, 
     assert r_warm.hit_ratio > r_full.hit_ratio  # empty caches at the start no longer count
     assert 0 < r_warm.wan_bytes < r_full.wan_bytes
     assert r_warm.cost_breakdown["edge_storage"] < r_full.cost_breakdown["edge_storage"]
+
+
+@pytest.mark.parametrize("origin", ["London, GB", "Los Angeles, US"])
+def test_cold_connection_turns_a_fetch_into_a_recompute(cities: CityIndex, presets: Any, origin: str) -> None:
+    """The fetch-or-recompute rule sees the connection: from a New York edge, a Llama-3.1-70B
+    context on H100s is fetched over a warm connection but recomputed when the connection would
+    be cold (handshake plus slow start over ~10 round trips of the long-haul path)."""
+    case = {"topology__origins": [{"city": origin, "uplink_gbps": 25}], "model": "llama-3.1-70b", "gpu": "h100-sxm"}
+    t = {}
+    for conn in ("warm", "cold"):
+        for d in ("auto", "fetch", "recompute"):
+            t[conn, d], r = _one_request(cities, presets, d, network__connections=conn, **case)
+            if d == "auto":
+                t[conn, "fetched"] = r.fetch_chosen
+    assert t["warm", "fetch"] < t["warm", "recompute"] and t["warm", "fetched"] == 1
+    assert t["cold", "fetch"] > t["cold", "recompute"] and t["cold", "fetched"] == 0
+    assert t["cold", "fetch"] > 2 * t["warm", "fetch"]  # slow start, not the bytes, is the difference
+    assert t["warm", "auto"] == t["warm", "fetch"] and t["cold", "auto"] == t["cold", "recompute"]
