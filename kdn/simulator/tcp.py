@@ -28,6 +28,7 @@ at once, within 10% (``tests/integration/test_sim_netns.py``; figures in BENCHMA
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 __all__ = ["MSS", "IW_SEGMENTS", "TcpModel", "Connections"]
@@ -63,6 +64,7 @@ class TcpModel:
         """The congestion window after sending ``nbytes``."""
         return self._rounds(nbytes, rtt, rate, cwnd)[1]
 
+    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 (frozen, few instances): sizes, RTTs, rates repeat
     def _rounds(self, nbytes: float, rtt: float, rate: float, cwnd: float | None) -> tuple[float, float]:
         w = self.initial_window if cwnd is None else max(float(cwnd), float(self.mss))
         bdp = rate * rtt
