@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from kdn.errors import KdnError
@@ -59,8 +60,11 @@ def main_simulate(argv: list[str]) -> int:
             ),
         }
         sizes = prep.scenario.report.cache_sweep_gb
+        sweep_s = 0.0
         if sizes and not args.no_sweep:
+            t_sweep = time.perf_counter()
             sweep = cache_sweep(prep, sizes, policies=[r.policy for r in rep.results], progress=progress)
+            sweep_s = time.perf_counter() - t_sweep
             plots["hit_vs_cache"] = str(report.plot_hit_vs_cache(sweep, out / "hit_vs_cache.png", f"({prep.scenario.name})"))
     except KdnError as exc:
         print(f"kdn simulate: error: {exc}", file=sys.stderr)
@@ -69,7 +73,8 @@ def main_simulate(argv: list[str]) -> int:
         print(json.dumps(report.report_json(rep, plots)))
     else:
         report.render_table(rep)
-        print(f"setup {rep.setup_s:.1f} s, simulation {rep.wall_s:.1f} s; plots: " + ", ".join(plots.values()))
+        sim = f"simulation {rep.wall_s + sweep_s:.1f} s" + (f" ({rep.wall_s:.1f} s policies + {sweep_s:.1f} s cache sweep)" if sweep_s else "")
+        print(f"setup {rep.setup_s:.1f} s, {sim}; plots: " + ", ".join(plots.values()))
     return 0
 
 

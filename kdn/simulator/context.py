@@ -5,16 +5,17 @@ A policy (:mod:`kdn.simulator.delivery`) never sees the run that drives it. It g
 request stream), the clock and scheduler (the event loop), the immutable :class:`CostModel`, and
 four small pieces of state, each with the only operations that change it:
 
-* :class:`Network` — the FIFO egress links; a transfer is predicted or committed, and a committed
-  one is counted in the tally;
+* :class:`Network` — the egress links (FIFO or fair sharing) and the pooled TCP connections
+  between sites; a transfer is predicted or committed, and a committed one is counted in the tally;
 * :class:`Origin` — which chunks the origins hold; GPUs publish what they computed;
 * :class:`GpuPool` — when each GPU replica of each edge is next free;
 * the :class:`~kdn.simulator.tally.Tally`, fed only by :meth:`Context.finish` with a request's
   frozen :class:`~kdn.simulator.tally.Plan` and by :class:`Network` with committed transfers.
 
 Caches are the policy's own (:meth:`Context.make_caches` builds them from the scenario).
-Predictions are exact because links are FIFO (:mod:`kdn.simulator.links`) and nothing else is
-committed between a prediction and its commit.
+Predictions are exact because nothing else is committed between a prediction and its commit
+(:mod:`kdn.simulator.links`; on a fair link a later transfer can still slow one already committed,
+which the link accounts for but the earlier request's figures do not).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from kdn.edge.eviction import make_policy
 from kdn.simulator.cache import BoundedCache
 from kdn.simulator.core import EventLoop
 from kdn.simulator.cost import CostModel
-from kdn.simulator.links import Links
-from kdn.simulator.scenario import PolicyParams, Scenario
+from kdn.simulator.links import make_links
+from kdn.simulator.scenario import NetworkSpec, PolicyParams, Scenario
+from kdn.simulator.tcp import Connections, TcpModel
 from kdn.simulator.tally import GB, Plan, Tally
 from kdn.simulator.topology import Topology
 from kdn.simulator.workload import TAIL_BASE, Requests
@@ -33,33 +35,45 @@ __all__ = ["Context", "GpuPool", "Network", "Origin"]
 
 
 class Network:
-    """Every site's egress link. ``fetch_ready`` predicts (``commit=False``) or takes the link."""
+    """Every site's egress link and the connections between sites. ``fetch_ready`` predicts
+    (``commit=False``) or takes the link."""
 
-    __slots__ = ("cost", "links", "_tally")
+    __slots__ = ("cost", "links", "conns", "_tally", "_bw")
 
-    def __init__(self, cost: CostModel, topo: Topology, tally: Tally) -> None:
+    def __init__(self, cost: CostModel, topo: Topology, tally: Tally, spec: NetworkSpec | None = None) -> None:
+        spec = spec if spec is not None else NetworkSpec()
+        tcp = TcpModel(iw_segments=spec.initial_window_segments, streams=spec.streams)
         self.cost = cost
-        self.links = Links(topo.uplink_Bps)
+        self.links = make_links(spec.link_sharing, topo.uplink_Bps, tcp)
+        self.conns = Connections(tcp, spec.connections)
+        self._bw = self.links.bw
         self._tally = tally
 
     def fetch_ready(self, src: int, e: int, nblocks: int, now: float, commit: bool) -> float:
         """When ``nblocks`` chunks from site ``src`` are decoded at edge ``e``'s GPUs: request
-        latency, FIFO wait and serialisation on ``src``'s link, propagation, decode."""
+        latency, (a handshake on a cold connection,) the link's queue or share and the
+        connection's window rounds on ``src``'s link, propagation, decode."""
         lat, nbytes, decode_s = self.cost.transfer(e, src, nblocks)
+        rtt = 2.0 * lat
+        cold, cwnd = self.conns.state(src, e, now + lat, rtt)
         if commit:
-            sent = self.links.commit(src, now + lat, nbytes)
-            self._tally.moved(nbytes, self.cost.is_wan[e][src])
+            sent = self.links.commit(src, now + lat, nbytes, rtt, cwnd, cold)
+            self.conns.done(src, e, nbytes, rtt, self._bw[src], cwnd, sent)
+            self._tally.moved(nbytes, self.cost.is_wan[e][src], now)
         else:
-            sent = self.links.finish(src, now + lat, nbytes)
+            sent = self.links.finish(src, now + lat, nbytes, rtt, cwnd, cold)
         return sent + lat + decode_s
 
     def send(self, e: int, dst: int, nblocks: int, now: float) -> None:
         """Edge ``e`` uploads ``nblocks`` chunks to site ``dst`` (publish / fill): takes ``e``'s link."""
         if nblocks <= 0 or dst == e:
             return
-        _, nbytes, _ = self.cost.transfer(e, dst, nblocks)
-        self.links.commit(e, now, nbytes)
-        self._tally.moved(nbytes, self.cost.is_wan[e][dst])
+        lat, nbytes, _ = self.cost.transfer(e, dst, nblocks)
+        rtt = 2.0 * lat
+        cold, cwnd = self.conns.state(e, dst, now, rtt)
+        sent = self.links.commit(e, now, nbytes, rtt, cwnd, cold)
+        self.conns.done(e, dst, nbytes, rtt, self._bw[e], cwnd, sent)
+        self._tally.moved(nbytes, self.cost.is_wan[e][dst], now)
 
 
 class Origin:
@@ -141,7 +155,7 @@ class Context:
         self.loop = loop
         self.cost = cost
         self._tally = tally
-        self.net = Network(cost, topo, tally)
+        self.net = Network(cost, topo, tally, sc.network)
         self.origin = Origin(reqs, topo, self.net, publishing=sc.params.publish_to_origin)
         self.gpus = GpuPool(topo.n_edges, sc.gpu_replicas_per_edge)
         self.decision = sc.params.decision

@@ -53,7 +53,9 @@ class Simulation:
         self.policy_name = policy
         self.cost = CostModel.build(sc, topo, presets, reqs.block_tokens)
         self.loop = EventLoop()
-        self.tally = Tally()
+        skip = int(sc.warmup_fraction * len(reqs))
+        self.counted_from = float(reqs.t[skip]) if 0 < skip < len(reqs) else float("-inf")
+        self.tally = Tally(self.counted_from)
         self.ctx = Context(sc, topo, reqs, self.cost, self.loop, self.tally)
         self.policy: Policy = POLICIES[policy](self.ctx)
 
@@ -63,8 +65,9 @@ class Simulation:
         self.loop.run(self.reqs.t, self.policy.serve, progress=progress)
         wall = time.perf_counter() - t0
         sc = self.sc
+        counted_s = self.reqs.duration_s - max(0.0, self.counted_from)  # edge storage over the counted time only
         edge_cost = (
-            self.topo.n_edges * sc.cache.edge_cache_gb * sc.prices.edge_gb_month * self.reqs.duration_s / MONTH_S
+            self.topo.n_edges * sc.cache.edge_cache_gb * sc.prices.edge_gb_month * counted_s / MONTH_S
             if self.policy.uses_edges
             else 0.0
         )

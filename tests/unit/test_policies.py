@@ -328,7 +328,7 @@ def test_victim_with_few_pins_is_cheap() -> None:
 
 # -- the real trace (slow: runs the whole benchmark replay) ---------------------------------------
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "kdn" / "simulator" / "scenarios" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 @pytest.mark.slow

@@ -81,7 +81,8 @@ def make(cities: CityIndex, presets: Any, **changes: Any) -> Prepared:
 
 
 def test_fetch_time_is_latency_plus_size_over_bandwidth(cities: CityIndex, presets: Any) -> None:
-    p = make(cities, presets)
+    # the old model: FIFO links, connections always warm (tests/unit/test_sim_transfer.py: TCP)
+    p = make(cities, presets, network__link_sharing="fifo", network__connections="warm")
     sim = Simulation(p.scenario, p.topology, p.requests, presets, "origin_only")
     e, origin = 0, p.topology.n_edges  # New York edge, London origin
     ny, ldn = cities.find("New York City"), cities.find("London, GB")
@@ -361,8 +362,8 @@ def test_tally_adds_a_plan() -> None:
     assert (t.blocks, t.recomputed, t.served_local, t.served_origin, t.lookup_local) == (4, 1, 2, 1, 3)
     assert t.ttft == [1.25]
     assert (t.gpu_s, t.gpu_s_saved, t.fetch_chosen, t.recompute_chosen) == (0.25, 0.75, 1, 0)
-    t.moved(100.0, wan=True)
-    t.moved(50.0, wan=False)
+    t.moved(100.0, wan=True, now=0.0)
+    t.moved(50.0, wan=False, now=0.0)
     assert (t.net_bytes, t.wan_bytes) == (150.0, 100.0)
 
 
@@ -382,3 +383,36 @@ def test_cost_model_is_pure(cities: CityIndex, presets: Any) -> None:
     assert cost.best_prefix("fetch", 0.0, float("-inf"), 2048, [1e9], [1]) == 1
     assert cost.best_prefix("recompute", 0.0, float("-inf"), 2048, [0.0], [1]) == 0
     assert cost.best_prefix("auto", 0.0, float("-inf"), 2048, [1e9], [1]) == 0  # too slow to fetch
+
+
+@pytest.mark.parametrize("policy", ["nearest_edge", "consistent_hash"])
+def test_warmup_runs_but_does_not_count_the_leading_requests(cities: CityIndex, presets: Any, policy: str) -> None:
+    full = make(cities, presets, cache__edge_cache_gb=64)
+    warm = make(cities, presets, cache__edge_cache_gb=64, warmup_fraction=0.25)
+    r_full = run_policy(full.scenario, full.topology, full.requests, presets, policy)
+    r_warm = run_policy(warm.scenario, warm.topology, warm.requests, presets, policy)
+    skip = len(full.requests) // 4
+    assert r_warm.requests == len(full.requests) - skip
+    # the same run, counted from request `skip` on: identical per-request figures
+    np.testing.assert_array_equal(r_warm.ttft, r_full.ttft[skip:])
+    assert r_warm.hit_ratio > r_full.hit_ratio  # empty caches at the start no longer count
+    assert 0 < r_warm.wan_bytes < r_full.wan_bytes
+    assert r_warm.cost_breakdown["edge_storage"] < r_full.cost_breakdown["edge_storage"]
+
+
+@pytest.mark.parametrize("origin", ["London, GB", "Los Angeles, US"])
+def test_cold_connection_turns_a_fetch_into_a_recompute(cities: CityIndex, presets: Any, origin: str) -> None:
+    """The fetch-or-recompute rule sees the connection: from a New York edge, a Llama-3.1-70B
+    context on H100s is fetched over a warm connection but recomputed when the connection would
+    be cold (handshake plus slow start over ~10 round trips of the long-haul path)."""
+    case = {"topology__origins": [{"city": origin, "uplink_gbps": 25}], "model": "llama-3.1-70b", "gpu": "h100-sxm"}
+    t = {}
+    for conn in ("warm", "cold"):
+        for d in ("auto", "fetch", "recompute"):
+            t[conn, d], r = _one_request(cities, presets, d, network__connections=conn, **case)
+            if d == "auto":
+                t[conn, "fetched"] = r.fetch_chosen
+    assert t["warm", "fetch"] < t["warm", "recompute"] and t["warm", "fetched"] == 1
+    assert t["cold", "fetch"] > t["cold", "recompute"] and t["cold", "fetched"] == 0
+    assert t["cold", "fetch"] > 2 * t["warm", "fetch"]  # slow start, not the bytes, is the difference
+    assert t["warm", "auto"] == t["warm", "fetch"] and t["cold", "auto"] == t["cold", "recompute"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from kdn.simulator.presets import load_presets
 from kdn.simulator.scenario import REPO_ROOT, load_scenario
 
 SCENARIOS = sorted((REPO_ROOT / "kdn" / "simulator" / "scenarios").glob("*.yaml"))
-TRACE = REPO_ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = REPO_ROOT / "kdn" / "simulator" / "scenarios" / "traces" / "mooncake_conversation_trace.jsonl"
 
 TINY: dict[str, Any] = {
     "name": "tiny",
@@ -69,10 +70,18 @@ def bad(tmp_path: Path, ctx: dict[str, Any], mutate: Any) -> str:
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
 def test_shipped_scenarios_validate(path: Path, ctx: dict[str, Any]) -> None:
-    if "mooncake" in path.name and not TRACE.is_file():
-        pytest.skip("shared trace not present")
     sc = load_scenario(path, **ctx)
     assert sc.policies
+
+
+def test_mooncake_trace_ships_in_the_repo_next_to_its_scenario(ctx: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = REPO_ROOT / "kdn" / "simulator" / "scenarios" / "mooncake.yaml"
+    assert yaml.safe_load(src.read_text())["workload"]["path"] == "traces/mooncake_conversation_trace.jsonl"
+    assert "Apache" in (TRACE.parent / "README.md").read_text()
+    monkeypatch.chdir(tmp_path)  # resolved against the scenario file, not the working directory
+    sc = load_scenario(src, **ctx)
+    assert Path(sc.workload.path) == TRACE.resolve()
+    assert sum(1 for _ in TRACE.open()) == 12_031
 
 
 def test_shipped_scenarios_cover_the_issue() -> None:
@@ -198,3 +207,42 @@ def test_pareto_front_and_recommendation() -> None:
     assert best.config.edge_cache_gb == 5 and "no configuration meets" in rule
     best, _ = _recommend(front, None)
     assert best.config.edge_cache_gb == 2  # the knee
+
+
+def test_cli_simulation_time_includes_the_cache_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main_simulate([str(write(tmp_path, TINY)), "--out", str(tmp_path / "o"), "--no-progress", "--policy", "nearest_edge"])
+    assert rc == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("setup "))
+    total, policies, sweep = (float(v) for v in re.search(r"simulation ([\d.]+) s \(([\d.]+) s policies \+ ([\d.]+) s cache sweep\)", line).groups())
+    assert total == pytest.approx(policies + sweep, abs=0.11) and sweep > 0
+
+
+def test_each_policy_keeps_one_distinct_style_in_every_plot(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from kdn.simulator import report
+
+    styles = [(s[1], s[2]) for s in report.POLICY_STYLE.values()]
+    assert len(set(styles)) == len(styles) and len({s[0] for s in report.POLICY_STYLE.values()}) == len(styles)
+    seen: dict[str, tuple[str, str]] = {}
+    real_savefig = plt.Figure.savefig
+
+    def grab(fig: Any, *a: Any, **k: Any) -> None:
+        for line in fig.axes[0].get_lines():
+            name = line.get_label().split(" (")[0]
+            if name in report.POLICY_STYLE:
+                got = (matplotlib.colors.to_hex(line.get_color()), line.get_marker())
+                assert seen.setdefault(name, got) == got  # the same colour and marker in every plot
+        real_savefig(fig, *a, **k)
+
+    same = [(16.0, 0.4), (64.0, 0.6)]  # identical curves: still two distinct lines
+    plt.Figure.savefig = grab  # type: ignore[method-assign]
+    try:
+        report.plot_hit_vs_cache({"nearest_edge": same, "popularity_push": same}, tmp_path / "a.png")
+        report.plot_hit_vs_cache({"popularity_push": same, "nearest_edge": same}, tmp_path / "b.png")
+    finally:
+        plt.Figure.savefig = real_savefig  # type: ignore[method-assign]
+    assert seen["nearest_edge"] != seen["popularity_push"]

@@ -10,6 +10,8 @@ states the contract every policy keeps). Registry :data:`POLICIES`, factory :fun
 ``prefix``  prefix-aware, for chained KV chunks (:mod:`.prefix`): evicts only leaves of the
             cached prefix forest, by frequency with dynamic aging, so a chunk is never dropped while
             chunks that depend on it stay, and shared roots survive.
+``adaptive`` ``prefix`` with a half-life that adapts, per epoch, to how it fares against an LRU
+            shadow of the same size (:mod:`.adaptive`): at or above LRU where a fixed half-life is not.
 
 A cache that holds only part of each chain says so through ``make_policy(name, whole_chains=False)``
 (:meth:`~kdn.edge.eviction.base.EvictionPolicy.for_tier`); no caller tests a policy's name.
@@ -19,6 +21,7 @@ registered, since no online cache can construct it. The byte-budget cache the si
 eviction benchmark drive these policies with is :class:`kdn.simulator.cache.BoundedCache`.
 """
 
+from kdn.edge.eviction.adaptive import AdaptivePrefix
 from kdn.edge.eviction.base import EvictionPolicy, Key, SkipFn
 from kdn.edge.eviction.belady import Belady
 from kdn.edge.eviction.lru import LRU
@@ -29,6 +32,7 @@ from kdn.edge.eviction.sieve import Sieve
 
 __all__ = [
     "POLICIES",
+    "AdaptivePrefix",
     "Belady",
     "EvictionPolicy",
     "Key",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kdn.edge.eviction.adaptive import AdaptivePrefix
 from kdn.edge.eviction.base import EvictionPolicy
 from kdn.edge.eviction.lru import LRU
 from kdn.edge.eviction.prefix import PrefixAware
@@ -13,7 +14,7 @@ from kdn.errors import InvalidInput
 
 __all__ = ["POLICIES", "make_policy"]
 
-POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRU, S3FIFO, Sieve, PrefixAware)}
+POLICIES: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRU, S3FIFO, Sieve, PrefixAware, AdaptivePrefix)}
 
 
 def make_policy(name: str, *, whole_chains: bool = True, **kw: Any) -> EvictionPolicy:

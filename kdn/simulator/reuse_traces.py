@@ -1,0 +1,127 @@
+"""Synthetic KV-reuse traces with different reuse structure, in the Mooncake trace's shape (each
+request: input tokens and the chain of 512-token block ids it reads), for eviction benchmarks.
+
+``documents``      RAG: Zipf-popular documents (chains of 2-40 blocks) behind a short shared
+                   system prompt, a unique query block each; reuse by popularity, long distances.
+``conversations``  chat: sessions of 3-12 turns, each turn's chain extends the previous one by
+                   1-3 blocks; many sessions interleaved; reuse at think-time distances.
+``agents``         agent loops: a few long tool/system prompts (16-48 blocks) shared by all runs of
+                   an agent type; each run takes 5-30 quick steps that extend its own chain by a
+                   block; short and very frequent reuse.
+``scans``          a hot set of small documents mixed with a cyclic scan over a large set of cold
+                   documents (the loop is longer than any cache): recency alone keeps the scan.
+
+Each generator is deterministic in its seed. Block ids are ints, unique per distinct prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["TraceRequest", "TRACES", "documents", "conversations", "agents", "scans"]
+
+BLOCK = 512
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+
+class _Ids:
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+
+    def new(self, n: int) -> tuple[int, ...]:
+        return tuple(next(self._next) for _ in range(n))
+
+
+def _zipf(rng: np.random.Generator, n: int, s: float, size: int) -> np.ndarray:
+    p = 1.0 / np.arange(1, n + 1) ** s
+    return rng.choice(n, size=size, p=p / p.sum())
+
+
+def _req(chain: tuple[int, ...], extra_tokens: int) -> TraceRequest:
+    return TraceRequest(len(chain) * BLOCK + extra_tokens, chain)
+
+
+def documents(n: int = 20_000, seed: int = 1) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.new(2)
+    n_docs = 3_000
+    lengths = np.clip(rng.lognormal(np.log(10), 0.7, n_docs).astype(int), 2, 40)
+    docs = [system + ids.new(int(k)) for k in lengths]
+    out = []
+    for d in _zipf(rng, n_docs, 0.9, n).tolist():
+        out.append(_req(docs[d] + ids.new(1), 200))
+    return out
+
+
+def conversations(n: int = 20_000, seed: int = 2) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.new(3)
+    live: list[list[tuple[int, ...] | int]] = []  # [chain, turns left]
+    out = []
+    while len(out) < n:
+        if not live or (len(live) < 200 and rng.random() < 0.35):
+            live.append([system + ids.new(int(rng.integers(1, 4))), int(rng.integers(3, 13))])
+        k = int(rng.integers(len(live)))
+        chain, left = live[k]
+        assert isinstance(chain, tuple) and isinstance(left, int)
+        out.append(_req(chain, 300))
+        if left <= 1:
+            live.pop(k)
+        else:
+            live[k] = [chain + ids.new(int(rng.integers(1, 4))), left - 1]
+    return out
+
+
+def agents(n: int = 20_000, seed: int = 3) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    prompts = [ids.new(int(rng.integers(16, 49))) for _ in range(6)]
+    live: list[tuple[tuple[int, ...], int]] = []
+    out = []
+    while len(out) < n:
+        if len(live) < 24 and (not live or rng.random() < 0.2):
+            p = prompts[int(_zipf(rng, len(prompts), 1.0, 1)[0])]
+            live.append((p + ids.new(1), int(rng.integers(5, 31))))
+        k = int(rng.integers(len(live)))
+        chain, left = live[k]
+        out.append(_req(chain, 100))
+        if left <= 1:
+            live.pop(k)
+        else:
+            live[k] = (chain + ids.new(1), left - 1)
+    return out
+
+
+def scans(n: int = 20_000, seed: int = 4) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    hot = [ids.new(int(rng.integers(2, 6))) for _ in range(150)]
+    cold = [ids.new(int(rng.integers(2, 6))) for _ in range(4_000)]
+    out = []
+    pos = 0
+    for _ in range(n):
+        if rng.random() < 0.5:
+            out.append(_req(hot[int(_zipf(rng, len(hot), 0.8, 1)[0])], 100))
+        else:
+            out.append(_req(cold[pos % len(cold)], 100))
+            pos += 1
+    return out
+
+
+TRACES: dict[str, Callable[..., list[TraceRequest]]] = {
+    "documents": documents,
+    "conversations": conversations,
+    "agents": agents,
+    "scans": scans,
+}
