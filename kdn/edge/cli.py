@@ -28,6 +28,7 @@ import logging
 import math
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kdn.console import report_error
@@ -167,6 +168,26 @@ def _run(argv: list[str]) -> int:
 # -- hints ---------------------------------------------------------------------------------------
 
 
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """``--token`` and ``--tls-ca/--tls-cert/--tls-key``: how every client command (``kdn stats``,
+    ``kdn edge pin ...``, ``kdn query``) reaches an edge that requires auth or TLS. The same names
+    as ``ClientConfig``'s ``token``/``tls_*`` fields, checked by the same rules (kdn.wire.tls)."""
+    p.add_argument("--token", help="bearer token the server granted (its --token-grant)")
+    p.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: connect with TLS")
+    p.add_argument("--tls-cert", help="PEM client certificate, for a server that requires mTLS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+
+
+def client_tls(args: argparse.Namespace) -> Any:
+    """The TLS files of :func:`add_connection_flags` (None: plaintext); ConfigError names a bad pair."""
+    from kdn.wire.tls import TlsFiles
+
+    try:
+        return TlsFiles.for_client(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as exc:
+        raise ConfigError("--tls-cert and --tls-key go together") from exc
+
+
 def _ttl_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -192,9 +213,9 @@ def _hint_parser(command: str) -> argparse.ArgumentParser:
     p.add_argument("--edge", required=True, help="edge host:port")
     p.add_argument("--tenant", default="default")
     p.add_argument("--salt", default="")
-    p.add_argument("--token", help="bearer token")
+    add_connection_flags(p)
     p.add_argument("--fingerprint", default="", help="model fingerprint, 64 hex digits (needed with --document)")
-    p.add_argument("--document", default="", help="an origin document id instead of keys")
+    p.add_argument("--document", default="", help="a document instead of keys: the path it was ingested as (relative to here, or absolute) or the id `kdn ingest` lists")
     p.add_argument("keys", nargs="*", help="chunk keys, 64 hex digits each")
     if command == "ttl":
         p.add_argument("--seconds", type=_ttl_seconds, required=True, help="seconds from now; 0 clears the TTL")
@@ -215,13 +236,17 @@ def _hint(command: str, argv: list[str]) -> int:
     from kdn.proto import kdn_pb2 as pb
 
     args = _hint_parser(command).parse_args(argv)
+    if args.document and Path(args.document).exists():
+        # named the way it was ingested: `kdn ingest` ids a document by its absolute path
+        # (kdn.origin.ingest.doc_id_for); the origin also matches a path's tail (docs/manual.md)
+        args.document = Path(args.document).resolve().as_posix()
     try:
         keys = [parse_key(k) for k in args.keys]
         fp = parse_fingerprint(args.fingerprint) if args.fingerprint else ModelFingerprint(b"")
         ns = Namespace(args.tenant, args.salt)
         if command not in ("cancel",) and not keys and not args.document:
             raise ConfigError("give chunk keys or --document")
-        with EdgeClient(args.edge, token=args.token, deadline_s=args.deadline) as client:
+        with EdgeClient(args.edge, token=args.token, tls=client_tls(args), deadline_s=args.deadline) as client:
             if command == "prefetch":
                 queued = client.prefetch(keys, fingerprint=fp, namespace=ns, document=args.document)
                 result: dict[str, Any] = {"command": command, "queued": queued}
@@ -258,31 +283,91 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_stats(argv: list[str] | None = None) -> int:
-    """``kdn stats --edge ADDR [--json]``."""
+    """``kdn stats --edge ADDR`` (or ``--origin ADDR``) ``[--json]``: a node's counters.
+
+    Asked with ``--edge``, a node that turns out to be an origin answers as one (it has no edge
+    Stats, so its own). The plain output has one row per metric: Prometheus samples under their
+    short names (``kdn_edge_misses_total`` -> ``misses``), an internal counter left out where a
+    Prometheus sample counts the same thing, names and values in aligned columns. ``--json``
+    prints the node's answer unchanged.
+    """
     from kdn.edge.admin import EdgeClient
 
-    p = argparse.ArgumentParser(prog="kdn stats", description="show an edge's counters")
-    p.add_argument("--edge", required=True, help="edge host:port")
-    p.add_argument("--token")
-    p.add_argument("--deadline", type=float, default=10.0)
-    p.add_argument("--json", action="store_true")
+    p = argparse.ArgumentParser(prog="kdn stats", description="show an edge's or an origin's counters")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--edge", help="edge host:port (an origin there answers as an origin)")
+    where.add_argument("--origin", help="origin host:port")
+    add_connection_flags(p)
+    p.add_argument("--deadline", type=float, default=10.0, help="seconds to wait for the answer")
+    p.add_argument("--json", action="store_true", help="print the answer as one JSON object (errors too)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    address = args.edge or args.origin
     try:
-        with EdgeClient(args.edge, token=args.token, deadline_s=args.deadline) as client:
-            stats = client.stats()
+        with EdgeClient(address, token=args.token, tls=client_tls(args), deadline_s=args.deadline) as client:
+            stats = client.origin_stats() if args.origin else None
+            if stats is None:
+                try:
+                    stats = client.stats()
+                except KdnError as exc:
+                    if not _unimplemented(exc):
+                        raise
+                    stats = client.origin_stats()  # not an edge: an origin answers its own Stats
     except KdnError as exc:
         report_error("stats", exc, as_json=args.json)
         return 1
     if args.json:
         print(json.dumps(stats.as_dict(), sort_keys=True))
         return 0
-    c = stats.counters
-    origin = "n/a" if not c.get("origin_configured") else ("available" if c.get("origin_available") else "UNAVAILABLE")
-    print(f"edge {stats.node_id} ({stats.details.get('address', args.edge)})  origin: {origin}  "
-          f"peers: {int(c.get('peers', 0))} ({int(c.get('peers_down', 0))} down)")
-    for name in sorted(c):
-        print(f"  {name:<48} {c[name]:>16,.0f}" if float(c[name]).is_integer() else f"  {name:<48} {c[name]:>16.3f}")
+    print(stats_text(stats, address))
     return 0
+
+
+def _unimplemented(exc: BaseException) -> bool:
+    import grpc
+
+    cause = exc.__cause__
+    return isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+# Internal counters that a Prometheus sample also counts: shown once, under the sample's name.
+_TWINS = {"coalesced": "coalesced_requests"}
+_PREFIXES = ("kdn_edge_", "kdn_origin_")
+
+
+def display_name(name: str) -> str:
+    """``kdn_edge_hits_total{tier=memory}`` -> ``hits{tier=memory}``; internal names unchanged."""
+    base, brace, labels = name.partition("{")
+    for prefix in _PREFIXES:
+        if base.startswith(prefix):
+            base = base.removeprefix(prefix).removesuffix("_total")
+            break
+    return base + brace + labels
+
+
+def stats_text(stats: Any, address: str) -> str:
+    """The plain ``kdn stats`` table: a header line, then one aligned row per metric."""
+    c = stats.counters
+    role = stats.details.get("role") or ("origin" if "models" in stats.details else "edge")
+    if role == "origin":
+        models = ", ".join(f"{info.get('spec', '?')} ({fp[:16]}…)" for fp, info in stats.details.get("models", {}).items())
+        head = (f"origin {stats.node_id} ({address})  models: {models or '-'}  "
+                f"codecs: {', '.join(stats.details.get('codecs', [])) or '-'}  store: {stats.details.get('store_dir', '-')}")
+    else:
+        origin = "n/a" if not c.get("origin_configured") else ("available" if c.get("origin_available") else "UNAVAILABLE")
+        head = (f"edge {stats.node_id} ({stats.details.get('address', address)})  origin: {origin}  "
+                f"peers: {int(c.get('peers', 0))} ({int(c.get('peers_down', 0))} down)")
+    rows: dict[str, float] = {}
+    for name, value in c.items():
+        rows[display_name(name)] = value
+    for internal, sample in _TWINS.items():
+        if sample in rows:
+            rows.pop(internal, None)
+    if not rows:
+        return head
+    values = {n: (f"{v:,.0f}" if float(v).is_integer() else f"{v:,.3f}") for n, v in rows.items()}
+    wn = max(map(len, values))
+    wv = max(map(len, values.values()))
+    return "\n".join([head, *(f"  {n:<{wn}}  {values[n]:>{wv}}" for n in sorted(values))])
 
 
 if __name__ == "__main__":

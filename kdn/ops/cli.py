@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from dataclasses import dataclass
 
@@ -73,7 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         print(f"kdn {cmd.name}: not implemented yet ({cmd.target} is missing)", file=sys.stderr)
         return 2
-    return int(func(argv[1:]) or 0)
+    try:
+        rc = int(func(argv[1:]) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `kdn stats | head`: the reader has gone; end quietly, as `cat` does (Python's recipe:
+        # point stdout at devnull so the interpreter's own flush at exit cannot fail again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command that a pipe ended
+    return rc
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kdn.console import report_error
+from kdn.edge.cli import add_connection_flags
 from kdn.errors import InvalidInput, KdnError
 
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--tenant", default=None, help="namespace tenant (default: default)")
     p.add_argument("--salt", default=None, help="namespace salt")
-    p.add_argument("--token", default=None, help="bearer token for the edge")
+    add_connection_flags(p)  # --token, --tls-ca, --tls-cert, --tls-key: as kdn stats and kdn edge pin
     p.add_argument("--shm", choices=["auto", "on", "off"], default=None, help="shared-memory path (auto: loopback)")
     p.add_argument("--no-write-back", action="store_true", help="do not store newly computed chunks on the edge")
     p.add_argument("--timeout", type=float, default=None, help="deadline of each fetch, seconds")
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         prompt = _prompt(args)
     overrides = dict(edge=args.edge, fallback_edges=args.fallback_edges, tenant=args.tenant, salt=args.salt, token=args.token, shm=args.shm,
+                     tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                      fetch_timeout_s=args.timeout, write_back=False if args.no_write_back else None)
     cfg = ClientConfig.from_file(args.config, **overrides) if args.config else ClientConfig.build(**overrides)
     lm = load_model(args.model, dtype=args.dtype, chunk_size=args.chunk_size or DEFAULT_CHUNK_SIZE)

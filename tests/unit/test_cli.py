@@ -62,3 +62,17 @@ def test_missing_module_says_not_implemented(monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + (fake,))
     assert cli.main(["ghost"]) == 2
     assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_a_reader_that_left_ends_the_command_quietly(tmp_path) -> None:
+    """`kdn stats | head` (issue 17 item 9): the pipe closes early; no BrokenPipeError traceback."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)  # the reader has gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kdn.ops.cli", "down", "--state-dir", str(tmp_path)], stdout=w,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert proc.stderr == "" and proc.returncode == 141, proc.stderr
