@@ -1,7 +1,10 @@
 """How commands talk to a person: one shape for every failure.
 
 Every ``kdn`` command reports errors through :func:`report_error`, so scripts parsing ``--json``
-see one schema and people see one line, whichever role raised it.
+see one schema and people see one line, whichever role raised it. The schema, with ``--json``:
+one object on stdout, ``{"error": KIND, "message": TEXT}`` (KIND is the class name from
+:mod:`kdn.errors`, or ``UsageError`` for a bad flag), possibly with the command's own keys
+beside them, and a non-zero exit code. Without ``--json``: one line on stderr.
 """
 
 from __future__ import annotations

@@ -147,22 +147,25 @@ def _run(argv: list[str]) -> int:
     args = _run_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    def fail(exc: BaseException, text: str, code: int) -> int:
+        if args.json:  # the ready/stopped events are JSON lines: so is a failure (kdn.console's shape)
+            report_error("edge", exc, as_json=True, event="failed")
+        else:
+            print(f"kdn edge: {text}", file=sys.stderr)
+        return code
+
     try:
         config = build_config(args)
     except KdnError as exc:
-        print(f"kdn edge: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc, str(exc), 2)
     except (UnicodeDecodeError, OSError) as exc:  # a binary or unreadable --config file
-        print(f"kdn edge: cannot read config {args.config}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc, f"cannot read config {args.config}: {type(exc).__name__}: {exc}", 2)
     try:
         return asyncio.run(_serve(config))
     except KdnError as exc:  # e.g. a TLS key that is not the certificate's
-        print(f"kdn edge: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc, str(exc), 2)
     except OSError as exc:
-        print(f"kdn edge: cannot serve: {exc}", file=sys.stderr)
-        return 1
+        return fail(exc, f"cannot serve: {exc}", 1)
 
 
 # -- hints ---------------------------------------------------------------------------------------

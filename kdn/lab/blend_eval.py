@@ -42,6 +42,7 @@ import torch
 
 from kdn.blend import Deviation, FirstK, Naive, Policy, blend, place, prefill_segment
 from kdn.blend.verdict import MIN_ACCURACY_KEPT, MIN_AGREEMENT, Verdict, write_verdict
+from kdn.console import report_error
 from kdn.errors import KdnError
 from kdn.keys import DEFAULT_NAMESPACE, chunk_keys
 from kdn.models import LoadedModel, load_model
@@ -350,7 +351,7 @@ def main(argv: list[str]) -> int:
         verdict = verdict_for(lm, results, ratios, args.check_layer)
         path = None if args.no_verdict else write_verdict(verdict)
     except (KdnError, ValueError) as exc:
-        print(f"kdn eval-blend: {exc}", file=sys.stderr)
+        report_error("eval-blend", exc, as_json=args.json)
         return 2
     out = {**info, "methods": {k: r.as_dict() for k, r in results.items()},
            "verdict": {"passed": verdict.passed, "ratio": verdict.ratio, "reason": verdict.reason,

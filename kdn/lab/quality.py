@@ -36,6 +36,7 @@ import torch
 
 from kdn.artifact import decode_artifact, encode_artifact
 from kdn.codecs import Codec, get_codec
+from kdn.console import report_error
 from kdn.errors import InvalidInput, KdnError
 from kdn.keys import ROOT_KEY, ChunkKey
 from kdn.kv import build_cache, split_cache
@@ -346,7 +347,7 @@ def main(argv: list[str]) -> int:
             report.results.append(evaluate_codec(
                 lm, runs, KvqCodec(args.calibrate, calibration.plan), setup, label=f"kvq:{args.calibrate}+cal"))
     except (KdnError, OSError) as exc:
-        print(f"kdn eval-codec: {exc}", file=sys.stderr)
+        report_error("eval-codec", exc, as_json=args.json)
         return 2
     if args.json:
         out = report.as_dict()

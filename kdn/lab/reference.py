@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kdn.console import report_error
 from kdn.errors import InvalidInput, KdnError
 from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish  # noqa: F401  (part of this module's API)
 from kdn.lab.training import fit
@@ -435,7 +436,7 @@ def main(argv: list[str]) -> int:
         cfg = replace(cfg, **overrides)
         result = train_reference(cfg, out, progress=True)  # the bar goes to stderr
     except KdnError as exc:
-        print(f"kdn model: {exc}", file=sys.stderr)
+        report_error(f"model {args.cmd}", exc, as_json=args.json)
         return 2
     d = result.as_dict()
     if args.json:

@@ -40,6 +40,7 @@ from pydantic import Field
 
 from kdn.blobstore import write_json_atomic
 from kdn.config import RoleConfig
+from kdn.console import report_error
 from kdn.errors import ConfigError, KdnError, Unavailable
 from kdn.procs import session_members, stop_sessions
 from kdn.ops.registry import RAY_NAMESPACE, RESOURCE_EDGE, RESOURCE_HEAD, RESOURCE_ORIGIN
@@ -474,7 +475,7 @@ def main_up(argv: list[str]) -> int:
         cfg = ClusterConfig.from_file(a.config, **overrides) if a.config else ClusterConfig.build(**overrides)
         state = up(cfg, progress=log)
     except KdnError as exc:
-        print(f"kdn up: {exc}", file=sys.stderr)
+        report_error("up", exc, as_json=a.json)
         return 1
     env = {"RAY_ADDRESS": state.address, **(ray_auth_env(Path(state.state_dir)) if state.started_head else {})}
     if a.json:

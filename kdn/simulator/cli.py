@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from kdn.console import report_error
 from kdn.errors import KdnError
 
 __all__ = ["main", "main_simulate", "main_tune"]
@@ -63,7 +64,10 @@ def main_simulate(argv: list[str]) -> int:
             sweep = cache_sweep(prep, sizes, policies=[r.policy for r in rep.results], progress=progress)
             plots["hit_vs_cache"] = str(report.plot_hit_vs_cache(sweep, out / "hit_vs_cache.png", f"({prep.scenario.name})"))
     except KdnError as exc:
-        print(f"kdn simulate: error: {exc}", file=sys.stderr)
+        if args.json:  # one JSON object on stdout, as every --json command reports errors (kdn.console)
+            report_error("simulate", exc, as_json=True)
+        else:
+            print(f"kdn simulate: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report.report_json(rep, plots)))
@@ -118,7 +122,10 @@ def main_tune(argv: list[str]) -> int:
             title=f"({prep.scenario.name})",
         )
     except KdnError as exc:
-        print(f"kdn tune: error: {exc}", file=sys.stderr)
+        if args.json:
+            report_error("tune", exc, as_json=True)
+        else:
+            print(f"kdn tune: error: {exc}", file=sys.stderr)
         return 2
 
     def pt(q) -> dict:  # type: ignore[no-untyped-def]

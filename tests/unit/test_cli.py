@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import sys
 
@@ -76,3 +78,22 @@ def test_a_reader_that_left_ends_the_command_quietly(tmp_path) -> None:
     finally:
         os.close(w)
     assert proc.stderr == "" and proc.returncode == 141, proc.stderr
+
+
+@pytest.mark.parametrize("argv, kind", [
+    (["simulate", "/nonexistent/scenario.yaml", "--json"], "ConfigError"),
+    (["tune", "/nonexistent/scenario.yaml", "--json"], "ConfigError"),
+    (["model", "info", "/nonexistent/model", "--json"], "UnknownModel"),
+    (["stats", "--json", "--no-such-flag"], "UsageError"),
+    (["up", "--json", "--edge-nodes", "0"], "ConfigError"),
+    (["edge", "--json", "--listen", "127.0.0.1:0", "--tls-cert", "/nonexistent.pem"], "ConfigError"),
+])
+def test_json_errors_are_one_json_object_on_stdout(argv: list[str], kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 17 item 11: with --json, a failure is {"error": KIND, "message": ...} on stdout."""
+    with pytest.raises(SystemExit) if kind == "UsageError" else contextlib.nullcontext() as raised:
+        rc = cli.main(argv)
+    rc = raised.value.code if kind == "UsageError" else rc
+    out, err = capsys.readouterr()
+    assert rc != 0 and err == ""
+    answer = json.loads(out)
+    assert answer["error"] == kind and answer["message"], answer
