@@ -10,7 +10,16 @@ beside them, and a non-zero exit code. Without ``--json``: one line on stderr.
 from __future__ import annotations
 
 import json
+import re
 import sys
+
+_RST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def plain(text: str) -> str:
+    """A docstring's text for a terminal: ````kdn demo```` -> ``kdn demo``, ``:class:`X``` -> ``X``.
+    For ``--help`` descriptions taken from module docstrings (argparse prints markup as is)."""
+    return _RST_ROLE.sub(r"\1", text).replace("``", "`")
 
 
 def report_error(prog: str, exc: BaseException, /, *, as_json: bool, **extra: object) -> None:

@@ -75,35 +75,41 @@ def parse_tokens(items: Sequence[str]) -> dict[str, list[str]]:
 
 
 def _run_parser() -> argparse.ArgumentParser:
+    from kdn.edge.config import EdgeConfig
+
+    def about(name: str) -> str:  # the help is the config field's own description (one place)
+        f = EdgeConfig.model_fields[name]
+        return f"{f.description} (default {f.default})"
+
     p = argparse.ArgumentParser(
         prog="kdn edge",
         description="Run an edge node (default), or send hints to a running one: "
         + ", ".join(HINT_COMMANDS) + " (kdn edge pin --help).",
     )
     p.add_argument("--config", help="EdgeConfig file (YAML or JSON); flags override it")
-    p.add_argument("--node-id")
+    p.add_argument("--node-id", help=about("node_id"))
     p.add_argument("--listen", help="host:port to serve on (port 0 = any free port)")
     p.add_argument("--peers", type=parse_peers, help="static overlay members: id=host:port,...")
     p.add_argument("--peers-file", help="peers file re-read periodically: JSON {id: host:port} or id=host:port lines")
     p.add_argument("--refresh-s", type=float, help="how often the peers file is re-read (seconds)")
     p.add_argument("--peer-backoff-s", type=float, help="a failed peer is retried after this long")
     p.add_argument("--origin", help="origin host:port")
-    p.add_argument("--memory-bytes", type=parse_bytes)
-    p.add_argument("--disk-dir")
-    p.add_argument("--disk-bytes", type=parse_bytes)
+    p.add_argument("--memory-bytes", type=parse_bytes, help=about("memory_bytes") + "; 512M, 8G ...")
+    p.add_argument("--disk-dir", help=about("disk_dir"))
+    p.add_argument("--disk-bytes", type=parse_bytes, help=about("disk_bytes") + "; 512M, 100G ...")
     p.add_argument("--policy", help="eviction policy: lru, s3fifo, sieve, prefix")
-    p.add_argument("--replicas", type=int)
-    p.add_argument("--prefetch-depth", type=int)
+    p.add_argument("--replicas", type=int, help=about("replicas"))
+    p.add_argument("--prefetch-depth", type=int, help=about("prefetch_depth"))
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = ephemeral)")
     p.add_argument("--token-grant", action="append", default=[], metavar="TOKEN=TENANTS",
                    help="enable auth: this bearer token may use these tenants (repeatable; '*' = all)")
     p.add_argument("--upstream-token", help="token to present to peers and the origin")
-    p.add_argument("--tls-cert")
-    p.add_argument("--tls-key")
+    p.add_argument("--tls-cert", help="PEM certificate chain to serve TLS with (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", help="require client certificates signed by this CA (mTLS)")
     p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory path")
     p.add_argument("--json", action="store_true", help="accepted for uniformity: the ready/stopped events are always JSON lines")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
     return p
 
 
@@ -214,22 +220,26 @@ def _int32(text: str) -> int:
 def _hint_parser(command: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"kdn edge {command}", description=f"send a {command} hint to a running edge")
     p.add_argument("--edge", required=True, help="edge host:port")
-    p.add_argument("--tenant", default="default")
-    p.add_argument("--salt", default="")
+    p.add_argument("--tenant", default="default", help="namespace tenant (default: default)")
+    p.add_argument("--salt", default="", help="namespace salt the tenant's keys were made with")
     add_connection_flags(p)
-    p.add_argument("--fingerprint", default="", help="model fingerprint, 64 hex digits (needed with --document)")
-    p.add_argument("--document", default="", help="a document instead of keys: the path it was ingested as (relative to here, or absolute) or the id `kdn ingest` lists")
-    p.add_argument("keys", nargs="*", help="chunk keys, 64 hex digits each")
+    if command != "cancel":  # cancel names a schedule, not what it prefetches
+        p.add_argument("--fingerprint", default="", help="model fingerprint, 64 hex digits (needed with --document)")
+        p.add_argument("--document", default="", help="a document instead of keys: the path it was ingested as "
+                       "(relative to here, or absolute) or the id `kdn ingest` lists")
+        p.add_argument("keys", nargs="*", help="chunk keys, 64 hex digits each")
+    else:
+        p.set_defaults(fingerprint="", document="", keys=[])
     if command == "ttl":
         p.add_argument("--seconds", type=_ttl_seconds, required=True, help="seconds from now; 0 clears the TTL")
     if command == "priority":
-        p.add_argument("--priority", type=_int32, required=True)
+        p.add_argument("--priority", type=_int32, required=True, help="eviction priority: higher is kept longer")
     if command == "schedule":
         p.add_argument("--cron", required=True, help='"M H DOM MON DOW", e.g. "0 8 * * *" (UTC)')
     if command == "cancel":
-        p.add_argument("--schedule-id", required=True)
-    p.add_argument("--deadline", type=float, default=10.0)
-    p.add_argument("--json", action="store_true")
+        p.add_argument("--schedule-id", required=True, help="the id `kdn edge schedule` printed")
+    p.add_argument("--deadline", type=float, default=10.0, help="seconds to wait for the answer (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     return p
 
 

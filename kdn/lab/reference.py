@@ -404,15 +404,16 @@ def main(argv: list[str]) -> int:
     tr.add_argument("--task", default="stdlib", choices=["stdlib", "retrieval"],
                     help="stdlib: language model on the Python stdlib (codec quality); retrieval: the multi-document "
                          "retrieval task (blend quality, kdn.lab.retrieval)")
-    tr.add_argument("--preset", default="default", choices=["default", "tiny"])
+    tr.add_argument("--preset", default="default", choices=["default", "tiny"],
+                    help="model and training size: default (the reference model), tiny (a quick one for tests)")
     tr.add_argument("--steps", type=int, default=None, help="optimiser steps (overrides the preset)")
-    tr.add_argument("--seed", type=int, default=None)
+    tr.add_argument("--seed", type=int, default=None, help="random seed (default: the preset's)")
     tr.add_argument("--threads", type=int, default=None, help="torch threads (part of what makes a run reproducible)")
     tr.add_argument("--force", action="store_true", help="retrain even if the output dir holds a model")
-    tr.add_argument("--json", action="store_true")
+    tr.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     inf = sub.add_parser("info", help="shape, KV bytes per token and fingerprint of a model spec or dir")
     inf.add_argument("spec", nargs="?", default=None, help="built-in spec or model dir (default: the reference model)")
-    inf.add_argument("--json", action="store_true")
+    inf.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "info":

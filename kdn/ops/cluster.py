@@ -454,19 +454,25 @@ def _remove_roles(state: ClusterState, timeout_s: float = REMOVE_TIMEOUT_S) -> s
 
 def main_up(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kdn up", description=__doc__.split("\n\n")[0])
+    def about(name: str) -> str:  # the help is the config field's own description (one place)
+        f = ClusterConfig.model_fields[name]
+        default = "" if f.default_factory is not None else f" (default {f.default})"
+        return f"{f.description}{default}"
+
     p.add_argument("--address", help="join an existing Ray cluster instead of starting a head")
-    p.add_argument("--head-port", type=int)
-    p.add_argument("--origin-nodes", type=int)
-    p.add_argument("--edge-nodes", type=int)
-    p.add_argument("--cpus-per-node", type=float)
-    p.add_argument("--model")
-    p.add_argument("--codec")
-    p.add_argument("--state-dir", type=Path)
+    p.add_argument("--head-port", type=int, help=about("head_port"))
+    p.add_argument("--origin-nodes", type=int, help=about("origin_nodes"))
+    p.add_argument("--edge-nodes", type=int, help=about("edge_nodes"))
+    p.add_argument("--cpus-per-node", type=float, help=about("cpus_per_node"))
+    p.add_argument("--model", help=about("model"))
+    p.add_argument("--codec", help=about("codec"))
+    p.add_argument("--state-dir", type=Path,
+                   help="pids, logs, token, origin store and edge disks (default ~/.cache/kdn/cluster, or $KDN_CACHE/cluster)")
     p.add_argument("--bind-host", help="address the gRPC servers bind (default 127.0.0.1)")
     p.add_argument("--wait-s", type=float,
                    help="bound on each wait: the head's GCS, every node, every endpoint (default 120)")
     p.add_argument("--config", type=Path, help="YAML/JSON file with ClusterConfig fields")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object: address, endpoints, env (errors too)")
     a = p.parse_args(argv)
     overrides = {k: getattr(a, k) for k in ("address", "head_port", "origin_nodes", "edge_nodes",
                                              "cpus_per_node", "model", "codec", "state_dir", "bind_host", "wait_s")}
@@ -501,8 +507,9 @@ def _state_dir_flag(state_dir: Path) -> str:
 
 def main_down(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kdn down", description="stop exactly what `kdn up` started")
-    p.add_argument("--state-dir", type=Path, default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="the --state-dir `kdn up` was given (default ~/.cache/kdn/cluster, or $KDN_CACHE/cluster)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     result = down(a.state_dir or default_state_dir())
     if result.get("warning"):

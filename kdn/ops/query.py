@@ -23,13 +23,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from kdn.console import report_error
+from kdn.console import plain, report_error
 from kdn.edge.cli import add_connection_flags
 from kdn.errors import InvalidInput, KdnError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kdn query", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kdn query", description=plain(__doc__.split("\n\n")[0]))
     p.add_argument("--edge", help="host:port of the local edge (omit: recompute only)")
     p.add_argument("--fallback-edge", action="append", dest="fallback_edges", metavar="ADDR",
                    help="another edge to use while the ones before it are unavailable (repeatable)")
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="documents reused anywhere in the prompt (segments, blended): placed after --prompt-file, before --prompt")
     p.add_argument("--blend-ratio", type=float, default=None,
                    help="with --documents: recompute this share of document tokens regardless of the verdict")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--tenant", default=None, help="namespace tenant (default: default)")
     p.add_argument("--salt", default=None, help="namespace salt")
     add_connection_flags(p)  # --token, --tls-ca, --tls-cert, --tls-key: as kdn stats and kdn edge pin
