@@ -151,10 +151,14 @@ def main_tune(argv: list[str]) -> int:
                       f"{q.hit_ratio:.1%}", f"{q.wan_bytes / 1e12:.2f}", f"{q.min_agreement:.2%}")
     Console(width=max(Console().width, 140)).print(table)
     c = res.recommended.config
-    print(f"recommended ({res.rule}):")
+    print(f"recommended: {res.rule}")  # the rule may hold parentheses of its own: none around it
+    # as scenario YAML; only the knobs the recommended policy reads (label() shows the same ones)
+    params = {"replicas": c.replicas} if c.policy == "consistent_hash" else {}
+    if c.policy == "hint_prefetch":
+        params["prefetch_depth"] = c.prefetch_depth
     print(f"  policies: [{c.policy}]\n  cache: {{edge_cache_gb: {c.edge_cache_gb:g}}}\n"
-          f"  codecs: {{regional: {c.regional_codec}, long_haul: {c.long_haul_codec}}}\n"
-          f"  params: {{replicas: {c.replicas}, prefetch_depth: {c.prefetch_depth}}}")
+          f"  codecs: {{regional: {c.regional_codec}, long_haul: {c.long_haul_codec}}}"
+          + ("\n  params: {" + ", ".join(f"{k}: {v}" for k, v in params.items()) + "}" if params else ""))
     print(f"plot: {plot}")
     return 0
 
