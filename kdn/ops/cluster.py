@@ -42,9 +42,10 @@ from kdn.blobstore import write_json_atomic
 from kdn.config import RoleConfig
 from kdn.console import report_error
 from kdn.errors import ConfigError, KdnError, Unavailable
-from kdn.procs import session_members, stop_sessions
+from kdn.procs import pid_alive, session_members, stop_sessions
 from kdn.ops.registry import RAY_NAMESPACE, RESOURCE_EDGE, RESOURCE_HEAD, RESOURCE_ORIGIN
 from kdn.wire.channel import free_port
+from kdn.wire.shm import DEFAULT_SHM_DIR, SEGMENT_NAME
 
 
 def default_state_dir() -> Path:
@@ -359,8 +360,9 @@ def _actor_ids(node_ids: list[str]) -> dict[str, str]:
     return out
 
 
-def down(state_dir: Path) -> dict:
-    """Stop every process `kdn up` started (by session), and nothing else."""
+def down(state_dir: Path, *, shm_dir: str = DEFAULT_SHM_DIR) -> dict:
+    """Stop every process `kdn up` started (by session), and nothing else; then remove the
+    shared-memory segments those processes left (an edge's segments are named after its pid)."""
     state = ClusterState.load(state_dir)
     if state is None:
         return {"stopped": [], "message": f"no cluster state in {state_dir}; nothing to stop"}
@@ -368,13 +370,50 @@ def down(state_dir: Path) -> dict:
     if not state.started_head:
         problem = _remove_roles(state)
     stopped = stop_sessions(state.our_sessions())
+    segments, freed = remove_segments_of(stopped, shm_dir)
     (Path(state_dir) / "cluster.json").unlink(missing_ok=True)
     if state.started_head:
         shutil.rmtree(ray_temp_dir(Path(state_dir)), ignore_errors=True)
-    out = {"stopped": stopped, "message": f"stopped {len(stopped)} processes"}
+    out = {"stopped": stopped, "shm_segments_removed": segments, "shm_bytes_freed": freed,
+           "message": f"stopped {len(stopped)} processes"
+                      + (f"; removed {segments} shared-memory segments ({freed / 2**20:.1f} MiB)" if segments else "")}
     if problem:
         out["warning"] = problem
     return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie's segments are as orphaned as a reaped one's)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return pid_alive(pid)  # no /proc: the signal check
+
+
+def remove_segments_of(pids: list[int], directory: str = DEFAULT_SHM_DIR) -> tuple[int, int]:
+    """Unlink the shared-memory segments (``kdn-<node>-<pid>-<hex>``, kdn.wire.shm) of these
+    stopped processes; a live pid's are left alone. Returns (segments, bytes) removed.
+
+    A killed edge cannot unlink its own segments, and the sweep of a new pool only runs when one
+    opens on this host: without this, `kdn down` would leave them in RAM (/dev/shm is tmpfs)."""
+    gone = {p for p in pids if not _running(p)}
+    count = size = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0, 0
+    for entry in entries:
+        m = SEGMENT_NAME.match(entry.name)
+        if not m or int(m.group(1)) not in gone:
+            continue
+        try:
+            n = entry.stat(follow_symlinks=False).st_size
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        count += 1
+        size += n
+    return count, size
 
 
 REMOVE_TIMEOUT_S = 30.0
