@@ -98,7 +98,15 @@ NOT_HERE: list[tuple[str, str]] = [
 LONG_BLOCKS = (r"^kdn up --origin-nodes", r"^kdn simulate ")
 
 SUBSTITUTIONS_FIXED = [("--metrics-port 9100", "--metrics-port 0"), ("/var/cache/kdn", "~/var/cache/kdn"),
-                       ("--model /models/my-llama", "--model small-125m")]
+                       ("--model /models/my-llama", "--model small-125m"), ("/tmp/more", "~/more")]
+
+# Broken until another change lands: (pattern, reason, test that says it has landed). A landed
+# entry fails test_every_allow_list_entry_names_a_command, so it is removed, not forgotten.
+KNOWN_BROKEN: list[tuple[str, str, object]] = [
+    (r"^kdn simulate kdn/simulator/scenarios/mooncake\.yaml",
+     "its trace lives outside the repository (issue 17 item 10, the simulator's)",
+     lambda: "../shared/" not in (REPO / "kdn/simulator/scenarios/mooncake.yaml").read_text()),
+]
 PORTS = ("7070", "50061", "50071")
 
 PREAMBLES: dict[str, str] = {
@@ -147,6 +155,10 @@ def _label(item: Block | Command) -> str:
     return f"python:{item.text}" if isinstance(item, Block) else item.text
 
 
+def _skipped(text: str) -> str | None:
+    return _match(COVERED_ELSEWHERE + NOT_HERE + [(p, r) for p, r, _ in KNOWN_BROKEN], text)
+
+
 def _all_items() -> list[Block | Command]:
     items: list[Block | Command] = []
     for path in DOCS:
@@ -178,6 +190,9 @@ class Session:
     env: dict[str, str] = field(default_factory=dict)
     servers: dict[str, subprocess.Popen] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
+    exports: dict[str, str] = field(default_factory=dict)  # the export line `kdn up` printed
+    placeholders: dict[str, str] = field(default_factory=dict)  # "<an edge endpoint>" -> what kdn up printed
+    cleanup: list[Command] = field(default_factory=list)  # `kdn down` for every `kdn up` that ran
 
     @classmethod
     def fresh(cls, root: Path) -> "Session":
@@ -194,6 +209,8 @@ class Session:
 
     def substitute(self, text: str) -> str:
         for old, new in SUBSTITUTIONS_FIXED:
+            text = text.replace(old, new)
+        for old, new in self.placeholders.items():
             text = text.replace(old, new)
         for old, new in self.ports.items():
             text = re.sub(rf"(?<=[:=]){old}\b", new, text)
@@ -243,6 +260,9 @@ class Session:
         assert r.returncode == 0, f"{block.where}: the Python snippet failed\n{code}\n{r.stderr[-4000:]}"
 
     def close(self) -> None:
+        for cmd in reversed(self.cleanup):  # a block that failed half-way leaves no cluster behind
+            subprocess.run(["bash", "-c", self.substitute(cmd.text)], cwd=self.root, env=self.env,
+                           capture_output=True, timeout=300)
         for proc in self.servers.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -262,14 +282,18 @@ def _run_doc(path: Path, root: Path, *, long: bool) -> list[str]:
     try:
         for b in blocks(path):
             if b.lang == "python":
-                if _match(COVERED_ELSEWHERE + NOT_HERE, _label(b)) is None and not long:
+                if _skipped(_label(b)) is None and not long:
                     session.snippet(b)
                     ran.append(f"python {b.where}")
                 continue
             if b.lang not in SHELL or _is_long(b) != long:
                 continue
             for cmd in commands(b):
-                if _match(COVERED_ELSEWHERE + NOT_HERE, cmd.text) is not None:
+                if _skipped(cmd.text) is not None:
+                    continue
+                if cmd.words[0] == "export":  # the reader pastes what `kdn up` printed instead
+                    session.env.update(session.exports)
+                    ran.append(cmd.text)
                     continue
                 out = session.run(cmd)
                 ran.append(cmd.text)
@@ -282,6 +306,15 @@ def _run_doc(path: Path, root: Path, *, long: bool) -> list[str]:
 def _after(session: Session, cmd: Command, out: str) -> None:
     """What the prose tells the reader to do with an answer (``FP = the fingerprint line``)."""
     words = cmd.words
+    if words[:2] == ["kdn", "up"]:
+        m = re.search(r"^\s*export (.+)$", out, re.M)
+        assert m, f"{cmd.block.where}: `{cmd.text}` printed no export line\n{out}"
+        session.exports = dict(kv.split("=", 1) for kv in m.group(1).split())
+        edges = re.findall(r"^edge\s+\S+: (\S+)", out, re.M)
+        if edges and "<an edge endpoint>" not in session.placeholders:
+            session.placeholders["<an edge endpoint>"] = edges[0]
+        state = words[words.index("--state-dir") + 1] if "--state-dir" in words else None
+        session.cleanup.append(Command(cmd.block, "kdn down" + (f" --state-dir {state}" if state else "")))
     if words[:2] == ["kdn", "ingest"] and "FP" not in session.env:
         m = re.search(r"^\s*fingerprint ([0-9a-f]{64})\b", out, re.M)
         assert m, f"{cmd.block.where}: `{cmd.text}` printed no fingerprint line\n{out}"
@@ -292,6 +325,9 @@ def test_every_allow_list_entry_names_a_command() -> None:
     labels = [_label(i) for i in _all_items()]
     for pattern, reason in COVERED_ELSEWHERE + NOT_HERE:
         assert any(re.search(pattern, t, re.S) for t in labels), f"stale allow-list entry {pattern!r} ({reason})"
+    for pattern, reason, landed in KNOWN_BROKEN:
+        assert any(re.search(pattern, t, re.S) for t in labels), f"stale entry {pattern!r} ({reason})"
+        assert not landed(), f"{pattern!r} should run now ({reason} has landed): remove it from KNOWN_BROKEN"
     for start in PREAMBLES:
         assert any(start in t for t in labels), f"stale preamble for {start!r}"
 
