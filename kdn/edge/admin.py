@@ -206,3 +206,7 @@ class EdgeClient:
 
     def stats(self) -> EdgeStats:
         return parse_stats(self._call(self._stub.Stats, pb.StatsRequest()))
+
+    def origin_stats(self) -> EdgeStats:
+        """The same address asked as an origin (``OriginService.Stats``): ``kdn stats`` of an origin."""
+        return parse_stats(self._call(pbg.OriginServiceStub(self._channel).Stats, pb.StatsRequest()))

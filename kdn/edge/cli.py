@@ -28,6 +28,7 @@ import logging
 import math
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kdn.console import report_error
@@ -74,37 +75,43 @@ def parse_tokens(items: Sequence[str]) -> dict[str, list[str]]:
 
 
 def _run_parser() -> argparse.ArgumentParser:
+    from kdn.edge.config import EdgeConfig
+
+    def about(name: str) -> str:  # the help is the config field's own description (one place)
+        f = EdgeConfig.model_fields[name]
+        return f"{f.description} (default {f.default})"
+
     p = argparse.ArgumentParser(
         prog="kdn edge",
         description="Run an edge node (default), or send hints to a running one: "
         + ", ".join(HINT_COMMANDS) + " (kdn edge pin --help).",
     )
     p.add_argument("--config", help="EdgeConfig file (YAML or JSON); flags override it")
-    p.add_argument("--node-id")
+    p.add_argument("--node-id", help=about("node_id"))
     p.add_argument("--listen", help="host:port to serve on (port 0 = any free port)")
     p.add_argument("--peers", type=parse_peers, help="static overlay members: id=host:port,...")
     p.add_argument("--peers-file", help="peers file re-read periodically: JSON {id: host:port} or id=host:port lines")
     p.add_argument("--refresh-s", type=float, help="how often the peers file is re-read (seconds)")
     p.add_argument("--peer-backoff-s", type=float, help="a failed peer is retried after this long")
     p.add_argument("--origin", help="origin host:port")
-    p.add_argument("--memory-bytes", type=parse_bytes)
-    p.add_argument("--disk-dir")
-    p.add_argument("--disk-bytes", type=parse_bytes)
+    p.add_argument("--memory-bytes", type=parse_bytes, help=about("memory_bytes") + "; 512M, 8G ...")
+    p.add_argument("--disk-dir", help=about("disk_dir"))
+    p.add_argument("--disk-bytes", type=parse_bytes, help=about("disk_bytes") + "; 512M, 100G ...")
     p.add_argument("--policy", help="eviction policy: lru, s3fifo, sieve, prefix")
-    p.add_argument("--replicas", type=int)
-    p.add_argument("--prefetch-depth", type=int)
+    p.add_argument("--replicas", type=int, help=about("replicas"))
+    p.add_argument("--prefetch-depth", type=int, help=about("prefetch_depth"))
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = ephemeral)")
     p.add_argument("--token-grant", action="append", default=[], metavar="TOKEN=TENANTS",
                    help="enable auth: this bearer token may use these tenants (repeatable; '*' = all)")
     p.add_argument("--upstream-token", help="token to present to peers and the origin")
-    p.add_argument("--tls-cert")
-    p.add_argument("--tls-key")
+    p.add_argument("--tls-cert", help="PEM certificate chain to serve TLS with (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", help="require client certificates signed by this CA (mTLS)")
     p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory path")
     p.add_argument("--no-bulk", action="store_true", help="disable the bulk byte path (plain TCP beside gRPC; off with TLS)")
     p.add_argument("--bulk-port", type=int, help="port of the bulk byte path on the listen host (default: a free one)")
     p.add_argument("--json", action="store_true", help="accepted for uniformity: the ready/stopped events are always JSON lines")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
     return p
 
 
@@ -149,25 +156,48 @@ def _run(argv: list[str]) -> int:
     args = _run_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    def fail(exc: BaseException, text: str, code: int) -> int:
+        if args.json:  # the ready/stopped events are JSON lines: so is a failure (kdn.console's shape)
+            report_error("edge", exc, as_json=True, event="failed")
+        else:
+            print(f"kdn edge: {text}", file=sys.stderr)
+        return code
+
     try:
         config = build_config(args)
     except KdnError as exc:
-        print(f"kdn edge: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc, str(exc), 2)
     except (UnicodeDecodeError, OSError) as exc:  # a binary or unreadable --config file
-        print(f"kdn edge: cannot read config {args.config}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc, f"cannot read config {args.config}: {type(exc).__name__}: {exc}", 2)
     try:
         return asyncio.run(_serve(config))
     except KdnError as exc:  # e.g. a TLS key that is not the certificate's
-        print(f"kdn edge: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc, str(exc), 2)
     except OSError as exc:
-        print(f"kdn edge: cannot serve: {exc}", file=sys.stderr)
-        return 1
+        return fail(exc, f"cannot serve: {exc}", 1)
 
 
 # -- hints ---------------------------------------------------------------------------------------
+
+
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """``--token`` and ``--tls-ca/--tls-cert/--tls-key``: how every client command (``kdn stats``,
+    ``kdn edge pin ...``, ``kdn query``) reaches an edge that requires auth or TLS. The same names
+    as ``ClientConfig``'s ``token``/``tls_*`` fields, checked by the same rules (kdn.wire.tls)."""
+    p.add_argument("--token", help="bearer token the server granted (its --token-grant)")
+    p.add_argument("--tls-ca", help="PEM CA that signed the server's certificate: connect with TLS")
+    p.add_argument("--tls-cert", help="PEM client certificate, for a server that requires mTLS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+
+
+def client_tls(args: argparse.Namespace) -> Any:
+    """The TLS files of :func:`add_connection_flags` (None: plaintext); ConfigError names a bad pair."""
+    from kdn.wire.tls import TlsFiles
+
+    try:
+        return TlsFiles.for_client(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as exc:
+        raise ConfigError("--tls-cert and --tls-key go together") from exc
 
 
 def _ttl_seconds(text: str) -> float:
@@ -193,22 +223,26 @@ def _int32(text: str) -> int:
 def _hint_parser(command: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"kdn edge {command}", description=f"send a {command} hint to a running edge")
     p.add_argument("--edge", required=True, help="edge host:port")
-    p.add_argument("--tenant", default="default")
-    p.add_argument("--salt", default="")
-    p.add_argument("--token", help="bearer token")
-    p.add_argument("--fingerprint", default="", help="model fingerprint, 64 hex digits (needed with --document)")
-    p.add_argument("--document", default="", help="an origin document id instead of keys")
-    p.add_argument("keys", nargs="*", help="chunk keys, 64 hex digits each")
+    p.add_argument("--tenant", default="default", help="namespace tenant (default: default)")
+    p.add_argument("--salt", default="", help="namespace salt the tenant's keys were made with")
+    add_connection_flags(p)
+    if command != "cancel":  # cancel names a schedule, not what it prefetches
+        p.add_argument("--fingerprint", default="", help="model fingerprint, 64 hex digits (needed with --document)")
+        p.add_argument("--document", default="", help="a document instead of keys: the path it was ingested as "
+                       "(relative to here, or absolute) or the id `kdn ingest` lists")
+        p.add_argument("keys", nargs="*", help="chunk keys, 64 hex digits each")
+    else:
+        p.set_defaults(fingerprint="", document="", keys=[])
     if command == "ttl":
         p.add_argument("--seconds", type=_ttl_seconds, required=True, help="seconds from now; 0 clears the TTL")
     if command == "priority":
-        p.add_argument("--priority", type=_int32, required=True)
+        p.add_argument("--priority", type=_int32, required=True, help="eviction priority: higher is kept longer")
     if command == "schedule":
         p.add_argument("--cron", required=True, help='"M H DOM MON DOW", e.g. "0 8 * * *" (UTC)')
     if command == "cancel":
-        p.add_argument("--schedule-id", required=True)
-    p.add_argument("--deadline", type=float, default=10.0)
-    p.add_argument("--json", action="store_true")
+        p.add_argument("--schedule-id", required=True, help="the id `kdn edge schedule` printed")
+    p.add_argument("--deadline", type=float, default=10.0, help="seconds to wait for the answer (default 10)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     return p
 
 
@@ -218,13 +252,17 @@ def _hint(command: str, argv: list[str]) -> int:
     from kdn.proto import kdn_pb2 as pb
 
     args = _hint_parser(command).parse_args(argv)
+    if args.document and Path(args.document).exists():
+        # named the way it was ingested: `kdn ingest` ids a document by its absolute path
+        # (kdn.origin.ingest.doc_id_for); the origin also matches a path's tail (docs/manual.md)
+        args.document = Path(args.document).resolve().as_posix()
     try:
         keys = [parse_key(k) for k in args.keys]
         fp = parse_fingerprint(args.fingerprint) if args.fingerprint else ModelFingerprint(b"")
         ns = Namespace(args.tenant, args.salt)
         if command not in ("cancel",) and not keys and not args.document:
             raise ConfigError("give chunk keys or --document")
-        with EdgeClient(args.edge, token=args.token, deadline_s=args.deadline) as client:
+        with EdgeClient(args.edge, token=args.token, tls=client_tls(args), deadline_s=args.deadline) as client:
             if command == "prefetch":
                 queued = client.prefetch(keys, fingerprint=fp, namespace=ns, document=args.document)
                 result: dict[str, Any] = {"command": command, "queued": queued}
@@ -261,31 +299,91 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def main_stats(argv: list[str] | None = None) -> int:
-    """``kdn stats --edge ADDR [--json]``."""
+    """``kdn stats --edge ADDR`` (or ``--origin ADDR``) ``[--json]``: a node's counters.
+
+    Asked with ``--edge``, a node that turns out to be an origin answers as one (it has no edge
+    Stats, so its own). The plain output has one row per metric: Prometheus samples under their
+    short names (``kdn_edge_misses_total`` -> ``misses``), an internal counter left out where a
+    Prometheus sample counts the same thing, names and values in aligned columns. ``--json``
+    prints the node's answer unchanged.
+    """
     from kdn.edge.admin import EdgeClient
 
-    p = argparse.ArgumentParser(prog="kdn stats", description="show an edge's counters")
-    p.add_argument("--edge", required=True, help="edge host:port")
-    p.add_argument("--token")
-    p.add_argument("--deadline", type=float, default=10.0)
-    p.add_argument("--json", action="store_true")
+    p = argparse.ArgumentParser(prog="kdn stats", description="show an edge's or an origin's counters")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--edge", help="edge host:port (an origin there answers as an origin)")
+    where.add_argument("--origin", help="origin host:port")
+    add_connection_flags(p)
+    p.add_argument("--deadline", type=float, default=10.0, help="seconds to wait for the answer")
+    p.add_argument("--json", action="store_true", help="print the answer as one JSON object (errors too)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    address = args.edge or args.origin
     try:
-        with EdgeClient(args.edge, token=args.token, deadline_s=args.deadline) as client:
-            stats = client.stats()
+        with EdgeClient(address, token=args.token, tls=client_tls(args), deadline_s=args.deadline) as client:
+            stats = client.origin_stats() if args.origin else None
+            if stats is None:
+                try:
+                    stats = client.stats()
+                except KdnError as exc:
+                    if not _unimplemented(exc):
+                        raise
+                    stats = client.origin_stats()  # not an edge: an origin answers its own Stats
     except KdnError as exc:
         report_error("stats", exc, as_json=args.json)
         return 1
     if args.json:
         print(json.dumps(stats.as_dict(), sort_keys=True))
         return 0
-    c = stats.counters
-    origin = "n/a" if not c.get("origin_configured") else ("available" if c.get("origin_available") else "UNAVAILABLE")
-    print(f"edge {stats.node_id} ({stats.details.get('address', args.edge)})  origin: {origin}  "
-          f"peers: {int(c.get('peers', 0))} ({int(c.get('peers_down', 0))} down)")
-    for name in sorted(c):
-        print(f"  {name:<48} {c[name]:>16,.0f}" if float(c[name]).is_integer() else f"  {name:<48} {c[name]:>16.3f}")
+    print(stats_text(stats, address))
     return 0
+
+
+def _unimplemented(exc: BaseException) -> bool:
+    import grpc
+
+    cause = exc.__cause__
+    return isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+# Internal counters that a Prometheus sample also counts: shown once, under the sample's name.
+_TWINS = {"coalesced": "coalesced_requests"}
+_PREFIXES = ("kdn_edge_", "kdn_origin_")
+
+
+def display_name(name: str) -> str:
+    """``kdn_edge_hits_total{tier=memory}`` -> ``hits{tier=memory}``; internal names unchanged."""
+    base, brace, labels = name.partition("{")
+    for prefix in _PREFIXES:
+        if base.startswith(prefix):
+            base = base.removeprefix(prefix).removesuffix("_total")
+            break
+    return base + brace + labels
+
+
+def stats_text(stats: Any, address: str) -> str:
+    """The plain ``kdn stats`` table: a header line, then one aligned row per metric."""
+    c = stats.counters
+    role = stats.details.get("role") or ("origin" if "models" in stats.details else "edge")
+    if role == "origin":
+        models = ", ".join(f"{info.get('spec', '?')} ({fp[:16]}…)" for fp, info in stats.details.get("models", {}).items())
+        head = (f"origin {stats.node_id} ({address})  models: {models or '-'}  "
+                f"codecs: {', '.join(stats.details.get('codecs', [])) or '-'}  store: {stats.details.get('store_dir', '-')}")
+    else:
+        origin = "n/a" if not c.get("origin_configured") else ("available" if c.get("origin_available") else "UNAVAILABLE")
+        head = (f"edge {stats.node_id} ({stats.details.get('address', address)})  origin: {origin}  "
+                f"peers: {int(c.get('peers', 0))} ({int(c.get('peers_down', 0))} down)")
+    rows: dict[str, float] = {}
+    for name, value in c.items():
+        rows[display_name(name)] = value
+    for internal, sample in _TWINS.items():
+        if sample in rows:
+            rows.pop(internal, None)
+    if not rows:
+        return head
+    values = {n: (f"{v:,.0f}" if float(v).is_integer() else f"{v:,.3f}") for n, v in rows.items()}
+    wn = max(map(len, values))
+    wv = max(map(len, values.values()))
+    return "\n".join([head, *(f"  {n:<{wn}}  {values[n]:>{wv}}" for n in sorted(values))])
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ import torch
 
 from kdn.blend import Deviation, FirstK, Naive, Policy, blend, place, prefill_segment
 from kdn.blend.verdict import MIN_ACCURACY_KEPT, MIN_AGREEMENT, Verdict, write_verdict
+from kdn.console import plain, report_error
 from kdn.errors import KdnError
 from kdn.keys import DEFAULT_NAMESPACE, chunk_keys
 from kdn.models import LoadedModel, load_model
@@ -328,18 +329,20 @@ def run(model: str, *, prompts: int, docs: int, doc_tokens: int, ratios: Sequenc
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kdn eval-blend", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kdn eval-blend", description=plain(__doc__.split("\n\n")[0]))
     p.add_argument("--model", required=True, help="model dir (a retrieval reference model for accuracy) or built-in spec")
-    p.add_argument("--prompts", type=int, default=200)
+    p.add_argument("--prompts", type=int, default=200, help="prompts evaluated (default 200)")
     p.add_argument("--docs", type=int, default=8, help="documents per prompt")
     p.add_argument("--doc-tokens", type=int, default=128, help="tokens per document (generic prompts)")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="blend recompute ratios")
-    p.add_argument("--first-k", type=int, default=16)
-    p.add_argument("--check-layer", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--first-k", type=int, default=16,
+                   help="the EPIC-style baseline recomputes each document's first K tokens (default 16)")
+    p.add_argument("--check-layer", type=int, default=1,
+                   help="layer whose KV deviation picks the tokens the blend recomputes (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the generated prompts (default 0)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--no-verdict", action="store_true", help="do not write the model's verdict")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
@@ -350,7 +353,7 @@ def main(argv: list[str]) -> int:
         verdict = verdict_for(lm, results, ratios, args.check_layer)
         path = None if args.no_verdict else write_verdict(verdict)
     except (KdnError, ValueError) as exc:
-        print(f"kdn eval-blend: {exc}", file=sys.stderr)
+        report_error("eval-blend", exc, as_json=args.json)
         return 2
     out = {**info, "methods": {k: r.as_dict() for k, r in results.items()},
            "verdict": {"passed": verdict.passed, "ratio": verdict.ratio, "reason": verdict.reason,

@@ -36,6 +36,7 @@ import torch
 
 from kdn.artifact import decode_artifact, encode_artifact
 from kdn.codecs import Codec, get_codec
+from kdn.console import plain, report_error
 from kdn.errors import InvalidInput, KdnError
 from kdn.keys import ROOT_KEY, ChunkKey
 from kdn.kv import build_cache, split_cache
@@ -314,19 +315,23 @@ def main(argv: list[str]) -> int:
     from kdn.lab.reference import default_reference_dir
 
     defaults = EvalSetup()
-    parser = argparse.ArgumentParser(prog="kdn eval-codec", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="kdn eval-codec", description=plain(__doc__.split("\n\n")[0]))
     parser.add_argument("--model", default=None, help="built-in spec or HF model dir (default: the reference model)")
     parser.add_argument("--codec", action="append", required=True,
                         help="NAME[:LEVEL]; repeat or comma-separate to compare several")
-    parser.add_argument("--windows", type=int, default=defaults.windows)
-    parser.add_argument("--context-chunks", type=int, default=defaults.context_chunks)
-    parser.add_argument("--continuation", type=int, default=defaults.continuation)
-    parser.add_argument("--chunk-size", type=int, default=256)
-    parser.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=sorted(DTYPES))
+    parser.add_argument("--windows", type=int, default=defaults.windows,
+                        help=f"windows of held-out text judged (default {defaults.windows})")
+    parser.add_argument("--context-chunks", type=int, default=defaults.context_chunks,
+                        help=f"whole chunks of cached context per window, encoded by the codec (default {defaults.context_chunks})")
+    parser.add_argument("--continuation", type=int, default=defaults.continuation,
+                        help=f"teacher-forced tokens after the context, where predictions are compared (default {defaults.continuation})")
+    parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default 256)")
+    parser.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=sorted(DTYPES),
+                        help=f"dtype the KV is stored in before encoding (default {defaults.kv_dtype})")
     parser.add_argument("--text", type=Path, action="append", help="text file(s) to read (default: held-out stdlib)")
     parser.add_argument("--calibrate", metavar="LEVEL", default=None,
                         help="also run a kvq calibration at LEVEL (per-layer sensitivity) and judge its bit plan")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     args = parser.parse_args(argv)
     codecs = [c for spec in args.codec for c in spec.split(",") if c]
     calibration = None
@@ -346,7 +351,7 @@ def main(argv: list[str]) -> int:
             report.results.append(evaluate_codec(
                 lm, runs, KvqCodec(args.calibrate, calibration.plan), setup, label=f"kvq:{args.calibrate}+cal"))
     except (KdnError, OSError) as exc:
-        print(f"kdn eval-codec: {exc}", file=sys.stderr)
+        report_error("eval-codec", exc, as_json=args.json)
         return 2
     if args.json:
         out = report.as_dict()

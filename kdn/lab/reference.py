@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kdn.console import report_error
 from kdn.errors import InvalidInput, KdnError
 from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish  # noqa: F401  (part of this module's API)
 from kdn.lab.training import fit
@@ -403,15 +404,16 @@ def main(argv: list[str]) -> int:
     tr.add_argument("--task", default="stdlib", choices=["stdlib", "retrieval"],
                     help="stdlib: language model on the Python stdlib (codec quality); retrieval: the multi-document "
                          "retrieval task (blend quality, kdn.lab.retrieval)")
-    tr.add_argument("--preset", default="default", choices=["default", "tiny"])
+    tr.add_argument("--preset", default="default", choices=["default", "tiny"],
+                    help="model and training size: default (the reference model), tiny (a quick one for tests)")
     tr.add_argument("--steps", type=int, default=None, help="optimiser steps (overrides the preset)")
-    tr.add_argument("--seed", type=int, default=None)
+    tr.add_argument("--seed", type=int, default=None, help="random seed (default: the preset's)")
     tr.add_argument("--threads", type=int, default=None, help="torch threads (part of what makes a run reproducible)")
     tr.add_argument("--force", action="store_true", help="retrain even if the output dir holds a model")
-    tr.add_argument("--json", action="store_true")
+    tr.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     inf = sub.add_parser("info", help="shape, KV bytes per token and fingerprint of a model spec or dir")
     inf.add_argument("spec", nargs="?", default=None, help="built-in spec or model dir (default: the reference model)")
-    inf.add_argument("--json", action="store_true")
+    inf.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "info":
@@ -435,7 +437,7 @@ def main(argv: list[str]) -> int:
         cfg = replace(cfg, **overrides)
         result = train_reference(cfg, out, progress=True)  # the bar goes to stderr
     except KdnError as exc:
-        print(f"kdn model: {exc}", file=sys.stderr)
+        report_error(f"model {args.cmd}", exc, as_json=args.json)
         return 2
     d = result.as_dict()
     if args.json:

@@ -7,10 +7,17 @@ of work fills in says so instead of pretending.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
 import json
+import os
 import sys
 from dataclasses import dataclass
+from typing import Iterator, NoReturn
+
+from kdn.console import report_error
+from kdn.errors import KdnError
 
 
 
@@ -42,8 +49,29 @@ def _usage() -> str:
     width = max(len(c.name) for c in COMMANDS)
     lines = ["usage: kdn COMMAND [ARGS...]   (kdn COMMAND --help for each)", "", "commands:"]
     lines += [f"  {c.name:<{width}}  {c.summary}" for c in COMMANDS]
-    lines += ["", "Every command accepts --json for machine-readable output."]
+    lines += ["", "Every command accepts --json for machine-readable output; with it, an error is one JSON",
+              'object on stdout too: {"error": KIND, "message": TEXT}, with a non-zero exit code.']
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _usage_errors_as_json(on: bool) -> Iterator[None]:
+    """With ``--json``, argparse's usage errors (unknown flag, missing argument) are JSON too:
+    ``{"error": "UsageError", "message": ...}`` on stdout, exit code 2, like every other error."""
+    if not on:
+        yield
+        return
+    original = argparse.ArgumentParser.error
+
+    def error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+        print(json.dumps({"error": "UsageError", "message": f"{parser.prog}: {message}"}))
+        sys.exit(2)
+
+    argparse.ArgumentParser.error = error  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         print(f"kdn {cmd.name}: not implemented yet ({cmd.target} is missing)", file=sys.stderr)
         return 2
-    return int(func(argv[1:]) or 0)
+    as_json = "--json" in argv[1:]
+    try:
+        with _usage_errors_as_json(as_json):
+            rc = int(func(argv[1:]) or 0)
+        sys.stdout.flush()
+    except KdnError as exc:  # a command that let one through: still the one shape
+        report_error(cmd.name, exc, as_json=as_json)
+        return 1
+    except BrokenPipeError:
+        # `kdn stats | head`: the reader has gone; end quietly, as `cat` does (Python's recipe:
+        # point stdout at devnull so the interpreter's own flush at exit cannot fail again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command that a pipe ended
+    return rc
 
 
 if __name__ == "__main__":

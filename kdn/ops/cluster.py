@@ -40,10 +40,12 @@ from pydantic import Field
 
 from kdn.blobstore import write_json_atomic
 from kdn.config import RoleConfig
+from kdn.console import report_error
 from kdn.errors import ConfigError, KdnError, Unavailable
-from kdn.procs import session_members, stop_sessions
+from kdn.procs import pid_alive, session_members, stop_sessions
 from kdn.ops.registry import RAY_NAMESPACE, RESOURCE_EDGE, RESOURCE_HEAD, RESOURCE_ORIGIN
 from kdn.wire.channel import free_port
+from kdn.wire.shm import DEFAULT_SHM_DIR, SEGMENT_NAME
 
 
 def default_state_dir() -> Path:
@@ -358,8 +360,9 @@ def _actor_ids(node_ids: list[str]) -> dict[str, str]:
     return out
 
 
-def down(state_dir: Path) -> dict:
-    """Stop every process `kdn up` started (by session), and nothing else."""
+def down(state_dir: Path, *, shm_dir: str = DEFAULT_SHM_DIR) -> dict:
+    """Stop every process `kdn up` started (by session), and nothing else; then remove the
+    shared-memory segments those processes left (an edge's segments are named after its pid)."""
     state = ClusterState.load(state_dir)
     if state is None:
         return {"stopped": [], "message": f"no cluster state in {state_dir}; nothing to stop"}
@@ -367,13 +370,50 @@ def down(state_dir: Path) -> dict:
     if not state.started_head:
         problem = _remove_roles(state)
     stopped = stop_sessions(state.our_sessions())
+    segments, freed = remove_segments_of(stopped, shm_dir)
     (Path(state_dir) / "cluster.json").unlink(missing_ok=True)
     if state.started_head:
         shutil.rmtree(ray_temp_dir(Path(state_dir)), ignore_errors=True)
-    out = {"stopped": stopped, "message": f"stopped {len(stopped)} processes"}
+    out = {"stopped": stopped, "shm_segments_removed": segments, "shm_bytes_freed": freed,
+           "message": f"stopped {len(stopped)} processes"
+                      + (f"; removed {segments} shared-memory segments ({freed / 2**20:.1f} MiB)" if segments else "")}
     if problem:
         out["warning"] = problem
     return out
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie's segments are as orphaned as a reaped one's)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return pid_alive(pid)  # no /proc: the signal check
+
+
+def remove_segments_of(pids: list[int], directory: str = DEFAULT_SHM_DIR) -> tuple[int, int]:
+    """Unlink the shared-memory segments (``kdn-<node>-<pid>-<hex>``, kdn.wire.shm) of these
+    stopped processes; a live pid's are left alone. Returns (segments, bytes) removed.
+
+    A killed edge cannot unlink its own segments, and the sweep of a new pool only runs when one
+    opens on this host: without this, `kdn down` would leave them in RAM (/dev/shm is tmpfs)."""
+    gone = {p for p in pids if not _running(p)}
+    count = size = 0
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return 0, 0
+    for entry in entries:
+        m = SEGMENT_NAME.match(entry.name)
+        if not m or int(m.group(1)) not in gone:
+            continue
+        try:
+            n = entry.stat(follow_symlinks=False).st_size
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        count += 1
+        size += n
+    return count, size
 
 
 REMOVE_TIMEOUT_S = 30.0
@@ -453,19 +493,25 @@ def _remove_roles(state: ClusterState, timeout_s: float = REMOVE_TIMEOUT_S) -> s
 
 def main_up(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kdn up", description=__doc__.split("\n\n")[0])
+    def about(name: str) -> str:  # the help is the config field's own description (one place)
+        f = ClusterConfig.model_fields[name]
+        default = "" if f.default_factory is not None else f" (default {f.default})"
+        return f"{f.description}{default}"
+
     p.add_argument("--address", help="join an existing Ray cluster instead of starting a head")
-    p.add_argument("--head-port", type=int)
-    p.add_argument("--origin-nodes", type=int)
-    p.add_argument("--edge-nodes", type=int)
-    p.add_argument("--cpus-per-node", type=float)
-    p.add_argument("--model")
-    p.add_argument("--codec")
-    p.add_argument("--state-dir", type=Path)
+    p.add_argument("--head-port", type=int, help=about("head_port"))
+    p.add_argument("--origin-nodes", type=int, help=about("origin_nodes"))
+    p.add_argument("--edge-nodes", type=int, help=about("edge_nodes"))
+    p.add_argument("--cpus-per-node", type=float, help=about("cpus_per_node"))
+    p.add_argument("--model", help=about("model"))
+    p.add_argument("--codec", help=about("codec"))
+    p.add_argument("--state-dir", type=Path,
+                   help="pids, logs, token, origin store and edge disks (default ~/.cache/kdn/cluster, or $KDN_CACHE/cluster)")
     p.add_argument("--bind-host", help="address the gRPC servers bind (default 127.0.0.1)")
     p.add_argument("--wait-s", type=float,
                    help="bound on each wait: the head's GCS, every node, every endpoint (default 120)")
     p.add_argument("--config", type=Path, help="YAML/JSON file with ClusterConfig fields")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object: address, endpoints, env (errors too)")
     a = p.parse_args(argv)
     overrides = {k: getattr(a, k) for k in ("address", "head_port", "origin_nodes", "edge_nodes",
                                              "cpus_per_node", "model", "codec", "state_dir", "bind_host", "wait_s")}
@@ -474,7 +520,7 @@ def main_up(argv: list[str]) -> int:
         cfg = ClusterConfig.from_file(a.config, **overrides) if a.config else ClusterConfig.build(**overrides)
         state = up(cfg, progress=log)
     except KdnError as exc:
-        print(f"kdn up: {exc}", file=sys.stderr)
+        report_error("up", exc, as_json=a.json)
         return 1
     env = {"RAY_ADDRESS": state.address, **(ray_auth_env(Path(state.state_dir)) if state.started_head else {})}
     if a.json:
@@ -500,8 +546,9 @@ def _state_dir_flag(state_dir: Path) -> str:
 
 def main_down(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kdn down", description="stop exactly what `kdn up` started")
-    p.add_argument("--state-dir", type=Path, default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="the --state-dir `kdn up` was given (default ~/.cache/kdn/cluster, or $KDN_CACHE/cluster)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     result = down(a.state_dir or default_state_dir())
     if result.get("warning"):

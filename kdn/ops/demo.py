@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kdn.console import report_error
+from kdn.console import plain, report_error
 from kdn.errors import KdnError
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
@@ -73,10 +73,10 @@ class _Progress:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kdn demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kdn demo", description=plain(__doc__.split("\n\n")[0]))
     p.add_argument("--model", default="small-125m", help="model spec (default small-125m)")
     p.add_argument("--samples", type=Path, default=SAMPLES_DIR, help="directory of *.txt documents")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens each answer generates (default 16)")
     p.add_argument("--keep", type=Path, default=None, help="keep stores and logs in this directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p

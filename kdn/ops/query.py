@@ -24,12 +24,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kdn.console import StageLines, report_error
+from kdn.console import StageLines, plain, report_error
+from kdn.edge.cli import add_connection_flags
 from kdn.errors import InvalidInput, KdnError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kdn query", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kdn query", description=plain(__doc__.split("\n\n")[0]))
     p.add_argument("--edge", help="host:port of the local edge (omit: recompute only)")
     p.add_argument("--fallback-edge", action="append", dest="fallback_edges", metavar="ADDR",
                    help="another edge to use while the ones before it are unavailable (repeatable)")
@@ -42,10 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="documents reused anywhere in the prompt (segments, blended): placed after --prompt-file, before --prompt")
     p.add_argument("--blend-ratio", type=float, default=None,
                    help="with --documents: recompute this share of document tokens regardless of the verdict")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--tenant", default=None, help="namespace tenant (default: default)")
     p.add_argument("--salt", default=None, help="namespace salt")
-    p.add_argument("--token", default=None, help="bearer token for the edge")
+    add_connection_flags(p)  # --token, --tls-ca, --tls-cert, --tls-key: as kdn stats and kdn edge pin
     p.add_argument("--shm", choices=["auto", "on", "off"], default=None, help="shared-memory path (auto: loopback)")
     p.add_argument("--no-write-back", action="store_true", help="do not store newly computed chunks on the edge")
     p.add_argument("--timeout", type=float, default=None, help="deadline of each fetch, seconds")
@@ -115,6 +116,7 @@ def run(args: argparse.Namespace, stages: StageLines | None = None) -> dict[str,
     else:
         prompt = _prompt(args)
     overrides = dict(edge=args.edge, fallback_edges=args.fallback_edges, tenant=args.tenant, salt=args.salt, token=args.token, shm=args.shm,
+                     tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                      fetch_timeout_s=args.timeout, write_back=False if args.no_write_back else None)
     cfg = ClientConfig.from_file(args.config, **overrides) if args.config else ClientConfig.build(**overrides)
     stages.line(f"loading {args.model} in this process")

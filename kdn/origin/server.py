@@ -62,6 +62,7 @@ from kdn.wire.frames import encode_frames
 from kdn.wire.service import Servicer, add_servicer, rpc
 from kdn.origin.compute import ComputeBackend, LocalCompute
 from kdn.origin.config import OriginConfig
+from kdn.origin.ingest.documents import document_matches, not_ingested
 from kdn.origin.store import OriginStore, StoredArtifact
 from kdn.origin.worker import DocumentTask
 
@@ -148,7 +149,13 @@ class OriginServicer(Servicer, pbg.OriginServiceServicer):
         fp = parse_fingerprint(request.fingerprint) if request.fingerprint else self._s.default_fingerprint
         rec = await self._run(self._s.store.document, ns.tenant, fp, request.document)
         if rec is None:
-            raise NotFound(f"document {request.document[:200]!r} is not ingested for this model and namespace")
+            ids = await self._run(self._s.store.document_ids, ns.tenant, fp)
+            matches = document_matches(request.document, ids)
+            if len(matches) != 1:
+                raise NotFound(not_ingested(request.document, matches, ids))
+            rec = await self._run(self._s.store.document, ns.tenant, fp, matches[0])
+            if rec is None:  # removed in between
+                raise NotFound(not_ingested(request.document, [], ids))
         return pb.DocumentResponse(keys=key_bytes(rec.keys))
 
     @rpc

@@ -300,6 +300,12 @@ class OriginStore:
         )
         return _row_document(rows[0]) if rows else None
 
+    def document_ids(self, tenant: str, fingerprint: ModelFingerprint) -> list[str]:
+        """Every document id stored for this tenant and model, sorted (for "did you mean")."""
+        rows = self._query("SELECT doc_id FROM documents WHERE tenant=? AND fingerprint=? ORDER BY doc_id",
+                           (tenant, bytes(fingerprint)))
+        return [r[0] for r in rows]
+
     def documents(self) -> list[DocumentRecord]:
         return [_row_document(r) for r in self._query("SELECT * FROM documents ORDER BY doc_id", ())]
 

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from kdn.console import report_error
 from kdn.errors import KdnError
 
 __all__ = ["main", "main_simulate", "main_tune"]
@@ -67,7 +68,10 @@ def main_simulate(argv: list[str]) -> int:
             sweep_s = time.perf_counter() - t_sweep
             plots["hit_vs_cache"] = str(report.plot_hit_vs_cache(sweep, out / "hit_vs_cache.png", f"({prep.scenario.name})"))
     except KdnError as exc:
-        print(f"kdn simulate: error: {exc}", file=sys.stderr)
+        if args.json:  # one JSON object on stdout, as every --json command reports errors (kdn.console)
+            report_error("simulate", exc, as_json=True)
+        else:
+            print(f"kdn simulate: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report.report_json(rep, plots)))
@@ -123,7 +127,10 @@ def main_tune(argv: list[str]) -> int:
             title=f"({prep.scenario.name})",
         )
     except KdnError as exc:
-        print(f"kdn tune: error: {exc}", file=sys.stderr)
+        if args.json:
+            report_error("tune", exc, as_json=True)
+        else:
+            print(f"kdn tune: error: {exc}", file=sys.stderr)
         return 2
 
     def pt(q) -> dict:  # type: ignore[no-untyped-def]
@@ -149,10 +156,14 @@ def main_tune(argv: list[str]) -> int:
                       f"{q.hit_ratio:.1%}", f"{q.wan_bytes / 1e12:.2f}", f"{q.min_agreement:.2%}")
     Console(width=max(Console().width, 140)).print(table)
     c = res.recommended.config
-    print(f"recommended ({res.rule}):")
+    print(f"recommended: {res.rule}")  # the rule may hold parentheses of its own: none around it
+    # as scenario YAML; only the knobs the recommended policy reads (label() shows the same ones)
+    params = {"replicas": c.replicas} if c.policy == "consistent_hash" else {}
+    if c.policy == "hint_prefetch":
+        params["prefetch_depth"] = c.prefetch_depth
     print(f"  policies: [{c.policy}]\n  cache: {{edge_cache_gb: {c.edge_cache_gb:g}}}\n"
-          f"  codecs: {{regional: {c.regional_codec}, long_haul: {c.long_haul_codec}}}\n"
-          f"  params: {{replicas: {c.replicas}, prefetch_depth: {c.prefetch_depth}}}")
+          f"  codecs: {{regional: {c.regional_codec}, long_haul: {c.long_haul_codec}}}"
+          + ("\n  params: {" + ", ".join(f"{k}: {v}" for k, v in params.items()) + "}" if params else ""))
     print(f"plot: {plot}")
     return 0
 

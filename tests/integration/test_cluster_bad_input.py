@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -142,3 +143,37 @@ def test_head_that_does_not_answer_fails_within_its_bound(tmp_path):
     assert "\n" not in str(err.value)
     assert "the Ray head exited with code 0" in str(err.value)
     assert "last line: Error: the head could not bind its port" in str(err.value)
+
+
+def test_down_of_a_joined_cluster_without_its_token_is_one_line(tmp_path):
+    """Issue 17 item 5: `kdn down` from a shell without the Ray token says so in one line (it
+    printed ~20 lines of InvalidAuthToken over 20 s) and still stops its own nodes."""
+    from kdn.ops import cluster
+    from kdn.procs import stop_sessions
+    from kdn.wire.channel import free_port
+
+    head_dir, joined = tmp_path / "head", tmp_path / "joined"
+    head_dir.mkdir()
+    joined.mkdir()
+    cluster._new_ray_auth_token(head_dir)
+    port = free_port()
+    log = head_dir / "head.log"
+    head = cluster._start_node(["--head", f"--port={port}", "--include-dashboard=false",
+                                f"--ray-client-server-port={free_port()}", f"--temp-dir={cluster.ray_temp_dir(head_dir)}",
+                                "--num-cpus=1"], log, cluster.ray_auth_env(head_dir))
+    try:
+        address = cluster._wait_for_head(head, log, port, 120)
+        # what `kdn up --address` recorded, in a shell that had no token exported
+        cluster.ClusterState(address=address, state_dir=str(joined), edges=[{"node_id": "edge-9"}],
+                             boot_id=cluster._boot_id()).save()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        r = subprocess.run([sys.executable, "-m", "kdn.ops.cli", "down", "--state-dir", str(joined)],
+                           capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        stop_sessions([head.pid])
+        shutil.rmtree(cluster.ray_temp_dir(head_dir), ignore_errors=True)
+    assert r.returncode == 0
+    assert r.stderr.count("\n") == 1 and "InvalidAuthToken" not in r.stderr, r.stderr
+    assert "refused this driver without an auth token" in r.stderr and "edge-9 not removed" in r.stderr
+    assert r.stdout.strip() == "stopped 0 processes"
+    assert not (joined / "cluster.json").exists()

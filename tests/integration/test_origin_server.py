@@ -257,3 +257,24 @@ def test_an_origin_over_blobs_in_an_unknown_codec_starts_and_answers_not_found(t
                 _fetch(stub, tiny_model.fingerprint, k)
         assert decode_artifact(b"".join(m.data for m in _fetch(stub, tiny_model.fingerprint, keys[2]))).header.key == bytes(keys[2])
         ch.close()
+
+
+def test_a_document_is_found_by_the_path_it_was_ingested_as(origin, stub, tiny_model):
+    """Issue 17 item 1: ids are absolute paths; `docs/manual.md` (as ingested) names one."""
+    ns = pb.Namespace(tenant="acme")
+    fp = bytes(tiny_model.fingerprint)
+    keys = origin.ingest_text(TEXT, namespace=Namespace("acme"), doc_id="/home/u/docs/manual.md")
+    origin.ingest_text(TEXT + " v2", namespace=Namespace("acme"), doc_id="/home/u/old/guide.md")
+    origin.ingest_text(TEXT + " v3", namespace=Namespace("acme"), doc_id="/home/u/new/guide.md")
+    for name in ("docs/manual.md", "./docs/manual.md", "manual.md", "/home/u/docs/manual.md"):
+        got = _call(stub.Document, pb.DocumentRequest(namespace=ns, fingerprint=fp, document=name))
+        assert [bytes(k) for k in got.keys] == [bytes(k) for k in keys], name
+    with pytest.raises(NotFound, match="ambiguous.*/home/u/new/guide.md.*/home/u/old/guide.md"):
+        _call(stub.Document, pb.DocumentRequest(namespace=ns, fingerprint=fp, document="guide.md"))
+    with pytest.raises(NotFound, match="with that name: /home/u/docs/manual.md"):
+        _call(stub.Document, pb.DocumentRequest(namespace=ns, fingerprint=fp, document="other/manual.md"))
+    with pytest.raises(NotFound, match="name a document by its ingest path"):
+        _call(stub.Document, pb.DocumentRequest(namespace=ns, fingerprint=fp, document="nothing.md"))
+    with pytest.raises(NotFound, match="no document is ingested"):  # another tenant sees none of acme's
+        _call(stub.Document, pb.DocumentRequest(namespace=pb.Namespace(tenant="beta"), fingerprint=fp,
+                                                document="docs/manual.md"), token="tok-b")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import subprocess
 import sys
 
@@ -62,3 +64,36 @@ def test_missing_module_says_not_implemented(monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + (fake,))
     assert cli.main(["ghost"]) == 2
     assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_a_reader_that_left_ends_the_command_quietly(tmp_path) -> None:
+    """`kdn stats | head` (issue 17 item 9): the pipe closes early; no BrokenPipeError traceback."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)  # the reader has gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kdn.ops.cli", "down", "--state-dir", str(tmp_path)], stdout=w,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert proc.stderr == "" and proc.returncode == 141, proc.stderr
+
+
+@pytest.mark.parametrize("argv, kind", [
+    (["simulate", "/nonexistent/scenario.yaml", "--json"], "ConfigError"),
+    (["tune", "/nonexistent/scenario.yaml", "--json"], "ConfigError"),
+    (["model", "info", "/nonexistent/model", "--json"], "UnknownModel"),
+    (["stats", "--json", "--no-such-flag"], "UsageError"),
+    (["up", "--json", "--edge-nodes", "0"], "ConfigError"),
+    (["edge", "--json", "--listen", "127.0.0.1:0", "--tls-cert", "/nonexistent.pem"], "ConfigError"),
+])
+def test_json_errors_are_one_json_object_on_stdout(argv: list[str], kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 17 item 11: with --json, a failure is {"error": KIND, "message": ...} on stdout."""
+    with pytest.raises(SystemExit) if kind == "UsageError" else contextlib.nullcontext() as raised:
+        rc = cli.main(argv)
+    rc = raised.value.code if kind == "UsageError" else rc
+    out, err = capsys.readouterr()
+    assert rc != 0 and err == ""
+    answer = json.loads(out)
+    assert answer["error"] == kind and answer["message"], answer

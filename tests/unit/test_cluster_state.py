@@ -76,3 +76,47 @@ def test_suggested_commands_name_a_non_default_state_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
     assert cluster._state_dir_flag(tmp_path / "cache" / "cluster") == ""
     assert cluster._state_dir_flag(tmp_path / "my state") == f" --state-dir '{tmp_path / 'my state'}'"
+
+
+POOL = """
+import sys, time
+from kdn.edge.shm import ShmPool
+from kdn.keys import ChunkKey
+pool = ShmPool("edge-0", directory=sys.argv[1])
+for i in range(3):
+    pool.publish("acme", ChunkKey(bytes([i]) * 32), b"x" * 4096)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_down_removes_the_shared_memory_segments_of_the_edges_it_stopped(tmp_path):
+    """Issue 17 item 6: a killed edge cannot unlink its segments; `kdn down` does, and only theirs."""
+    import subprocess
+    import sys
+
+    from kdn.ops.cluster import _boot_id, down
+    from tests.children import reap
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    other = shm / "kdn-edge-9-1-0123456789abcdef"  # pid 1's: not a process `kdn up` started
+    other.write_bytes(b"y")
+    unrelated = shm / "someone-elses-segment"
+    unrelated.write_bytes(b"z")
+    proc = subprocess.Popen([sys.executable, "-c", POOL, str(shm)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert len(list(shm.glob(f"kdn-edge-0-{proc.pid}-*"))) == 3
+        state = ClusterState(address="", state_dir=str(tmp_path), started_head=True, boot_id=_boot_id())
+        state.add_session(proc.pid)
+        state.save()
+        result = down(tmp_path, shm_dir=str(shm))
+        assert proc.pid in result["stopped"]
+        assert result["shm_segments_removed"] == 3 and result["shm_bytes_freed"] == 3 * 4096
+        assert sorted(p.name for p in shm.iterdir()) == sorted([other.name, unrelated.name])
+        assert "removed 3 shared-memory segments" in result["message"]
+    finally:
+        reap(proc)
+        proc.stdout.close()

@@ -160,3 +160,12 @@ def test_read_text_keeps_a_prefix_but_checks_and_hashes_the_whole_file(tmp_path)
     p.write_text("é" * 1000)
     full, cut = read_text(p), read_text(p, 11)  # 11 bytes: the cut splits a 2-byte character
     assert full.complete and not cut.complete and cut.text == "é" * 5 and cut.digest == full.digest
+
+
+def test_plain_summary_names_every_document_and_the_full_fingerprint(docs, config, executor):
+    """Issue 17 item 1: the hint commands need the fingerprint and the ids; the plain summary has both."""
+    s = ingest([docs], config, executor=executor)
+    text = s.render()
+    assert f"fingerprint {s.fingerprint}" in text and len(s.fingerprint) == 64
+    for r in s.results:
+        assert r.doc_id in text

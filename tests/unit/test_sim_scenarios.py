@@ -188,7 +188,12 @@ def test_cli_tune_prints_pareto_front(tmp_path: Path, capsys: pytest.CaptureFixt
     assert Path(doc["plot"]).is_file()
     rc = cli.main_tune([str(write(tmp_path, TINY)), "--out", str(tmp_path / "o"), "--no-progress", "--p90-target", "1000"])
     text = capsys.readouterr().out
-    assert rc == 0 and "Pareto front" in text and "recommended (cheapest with p90 TTFT <= 1000 s)" in text
+    assert rc == 0 and "Pareto front" in text and "recommended: cheapest with p90 TTFT <= 1000 s\n" in text
+    rec = text.split("recommended: ", 1)[1]
+    assert "((" not in rec.replace(" ", "") and "))" not in rec.replace(" ", "")  # issue 17 item 15: no nesting
+    policy = rec.split("policies: [", 1)[1].split("]", 1)[0]
+    assert ("prefetch_depth" in rec) == (policy == "hint_prefetch")  # only the knobs the policy reads
+    assert ("replicas" in rec) == (policy == "consistent_hash")
 
 
 def test_pareto_front_and_recommendation() -> None:

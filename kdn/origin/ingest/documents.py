@@ -13,13 +13,13 @@ import hashlib
 import os
 import stat
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Iterable
+from pathlib import Path, PurePosixPath
+from typing import Iterable, Sequence
 
 from kdn.errors import InvalidInput
 from kdn.origin.worker import DocumentResult
 
-__all__ = ["Discovery", "DocumentText", "Source", "discover", "doc_id_for", "is_text_like", "read_document", "read_text"]
+__all__ = ["Discovery", "DocumentText", "Source", "discover", "doc_id_for", "document_matches", "not_ingested", "is_text_like", "read_document", "read_text"]
 
 TEXT_SUFFIXES = frozenset(
     """.txt .md .markdown .rst .adoc .tex .org .csv .tsv .json .jsonl .yaml .yml .toml .ini .cfg .conf .xml
@@ -60,6 +60,39 @@ class Discovery:
 def doc_id_for(path: Path) -> str:
     """A document's id: its absolute path (stable on a machine, readable in summaries)."""
     return path.resolve().as_posix()
+
+
+def document_matches(name: str, ids: Sequence[str]) -> list[str]:
+    """The stored ids ``name`` can mean: itself, or every id it is a path suffix of.
+
+    Ids are absolute paths, but a reader names a document the way they ingested it
+    (``docs/manual.md``, ``./docs/manual.md``): a name matches the ids that end in ``/`` + it,
+    whole path components only (``manual.md`` does not match ``/x/my-manual.md``).
+    """
+    if name in ids:
+        return [name]
+    tail = PurePosixPath(name).as_posix().removeprefix("./")
+    if not tail or tail == ".":
+        return []
+    return [i for i in ids if i.endswith("/" + tail.lstrip("/"))]
+
+
+def not_ingested(name: str, matches: Sequence[str], ids: Sequence[str], limit: int = 5) -> str:
+    """The NotFound text: why ``name`` named no single document, and which ids come closest."""
+    def listed(xs: Sequence[str]) -> str:
+        return ", ".join(xs[:limit]) + (f" and {len(xs) - limit} more" if len(xs) > limit else "")
+
+    head = f"document {name[:200]!r}"
+    if len(matches) > 1:
+        return f"{head} is ambiguous: it matches {listed(matches)}; give more of the path"
+    if not ids:
+        return f"{head} is not ingested: no document is ingested for this model and namespace"
+    base = PurePosixPath(name).name
+    near = [i for i in ids if PurePosixPath(i).name == base]
+    if near:
+        return f"{head} is not ingested for this model and namespace; documents with that name: {listed(near)}"
+    return (f"{head} is not ingested for this model and namespace ({len(ids)} documents are, e.g. "
+            f"{listed(ids[:3])}); name a document by its ingest path or by the id `kdn ingest` prints")
 
 
 def is_text_like(path: Path) -> bool:

@@ -13,6 +13,8 @@ from kdn.origin.worker import DocumentResult
 
 __all__ = ["IngestSummary", "Progress", "ProgressMode"]
 
+DOCUMENTS_SHOWN = 20  # the plain summary lists this many documents (problems first); --json lists all
+
 
 @dataclass(slots=True)
 class IngestSummary:
@@ -96,9 +98,17 @@ class IngestSummary:
         ]
         if self.worker_deaths:
             lines.append(f"  {self.worker_deaths} worker deaths; their documents were redone")
-        notes = [r for r in self.results if r.status in ("failed", "truncated", "short")]
-        for r in notes:
-            lines.append(f"  {r.status.upper():9} {r.doc_id}: {r.message}")
+        lines.append(f"  fingerprint {self.fingerprint}  (--fingerprint of `kdn edge pin/schedule/prefetch`)")
+        if self.results:  # hints name a document by the path it was ingested as, or by this id
+            lines.append("  documents (hints accept the path you gave or this id):")
+        shown = sorted(self.results, key=lambda r: (r.status in ("stored", "skipped"), r.doc_id))
+        for r in shown[:DOCUMENTS_SHOWN]:
+            if r.status in ("stored", "skipped"):
+                lines.append(f"    {r.status:9} {r.doc_id}  ({r.n_chunks} chunks)")
+            else:  # a problem: upper case, with the reason
+                lines.append(f"    {r.status.upper():9} {r.doc_id}: {r.message}")
+        if len(shown) > DOCUMENTS_SHOWN:
+            lines.append(f"    … {len(shown) - DOCUMENTS_SHOWN} more (`kdn ingest --json` lists every one)")
         if self.ignored:
             lines.append(f"  ignored {len(self.ignored)} files that are not text-like (by suffix)")
         if self.not_regular:
