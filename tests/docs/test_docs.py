@@ -102,11 +102,7 @@ SUBSTITUTIONS_FIXED = [("--metrics-port 9100", "--metrics-port 0"), ("/var/cache
 
 # Broken until another change lands: (pattern, reason, test that says it has landed). A landed
 # entry fails test_every_allow_list_entry_names_a_command, so it is removed, not forgotten.
-KNOWN_BROKEN: list[tuple[str, str, object]] = [
-    (r"^kdn simulate kdn/simulator/scenarios/mooncake\.yaml",
-     "its trace lives outside the repository (issue 17 item 10, the simulator's)",
-     lambda: "../shared/" not in (REPO / "kdn/simulator/scenarios/mooncake.yaml").read_text()),
-]
+KNOWN_BROKEN: list[tuple[str, str, object]] = []
 PORTS = ("7070", "50061", "50071")
 
 PREAMBLES: dict[str, str] = {
