@@ -1,0 +1,421 @@
+"""One benchmark client in its own process, driven by ``benchmarks/edge.py`` over a pipe.
+
+    python benchmarks/peers/worker.py KIND DATA_DIR ADDRESS [SET,SET...]
+
+``KIND`` is ``kdn`` (KDN's host transport, our venv), ``lmcache`` (LMCache's ``LMCServerConnector``,
+run with ``.peers/lmcache-venv``'s python), ``redis`` (redis-py) or ``tcp`` (a blocking socket that
+``recv_into``s one reused buffer). Each client imports only its own stack, so none pays for
+another's imports, and each times itself in-process with ``time.perf_counter`` around the same
+loop, so the figures compare like with like.
+
+Protocol: JSON lines. The worker prints ``{"ready": ...}`` once connected, then answers each
+command on stdin with one line: ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
+
+- ``{"op": "load", "set": S}``: store every object of set ``S`` on the server (not timed closely);
+- ``{"op": "get", "set": S, "n": N}``: N sequential GETs cycling through ``S``: ``{"s": seconds}``;
+- ``{"op": "put", "set": S, "n": N}``: N sequential PUTs, each acknowledged by the server: ``{"s"}``;
+- ``{"op": "burst", "set": S, "n": N, "inflight": F, "start_at": T}``: N GETs, F in flight, starting
+  at ``time.monotonic() == T`` (a shared start across processes): ``{"t0", "t1", "lat": [...]}``;
+- ``{"op": "shm", "set": S, "n": N}`` (kdn only): N fetches over same-host shared memory;
+- ``{"op": "memcpy", "set": S, "n": N}``: N copies of the stored bytes into one reused buffer;
+- ``{"op": "quit"}``.
+
+``DATA_DIR`` holds ``manifest.json`` and the objects (``big_000.bin`` ...): KDN artifact containers,
+built by ``kdn.edge.testing.make_chain``. KDN, Redis and raw TCP store the containers as they are;
+LMCache stores a KV tensor of the shape in the manifest (exactly the KV payload's bytes: LMCache
+keeps no checksums or header). Every KDN GET verifies every checksum, as an inference host does:
+the pieces go through ``kdn.artifact.ArtifactReader(expect_fingerprint=, expect_key=, out=)``,
+which decodes each verified section into a preallocated, reused ``(L, 2, H, T, D)`` tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_LEN = struct.Struct("<Q")
+
+
+def _shape_numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class Objects:
+    """The objects of one set: container bytes, keys, KV shape."""
+
+    def __init__(self, data_dir: Path, manifest: dict, name: str) -> None:
+        spec = manifest["sets"][name]
+        self.name = name
+        self.keys = [bytes.fromhex(k) for k in spec["keys"]]
+        self.shape = spec["shape"]  # (L, H, T, D) of make_chain
+        self.files = [data_dir / f for f in spec["files"]]
+        self.blobs = [p.read_bytes() for p in self.files]
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+
+class Client:
+    """What every client does; subclasses fill in the per-system calls."""
+
+    def __init__(self, data_dir: Path, address: str, sets: list[str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.address = address
+        self.manifest = json.loads((data_dir / "manifest.json").read_text())
+        self.sets = {name: Objects(data_dir, self.manifest, name) for name in self.manifest["sets"]
+                     if sets is None or name in sets}
+
+    async def open(self) -> dict:
+        return {}
+
+    async def close(self) -> None:
+        return None
+
+    async def load(self, objs: Objects) -> None:
+        for i in range(len(objs)):
+            await self.put_one(objs, i)
+
+    async def get_one(self, objs: Objects, i: int, slot: int = 0) -> None:
+        raise NotImplementedError
+
+    async def put_one(self, objs: Objects, i: int) -> None:
+        raise NotImplementedError
+
+    def prepare(self, objs: Objects, slots: int) -> None:
+        """Preallocate per-slot destinations (one per request in flight) before timing."""
+
+    # -- the timed loops ------------------------------------------------------------------------
+
+    async def op_get(self, objs: Objects, n: int) -> dict:
+        self.prepare(objs, 1)
+        t0 = time.perf_counter()
+        for j in range(n):
+            await self.get_one(objs, j % len(objs))
+        return {"s": time.perf_counter() - t0}
+
+    async def op_put(self, objs: Objects, n: int) -> dict:
+        t0 = time.perf_counter()
+        for j in range(n):
+            await self.put_one(objs, j % len(objs))
+        return {"s": time.perf_counter() - t0}
+
+    async def op_burst(self, objs: Objects, n: int, inflight: int, start_at: float) -> dict:
+        self.prepare(objs, inflight)
+        lat: list[float] = []
+        next_j = 0
+
+        async def lane(slot: int) -> None:
+            nonlocal next_j
+            while next_j < n:
+                j = next_j
+                next_j += 1
+                t = time.perf_counter()
+                await self.get_one(objs, j % len(objs), slot)
+                lat.append(time.perf_counter() - t)
+
+        delay = start_at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        t0 = time.monotonic()
+        await asyncio.gather(*(lane(s) for s in range(inflight)))
+        t1 = time.monotonic()
+        return {"t0": t0, "t1": t1, "lat": lat}
+
+    async def op_memcpy(self, objs: Objects, n: int) -> dict:
+        dst = bytearray(max(len(b) for b in objs.blobs))
+        view = memoryview(dst)
+        t0 = time.perf_counter()
+        for j in range(n):
+            blob = objs.blobs[j % len(objs)]
+            view[: len(blob)] = blob
+        return {"s": time.perf_counter() - t0}
+
+    async def op_shm(self, objs: Objects, n: int) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} has no shared-memory path")
+
+
+# -- KDN ------------------------------------------------------------------------------------------
+
+
+class KdnClient(Client):
+    """KDN's host transport (``kdn.client_transport.GrpcEdgeTransport``), every checksum verified."""
+
+    async def open(self) -> dict:
+        import inspect
+
+        import torch
+
+        from kdn.client_transport import GrpcEdgeTransport
+        from kdn.keys import ModelFingerprint, Namespace
+
+        self._torch = torch
+        self.fp = ModelFingerprint(bytes.fromhex(self.manifest["fingerprint"]))
+        self.ns = Namespace(self.manifest["tenant"])
+        # the bulk byte path, once the transport has it, is picked up here without a change
+        kw: dict[str, Any] = {"bulk": True} if "bulk" in inspect.signature(GrpcEdgeTransport).parameters else {}
+        self.transport = GrpcEdgeTransport(self.address, token=None, shm=False, **kw)
+        self.shm_transport = GrpcEdgeTransport(self.address, token=None, shm=True)
+        self.out: dict[tuple[str, int], Any] = {}
+        self.vias: dict[str, int] = {}
+        return {"transport_kwargs": sorted(kw)}
+
+    async def close(self) -> None:
+        await self.transport.close()
+        await self.shm_transport.close()
+
+    def prepare(self, objs: Objects, slots: int) -> None:
+        L, H, T, D = objs.shape
+        for s in range(slots):
+            if (objs.name, s) not in self.out:
+                self.out[(objs.name, s)] = self._torch.empty((L, 2, H, T, D), dtype=self._torch.float16)
+
+    async def _fetch(self, transport: Any, objs: Objects, i: int, slot: int) -> None:
+        from kdn.artifact import ArtifactReader
+        from kdn.wire.convert import FetchSpec
+
+        key = objs.keys[i]
+        reader = ArtifactReader(expect_fingerprint=self.fp, expect_key=key, out=self.out[(objs.name, slot)])
+        async for piece, via in transport.fetch(FetchSpec(key, self.fp, self.ns), timeout=60):
+            reader.feed(piece)  # verifies each section's checksum, then decodes it into out
+            self.vias[via] = self.vias.get(via, 0) + 1
+        reader.finish()  # the whole-artifact digest
+
+    async def get_one(self, objs: Objects, i: int, slot: int = 0) -> None:
+        await self._fetch(self.transport, objs, i, slot)
+
+    async def put_one(self, objs: Objects, i: int) -> None:
+        ok = await self.transport.put(self.fp, self.ns, objs.keys[i], objs.blobs[i], timeout=60)
+        if not ok:
+            raise RuntimeError("edge did not keep the artifact")
+
+    async def op_shm(self, objs: Objects, n: int) -> dict:
+        self.prepare(objs, 1)
+        t0 = time.perf_counter()
+        for j in range(n):
+            await self._fetch(self.shm_transport, objs, j % len(objs), 0)
+        return {"s": time.perf_counter() - t0}
+
+
+# -- LMCache --------------------------------------------------------------------------------------
+
+
+class LMCacheClient(Client):
+    """LMCache 0.5.6's ``LMCServerConnector`` talking to ``lmcache_server HOST PORT cpu``, built the
+    way LMCache's remote backend builds it: a ``LocalCPUBackend`` (its memory pool) from an engine
+    config and metadata. GET returns a ``MemoryObj`` from that pool (released after use, as the
+    cache engine does); PUT is fire-and-forget in LMCache's protocol, so each PUT is followed by an
+    EXIST round trip on the same connection (the server handles a connection's commands in order):
+    the PUT is then known to be stored, as KDN's acknowledged PUT is."""
+
+    async def open(self) -> dict:
+        import ctypes
+
+        import torch
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.connector.lm_connector import LMCServerConnector
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        self._torch = torch
+        self._fmt = MemoryFormat.KV_2LTD
+        big = max(self.sets.values(), key=lambda o: _shape_numel(o.shape))
+        L, H, T, D = big.shape
+        host, port = self.address.rsplit(":", 1)
+        config = LMCacheEngineConfig.from_defaults(chunk_size=T, local_cpu=False, max_local_cpu_size=0.5,
+                                                   remote_url=f"lm://{self.address}", remote_serde="naive")
+        metadata = LMCacheMetadata(model_name="kdn-bench", world_size=1, local_world_size=1, worker_id=0,
+                                   local_worker_id=0, kv_dtype=torch.float16, kv_shape=(L, 2, T, H, D))
+        self.backend = LocalCPUBackend(config, metadata)
+        self.conn = LMCServerConnector(host, int(port), asyncio.get_running_loop(), self.backend)
+        self.keys = {name: [CacheEngineKey("kdn-bench", 1, 0, int.from_bytes(k[:8], "little"), torch.float16)
+                            for k in objs.keys] for name, objs in self.sets.items()}
+        # one MemoryObj per object to PUT from, filled once (KV_2LTD: (2, L, T, H*D))
+        self.src: dict[str, list[Any]] = {}
+        for name, objs in self.sets.items():
+            L, H, T, D = objs.shape
+            shape = torch.Size((2, L, T, H * D))
+            mems = []
+            for blob in objs.blobs:
+                mem = self.backend.allocate(shape, torch.float16, self._fmt)
+                if mem is None:
+                    raise RuntimeError("LMCache's LocalCPUBackend could not allocate a put buffer")
+                n = len(mem.byte_array)
+                ctypes.memmove(mem.data_ptr, blob, min(n, len(blob)))
+                mems.append(mem)
+            self.src[name] = mems
+        return {"allocator": type(self.backend.memory_allocator).__name__}
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+    async def load(self, objs: Objects) -> None:
+        await super().load(objs)
+        mem = await self.conn.get(self.keys[objs.name][0])  # the server answers with what was put
+        if mem is None or bytes(mem.byte_array[:4096]) != objs.blobs[0][:4096]:
+            raise RuntimeError("lmcache_server returned different bytes than were put")
+        mem.ref_count_down()
+
+    async def get_one(self, objs: Objects, i: int, slot: int = 0) -> None:
+        mem = await self.conn.get(self.keys[objs.name][i])
+        if mem is None:
+            raise RuntimeError("lmcache_server had no object for the key")
+        mem.ref_count_down()  # back to the pool, as the cache engine does after copying it out
+
+    async def put_one(self, objs: Objects, i: int) -> None:
+        key = self.keys[objs.name][i]
+        await self.conn.put(key, self.src[objs.name][i])
+        if not await self.conn.exists(key):
+            raise RuntimeError("lmcache_server did not keep the object")
+
+
+# -- Redis ----------------------------------------------------------------------------------------
+
+
+class RedisClient(Client):
+    """redis-py's blocking client: GET returns a fresh ``bytes``, as its users get it."""
+
+    async def open(self) -> dict:
+        import redis
+
+        host, port = self.address.rsplit(":", 1)
+        self.r = redis.Redis(host=host, port=int(port))
+        self.r.ping()
+        return {"redis_py": redis.__version__}
+
+    async def close(self) -> None:
+        self.r.close()
+
+    async def get_one(self, objs: Objects, i: int, slot: int = 0) -> None:
+        data = self.r.get(objs.keys[i])
+        if data is None or len(data) != len(objs.blobs[i]):
+            raise RuntimeError("redis returned a wrong object")
+
+    async def put_one(self, objs: Objects, i: int) -> None:
+        self.r.set(objs.keys[i], objs.blobs[i])
+
+
+# -- raw TCP --------------------------------------------------------------------------------------
+
+
+def serve_tcp(data_dir: Path) -> None:
+    """The baseline server: one ``sendall`` of a stored buffer per request (what LMCache's server
+    does), a thread per connection. Request: set index u8, object index u32; answer: length u64, bytes."""
+    import threading
+
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    names = sorted(manifest["sets"])
+    blobs = [[(data_dir / f).read_bytes() for f in manifest["sets"][n]["files"]] for n in names]
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def handle(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while True:
+                req = conn.recv(5, socket.MSG_WAITALL)
+                if len(req) < 5:
+                    return
+                s, i = struct.unpack("<BI", req)
+                data = blobs[s][i]
+                conn.sendall(_LEN.pack(len(data)))
+                conn.sendall(data)
+
+    print(json.dumps({"port": srv.getsockname()[1], "sets": names}), flush=True)
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+
+class TcpClient(Client):
+    """Blocking socket, ``recv_into`` one reused buffer: the strongest plain-Python TCP reader."""
+
+    async def open(self) -> dict:
+        host, port = self.address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.set_index = {name: i for i, name in enumerate(sorted(self.manifest["sets"]))}
+        self.buf = memoryview(bytearray(max(len(b) for o in self.sets.values() for b in o.blobs)))
+        return {}
+
+    async def close(self) -> None:
+        self.sock.close()
+
+    async def load(self, objs: Objects) -> None:
+        return None  # the server read the objects from the data directory
+
+    def _read(self, view: memoryview) -> None:
+        got, n = 0, len(view)
+        while got < n:
+            k = self.sock.recv_into(view[got:], n - got)
+            if not k:
+                raise ConnectionError("TCP server closed")
+            got += k
+
+    async def get_one(self, objs: Objects, i: int, slot: int = 0) -> None:
+        self.sock.sendall(struct.pack("<BI", self.set_index[objs.name], i))
+        self._read(self.buf[:8])
+        (n,) = _LEN.unpack(self.buf[:8])
+        self._read(self.buf[:n])
+
+
+CLIENTS: dict[str, type[Client]] = {"kdn": KdnClient, "lmcache": LMCacheClient, "redis": RedisClient, "tcp": TcpClient}
+
+
+async def serve(kind: str, data_dir: Path, address: str, sets: list[str] | None) -> None:
+    client = CLIENTS[kind](data_dir, address, sets)
+    info = await client.open()
+    print(json.dumps({"ready": kind, **info}), flush=True)
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                return
+            cmd = json.loads(line)
+            op = cmd.pop("op")
+            if op == "quit":
+                print(json.dumps({"ok": True}), flush=True)
+                return
+            try:
+                objs = client.sets[cmd.pop("set")]
+                fn = getattr(client, f"op_{op}", None)
+                if op == "load":
+                    await client.load(objs)
+                    res: dict = {}
+                elif fn is None:
+                    raise ValueError(f"unknown op {op!r}")
+                else:
+                    res = await fn(objs, **cmd)
+                if kind == "kdn":
+                    res["via"] = dict(client.vias)  # type: ignore[attr-defined]
+                print(json.dumps({"ok": True, **res}), flush=True)
+            except Exception as exc:  # reported to the driver, which marks the figure missing
+                print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+    finally:
+        await client.close()
+
+
+def main() -> int:
+    if sys.argv[1] == "serve-tcp":
+        serve_tcp(Path(sys.argv[2]))
+        return 0
+    kind, data_dir, address = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    sets = sys.argv[4].split(",") if len(sys.argv) > 4 else None
+    if kind == "kdn":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    asyncio.run(serve(kind, data_dir, address, sets))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
