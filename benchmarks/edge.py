@@ -107,11 +107,10 @@ def _tail(path: Path, n: int = 3) -> str:
 class Worker:
     """One client process speaking JSON lines (benchmarks/peers/worker.py)."""
 
-    def __init__(self, python: str | Path, kind: str, data_dir: Path, address: str, log: Path,
-                 sets: str | None = None) -> None:
+    def __init__(self, python: str | Path, kind: str, data_dir: Path, address: str, log: Path, *extra: str) -> None:
         self.kind = kind
         self.log = log
-        args = [str(python), str(WORKER), kind, str(data_dir), address] + ([sets] if sets else [])
+        args = [str(python), str(WORKER), kind, str(data_dir), address, *extra]
         self._err: IO[bytes] = open(log, "wb")
         self.proc = subprocess.Popen(args, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
         self.info: dict = {}
@@ -125,6 +124,8 @@ class Worker:
 
     def wait_ready(self) -> dict:
         self.info = self._read()
+        if "error" in self.info:
+            raise RuntimeError(self.info["error"])
         return self.info
 
     def send(self, op: str, **kw: Any) -> None:
@@ -192,7 +193,7 @@ def start_tcp(tmp: Path, data: Path) -> Peer:
 
 def start_lmcache(tmp: Path) -> Peer:
     if not LMCACHE_SERVER.exists():
-        return Peer("lmcache", missing=f"{LMCACHE_SERVER.relative_to(REPO)} not found: run bash benchmarks/peers/install.sh")
+        return Peer("lmcache", missing=f"{LMCACHE_SERVER} not found: run bash benchmarks/peers/install.sh")
     port = _free_port()
     log = tmp / "lmcache_server.log"
     proc = subprocess.Popen([str(LMCACHE_SERVER), "127.0.0.1", str(port), "cpu"], cwd=tmp, stdout=open(log, "wb"),
@@ -324,16 +325,15 @@ def run(args: argparse.Namespace) -> dict:
             peers["redis"] = start_redis(tmp)
             peers["tcp"] = start_tcp(tmp, data)
             progress.advance(setup)
-            # one main client per system, then the extra processes of the scaling run (1 MiB set only)
+            # one client per system, then for the scaling run a group of forked clients (1 MiB set only)
             for name, peer in peers.items():
                 if peer.up:
                     peer.workers.append(Worker(peer.python, name, data, peer.address, tmp / f"{name}-w0.log"))
             for name in ("kdn", "lmcache"):
                 peer = peers[name]
                 if peer.up:
-                    for i in range(1, max(SCALING)):
-                        peer.workers.append(Worker(peer.python, name, data, peer.address, tmp / f"{name}-w{i}.log",
-                                                   sets="small"))
+                    peer.workers.append(Worker(peer.python, name, data, peer.address, tmp / f"{name}-group.log",
+                                               "--sets", "small", "--fork", str(max(SCALING))))
             for name, peer in peers.items():
                 for w in peer.workers:
                     try:
@@ -402,11 +402,9 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
                              "p99_ms": _pct(out["lat"], 0.99) * 1e3})
         for k in SCALING:  # 1 MiB, k client processes, one request in flight each
             for n in rotated(pair, r):
-                ws = peers[n].workers[:k]
-                start_at = time.monotonic() + 0.3
-                for w in ws:
-                    w.send("burst", set="small", n=plan.scaling_total // k, inflight=1, start_at=start_at)
-                outs = [w.recv() for w in ws]
+                cmd = {"op": "burst", "set": "small", "n": plan.scaling_total // k, "inflight": 1,
+                       "start_at": time.monotonic() + 0.2}
+                outs = peers[n].workers[1].ask("fanout", k=k, cmd=cmd)["results"]
                 t0, t1 = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
                 scale[n][k].append((plan.scaling_total // k) * k / (t1 - t0))
         kdn = peers["kdn"].workers[0]
@@ -551,14 +549,15 @@ def plot(res: dict, path: Path) -> None:
         meds = [statistics.median(v) if v else 0.0 for v in vals.values()]
         lo = [m - min(v) if v else 0.0 for m, v in zip(meds, vals.values())]
         hi = [max(v) - m if v else 0.0 for m, v in zip(meds, vals.values())]
-        out = ax.bar(names, meds, yerr=[lo, hi], capsize=4, color=[colors.get(n, "#2ca02c") for n in names])
-        ax.bar_label(out, fmt="%.2f")
+        out = ax.bar(names, meds, yerr=[lo, hi], capsize=4, color=[colors.get(n.split()[0], "#2ca02c") for n in names])
+        ax.bar_label(out, fmt="%.2f" if max(meds, default=0) < 100 else "%.0f")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
 
     bars(axes[0], res["get_gbps"], "GB/s", "32 MiB GET, one client")
-    bars(axes[1], {**res["put_gbps"], **{f"{k} (kdn)": v for k, v in res["shm"].items()}}, "GB/s",
-         "32 MiB PUT; shm vs memcpy")
+    bars(axes[1], {**{f"{n} PUT": v for n, v in res["put_gbps"].items()}, **res["shm"]}, "GB/s",
+         "32 MiB: PUT; kdn shm GET vs memcpy")
+    axes[1].tick_params(axis="x", rotation=20)
     bars(axes[2], {n: [x["rps"] for x in v] for n, v in res["burst"].items()}, "requests/s",
          f"{res['plan']['burst']} x 1 MiB, {res['plan']['inflight']} in flight")
     ax = axes[3]

@@ -1,6 +1,6 @@
 """One benchmark client in its own process, driven by ``benchmarks/edge.py`` over a pipe.
 
-    python benchmarks/peers/worker.py KIND DATA_DIR ADDRESS [SET,SET...]
+    python benchmarks/peers/worker.py KIND DATA_DIR ADDRESS [--sets SET,SET] [--fork N]
 
 ``KIND`` is ``kdn`` (KDN's host transport, our venv), ``lmcache`` (LMCache's ``LMCServerConnector``,
 run with ``.peers/lmcache-venv``'s python), ``redis`` (redis-py) or ``tcp`` (a blocking socket that
@@ -20,6 +20,10 @@ command on stdin with one line: ``{"ok": true, ...}`` or ``{"ok": false, "error"
 - ``{"op": "memcpy", "set": S, "n": N}``: N copies of the stored bytes into one reused buffer;
 - ``{"op": "quit"}``.
 
+With ``--fork N`` the process imports the client's stack once, forks N clients and relays:
+``{"op": "fanout", "k": K, "cmd": {...}}`` runs ``cmd`` on the first K at once and answers
+``{"ok": true, "results": [...]}`` (the scaling run: K client processes, one shared start time).
+
 ``DATA_DIR`` holds ``manifest.json`` and the objects (``big_000.bin`` ...): KDN artifact containers,
 built by ``kdn.edge.testing.make_chain``. KDN, Redis and raw TCP store the containers as they are;
 LMCache stores a KV tensor of the shape in the manifest (exactly the KV payload's bytes: LMCache
@@ -30,14 +34,17 @@ which decodes each verified section into a preallocated, reused ``(L, 2, H, T, D
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import os
 import socket
 import struct
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 _LEN = struct.Struct("<Q")
 
@@ -89,6 +96,10 @@ class Client:
 
     async def put_one(self, objs: Objects, i: int) -> None:
         raise NotImplementedError
+
+    @classmethod
+    def preload(cls) -> None:
+        """Import the client's stack (before forking, so forked clients share it)."""
 
     def prepare(self, objs: Objects, slots: int) -> None:
         """Preallocate per-slot destinations (one per request in flight) before timing."""
@@ -149,24 +160,36 @@ class Client:
 class KdnClient(Client):
     """KDN's host transport (``kdn.client_transport.GrpcEdgeTransport``), every checksum verified."""
 
+    @classmethod
+    def preload(cls) -> None:
+        import kdn.artifact  # noqa: F401
+        import kdn.client_transport  # noqa: F401
+        import kdn.wire.convert  # noqa: F401
+
     async def open(self) -> dict:
         import inspect
 
+        from kdn.client_transport import GrpcEdgeTransport
+
+        # the bulk byte path, once the transport has it, is picked up here without a change
+        kw: dict[str, Any] = {"bulk": True} if "bulk" in inspect.signature(GrpcEdgeTransport).parameters else {}
+        self.attach(GrpcEdgeTransport(self.address, token=None, shm=False, **kw),
+                    GrpcEdgeTransport(self.address, token=None, shm=True))
+        return {"transport_kwargs": sorted(kw)}
+
+    def attach(self, transport: Any, shm_transport: Any) -> None:
+        """Use these transports (``kdn.client_transport.EdgeTransport``s; tests pass in-memory ones)."""
         import torch
 
-        from kdn.client_transport import GrpcEdgeTransport
         from kdn.keys import ModelFingerprint, Namespace
 
         self._torch = torch
         self.fp = ModelFingerprint(bytes.fromhex(self.manifest["fingerprint"]))
         self.ns = Namespace(self.manifest["tenant"])
-        # the bulk byte path, once the transport has it, is picked up here without a change
-        kw: dict[str, Any] = {"bulk": True} if "bulk" in inspect.signature(GrpcEdgeTransport).parameters else {}
-        self.transport = GrpcEdgeTransport(self.address, token=None, shm=False, **kw)
-        self.shm_transport = GrpcEdgeTransport(self.address, token=None, shm=True)
+        self.transport = transport
+        self.shm_transport = shm_transport
         self.out: dict[tuple[str, int], Any] = {}
         self.vias: dict[str, int] = {}
-        return {"transport_kwargs": sorted(kw)}
 
     async def close(self) -> None:
         await self.transport.close()
@@ -215,6 +238,11 @@ class LMCacheClient(Client):
     cache engine does); PUT is fire-and-forget in LMCache's protocol, so each PUT is followed by an
     EXIST round trip on the same connection (the server handles a connection's commands in order):
     the PUT is then known to be stored, as KDN's acknowledged PUT is."""
+
+    @classmethod
+    def preload(cls) -> None:
+        import lmcache.v1.storage_backend.connector.lm_connector  # noqa: F401
+        import lmcache.v1.storage_backend.local_cpu_backend  # noqa: F401
 
     async def open(self) -> dict:
         import ctypes
@@ -371,20 +399,23 @@ class TcpClient(Client):
 CLIENTS: dict[str, type[Client]] = {"kdn": KdnClient, "lmcache": LMCacheClient, "redis": RedisClient, "tcp": TcpClient}
 
 
-async def serve(kind: str, data_dir: Path, address: str, sets: list[str] | None) -> None:
-    client = CLIENTS[kind](data_dir, address, sets)
+async def serve(client: Client, kind: str, rfile: IO[str], wfile: IO[str]) -> None:
+    def reply(obj: dict) -> None:
+        wfile.write(json.dumps(obj) + "\n")
+        wfile.flush()
+
     info = await client.open()
-    print(json.dumps({"ready": kind, **info}), flush=True)
+    reply({"ready": kind, **info})
     loop = asyncio.get_running_loop()
     try:
         while True:
-            line = await loop.run_in_executor(None, sys.stdin.readline)
+            line = await loop.run_in_executor(None, rfile.readline)
             if not line:
                 return
             cmd = json.loads(line)
             op = cmd.pop("op")
             if op == "quit":
-                print(json.dumps({"ok": True}), flush=True)
+                reply({"ok": True})
                 return
             try:
                 objs = client.sets[cmd.pop("set")]
@@ -398,22 +429,91 @@ async def serve(kind: str, data_dir: Path, address: str, sets: list[str] | None)
                     res = await fn(objs, **cmd)
                 if kind == "kdn":
                     res["via"] = dict(client.vias)  # type: ignore[attr-defined]
-                print(json.dumps({"ok": True, **res}), flush=True)
+                reply({"ok": True, **res})
             except Exception as exc:  # reported to the driver, which marks the figure missing
-                print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+                reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     finally:
         await client.close()
+
+
+def serve_group(client: Client, kind: str, n: int) -> None:
+    """``n`` clients forked from this process after the heavy imports (each then opens its own
+    event loop and connection), driven through this process: ``{"op": "fanout", "k": K, "cmd":
+    {...}}`` sends ``cmd`` to the first K and answers ``{"ok", "results": [...]}``. Forking saves
+    each client the seconds of importing torch (and lmcache) on a shared 2-core machine."""
+    kids: list[tuple[int, IO[str], IO[str]]] = []
+    for _ in range(n):
+        from_parent, to_kid = os.pipe()  # (read end, write end)
+        from_kid, to_parent = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(to_kid)
+            os.close(from_kid)
+            for _pid, w, r in kids:
+                w.close()
+                r.close()
+            code = 0
+            try:
+                asyncio.run(serve(client, kind, os.fdopen(from_parent, "r"), os.fdopen(to_parent, "w")))
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(from_parent)
+        os.close(to_parent)
+        kids.append((pid, os.fdopen(to_kid, "w"), os.fdopen(from_kid, "r")))
+
+    def reply(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    try:
+        infos = [json.loads(r.readline() or "{}") for _pid, _w, r in kids]
+        if not all(i.get("ready") for i in infos):
+            reply({"error": f"a forked {kind} client did not start: {infos}"})
+            return
+        reply({**infos[0], "children": n})
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            targets = kids if cmd["op"] == "quit" else kids[: cmd["k"]]
+            for _pid, w, _r in targets:
+                w.write(json.dumps(cmd if cmd["op"] == "quit" else cmd["cmd"]) + "\n")
+                w.flush()
+            results = [json.loads(r.readline() or '{"ok": false, "error": "client exited"}') for _pid, _w, r in targets]
+            if cmd["op"] == "quit":
+                reply({"ok": True})
+                return
+            bad = [x["error"] for x in results if not x.get("ok")]
+            reply({"ok": False, "error": bad[0]} if bad else {"ok": True, "results": results})
+    finally:
+        for pid, w, r in kids:
+            w.close()
+            r.close()
+            os.waitpid(pid, 0)
 
 
 def main() -> int:
     if sys.argv[1] == "serve-tcp":
         serve_tcp(Path(sys.argv[2]))
         return 0
-    kind, data_dir, address = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-    sets = sys.argv[4].split(",") if len(sys.argv) > 4 else None
-    if kind == "kdn":
+    p = argparse.ArgumentParser(description="one benchmark client (see the module docstring)")
+    p.add_argument("kind", choices=sorted(CLIENTS))
+    p.add_argument("data_dir", type=Path)
+    p.add_argument("address")
+    p.add_argument("--sets", help="comma-separated object sets to read (default: all)")
+    p.add_argument("--fork", type=int, default=0, help="run this many forked clients, driven with fanout")
+    args = p.parse_args()
+    if args.kind == "kdn":
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    asyncio.run(serve(kind, data_dir, address, sets))
+    cls = CLIENTS[args.kind]
+    cls.preload()
+    client = cls(args.data_dir, args.address, args.sets.split(",") if args.sets else None)
+    if args.fork:
+        serve_group(client, args.kind, args.fork)
+    else:
+        asyncio.run(serve(client, args.kind, sys.stdin, sys.stdout))
     return 0
 
 
