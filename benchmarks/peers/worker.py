@@ -343,7 +343,11 @@ def serve_tcp(data_dir: Path) -> None:
 
     manifest = json.loads((data_dir / "manifest.json").read_text())
     names = sorted(manifest["sets"])
-    blobs = [[(data_dir / f).read_bytes() for f in manifest["sets"][n]["files"]] for n in names]
+    def framed(path: Path) -> bytes:
+        data = path.read_bytes()
+        return _LEN.pack(len(data)) + data  # stored ready to send: one sendall per request
+
+    blobs = [[framed(data_dir / f) for f in manifest["sets"][n]["files"]] for n in names]
     srv = socket.create_server(("127.0.0.1", 0))
 
     def handle(conn: socket.socket) -> None:
@@ -354,9 +358,7 @@ def serve_tcp(data_dir: Path) -> None:
                 if len(req) < 5:
                     return
                 s, i = struct.unpack("<BI", req)
-                data = blobs[s][i]
-                conn.sendall(_LEN.pack(len(data)))
-                conn.sendall(data)
+                conn.sendall(blobs[s][i])
 
     print(json.dumps({"port": srv.getsockname()[1], "sets": names}), flush=True)
     while True:
