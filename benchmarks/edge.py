@@ -484,7 +484,8 @@ def report(res: dict, command: str) -> str:
         f"containers (fp16 KV, raw codec, shapes (L,H,T,D) {BIG_SHAPE} and {SMALL_SHAPE}); LMCache stores exactly the "
         "KV bytes (32 / 1 MiB, no checksums). Every KDN GET verifies every checksum and decodes into a reused "
         "buffer (ArtifactReader(out=...)). Each server and each client in its own process; clients time themselves.",
-        f"KDN transport: {res.get('client_info', {}).get('kdn', {})}; pieces by path in the last KDN run: {res['via']}.",
+        f"KDN transport: {res.get('client_info', {}).get('kdn', {})}; pieces received by path over the run "
+        f"(main KDN client): {res['via']}. How each peer is installed and driven: `benchmarks/peers/README.md`.",
         "",
         "| measurement | KDN | peer | KDN / peer, per round | goal |",
         "|---|---|---|---|---|",
@@ -507,7 +508,9 @@ def report(res: dict, command: str) -> str:
                  f"| {spread(shm['memcpy'])} GB/s | {spread(r_shm)}x | >= 0.6x |")
     lat = " ".join(f"{n}: p50 {spread([x['p50_ms'] for x in v], '{:.1f}')} ms, p99 "
                    f"{spread([x['p99_ms'] for x in v], '{:.1f}')} ms;" for n, v in b.items())
-    lines += ["", f"Latency in the {p['burst']} x 1 MiB run ({p['inflight']} in flight): {lat}", "",
+    lines += ["", f"Latency in the {p['burst']} x 1 MiB run ({p['inflight']} in flight): {lat} (LMCache's connector "
+              "runs one GET at a time on its socket, so its latency holds no queueing; KDN's holds the wait behind "
+              "the other requests in flight.)", "",
               f"Scaling, 1 MiB GETs, {p['scaling_total']} per point split across k client processes (one in flight "
               "each), aggregate req/s:", "",
               "| clients | " + " | ".join(f"{n} req/s" for n in sc) + " | KDN vs 1 client | KDN / LMCache |",

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import socket
 import struct
@@ -47,13 +48,6 @@ from pathlib import Path
 from typing import IO, Any
 
 _LEN = struct.Struct("<Q")
-
-
-def _shape_numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class Objects:
@@ -257,7 +251,7 @@ class LMCacheClient(Client):
 
         self._torch = torch
         self._fmt = MemoryFormat.KV_2LTD
-        big = max(self.sets.values(), key=lambda o: _shape_numel(o.shape))
+        big = max(self.sets.values(), key=lambda o: math.prod(o.shape))
         L, H, T, D = big.shape
         host, port = self.address.rsplit(":", 1)
         config = LMCacheEngineConfig.from_defaults(chunk_size=T, local_cpu=False, max_local_cpu_size=0.5,
