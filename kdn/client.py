@@ -72,6 +72,9 @@ class ClientConfig(RoleConfig):
     shm: Literal["auto", "on", "off"] = Field(
         "auto", description="ask for shared-memory answers: auto = when the edge address is loopback"
     )
+    bulk: bool = Field(
+        True, description="move artifact bytes over the edge's bulk byte path when it offers one (else the gRPC stream)"
+    )
     codec: str = Field("", description="preferred codec for fetches ('' = whatever the edge stores)")
     require_lossless: bool = Field(True, description="refuse lossy artifacts (outputs then equal recompute)")
     put_codec: str = Field("raw", description="codec for chunks written back to the edge")
@@ -144,7 +147,7 @@ class AsyncKdnClient:
         self.config = config or ClientConfig()
         if transport is None and self.config.edge:
             c = self.config
-            edges = [GrpcEdgeTransport(a, token=c.token, shm=c.use_shm(a), tls=c.tls())
+            edges = [GrpcEdgeTransport(a, token=c.token, shm=c.use_shm(a), bulk=c.bulk, tls=c.tls())
                      for a in [c.edge, *c.fallback_edges]]
             transport = edges[0] if len(edges) == 1 else FailoverEdgeTransport(edges, backoff_s=c.edge_backoff_s)
         self.transport = transport

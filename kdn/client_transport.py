@@ -24,6 +24,7 @@ three methods, with the same checksums verified by the client.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -31,15 +32,18 @@ from typing import Any, AsyncIterator, Sequence
 
 from kdn.errors import FingerprintMismatch, KdnError, NotFound, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
+from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pb_grpc
 from kdn.wire.calls import fetch_method
 from kdn.wire.channel import STREAM_PIECE, aio_channel, auth_metadata, split_pieces
-from kdn.wire.convert import FetchSpec, lookup_request, put_messages
+from kdn.wire.convert import FetchSpec, lookup_request, put_header, put_messages
 from kdn.wire.errors import rpc_errors
 from kdn.wire.frames import decode_chunk
-from kdn.wire.shm import map_segment
+from kdn.wire.bulk import BufferPool, BulkClient, BulkProtocolError
+from kdn.wire.shm import SegmentCache
 from kdn.wire.tls import TlsFiles
 
+log = logging.getLogger(__name__)
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
@@ -78,7 +82,14 @@ def is_loopback(address: str) -> bool:
 
 class GrpcEdgeTransport(EdgeTransport):
     """``EdgeService`` over gRPC (``grpc.aio``): a thin adapter over :mod:`kdn.wire`. Create and use
-    it inside one event loop. ``channel`` replaces the socket (an in-process channel in tests)."""
+    it inside one event loop. ``channel`` replaces the socket (an in-process channel in tests).
+
+    Payload bytes take the fastest path the edge offers: shared memory on the same host (``shm``:
+    the mapping is cached by segment name, and the caller's reader verifies while it copies into
+    its destination), else the bulk byte path (``bulk``, :mod:`kdn.wire.bulk`: received into a
+    reused buffer from :attr:`buffers`), else the gRPC stream. An edge that does not offer the bulk
+    path (TLS, switched off, an older edge) is asked once; a bulk connection that fails before its
+    first byte falls back to gRPC for that call and rests ``bulk_backoff_s``."""
 
     def __init__(
         self,
@@ -86,16 +97,26 @@ class GrpcEdgeTransport(EdgeTransport):
         *,
         token: str | None = None,
         shm: bool = False,
+        bulk: bool = True,
         tls: TlsFiles | None = None,
         channel: Any = None,
+        buffers: BufferPool | None = None,
+        bulk_backoff_s: float = 5.0,
     ) -> None:
         self.name = address
         self.address = address
         self.shm = shm
+        self.bulk = bulk and tls is None and channel is None
+        self.buffers = buffers or BufferPool()
         self._metadata = auth_metadata(token)
         self._channel = channel if channel is not None else aio_channel(address, tls=tls)
         self._stub = pb_grpc.EdgeServiceStub(self._channel)
         self._fetch = fetch_method(self._channel)
+        self._maps = SegmentCache(max_maps=32) if shm else None
+        self._bulk: BulkClient | None = None
+        self._bulk_expires = 0.0
+        self._bulk_rest_until = 0.0
+        self._bulk_backoff_s = bulk_backoff_s
 
     async def lookup(
         self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
@@ -105,10 +126,62 @@ class GrpcEdgeTransport(EdgeTransport):
             resp = await self._stub.Lookup(req, timeout=timeout, metadata=self._metadata)
         return min(int(resp.available), len(keys))
 
+    async def _bulk_client(self, timeout: float) -> BulkClient | None:
+        """The bulk connections, negotiated on first use and renewed before the ticket expires;
+        None while the path is not offered or rests after a failure."""
+        if not self.bulk or time.monotonic() < self._bulk_rest_until:
+            return None
+        if self._bulk is not None and time.monotonic() < self._bulk_expires:
+            return self._bulk
+        try:
+            with rpc_errors(self.address):
+                offer = await self._stub.OpenBulk(pb.BulkRequest(), timeout=timeout, metadata=self._metadata)
+        except Unavailable:
+            raise
+        except KdnError as exc:  # an edge without the RPC (UNIMPLEMENTED) or that refuses it
+            log.debug("%s: no bulk path (%s); streaming over gRPC", self.address, exc)
+            self.bulk = False
+            return None
+        if not offer.port:
+            self.bulk = False
+            return None
+        if self._bulk is not None:
+            self._bulk.close()
+        host = self.address.rsplit(":", 1)[0] if not self.address.startswith("unix:") else "127.0.0.1"
+        self._bulk = BulkClient(host, offer.port, offer.ticket, peer=self.address)
+        self._bulk_expires = time.monotonic() + max(0.0, offer.ttl_s - 30.0)
+        return self._bulk
+
+    def _bulk_broke(self, exc: BaseException) -> None:
+        log.info("%s: bulk byte path failed (%s); gRPC for %.0f s", self.address, exc, self._bulk_backoff_s)
+        self._bulk_rest_until = time.monotonic() + self._bulk_backoff_s
+        if self._bulk is not None:
+            self._bulk.close()
+            self._bulk = None
+
     async def fetch(
         self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
     ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
         use_shm = self.shm
+        if not use_shm:
+            bulk = await self._bulk_client(timeout)
+            if bulk is not None:
+                request = spec.to_proto(next_keys, shm=False).SerializeToString()
+                try:
+                    async with asyncio.timeout(timeout):
+                        buf, size, _source = await bulk.fetch(request, self.buffers)
+                except TimeoutError as exc:
+                    raise Unavailable(f"Fetch from {self.address}: deadline of {timeout}s exceeded") from exc
+                except (OSError, BulkProtocolError) as exc:
+                    self._bulk_broke(exc)  # nothing was yielded yet: this call goes over gRPC
+                else:
+                    view = memoryview(buf)[:size]
+                    try:
+                        yield view, "bulk"  # the consumer reads it before asking for more
+                    finally:
+                        view.release()
+                        self.buffers.give(buf)
+                    return
         for attempt in range(2):
             req = spec.to_proto(next_keys, shm=use_shm)
             call = self._fetch(req, timeout=timeout, metadata=self._metadata)
@@ -121,21 +194,21 @@ class GrpcEdgeTransport(EdgeTransport):
                         if msg.total_size:
                             total = msg.total_size
                         if msg.shm_name:
+                            assert self._maps is not None
                             try:
-                                mapping = map_segment(msg.shm_name, total or None)
+                                # a cached mapping: a published segment never changes
+                                art = self._maps.open(msg.shm_name, size=total or None, verify=False)
                             except (OSError, KdnError):
                                 if attempt == 0 and not yielded:
                                     call.cancel()
                                     break  # the segment is gone: ask again for the bytes themselves
                                 raise Unavailable(f"shared-memory segment {msg.shm_name!r} vanished ({self.address})")
                             yielded = True
-                            view = memoryview(mapping)
                             try:
-                                # the consumer copies what it needs before asking for the next piece
-                                yield view, "shm"
+                                # the consumer verifies while it copies what it needs, before the next piece
+                                yield art.data, "shm"
                             finally:
-                                view.release()
-                                mapping.close()
+                                art.close()
                         elif len(msg.data):
                             yielded = True
                             yield msg.data, "grpc"
@@ -149,12 +222,28 @@ class GrpcEdgeTransport(EdgeTransport):
     async def put(
         self, fingerprint: ModelFingerprint, namespace: Namespace, key: ChunkKey, data: bytes, *, timeout: float
     ) -> bool:
+        bulk = await self._bulk_client(timeout)
+        if bulk is not None:
+            header = put_header(data, key=key, fingerprint=fingerprint, namespace=namespace)
+            try:
+                async with asyncio.timeout(timeout):
+                    await bulk.put(header.SerializeToString(), data)
+                return True
+            except TimeoutError as exc:
+                raise Unavailable(f"Put to {self.address}: deadline of {timeout}s exceeded") from exc
+            except (OSError, BulkProtocolError) as exc:
+                self._bulk_broke(exc)  # the Put did not land: send it over gRPC
         messages = put_messages(data, key=key, fingerprint=fingerprint, namespace=namespace, piece=STREAM_PIECE)
         with rpc_errors(self.address):
             resp = await self._stub.Put(messages, timeout=timeout, metadata=self._metadata)
         return bool(resp.stored)
 
     async def close(self) -> None:
+        if self._bulk is not None:
+            self._bulk.close()
+            self._bulk = None
+        if self._maps is not None:
+            self._maps.close()
         await self._channel.close(grace=None)
 
 

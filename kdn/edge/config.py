@@ -101,6 +101,8 @@ class EdgeConfig(RoleConfig):
         "(checksums are unkeyed: a checksum-valid artifact may still not decode); False skips the CPU cost",
     )
     max_chain_keys: int = Field(4096, ge=1, description="longest key chain accepted in Lookup/Prefetch/Hint")
+    bulk: bool = Field(True, description="offer the bulk byte path (plain TCP beside gRPC; never with TLS)")
+    bulk_port: int = Field(0, ge=0, le=65535, description="port of the bulk byte path on the listen host; 0 = a free one")
     shm: bool = Field(True, description="offer the same-host shared-memory path")
     shm_dir: str = Field("/dev/shm", description="where shared-memory segments live")
     shm_max_segments: int = Field(64, ge=1, description="bound on live shm segments; oldest unlinked first")

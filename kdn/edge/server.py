@@ -21,6 +21,7 @@ the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kdn.wire.auth import TokenAuth
+from kdn.edge.bulk import BulkListener
 from kdn.edge.clock import Clock, MonotonicClock
 from kdn.edge.config import EdgeConfig
 from kdn.edge.metrics import EdgeMetrics
@@ -101,6 +103,21 @@ class PutBudget:
         self.limit = limit
         self.used = 0
         self.peak = 0
+        self._trim: asyncio.TimerHandle | None = None
+
+    def refused(self) -> None:
+        """A Put was refused: gRPC frees what it buffered for the stream when the call is torn
+        down, just after this; give that heap back to the OS then (once per burst of refusals)."""
+        if self._trim is None:
+            self._trim = asyncio.get_running_loop().call_later(0.25, self._trim_when_idle)
+
+    def _trim_when_idle(self) -> None:
+        self._trim = None
+        if self.used == 0:
+            gc.collect()  # a refused call's exception, traceback and frames form cycles that hold its messages
+            _trim_heap()
+        else:
+            self.refused()  # Puts in flight hold the heap now: try again a little later
 
     @contextmanager
     def lease(self) -> Iterator[Callable[[int], None]]:
@@ -151,12 +168,15 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
 
     def __init__(self, server: "EdgeServer") -> None:
         self._s = server
-        self.put_budget = PutBudget(server.config.put_buffer_bytes)
 
     @property
     def node(self) -> EdgeNode:
         assert self._s.node is not None
         return self._s.node
+
+    @property
+    def put_budget(self) -> PutBudget:
+        return self._s.put_budget
 
     @property
     def auth(self) -> TokenAuth:
@@ -168,6 +188,8 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
 
     def refused(self, rpc_name: str, code: grpc.StatusCode, exc: BaseException) -> None:
         self.node.metrics.refused.labels(rpc_name, code.name).inc()
+        if rpc_name == "Put":
+            self.put_budget.refused()
 
     def _keys(self, raw: Any) -> list[ChunkKey]:
         return parse_keys(raw, limit=self._s.config.max_chain_keys)
@@ -216,7 +238,7 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
 
     @rpc
     async def Put(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        with self.put_budget.lease() as reserve:
+        with self._s.put_budget.lease() as reserve:
             header, data = await receive_put(
                 request_iterator, limit=self._s.config.max_artifact_bytes,
                 authorize=lambda ns: self.auth.check(bearer_token(context.invocation_metadata()), ns.tenant),
@@ -241,6 +263,17 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
         ns, token = self.authorize(context, request.namespace)
         affected, schedule_id = await self._s.hints.apply(request, ns, token, self._keys(request.keys))
         return pb.HintResponse(affected=affected, schedule_id=schedule_id)
+
+    @rpc
+    async def OpenBulk(self, request: pb.BulkRequest, context: grpc.aio.ServicerContext) -> pb.BulkOffer:
+        """A ticket for the bulk byte path (:mod:`kdn.edge.bulk`), standing for the caller's token;
+        port 0 when the path is not offered. Any valid token: tenants are checked per request."""
+        token = bearer_token(context.invocation_metadata())
+        self.auth.check_admin(token)
+        bulk = self._s.bulk
+        if bulk is None:
+            return pb.BulkOffer()
+        return pb.BulkOffer(port=bulk.port, ticket=bulk.grant(token), ttl_s=bulk.ttl_s)
 
     @rpc
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
@@ -285,6 +318,8 @@ class EdgeServer:
         self.shm: ShmPool | None = None
         self.hints: HintService | None = None
         self.metrics_port: int | None = None
+        self.put_budget = PutBudget(config.put_buffer_bytes)  # shared by gRPC and bulk Puts
+        self.bulk: BulkListener | None = None
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self.port = 0
@@ -354,6 +389,13 @@ class EdgeServer:
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         await self.node.start()
+        if c.bulk and tls is None:  # plain TCP: never where the operator asked for TLS
+            self.bulk = BulkListener(self, c.listen.rpartition(":")[0], c.bulk_port)
+            try:
+                await self.bulk.start()
+            except OSError as exc:
+                log.warning("%s: bulk byte path not offered (cannot bind port %s: %s)", c.node_id, c.bulk_port, exc)
+                self.bulk = None
         await self._server.start()
         if c.metrics_port is not None:
             self.metrics_port = metrics.serve(c.metrics_host, c.metrics_port, token=c.metrics_token)
@@ -370,6 +412,9 @@ class EdgeServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self.bulk is not None:
+            await self.bulk.stop()
+            self.bulk = None
         if self.node is not None:
             await self.node.stop()
             self.node.metrics.close()

@@ -210,7 +210,7 @@ class InProcessEdge:
         **config: object,
     ) -> None:
         from kdn.edge.operator_hints import HintService
-        from kdn.edge.server import EdgeServicer
+        from kdn.edge.server import EdgeServicer, PutBudget
         from kdn.edge.store import build_store
         from kdn.wire.auth import TokenAuth
         from kdn.wire.inproc import InProcessServer
@@ -232,6 +232,8 @@ class InProcessEdge:
         self.hints = HintService(self.node, disk_dir=None, clock=self.clock)
         self.node.scheduler = self.hints
         self.shm = None
+        self.bulk = None  # no sockets: the bulk byte path is not offered
+        self.put_budget = PutBudget(self.config.put_buffer_bytes)
         self.metrics_port: int | None = None
         self.server = InProcessServer()
         add_servicer(self.server, EdgeServicer(self), "EdgeService")  # type: ignore[arg-type]

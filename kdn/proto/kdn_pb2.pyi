@@ -218,6 +218,20 @@ class HintResponse(_message.Message):
     schedule_id: str
     def __init__(self, affected: _Optional[int] = ..., schedule_id: _Optional[str] = ...) -> None: ...
 
+class BulkRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BulkOffer(_message.Message):
+    __slots__ = ("port", "ticket", "ttl_s")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    ttl_s: float
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -66,6 +66,11 @@ class EdgeServiceStub:
                 request_serializer=kdn_dot_proto_dot_kdn__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kdn_dot_proto_dot_kdn__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.OpenBulk = channel.unary_unary(
+                '/kdn.v1.EdgeService/OpenBulk',
+                request_serializer=kdn_dot_proto_dot_kdn__pb2.BulkRequest.SerializeToString,
+                response_deserializer=kdn_dot_proto_dot_kdn__pb2.BulkOffer.FromString,
+                _registered_method=True)
 
 
 class EdgeServiceServicer:
@@ -109,6 +114,12 @@ class EdgeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBulk(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EdgeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +152,11 @@ def add_EdgeServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kdn_dot_proto_dot_kdn__pb2.StatsRequest.FromString,
                     response_serializer=kdn_dot_proto_dot_kdn__pb2.StatsResponse.SerializeToString,
+            ),
+            'OpenBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulk,
+                    request_deserializer=kdn_dot_proto_dot_kdn__pb2.BulkRequest.FromString,
+                    response_serializer=kdn_dot_proto_dot_kdn__pb2.BulkOffer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +323,33 @@ class EdgeService:
             '/kdn.v1.EdgeService/Stats',
             kdn_dot_proto_dot_kdn__pb2.StatsRequest.SerializeToString,
             kdn_dot_proto_dot_kdn__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.EdgeService/OpenBulk',
+            kdn_dot_proto_dot_kdn__pb2.BulkRequest.SerializeToString,
+            kdn_dot_proto_dot_kdn__pb2.BulkOffer.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,14 +87,21 @@ def hint_request(
     )
 
 
+def put_header(
+    data: bytes | memoryview, *, key: ChunkKey, fingerprint: ModelFingerprint, namespace: Namespace
+) -> pb.PutHeader:
+    """What a Put declares before its bytes (the gRPC stream's first message, the bulk path's request)."""
+    return pb.PutHeader(
+        fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), key=bytes(key), total_size=len(data)
+    )
+
+
 def put_messages(
     data: bytes | memoryview, *, key: ChunkKey, fingerprint: ModelFingerprint, namespace: Namespace,
     piece: int = STREAM_PIECE,
 ) -> Iterator[pb.PutChunk]:
     """The Put stream: the header rides on the first message (with the first piece, if any)."""
-    header = pb.PutHeader(
-        fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), key=bytes(key), total_size=len(data)
-    )
+    header = put_header(data, key=key, fingerprint=fingerprint, namespace=namespace)
     first = True
     for view in split_pieces(data, piece) if len(data) else [b""]:
         yield pb.PutChunk(header=header, data=bytes(view)) if first else pb.PutChunk(data=bytes(view))

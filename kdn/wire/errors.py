@@ -64,6 +64,24 @@ def from_rpc_error(exc: grpc.RpcError, *, peer: str = "") -> e.KdnError:
     """The KdnError a failed call stands for (use as ``raise from_rpc_error(exc) from exc``)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else "") or ""
+    return _error(code, details, peer)
+
+
+_BY_VALUE: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_value(code: grpc.StatusCode) -> int:
+    """The status's number, as the bulk byte path (:mod:`kdn.wire.bulk`) carries it."""
+    return int(code.value[0])
+
+
+def error_from_status(value: int, details: str, *, peer: str = "") -> e.KdnError:
+    """The KdnError for a status carried as a number (the bulk byte path): the same rebuilding as
+    :func:`from_rpc_error`, so a refusal reads the same whichever path carried it."""
+    return _error(_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN), details, peer)
+
+
+def _error(code: grpc.StatusCode, details: str, peer: str) -> e.KdnError:
     where = f" ({peer})" if peer else ""
     if details.startswith(_TAG):
         name, _, msg = details[len(_TAG):].partition(": ")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import traceback
 from typing import Any, AsyncIterator, Callable
 
 import grpc
@@ -71,6 +72,10 @@ class Servicer:
         if not isinstance(exc, KdnError):
             log.error("%s: %s crashed", self.label, rpc, exc_info=exc)
         self.refused(rpc, code, exc)
+        # the finished frames of the failed handler hold its request (a Put's pieces: megabytes);
+        # the exception, its traceback and those frames form a cycle that only a full collection
+        # would free: drop their locals now
+        traceback.clear_frames(exc.__traceback__)
         await context.abort(code, message)
 
 

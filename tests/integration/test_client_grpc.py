@@ -85,17 +85,19 @@ def ingest(origin, tenant: str, text: str = DOC) -> int:
     return len(origin.ingest_text(text, namespace=Namespace(tenant), doc_id=f"doc-{tenant}"))
 
 
-@pytest.mark.parametrize("shm", ["on", "off"])
-def test_reuse_through_edge_from_origin_equals_recompute(lm, origin, edge, shm):
-    tenant = f"t-{shm}"
+@pytest.mark.parametrize("via", ["shm", "bulk", "grpc"])
+def test_reuse_through_edge_from_origin_equals_recompute(lm, origin, edge, via):
+    tenant = f"t-{via}"
     n = ingest(origin, tenant)
     assert n == len(DOC) // CHUNK
-    with KdnClient(ClientConfig(edge=edge.address, tenant=tenant, shm=shm)) as client:
+    paths = {"shm": dict(shm="on"), "bulk": dict(shm="off", bulk=True), "grpc": dict(shm="off", bulk=False)}
+    with KdnClient(ClientConfig(edge=edge.address, tenant=tenant, **paths[via])) as client:
         got = generate(lm, DOC + QUESTION, client=client, max_new_tokens=8)
+        again = generate(lm, DOC + QUESTION, client=client, max_new_tokens=8)  # reused buffers/mappings
     base = generate(lm, DOC + QUESTION, max_new_tokens=8)
     assert got.reused_tokens == n * CHUNK and not got.warnings
-    assert got.via == ("shm" if shm == "on" else "grpc")
-    assert got.tokens == base.tokens
+    assert got.via == via and again.via == via
+    assert got.tokens == base.tokens and again.tokens == base.tokens
 
 
 def test_write_back_makes_the_next_request_a_hit(lm, edge):

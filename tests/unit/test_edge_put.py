@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from kdn.edge.server import EdgeServicer
+from kdn.edge.server import EdgeServicer, PutBudget
 from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb
@@ -30,11 +30,14 @@ class _Context:
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         self.code, self.details = code, details
-        raise _Aborted()
+        # as grpc.aio's servicer context does: it keeps the abort exception on the call's state
+        self.abort_exception = _Aborted()
+        raise self.abort_exception
 
 
 def _servicer(node: Any) -> EdgeServicer:
-    return EdgeServicer(SimpleNamespace(config=node.config, auth=TokenAuth(), node=node, shm=None))  # type: ignore[arg-type]
+    return EdgeServicer(SimpleNamespace(config=node.config, auth=TokenAuth(), node=node, shm=None,
+                                        put_budget=PutBudget(node.config.put_buffer_bytes)))  # type: ignore[arg-type]
 
 
 async def _put(servicer: EdgeServicer, messages: AsyncIterator[pb.PutChunk]) -> tuple[Any, str]:
@@ -169,3 +172,36 @@ def test_a_checksum_valid_undecodable_put_does_not_shadow_the_honest_put_after_i
                 assert not node.store.contains(other.keys[0], tenant="default")
 
     asyncio.run(main())
+
+
+def test_a_refused_put_lets_go_of_its_bytes_without_waiting_for_the_garbage_collector() -> None:
+    """A refused call's exception, traceback and frames form a cycle; left alone, the request's
+    messages stay in memory until a full collection, and a flood of refused Puts grows the edge
+    (benchmarks/put_flood.py). The envelope drops the finished frames' locals when it refuses."""
+    import gc
+    import tracemalloc
+
+    chain = make_chain(1)
+    big = 16 << 20
+
+    async def junk() -> AsyncIterator[pb.PutChunk]:
+        yield pb.PutChunk(header=_header(chain, 2 * big), data=b"\xff" * big)
+        yield pb.PutChunk(data=b"\xff" * big)
+
+    async def main() -> int:
+        async with InMemoryOverlay(1, origin=origin_with([])) as ov:
+            servicer = _servicer(ov.nodes["e0"])
+            gc.collect()
+            base = tracemalloc.get_traced_memory()[0]
+            code, _ = await _put(servicer, junk())
+            assert code == grpc.StatusCode.DATA_LOSS
+            return tracemalloc.get_traced_memory()[0] - base
+
+    gc.disable()
+    tracemalloc.start()
+    try:
+        held = asyncio.run(main())
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert held < big // 2, f"{held} bytes still held after the refusal"

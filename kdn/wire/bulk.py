@@ -1,0 +1,256 @@
+"""The bulk byte path: artifact bytes over a plain TCP stream beside gRPC, received into reused buffers.
+
+gRPC stays the control plane (Lookup, Prefetch, Hint, Stats, health, auth). Its Python receive
+path copies every message into a fresh ``bytes`` and tops out near 0.8 GB/s on this class of
+machine, so payload bytes may take this path instead. A client asks the edge over gRPC
+(``EdgeService.OpenBulk``, authenticated with its bearer token like any call) for a *ticket* and
+the port of the edge's bulk listener; it opens TCP connections to that port (same host as the gRPC
+address), presents the ticket once per connection, and then sends requests on it, one at a time
+per connection (a client keeps a small pool of connections for concurrency). Every request is
+authorized again against the ticket's token and the request's tenant, exactly as the gRPC call
+would be; the bytes are the stored artifact container, whose checksums the client verifies
+before it uses a byte (:class:`kdn.artifact.ArtifactReader`).
+
+Where the bytes are copied, per payload byte (the figure ``benchmarks/edge.py`` documents):
+
+1. edge: one ``sendall`` of the stored container (a ``memoryview`` of the bytes in the memory
+   tier: no framing, no per-fetch encoding — the container is already the wire form);
+2. client: one ``recv_into`` a buffer from :class:`BufferPool` (allocated once, reused; no
+   per-fetch allocation, no joins).
+
+Decoding then writes the KV destination (for the raw codec a copy, for the others the codec's
+own decode), verifying each section's checksum as it goes.
+
+Wire format (all integers little-endian)::
+
+    hello     client -> edge   b"KDNB" | u8 version (1) | 32-byte ticket
+    request   client -> edge   u8 op | u32 length | that many bytes of a protobuf message
+                               FETCH (1): kdn.v1.FetchRequest
+                               PUT (2):   kdn.v1.PutHeader; after the edge's go-ahead,
+                                          exactly PutHeader.total_size bytes of container
+    answer    edge -> client   u8 status | u8 0 | u16 text length | u64 size | text | size bytes
+
+``status`` 0 is success (``text`` is the serving tier for a FETCH, ``size`` the container's
+length); otherwise it is a gRPC status code and ``text`` the message that
+:func:`kdn.wire.errors.status_for` would put on the gRPC call, turned back into the same
+:mod:`kdn.errors` exception by :func:`kdn.wire.errors.error_from_status`. The hello and a PUT's
+header get an answer with size 0 first (the go-ahead). A malformed frame closes the connection.
+
+The listener is plain TCP: an edge that serves gRPC over TLS does not offer it (the client then
+streams over gRPC), so bytes never travel in the clear where the operator asked for TLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+from collections import defaultdict
+from kdn.errors import InvalidInput, KdnError, MessageTooLarge
+from kdn.wire.errors import error_from_status
+
+MAGIC = b"KDNB"
+VERSION = 1
+TICKET_BYTES = 32
+HELLO = struct.Struct(f"<4sB{TICKET_BYTES}s")
+REQUEST = struct.Struct("<BI")
+ANSWER = struct.Struct("<BBHQ")
+FETCH, PUT = 1, 2
+MAX_REQUEST = 1 << 20  # a FetchRequest with a long next_keys list is a few KiB
+MAX_TEXT = 4096
+
+
+class BulkProtocolError(KdnError):
+    """The other side broke the bulk framing (the connection is closed)."""
+
+
+def answer(status: int, text: str = "", size: int = 0) -> bytes:
+    raw = text.encode()[:MAX_TEXT]
+    return ANSWER.pack(status, 0, len(raw), size) + raw
+
+
+async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ``ConnectionError`` if the peer closes first."""
+    got, n = 0, len(view)
+    while got < n:
+        k = await loop.sock_recv_into(sock, view[got:])
+        if not k:
+            raise ConnectionResetError("peer closed the bulk connection")
+        got += k
+
+
+async def recv_answer(loop: asyncio.AbstractEventLoop, sock: socket.socket, head: bytearray) -> tuple[int, str, int]:
+    """One answer's ``(status, text, size)`` (its payload, if any, is still in the socket)."""
+    await recv_exactly(loop, sock, memoryview(head))
+    status, _, tlen, size = ANSWER.unpack(head)
+    if tlen > MAX_TEXT:
+        raise BulkProtocolError("bulk answer text too long")
+    text = b""
+    if tlen:
+        raw = bytearray(tlen)
+        await recv_exactly(loop, sock, memoryview(raw))
+        text = bytes(raw)
+    return status, text.decode(errors="replace"), size
+
+
+class BufferPool:
+    """Receive buffers kept for reuse, by power-of-two size class: a fetch takes one, the bytes are
+    received into it and read where they lie, and it comes back. Pages are touched once, on the
+    first use of a buffer, not on every fetch. At most ``max_idle_bytes`` wait idle."""
+
+    def __init__(self, max_idle_bytes: int = 512 << 20, min_size: int = 64 << 10) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self.min_size = min_size
+        self._idle: dict[int, list[bytearray]] = defaultdict(list)
+        self._idle_bytes = 0
+        self._lock = threading.Lock()
+        self.allocated = 0
+        self.reused = 0
+
+    def _cls(self, n: int) -> int:
+        size = self.min_size
+        while size < n:
+            size <<= 1
+        return size
+
+    def take(self, n: int) -> bytearray:
+        size = self._cls(n)
+        with self._lock:
+            free = self._idle.get(size)
+            if free:
+                self._idle_bytes -= size
+                self.reused += 1
+                return free.pop()
+            self.allocated += 1
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        size = len(buf)
+        with self._lock:
+            if size != self._cls(size) or self._idle_bytes + size > self.max_idle_bytes:
+                return  # not one of ours, or the pool is full: let it go
+            self._idle[size].append(buf)
+            self._idle_bytes += size
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+
+def _raise_for(status: int, text: str, peer: str) -> None:
+    if status:
+        raise error_from_status(status, text, peer=peer)
+
+
+class BulkClient:
+    """Connections to one edge's bulk listener, opened with one ticket and kept for reuse.
+
+    Use inside one event loop. A connection serves one request at a time; concurrent fetches open
+    more (at most ``max_idle`` are kept when idle). A connection that fails mid-answer is closed,
+    never reused. Answers that are errors (``NotFound``…) leave the connection usable."""
+
+    def __init__(self, host: str, port: int, ticket: bytes, *, peer: str = "", max_idle: int = 16) -> None:
+        self.host = host.strip("[]")
+        self.port = port
+        self.ticket = ticket
+        self.peer = peer or f"{host}:{port}"
+        self.max_idle = max_idle
+        self._idle: list[socket.socket] = []
+        self.connections = 0
+
+    async def _connect(self) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_connect(sock, addr)
+            await loop.sock_sendall(sock, HELLO.pack(MAGIC, VERSION, self.ticket))
+            status, text, _ = await recv_answer(loop, sock, bytearray(ANSWER.size))
+            _raise_for(status, text, self.peer)
+        except BaseException:
+            sock.close()
+            raise
+        self.connections += 1
+        return sock
+
+    async def _take(self) -> socket.socket:
+        return self._idle.pop() if self._idle else await self._connect()
+
+    def _give(self, sock: socket.socket) -> None:
+        if len(self._idle) < self.max_idle:
+            self._idle.append(sock)
+        else:
+            sock.close()
+
+    async def fetch(self, request: bytes, pool: BufferPool) -> tuple[bytearray, int, str]:
+        """Send one serialized ``FetchRequest``; returns ``(buffer, size, source)``: the container's
+        ``size`` bytes at the start of ``buffer``, a buffer from ``pool`` that the caller gives back.
+        Raises the edge's KdnError, or ``OSError``/``BulkProtocolError`` when the connection broke."""
+        loop = asyncio.get_running_loop()
+        sock = await self._take()
+        ok = False
+        try:
+            await loop.sock_sendall(sock, REQUEST.pack(FETCH, len(request)) + request)
+            status, text, size = await recv_answer(loop, sock, bytearray(ANSWER.size))
+            if status:
+                ok = True
+                _raise_for(status, text, self.peer)
+            buf = pool.take(size)
+            try:
+                await recv_exactly(loop, sock, memoryview(buf)[:size])
+            except BaseException:
+                pool.give(buf)
+                raise
+            ok = True
+            return buf, size, text
+        finally:
+            if ok:
+                self._give(sock)
+            else:
+                sock.close()
+
+    async def put(self, header: bytes, data: bytes | bytearray | memoryview) -> None:
+        """Send one serialized ``PutHeader`` and, after the edge's go-ahead, the container."""
+        loop = asyncio.get_running_loop()
+        sock = await self._take()
+        ok = False
+        try:
+            head = bytearray(ANSWER.size)
+            await loop.sock_sendall(sock, REQUEST.pack(PUT, len(header)) + header)
+            status, text, _ = await recv_answer(loop, sock, head)
+            if status:
+                ok = True
+                _raise_for(status, text, self.peer)
+            await loop.sock_sendall(sock, memoryview(data))
+            status, text, _ = await recv_answer(loop, sock, head)
+            ok = True
+            _raise_for(status, text, self.peer)
+        finally:
+            if ok:
+                self._give(sock)
+            else:
+                sock.close()
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+
+def check_request_length(n: int) -> None:
+    if n > MAX_REQUEST:
+        raise MessageTooLarge(f"bulk request of {n} bytes exceeds {MAX_REQUEST}")
+
+
+def parse_hello(raw: bytes) -> bytes:
+    magic, version, ticket = HELLO.unpack(raw)
+    if magic != MAGIC:
+        raise InvalidInput("not a KDN bulk connection (bad magic)")
+    if version != VERSION:
+        raise InvalidInput(f"bulk protocol version {version} is not supported (this edge speaks {VERSION})")
+    return ticket
+
