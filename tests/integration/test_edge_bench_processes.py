@@ -5,6 +5,7 @@ client group of the scaling run answering with one shared start."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import shutil
 import sys
 import time
@@ -13,6 +14,7 @@ from types import ModuleType
 
 import pytest
 
+from kdn.client_transport import GrpcEdgeTransport
 from kdn.edge.testing import make_chain
 
 pytestmark = pytest.mark.integration
@@ -54,7 +56,9 @@ def test_clients_fetch_verified_from_a_real_edge(edge_bench: ModuleType, tmp_pat
         for s in ("big", "small"):
             kdn.ask("load", set=s)
         got = kdn.ask("get", set="big", n=3)
-        assert got["s"] > 0 and got["via"].get("grpc", 0) > 0
+        assert got["s"] > 0 and sum(got["via"].values()) >= 3 and set(got["via"]) <= {"grpc", "bulk"}
+        if "bulk" in inspect.signature(GrpcEdgeTransport).parameters:
+            assert kdn.info["transport_kwargs"] == ["bulk"] and got["via"].get("bulk", 0) >= 3  # picked up
         shm = kdn.ask("shm", set="big", n=2)
         assert shm["via"].get("shm", 0) >= 2  # the edge answered over shared memory, verified by the reader
         assert kdn.ask("put", set="big", n=2)["s"] > 0
