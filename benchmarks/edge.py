@@ -390,9 +390,10 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
     vias: dict[str, int] = {}
     task = progress.add_task("interleaved rounds", total=plan.rounds)
     for r in range(plan.rounds):
-        for n in rotated(up, r):  # 32 MiB GET
-            s = peers[n].workers[0].ask("get", set="big", n=plan.big_gets)["s"]
-            get_gbps[n].append(plan.big_gets * big / s / 1e9)
+        for n in rotated(up + ["kdn unread"], r):  # 32 MiB GET (and KDN's byte path alone, a diagnostic)
+            op = "unread" if n == "kdn unread" else "get"
+            s = peers[n.split()[0]].workers[0].ask(op, set="big", n=plan.big_gets)["s"]
+            get_gbps.setdefault(n, []).append(plan.big_gets * big / s / 1e9)
         for n in rotated(pair, r):  # 32 MiB PUT
             s = peers[n].workers[0].ask("put", set="big", n=plan.big_puts)["s"]
             put_gbps[n].append(plan.big_puts * big / s / 1e9)
@@ -501,6 +502,9 @@ def report(res: dict, command: str) -> str:
     row("32 MiB GET vs LMCache connector GET", kdn_get, "lmcache", g.get("lmcache"), r_lmc, ">= 1.0x")
     row("32 MiB GET vs raw TCP recv_into one reused buffer", kdn_get, "tcp", g.get("tcp"), r_tcp, ">= 0.8x")
     row("32 MiB GET vs Redis GET (redis-py)", kdn_get, "redis", g.get("redis"), r_redis, "")
+    if "kdn unread" in g:  # diagnostic: where a KDN GET's time goes
+        lines.append(f"| (diagnostic) KDN byte path alone, pieces dropped unread, vs raw TCP | {spread(g['kdn unread'])} GB/s "
+                     f"| {spread(g.get('tcp', []))} GB/s | {spread(vs(g['kdn unread'], g, 'tcp'))}x | |")
     row("32 MiB PUT (acknowledged) vs LMCache connector PUT", pu["kdn"], "lmcache", pu.get("lmcache"), r_put, ">= 1.0x")
     row(f"{p['burst']} x 1 MiB GET, {p['inflight']} in flight, vs LMCache", rps["kdn"], "lmcache", rps.get("lmcache"),
         r_burst, ">= 1.0x", unit="req/s")
@@ -558,6 +562,7 @@ def plot(res: dict, path: Path) -> None:
         ax.set_title(title)
 
     bars(axes[0], res["get_gbps"], "GB/s", "32 MiB GET, one client")
+    axes[0].tick_params(axis="x", rotation=20)
     bars(axes[1], {**{f"{n} PUT": v for n, v in res["put_gbps"].items()}, **res["shm"]}, "GB/s",
          "32 MiB: PUT; kdn shm GET vs memcpy")
     axes[1].tick_params(axis="x", rotation=20)

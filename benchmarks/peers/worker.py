@@ -17,6 +17,8 @@ command on stdin with one line: ``{"ok": true, ...}`` or ``{"ok": false, "error"
 - ``{"op": "burst", "set": S, "n": N, "inflight": F, "start_at": T}``: N GETs, F in flight, starting
   at ``time.monotonic() == T`` (a shared start across processes): ``{"t0", "t1", "lat": [...]}``;
 - ``{"op": "shm", "set": S, "n": N}`` (kdn only): N fetches over same-host shared memory;
+- ``{"op": "unread", "set": S, "n": N}`` (kdn only, diagnostic): N fetches whose pieces are dropped
+  unread — the byte path's own cost, without the checks and the copy into the destination;
 - ``{"op": "memcpy", "set": S, "n": N}``: N copies of the stored bytes into one reused buffer;
 - ``{"op": "quit"}``.
 
@@ -213,6 +215,18 @@ class KdnClient(Client):
         ok = await self.transport.put(self.fp, self.ns, objs.keys[i], objs.blobs[i], timeout=60)
         if not ok:
             raise RuntimeError("edge did not keep the artifact")
+
+    async def op_unread(self, objs: Objects, n: int) -> dict:
+        """Diagnostic, not a GET a host could use: the transport's pieces arrive and are dropped
+        unread (no checksum, no copy): what the byte path alone costs."""
+        from kdn.wire.convert import FetchSpec
+
+        t0 = time.perf_counter()
+        for j in range(n):
+            async for _piece, via in self.transport.fetch(FetchSpec(objs.keys[j % len(objs)], self.fp, self.ns),
+                                                          timeout=60):
+                self.vias[via] = self.vias.get(via, 0) + 1
+        return {"s": time.perf_counter() - t0}
 
     async def op_shm(self, objs: Objects, n: int) -> dict:
         self.prepare(objs, 1)

@@ -124,7 +124,7 @@ def test_each_system_leads_one_round(edge_bench: ModuleType) -> None:
 
 
 def _result(lmcache: bool) -> dict:
-    get = {"kdn": [1.0, 3.0, 2.0], "tcp": [2.0, 3.0, 4.0], "redis": [0.5, 1.0, 1.0]}
+    get = {"kdn": [1.0, 3.0, 2.0], "tcp": [2.0, 3.0, 4.0], "redis": [0.5, 1.0, 1.0], "kdn unread": [2.0, 3.0, 4.0]}
     put = {"kdn": [0.2, 0.2, 0.2]}
     burst = {"kdn": [{"rps": 100.0, "p50_ms": 5.0, "p99_ms": 9.0}] * 3}
     scale = {"kdn": {"1": [100.0] * 3, "2": [150.0] * 3, "4": [190.0] * 3, "8": [200.0] * 3}}
@@ -153,6 +153,7 @@ def test_ratios_are_taken_within_a_round(edge_bench: ModuleType) -> None:
     # against TCP 2, 3, 4: 0.5, 1.0, 0.5 — not median(KDN) / median(TCP) = 1.0
     assert "0.50 [0.50–1.00]x" in rows["| 32 MiB GET vs raw TCP recv_into one reused buffer"]
     assert "2.00 [2.00–2.00]x" in rows["| 4000 x 1 MiB GET, 8 in flight, vs LMCache"]
+    assert "1.00 [1.00–1.00]x" in rows["| (diagnostic) KDN byte path alone, pieces dropped unread, vs raw TCP"]
     assert "32 MiB GET >= 1.0x LMCache: MET" in text and "32 MiB GET >= 0.8x raw TCP: NOT MET" in text
     assert "1.00 at start, 2.00 at end" in text  # the load average
 
