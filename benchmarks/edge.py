@@ -16,7 +16,7 @@ Every figure is a ratio against a peer measured in the same round, reported as t
 Each server runs in its own process (the edge via ``kdn.edge.cli``, artifacts in its memory tier)
 and so does each client (``benchmarks/peers/worker.py``; LMCache's in its own venv), timing itself
 in-process, so no client pays for another's imports. Within a round the order of the systems
-rotates. Peers come from ``bash benchmarks/peers/install.sh`` (``.peers/``); a missing peer is
+rotates, and the 32 MiB measurements alternate systems one object at a time. Peers come from ``bash benchmarks/peers/install.sh`` (``.peers/``); a missing peer is
 reported as missing, with the reason, and the rest still runs.
 
     .venv/bin/python benchmarks/edge.py [--quick] [--rounds N] [--no-append]
@@ -390,12 +390,11 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
     vias: dict[str, int] = {}
     task = progress.add_task("interleaved rounds", total=plan.rounds)
     for r in range(plan.rounds):
-        for n in rotated(up + ["kdn unread"], r):  # 32 MiB GET (and KDN's byte path alone, a diagnostic)
-            op = "unread" if n == "kdn unread" else "get"
-            s = peers[n.split()[0]].workers[0].ask(op, set="big", n=plan.big_gets)["s"]
+        # 32 MiB GET (and KDN's byte path alone, a diagnostic), PUT: one object per system in turn
+        got = one_at_a_time(peers, up + ["kdn unread"], "get", plan.big_gets, r)
+        for n, s in got.items():
             get_gbps.setdefault(n, []).append(plan.big_gets * big / s / 1e9)
-        for n in rotated(pair, r):  # 32 MiB PUT
-            s = peers[n].workers[0].ask("put", set="big", n=plan.big_puts)["s"]
+        for n, s in one_at_a_time(peers, pair, "put", plan.big_puts, r).items():
             put_gbps[n].append(plan.big_puts * big / s / 1e9)
         for n in rotated(pair, r):  # 1 MiB, 8 in flight
             out = peers[n].workers[0].ask("burst", set="small", n=plan.burst, inflight=plan.inflight, start_at=0)
@@ -408,14 +407,25 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
                 outs = peers[n].workers[1].ask("fanout", k=k, cmd=cmd)["results"]
                 t0, t1 = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
                 scale[n][k].append((plan.scaling_total // k) * k / (t1 - t0))
-        kdn = peers["kdn"].workers[0]
-        for which in rotated(["shm", "memcpy"], r):  # the inference client's shm path vs memcpy
-            out = kdn.ask(which, set="big", n=plan.shm_gets)
-            shm[which].append(plan.shm_gets * big / out["s"] / 1e9)
-            vias = out.get("via", vias)
+        # the inference client's shm path vs memcpy of the same bytes, one object each in turn
+        for n, s in one_at_a_time(peers, ["kdn shm", "kdn memcpy"], "", plan.shm_gets, r).items():
+            shm[n.split()[1]].append(plan.shm_gets * big / s / 1e9)
+        vias = peers["kdn"].workers[0].ask("get", set="big", n=0)["via"]
         progress.advance(task)
     res.update({"get_gbps": get_gbps, "put_gbps": put_gbps, "burst": burst,
                 "scale": {n: {str(k): v for k, v in d.items()} for n, d in scale.items()}, "shm": shm, "via": vias})
+
+
+def one_at_a_time(peers: dict[str, Peer], names: list[str], op: str, count: int, r: int) -> dict[str, float]:
+    """Seconds each system spent on ``count`` 32 MiB operations, taken one object per system in
+    turn (order rotated per object and round) so a slow moment of the shared machine hits all
+    alike. ``"kdn unread"`` names KDN's client with the ``unread`` op, ``"kdn shm"`` the ``shm`` op."""
+    spent = dict.fromkeys(names, 0.0)
+    for j in range(count):
+        for n in rotated(names, r + j):
+            system, _, variant = n.partition(" ")
+            spent[n] += peers[system].workers[0].ask(variant or op, set="big", n=1)["s"]
+    return spent
 
 
 def lookup_and_overlay(address: str, small: Chain, quick: bool) -> dict:
@@ -479,7 +489,8 @@ def report(res: dict, command: str) -> str:
         f"## Edge data plane beside LMCache, Redis, raw TCP ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)",
         "",
         f"Command: `{command}`  ",
-        f"{p['rounds']} interleaved rounds (order rotated each round); figures are median [min–max] of the per-round "
+        f"{p['rounds']} interleaved rounds (order rotated each round; the 32 MiB GET, PUT and shm/memcpy figures "
+        "alternate systems one object at a time); figures are median [min–max] of the per-round "
         f"values, ratios taken within a round. Load average (1 min) {la0[0]:.2f} at start, {la1[0]:.2f} at end, "
         f"on {res['cpus']} CPUs. Objects: {res['big_bytes'] / MiB:.2f} MiB and {res['small_bytes'] / MiB:.2f} MiB KDN "
         f"containers (fp16 KV, raw codec, shapes (L,H,T,D) {BIG_SHAPE} and {SMALL_SHAPE}); LMCache stores exactly the "

@@ -76,6 +76,7 @@ class Client:
         self.manifest = json.loads((data_dir / "manifest.json").read_text())
         self.sets = {name: Objects(data_dir, self.manifest, name) for name in self.manifest["sets"]
                      if sets is None or name in sets}
+        self.cursor: dict[str, int] = {}
 
     async def open(self) -> dict:
         return {}
@@ -93,6 +94,13 @@ class Client:
     async def put_one(self, objs: Objects, i: int) -> None:
         raise NotImplementedError
 
+    def indices(self, objs: Objects, n: int) -> list[int]:
+        """The next ``n`` objects of the set, continuing where the last command stopped (so the
+        driver can interleave systems one object at a time and still cycle through every object)."""
+        start = self.cursor.get(objs.name, 0)
+        self.cursor[objs.name] = start + n
+        return [(start + j) % len(objs) for j in range(n)]
+
     @classmethod
     def preload(cls) -> None:
         """Import the client's stack (before forking, so forked clients share it)."""
@@ -104,15 +112,17 @@ class Client:
 
     async def op_get(self, objs: Objects, n: int) -> dict:
         self.prepare(objs, 1)
+        idx = self.indices(objs, n)
         t0 = time.perf_counter()
-        for j in range(n):
-            await self.get_one(objs, j % len(objs))
+        for i in idx:
+            await self.get_one(objs, i)
         return {"s": time.perf_counter() - t0}
 
     async def op_put(self, objs: Objects, n: int) -> dict:
+        idx = self.indices(objs, n)
         t0 = time.perf_counter()
-        for j in range(n):
-            await self.put_one(objs, j % len(objs))
+        for i in idx:
+            await self.put_one(objs, i)
         return {"s": time.perf_counter() - t0}
 
     async def op_burst(self, objs: Objects, n: int, inflight: int, start_at: float) -> dict:
@@ -140,9 +150,10 @@ class Client:
     async def op_memcpy(self, objs: Objects, n: int) -> dict:
         dst = bytearray(max(len(b) for b in objs.blobs))
         view = memoryview(dst)
+        idx = self.indices(objs, n)
         t0 = time.perf_counter()
-        for j in range(n):
-            blob = objs.blobs[j % len(objs)]
+        for i in idx:
+            blob = objs.blobs[i]
             view[: len(blob)] = blob
         return {"s": time.perf_counter() - t0}
 
@@ -221,18 +232,20 @@ class KdnClient(Client):
         unread (no checksum, no copy): what the byte path alone costs."""
         from kdn.wire.convert import FetchSpec
 
+        idx = self.indices(objs, n)
         t0 = time.perf_counter()
-        for j in range(n):
-            async for _piece, via in self.transport.fetch(FetchSpec(objs.keys[j % len(objs)], self.fp, self.ns),
+        for i in idx:
+            async for _piece, via in self.transport.fetch(FetchSpec(objs.keys[i], self.fp, self.ns),
                                                           timeout=60):
                 self.vias[via] = self.vias.get(via, 0) + 1
         return {"s": time.perf_counter() - t0}
 
     async def op_shm(self, objs: Objects, n: int) -> dict:
         self.prepare(objs, 1)
+        idx = self.indices(objs, n)
         t0 = time.perf_counter()
-        for j in range(n):
-            await self._fetch(self.shm_transport, objs, j % len(objs), 0)
+        for i in idx:
+            await self._fetch(self.shm_transport, objs, i, 0)
         return {"s": time.perf_counter() - t0}
 
 

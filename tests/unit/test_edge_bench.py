@@ -164,3 +164,11 @@ def test_a_missing_peer_is_reported_with_its_reason(edge_bench: ModuleType) -> N
     assert "missing" in row and "no module named zmq" in row
     assert "32 MiB GET >= 1.0x LMCache: missing" in text and "32 MiB PUT >= 1.0x LMCache: missing" in text
     assert "32 MiB GET >= 0.8x raw TCP: NOT MET" in text  # the peers that ran are still reported
+
+
+def test_one_object_at_a_time_still_cycles_through_every_object(edge_bench: ModuleType, worker: ModuleType,
+                                                                 tmp_path: Path) -> None:
+    client, _chain = _kdn_client(edge_bench, worker, tmp_path, MemoryEdgeTransport())
+    objs = client.sets["small"]  # 3 objects
+    assert [client.indices(objs, 1)[0] for _ in range(4)] == [0, 1, 2, 0]
+    assert client.indices(objs, 3) == [1, 2, 0]
