@@ -1,0 +1,174 @@
+"""benchmarks/edge.py and its client worker (issue 12): what the figures stand on, without sockets.
+
+- the KDN client verifies every checksum of every GET and decodes into its reused buffer, so a
+  flipped bit fails the GET instead of being timed as a success;
+- every system leads a round once as the order rotates;
+- ratios are taken within a round, and a peer that could not run is reported as missing, with the
+  reason, rather than dropped or counted as a win.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import io
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from kdn.artifact import decode_artifact
+from kdn.client_transport import MemoryEdgeTransport
+from kdn.edge.testing import make_chain
+from kdn.errors import ArtifactCorrupt
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+SHAPE = (2, 2, 4, 8)  # (L, H, T, D)
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[name]
+    return mod
+
+
+@pytest.fixture(scope="module")
+def edge_bench() -> ModuleType:
+    return _load("edge_bench", BENCH / "edge.py")
+
+
+@pytest.fixture(scope="module")
+def worker() -> ModuleType:
+    return _load("edge_bench_worker", BENCH / "peers" / "worker.py")
+
+
+def _kdn_client(edge_bench: ModuleType, worker: ModuleType, tmp_path: Path, mem: MemoryEdgeTransport):  # type: ignore[no-untyped-def]
+    chain = make_chain(3, shape=SHAPE, seed=5)
+    edge_bench.write_data(tmp_path, {"small": (chain, SHAPE)})
+    client = worker.KdnClient(tmp_path, "memory")
+    client.attach(mem, mem)
+    return client, chain
+
+
+def test_kdn_get_decodes_into_the_reused_buffer(edge_bench: ModuleType, worker: ModuleType, tmp_path: Path) -> None:
+    mem = MemoryEdgeTransport()
+    client, chain = _kdn_client(edge_bench, worker, tmp_path, mem)
+    objs = client.sets["small"]
+
+    async def go() -> None:
+        await client.load(objs)
+        client.prepare(objs, 1)
+        out = client.out[("small", 0)]
+        for i, blob in enumerate(chain.blobs):
+            await client.get_one(objs, i)
+            assert client.out[("small", 0)] is out  # reused, not reallocated
+            assert torch.equal(out, decode_artifact(blob).kv)  # (L, 2, H, T, D)
+
+    asyncio.run(go())
+    assert mem.calls["put"] == 3 and mem.calls["fetch"] == 3
+    assert client.vias["memory"] >= 3  # pieces, each fed to the verifying reader
+
+
+def test_kdn_get_of_a_flipped_bit_fails(edge_bench: ModuleType, worker: ModuleType, tmp_path: Path) -> None:
+    mem = MemoryEdgeTransport()
+    client, chain = _kdn_client(edge_bench, worker, tmp_path, mem)
+    objs = client.sets["small"]
+
+    async def go() -> None:
+        await client.load(objs)
+        mem.corrupt.add(bytes(chain.keys[1]))
+        client.prepare(objs, 1)
+        await client.get_one(objs, 0)
+        with pytest.raises(ArtifactCorrupt):
+            await client.get_one(objs, 1)
+
+    asyncio.run(go())
+
+
+def test_the_worker_answers_a_failed_get_as_an_error(edge_bench: ModuleType, worker: ModuleType,
+                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver then marks the figure missing instead of timing a failed GET."""
+    mem = MemoryEdgeTransport()
+    client, chain = _kdn_client(edge_bench, worker, tmp_path, mem)
+
+    async def attached() -> dict:
+        return {}
+
+    monkeypatch.setattr(client, "open", attached)
+    mem.corrupt.add(bytes(chain.keys[2]))
+    commands = io.StringIO("\n".join(json.dumps(c) for c in [
+        {"op": "load", "set": "small"}, {"op": "get", "set": "small", "n": 2}, {"op": "get", "set": "small", "n": 3},
+        {"op": "quit"}]) + "\n")
+    answers = io.StringIO()
+    asyncio.run(worker.serve(client, "kdn", commands, answers))
+    ready, load, good, bad, bye = [json.loads(line) for line in answers.getvalue().splitlines()]
+    assert ready["ready"] == "kdn" and load["ok"] and bye["ok"]
+    assert good["ok"] and good["s"] > 0
+    assert not bad["ok"] and bad["error"].startswith("ArtifactCorrupt")
+
+
+def test_each_system_leads_one_round(edge_bench: ModuleType) -> None:
+    systems = ["kdn", "lmcache", "redis", "tcp"]
+    orders = [edge_bench.rotated(systems, r) for r in range(4)]
+    assert sorted(o[0] for o in orders) == sorted(systems)
+    assert all(sorted(o) == sorted(systems) for o in orders)
+
+
+def _result(lmcache: bool) -> dict:
+    get = {"kdn": [1.0, 3.0, 2.0], "tcp": [2.0, 3.0, 4.0], "redis": [0.5, 1.0, 1.0], "kdn unread": [2.0, 3.0, 4.0]}
+    put = {"kdn": [0.2, 0.2, 0.2]}
+    burst = {"kdn": [{"rps": 100.0, "p50_ms": 5.0, "p99_ms": 9.0}] * 3}
+    scale = {"kdn": {"1": [100.0] * 3, "2": [150.0] * 3, "4": [190.0] * 3, "8": [200.0] * 3}}
+    missing = {}
+    if lmcache:
+        get["lmcache"] = [2.0, 2.0, 2.0]
+        put["lmcache"] = [0.4, 0.1, 0.2]
+        burst["lmcache"] = [{"rps": 50.0, "p50_ms": 1.0, "p99_ms": 2.0}] * 3
+        scale["lmcache"] = {"1": [100.0] * 3, "2": [100.0] * 3, "4": [100.0] * 3, "8": [100.0] * 3}
+    else:
+        missing["lmcache"] = "lmcache_server exited with status 1 before listening: ImportError: no module named zmq"
+    return {
+        "plan": {"rounds": 3, "burst": 4000, "inflight": 8, "scaling_total": 1200}, "load_start": (1.0, 1.0, 1.0),
+        "load_end": (2.0, 1.0, 1.0), "cpus": 2, "big_bytes": 32 << 20, "small_bytes": 1 << 20, "missing": missing,
+        "get_gbps": get, "put_gbps": put, "burst": burst, "scale": scale,
+        "shm": {"shm": [1.0, 1.0, 1.0], "memcpy": [2.0, 1.0, 4.0]}, "via": {"grpc": 3},
+        "lookup_rpcs_per_s": 1000.0, "overlay_owner_lookups_per_s": 1e5, "phases_s": {"rounds": 1.0},
+    }
+
+
+def test_ratios_are_taken_within_a_round(edge_bench: ModuleType) -> None:
+    text = edge_bench.report(_result(lmcache=True), "python benchmarks/edge.py")
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+    # KDN 1, 3, 2 against LMCache 2, 2, 2: per-round 0.5, 1.5, 1.0
+    assert "1.00 [0.50–1.50]x" in rows["| 32 MiB GET vs LMCache connector GET"]
+    # against TCP 2, 3, 4: 0.5, 1.0, 0.5 — not median(KDN) / median(TCP) = 1.0
+    assert "0.50 [0.50–1.00]x" in rows["| 32 MiB GET vs raw TCP recv_into one reused buffer"]
+    assert "2.00 [2.00–2.00]x" in rows["| 4000 x 1 MiB GET, 8 in flight, vs LMCache"]
+    assert "1.00 [1.00–1.00]x" in rows["| (diagnostic) KDN byte path alone, pieces dropped unread, vs raw TCP"]
+    assert "32 MiB GET >= 1.0x LMCache: MET" in text and "32 MiB GET >= 0.8x raw TCP: NOT MET" in text
+    assert "1.00 at start, 2.00 at end" in text  # the load average
+
+
+def test_a_missing_peer_is_reported_with_its_reason(edge_bench: ModuleType) -> None:
+    text = edge_bench.report(_result(lmcache=False), "python benchmarks/edge.py")
+    row = next(line for line in text.splitlines() if line.startswith("| 32 MiB GET vs LMCache"))
+    assert "missing" in row and "no module named zmq" in row
+    assert "32 MiB GET >= 1.0x LMCache: missing" in text and "32 MiB PUT >= 1.0x LMCache: missing" in text
+    assert "32 MiB GET >= 0.8x raw TCP: NOT MET" in text  # the peers that ran are still reported
+
+
+def test_one_object_at_a_time_still_cycles_through_every_object(edge_bench: ModuleType, worker: ModuleType,
+                                                                 tmp_path: Path) -> None:
+    client, _chain = _kdn_client(edge_bench, worker, tmp_path, MemoryEdgeTransport())
+    objs = client.sets["small"]  # 3 objects
+    assert [client.indices(objs, 1)[0] for _ in range(4)] == [0, 1, 2, 0]
+    assert client.indices(objs, 3) == [1, 2, 0]
