@@ -46,7 +46,7 @@ from kdn.client_transport import EdgeTransport, FailoverEdgeTransport, GrpcEdgeT
 from kdn.config import RoleConfig
 from kdn.errors import ArtifactCorrupt, Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
-from kdn.kv import KVShape
+from kdn.kv import KVShape, empty_prefaulted
 from kdn.segments import SEGMENT_PARENT, SegmentKey
 from kdn.wire.convert import FetchSpec
 from kdn.wire.tls import TlsFiles
@@ -189,7 +189,7 @@ class AsyncKdnClient:
         """
         assert self.transport is not None
         n = len(keys)
-        out = torch.empty(kv_shape.chunk_shape(n * chunk_size), dtype=kv_shape.dtype)  # (L, 2, H, n*T, D)
+        out = empty_prefaulted(kv_shape.chunk_shape(n * chunk_size), kv_shape.dtype)  # (L, 2, H, n*T, D)
         tally = _FetchTally()
         sem = asyncio.Semaphore(self.config.fetch_concurrency)
 
@@ -261,7 +261,7 @@ class AsyncKdnClient:
         unless it is a segment of exactly that length. Returns ``(kv, bytes)``; raises KdnError.
         """
         assert self.transport is not None
-        out = torch.empty(kv_shape.chunk_shape(tokens), dtype=kv_shape.dtype)  # (L, 2, H, n, D)
+        out = empty_prefaulted(kv_shape.chunk_shape(tokens), kv_shape.dtype)  # (L, 2, H, n, D)
         reader = ArtifactReader(expect_fingerprint=fingerprint, expect_key=ChunkKey(key),
                                 require_lossless=self.config.require_lossless, out=out)
         n_bytes = 0

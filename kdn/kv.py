@@ -9,6 +9,8 @@ single sequence (batch 1). A ``DynamicCache`` holds per layer ``keys``/``values`
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -17,6 +19,25 @@ import torch
 from kdn.errors import InvalidInput
 
 KV_LAYOUT_VERSION = 1
+
+
+PREFAULT_MIN_BYTES = 8 << 20
+
+
+def empty_prefaulted(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)``, with its pages mapped up front when it is large.
+
+    A prefix KV of 100 MB allocated by ``torch.empty`` is a fresh anonymous mapping (glibc maps
+    every allocation above 32 MiB anew), and writing it takes one page fault per 4 KiB: 25,000
+    traps that cost more than the bytes' copy (measured: decode of 16 chunks into it 25% faster
+    with the pages mapped first, on 2 busy cores). ``MAP_POPULATE`` maps them in one system call.
+    The tensor keeps its mapping alive; it is unmapped when the last view of it goes."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < PREFAULT_MIN_BYTES:
+        return torch.empty(tuple(shape), dtype=dtype)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    region = mmap.mmap(-1, nbytes, flags=flags)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(tuple(shape))
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 import pytest
@@ -236,3 +237,17 @@ def test_failover_does_not_hide_answers_of_a_live_edge(lm):
     with KdnClient(cfg, transport=FailoverEdgeTransport([local, other])) as client:
         r = client.reuse(DOC, fingerprint=lm.fingerprint, kv_shape=lm.kv_shape, chunk_size=CHUNK)
     assert r.chunks == 0 and other.calls["lookup"] == 0  # "0 available" is an answer, not an outage
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 4, 8, 16), (12, 2, 4, 4096, 64)])  # below and above the prefault size
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_prefix_destination_is_a_writable_tensor_that_outlives_its_allocator(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    from kdn.kv import empty_prefaulted
+
+    out = empty_prefaulted(shape, dtype)
+    assert tuple(out.shape) == shape and out.dtype == dtype and out.is_contiguous()
+    view = out[:, 1, :, -3:]  # what the client decodes into and the cache keeps
+    del out
+    gc.collect()
+    view.fill_(2.5)
+    assert float(view.float().sum()) == 2.5 * view.numel()
