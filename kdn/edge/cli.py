@@ -97,7 +97,7 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-bytes", type=parse_bytes, help=about("memory_bytes") + "; 512M, 8G ...")
     p.add_argument("--disk-dir", help=about("disk_dir"))
     p.add_argument("--disk-bytes", type=parse_bytes, help=about("disk_bytes") + "; 512M, 100G ...")
-    p.add_argument("--policy", help="eviction policy: lru, s3fifo, sieve, prefix")
+    p.add_argument("--policy", help="eviction policy: adaptive (default), prefix, lru, s3fifo, sieve")
     p.add_argument("--replicas", type=int, help=about("replicas"))
     p.add_argument("--prefetch-depth", type=int, help=about("prefetch_depth"))
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics here (0 = ephemeral)")

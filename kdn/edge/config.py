@@ -55,7 +55,10 @@ class EdgeConfig(RoleConfig):
     disk_verify_on_open: bool = Field(
         False, description="on start, check every checksum of every disk blob (not only header and trailer)"
     )
-    policy: str = Field("prefix", description="eviction policy name (kdn.edge.eviction registry)")
+    policy: str = Field(
+        "adaptive",
+        description="eviction policy name (kdn.edge.eviction registry); adaptive: prefix-aware, never far below LRU",
+    )
     replicas: int = Field(2, ge=1, le=16, description="owners per key in the overlay")
     bounded_load_c: float = Field(
         1.25, ge=1.0, le=16.0, description="bounded-load factor: a peer is asked first only while it got under "

@@ -40,7 +40,7 @@ class TieredStore:
         self,
         tiers: Sequence[StorageTier],
         *,
-        policy: str | PolicyFactory = "prefix",
+        policy: str | PolicyFactory = "adaptive",
         clock: Clock | None = None,
     ) -> None:
         if not tiers:
