@@ -71,9 +71,9 @@ no cost, and a hotel night is paid when no train leaves before midnight.
 # (pattern, reason): the quick start is run verbatim by CI (.ci/run stage 1 runs the second
 # command; tests/integration/test_demo.py runs `kdn demo` itself, with the tiny model).
 COVERED_ELSEWHERE: list[tuple[str, str]] = [
-    (r"^python3 -m venv \.venv && \.venv/bin/pip install -q -e \. && \.venv/bin/kdn demo$",
+    (r"^echo \"kdn: setting up \.venv[^\"]*\" && python3 -m venv \.venv && \.venv/bin/pip install -e \. && \.venv/bin/kdn demo$",
      "quick start 1: the install is CI's own; `kdn demo` runs in tests/integration/test_demo.py"),
-    (r"^python3 -m venv \.venv && \.venv/bin/pip install -q -e '\.\[dev\]' && \.venv/bin/python -m pytest -q$",
+    (r"^python3 -m venv \.venv && \.venv/bin/pip install -e '\.\[dev\]' && \.venv/bin/python -m pytest -q$",
      "quick start 2: the test command itself, run verbatim by .ci/run"),
 ]
 
