@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -191,19 +191,26 @@ def start_tcp(tmp: Path, data: Path) -> Peer:
     return Peer("tcp", address=f"127.0.0.1:{json.loads(line)['port']}", proc=proc)
 
 
-def start_lmcache(tmp: Path) -> Peer:
-    if not LMCACHE_SERVER.exists():
-        return Peer("lmcache", missing=f"{LMCACHE_SERVER} not found: run bash benchmarks/peers/install.sh")
+def _start_on_port(name: str, label: str, argv: Callable[[int], list[str]], tmp: Path, log_name: str,
+                   env: dict[str, str] | None = None, **peer: Any) -> Peer:
+    """Start a server that is told its port on the command line (``argv(port)``): a peer that is up
+    once the port answers, else one that says why not (``label``, then the tail of its log)."""
     port = _free_port()
-    log = tmp / "lmcache_server.log"
-    proc = subprocess.Popen([str(LMCACHE_SERVER), "127.0.0.1", str(port), "cpu"], cwd=tmp, stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT)
+    log = tmp / log_name
+    proc = subprocess.Popen(argv(port), cwd=tmp, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:
         _wait_port(port, proc)
     except RuntimeError as exc:
         _stop(proc)
-        return Peer("lmcache", missing=f"lmcache_server {exc}: {_tail(log)}")
-    return Peer("lmcache", python=LMCACHE_PY, address=f"127.0.0.1:{port}", proc=proc)
+        return Peer(name, missing=f"{label} {exc}: {_tail(log)}")
+    return Peer(name, address=f"127.0.0.1:{port}", proc=proc, **peer)
+
+
+def start_lmcache(tmp: Path) -> Peer:
+    if not LMCACHE_SERVER.exists():
+        return Peer("lmcache", missing=f"{LMCACHE_SERVER} not found: run bash benchmarks/peers/install.sh")
+    return _start_on_port("lmcache", "lmcache_server", lambda port: [str(LMCACHE_SERVER), "127.0.0.1", str(port), "cpu"],
+                          tmp, "lmcache_server.log", python=LMCACHE_PY)
 
 
 def start_redis(tmp: Path) -> Peer:
@@ -214,17 +221,10 @@ def start_redis(tmp: Path) -> Peer:
         if not found:
             return Peer("redis", missing="redis-server not found: run bash benchmarks/peers/install.sh")
         binary, env = Path(found), dict(os.environ)
-    port = _free_port()
-    log = tmp / "redis.log"
-    proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--proto-max-bulk-len", "1gb"], cwd=tmp, env=env, stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT)
-    try:
-        _wait_port(port, proc)
-    except RuntimeError as exc:
-        _stop(proc)
-        return Peer("redis", missing=f"redis-server {exc}: {_tail(log)}")
-    return Peer("redis", address=f"127.0.0.1:{port}", proc=proc)
+    return _start_on_port("redis", "redis-server",
+                          lambda port: [str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                        "--appendonly", "no", "--proto-max-bulk-len", "1gb"],
+                          tmp, "redis.log", env=env)
 
 
 # -- data ------------------------------------------------------------------------------------------

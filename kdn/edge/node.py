@@ -43,6 +43,7 @@ from kdn.edge.metrics import EdgeMetrics
 from kdn.edge.overlay import Member, Overlay
 from kdn.edge.prefetch import Prefetcher, PrefetchJob
 from kdn.edge.store import EntryMeta, TieredStore
+from kdn.edge.tasks import cancel_and_wait
 from kdn.edge.upstream import FetchSpec, SingleFlight, Upstream
 from kdn.artifact import ArtifactReader, read_header
 from kdn.errors import (
@@ -150,13 +151,7 @@ class EdgeNode:
             self._tasks.append(asyncio.ensure_future(self._schedule_loop()))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         await self.prefetcher.stop()
         for up in list(self._peers.values()) + ([self.origin] if self.origin else []):

@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from kdn.edge.tasks import cancel_and_wait
 from kdn.edge.upstream import FetchSpec
 from kdn.errors import KdnError
 
@@ -64,13 +65,7 @@ class Prefetcher:
             self._workers = [asyncio.ensure_future(self._work()) for _ in range(self._n_workers)]
 
     async def stop(self) -> None:
-        for w in self._workers:
-            w.cancel()
-        for w in self._workers:
-            try:
-                await w
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._workers)
         self._workers = []
 
     def offer(self, job: PrefetchJob) -> bool:

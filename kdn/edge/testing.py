@@ -69,6 +69,31 @@ def make_chain(
     return Chain(fingerprint, namespace, keys, blobs)
 
 
+class Aborted(Exception):
+    """What :meth:`FakeServicerContext.abort` raises (grpc.aio raises its own AbortError)."""
+
+
+class FakeServicerContext:
+    """Just enough of ``grpc.aio.ServicerContext`` to call an :class:`kdn.edge.server.EdgeServicer`
+    method directly: the caller's bearer ``token`` (none: no metadata), and ``code``/``details``
+    of the abort, if any (``code`` stays None on success)."""
+
+    def __init__(self, token: str | None = None) -> None:
+        self._md = (("authorization", f"Bearer {token}"),) if token else ()
+        self.code: Any = None
+        self.details = ""
+        self.abort_exception: Aborted | None = None
+
+    def invocation_metadata(self) -> Any:
+        return self._md
+
+    async def abort(self, code: Any, details: str) -> None:
+        self.code, self.details = code, details
+        # as grpc.aio's servicer context does: it keeps the abort exception on the call's state
+        self.abort_exception = Aborted(details)
+        raise self.abort_exception
+
+
 class InMemoryOverlay:
     """N edge nodes + one in-memory origin, peers talking through direct calls."""
 

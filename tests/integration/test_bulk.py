@@ -9,9 +9,10 @@ a killed connection falls back to gRPC before the first byte and never hands out
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
-from typing import Any
+from typing import Any, AsyncIterator
 
 import pytest
 
@@ -34,6 +35,17 @@ def edge_config(**kw: Any) -> EdgeConfig:
     return EdgeConfig(node_id=kw.pop("node_id", "bulk"), listen="127.0.0.1:0", memory_bytes=256 << 20, shm=False, **kw)
 
 
+@contextlib.asynccontextmanager
+async def served(config: EdgeConfig) -> AsyncIterator[tuple[EdgeServer, GrpcEdgeTransport]]:
+    """A running edge and a transport to it; the transport is closed before the edge stops."""
+    async with EdgeServer(config) as srv:
+        t = GrpcEdgeTransport(srv.address)
+        try:
+            yield srv, t
+        finally:
+            await t.close()
+
+
 async def fetch_verified(t: GrpcEdgeTransport, chain: Chain, i: int) -> tuple[bytes, str]:
     reader = ArtifactReader(expect_fingerprint=chain.fingerprint, expect_key=chain.keys[i], decode=False)
     got, via = bytearray(), ""
@@ -53,35 +65,31 @@ def test_put_and_fetch_over_bulk_match_the_stored_bytes_and_reuse_buffers() -> N
     chain = big_chain()
 
     async def main() -> None:
-        async with EdgeServer(edge_config()) as srv:
+        async with served(edge_config()) as (srv, t):
             assert srv.bulk is not None and srv.bulk.port
-            t = GrpcEdgeTransport(srv.address)
-            try:
-                for key, blob in zip(chain.keys, chain.blobs):
-                    assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
-                for _round in range(3):
-                    for i, blob in enumerate(chain.blobs):
-                        got, via = await fetch_verified(t, chain, i)
-                        assert via == "bulk" and got == blob
-                # every fetch after the first of a size class reused a buffer; connections were kept
-                assert t.buffers.allocated == 1 and t.buffers.reused == 3 * len(chain.blobs) - 1
-                assert t._bulk is not None and t._bulk.connections == 1
-                # a miss is NotFound, and the connection stays usable
-                with pytest.raises(e.NotFound):
-                    await fetch_verified(t, make_chain(1, seed=77), 0)
-                assert (await fetch_verified(t, chain, 0))[0] == chain.blobs[0]
-                assert t._bulk.connections == 1
-                # the edge's thread counts a fetch's bytes once its sendall returns, which may be
-                # just after the client has them all
-                want = 3 * sum(map(len, chain.blobs)) + len(chain.blobs[0])
-                counter = srv.node.metrics.bytes_out.labels("bulk")._value
-                for _ in range(100):
-                    if counter.get() == want:
-                        break
-                    await asyncio.sleep(0.02)
-                assert counter.get() == want
-            finally:
-                await t.close()
+            for key, blob in zip(chain.keys, chain.blobs):
+                assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
+            for _round in range(3):
+                for i, blob in enumerate(chain.blobs):
+                    got, via = await fetch_verified(t, chain, i)
+                    assert via == "bulk" and got == blob
+            # every fetch after the first of a size class reused a buffer; connections were kept
+            assert t.buffers.allocated == 1 and t.buffers.reused == 3 * len(chain.blobs) - 1
+            assert t._bulk is not None and t._bulk.connections == 1
+            # a miss is NotFound, and the connection stays usable
+            with pytest.raises(e.NotFound):
+                await fetch_verified(t, make_chain(1, seed=77), 0)
+            assert (await fetch_verified(t, chain, 0))[0] == chain.blobs[0]
+            assert t._bulk.connections == 1
+            # the edge's thread counts a fetch's bytes once its sendall returns, which may be
+            # just after the client has them all
+            want = 3 * sum(map(len, chain.blobs)) + len(chain.blobs[0])
+            counter = srv.node.metrics.bytes_out.labels("bulk")._value
+            for _ in range(100):
+                if counter.get() == want:
+                    break
+                await asyncio.sleep(0.02)
+            assert counter.get() == want
 
     asyncio.run(main())
 
@@ -140,44 +148,40 @@ def test_bad_frames_and_tickets_get_clear_errors_and_the_edge_keeps_serving() ->
     chain = big_chain(1, seed=3)
 
     async def main() -> None:
-        async with EdgeServer(edge_config()) as srv:
+        async with served(edge_config()) as (srv, t):
             assert srv.bulk is not None
             port = srv.bulk.port
-            t = GrpcEdgeTransport(srv.address)
-            try:
-                await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
-                # not our protocol at all
-                out = await _raw(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(20))
-                status, _, tlen, _ = wb.ANSWER.unpack_from(out)
-                assert status and b"bad magic" in out[wb.ANSWER.size : wb.ANSWER.size + tlen]
-                # a forged ticket
-                out = await _raw(port, wb.HELLO.pack(wb.MAGIC, wb.VERSION, bytes(32)))
-                assert wb.ANSWER.unpack_from(out)[0] and b"ticket" in out
-                # a valid ticket, then an unknown op and an oversized request: refused, connection closed
-                ticket = srv.bulk.grant(None)
-                hello = wb.HELLO.pack(wb.MAGIC, wb.VERSION, ticket)
-                for bad in (wb.REQUEST.pack(9, 4) + b"abcd", wb.REQUEST.pack(wb.FETCH, wb.MAX_REQUEST + 1)):
-                    out = await _raw(port, hello + bad, answers=2)
-                    assert out[: wb.ANSWER.size] == wb.answer(0)  # hello accepted
-                    assert wb.ANSWER.unpack_from(out, wb.ANSWER.size)[0] == 3  # INVALID_ARGUMENT
-                # a request that is not a FetchRequest: InvalidInput, and the connection goes on
-                out = await _raw(port, hello + wb.REQUEST.pack(wb.FETCH, 3) + b"\xff\xff\xff", answers=2)
-                assert wb.ANSWER.unpack_from(out, wb.ANSWER.size)[0] == 3
-                # a Put that declares more than the edge takes: refused before a byte of it is read
-                big = pb.PutHeader(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant="default"),
-                                   key=bytes(chain.keys[0]), total_size=srv.config.max_artifact_bytes + 1)
-                raw = big.SerializeToString()
-                out = await _raw(port, hello + wb.REQUEST.pack(wb.PUT, len(raw)) + raw, answers=2)
-                assert wb.ANSWER.unpack_from(out, wb.ANSWER.size)[0] == 8  # RESOURCE_EXHAUSTED
-                # a connection that hangs up mid-request leaves nothing behind
-                out = await _raw(port, hello + wb.REQUEST.pack(wb.FETCH, 100) + b"\x0a")
-                # the edge still serves, over both paths
-                assert (await fetch_verified(t, chain, 0)) == (chain.blobs[0], "bulk")
-                g = GrpcEdgeTransport(srv.address, bulk=False)
-                assert (await fetch_verified(g, chain, 0)) == (chain.blobs[0], "grpc")
-                await g.close()
-            finally:
-                await t.close()
+            await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
+            # not our protocol at all
+            out = await _raw(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(20))
+            status, _, tlen, _ = wb.ANSWER.unpack_from(out)
+            assert status and b"bad magic" in out[wb.ANSWER.size : wb.ANSWER.size + tlen]
+            # a forged ticket
+            out = await _raw(port, wb.HELLO.pack(wb.MAGIC, wb.VERSION, bytes(32)))
+            assert wb.ANSWER.unpack_from(out)[0] and b"ticket" in out
+            # a valid ticket, then an unknown op and an oversized request: refused, connection closed
+            ticket = srv.bulk.grant(None)
+            hello = wb.HELLO.pack(wb.MAGIC, wb.VERSION, ticket)
+            for bad in (wb.REQUEST.pack(9, 4) + b"abcd", wb.REQUEST.pack(wb.FETCH, wb.MAX_REQUEST + 1)):
+                out = await _raw(port, hello + bad, answers=2)
+                assert out[: wb.ANSWER.size] == wb.answer(0)  # hello accepted
+                assert wb.ANSWER.unpack_from(out, wb.ANSWER.size)[0] == 3  # INVALID_ARGUMENT
+            # a request that is not a FetchRequest: InvalidInput, and the connection goes on
+            out = await _raw(port, hello + wb.REQUEST.pack(wb.FETCH, 3) + b"\xff\xff\xff", answers=2)
+            assert wb.ANSWER.unpack_from(out, wb.ANSWER.size)[0] == 3
+            # a Put that declares more than the edge takes: refused before a byte of it is read
+            big = pb.PutHeader(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant="default"),
+                               key=bytes(chain.keys[0]), total_size=srv.config.max_artifact_bytes + 1)
+            raw = big.SerializeToString()
+            out = await _raw(port, hello + wb.REQUEST.pack(wb.PUT, len(raw)) + raw, answers=2)
+            assert wb.ANSWER.unpack_from(out, wb.ANSWER.size)[0] == 8  # RESOURCE_EXHAUSTED
+            # a connection that hangs up mid-request leaves nothing behind
+            out = await _raw(port, hello + wb.REQUEST.pack(wb.FETCH, 100) + b"\x0a")
+            # the edge still serves, over both paths
+            assert (await fetch_verified(t, chain, 0)) == (chain.blobs[0], "bulk")
+            g = GrpcEdgeTransport(srv.address, bulk=False)
+            assert (await fetch_verified(g, chain, 0)) == (chain.blobs[0], "grpc")
+            await g.close()
 
     asyncio.run(main())
 
@@ -186,19 +190,15 @@ def test_a_flipped_bit_in_a_put_is_refused_and_never_stored() -> None:
     chain = big_chain(1, seed=4)
 
     async def main() -> None:
-        async with EdgeServer(edge_config()) as srv:
-            t = GrpcEdgeTransport(srv.address)
-            try:
-                bad = bytearray(chain.blobs[0])
-                bad[len(bad) // 2] ^= 0x04
-                with pytest.raises(e.ArtifactError):
-                    await t.put(chain.fingerprint, chain.namespace, chain.keys[0], bytes(bad), timeout=TIMEOUT)
-                with pytest.raises(e.NotFound):
-                    await fetch_verified(t, chain, 0)
-                assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
-                assert (await fetch_verified(t, chain, 0)) == (chain.blobs[0], "bulk")
-            finally:
-                await t.close()
+        async with served(edge_config()) as (srv, t):
+            bad = bytearray(chain.blobs[0])
+            bad[len(bad) // 2] ^= 0x04
+            with pytest.raises(e.ArtifactError):
+                await t.put(chain.fingerprint, chain.namespace, chain.keys[0], bytes(bad), timeout=TIMEOUT)
+            with pytest.raises(e.NotFound):
+                await fetch_verified(t, chain, 0)
+            assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
+            assert (await fetch_verified(t, chain, 0)) == (chain.blobs[0], "bulk")
 
     asyncio.run(main())
 
@@ -208,27 +208,23 @@ def test_bulk_bytes_are_verified_by_the_client() -> None:
     chain = big_chain(1, seed=5)
 
     async def main() -> None:
-        async with EdgeServer(edge_config()) as srv:
-            t = GrpcEdgeTransport(srv.address)
-            try:
-                await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
-                stored, tier = srv.node.store.get(chain.keys[0], tenant="default")
-                assert tier == "memory"
-                # flip a bit in the memory tier's copy: what the edge will send as-is
-                corrupt = bytearray(stored)
-                corrupt[len(corrupt) // 3] ^= 0x01
+        async with served(edge_config()) as (srv, t):
+            await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
+            stored, tier = srv.node.store.get(chain.keys[0], tenant="default")
+            assert tier == "memory"
+            # flip a bit in the memory tier's copy: what the edge will send as-is
+            corrupt = bytearray(stored)
+            corrupt[len(corrupt) // 3] ^= 0x01
 
-                real_get = srv.node.store.get
+            real_get = srv.node.store.get
 
-                def serve_corrupt(key, **kw):  # noqa: ANN001, ANN003
-                    got = real_get(key, **kw)
-                    return (bytes(corrupt), got[1]) if got is not None else None
+            def serve_corrupt(key, **kw):  # noqa: ANN001, ANN003
+                got = real_get(key, **kw)
+                return (bytes(corrupt), got[1]) if got is not None else None
 
-                srv.node.store.get = serve_corrupt  # type: ignore[method-assign]
-                with pytest.raises(e.ArtifactCorrupt):
-                    await fetch_verified(t, chain, 0)
-            finally:
-                await t.close()
+            srv.node.store.get = serve_corrupt  # type: ignore[method-assign]
+            with pytest.raises(e.ArtifactCorrupt):
+                await fetch_verified(t, chain, 0)
 
     asyncio.run(main())
 
@@ -237,15 +233,11 @@ def test_tls_edge_does_not_offer_bulk_and_switched_off_edge_streams_over_grpc() 
     chain = big_chain(1, seed=6)
 
     async def main() -> None:
-        async with EdgeServer(edge_config(bulk=False)) as srv:
+        async with served(edge_config(bulk=False)) as (srv, t):
             assert srv.bulk is None
-            t = GrpcEdgeTransport(srv.address)
-            try:
-                assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
-                assert (await fetch_verified(t, chain, 0)) == (chain.blobs[0], "grpc")
-                assert t.bulk is False  # asked once, told no
-            finally:
-                await t.close()
+            assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
+            assert (await fetch_verified(t, chain, 0)) == (chain.blobs[0], "grpc")
+            assert t.bulk is False  # asked once, told no
 
     asyncio.run(main())
 
@@ -254,19 +246,15 @@ def test_a_dead_bulk_listener_falls_back_to_grpc_before_the_first_byte() -> None
     chain = big_chain(1, seed=7)
 
     async def main() -> None:
-        async with EdgeServer(edge_config()) as srv:
-            t = GrpcEdgeTransport(srv.address)
-            try:
-                assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
-                assert (await fetch_verified(t, chain, 0))[1] == "bulk"
-                assert srv.bulk is not None
-                await srv.bulk.stop()  # connections reset, the port closed; gRPC still serves
-                got, via = await fetch_verified(t, chain, 0)
-                assert got == chain.blobs[0] and via == "grpc"
-                # resting: the next call goes straight to gRPC
-                assert (await fetch_verified(t, chain, 0))[1] == "grpc"
-            finally:
-                await t.close()
+        async with served(edge_config()) as (srv, t):
+            assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
+            assert (await fetch_verified(t, chain, 0))[1] == "bulk"
+            assert srv.bulk is not None
+            await srv.bulk.stop()  # connections reset, the port closed; gRPC still serves
+            got, via = await fetch_verified(t, chain, 0)
+            assert got == chain.blobs[0] and via == "grpc"
+            # resting: the next call goes straight to gRPC
+            assert (await fetch_verified(t, chain, 0))[1] == "grpc"
 
     asyncio.run(main())
 

@@ -12,7 +12,7 @@ import pytest
 from kdn.wire.auth import TokenAuth
 from kdn.edge.server import EdgeServicer
 from kdn.wire.frames import decode_chunk
-from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.edge.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
 from kdn.errors import Unauthorized
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb
@@ -31,26 +31,6 @@ def test_token_grants() -> None:
     TokenAuth().check(None, "whoever")  # no tokens configured: auth off
 
 
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    """Just enough of grpc.aio.ServicerContext for a servicer call."""
-
-    def __init__(self, token: str | None) -> None:
-        self._md = (("authorization", f"Bearer {token}"),) if token else ()
-        self.code: Any = None
-        self.details = ""
-
-    def invocation_metadata(self) -> Any:
-        return self._md
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.code, self.details = code, details
-        raise _Aborted()
-
-
 def _fetch_req(chain: Any, i: int, tenant: str) -> pb.FetchRequest:
     return pb.FetchRequest(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant=tenant), key=bytes(chain.keys[i]))
 
@@ -60,12 +40,12 @@ def test_foreign_namespace_refused_identically_whether_or_not_it_exists() -> Non
     origin = origin_with([acme])
 
     async def call(servicer: EdgeServicer, req: pb.FetchRequest, token: str | None) -> tuple[Any, str, list[bytes]]:
-        ctx = _Context(token)
+        ctx = FakeServicerContext(token)
         out: list[bytes] = []
         try:
             async for chunk in servicer.Fetch(req, ctx):  # type: ignore[arg-type]
                 out.append(bytes(decode_chunk(chunk).data))
-        except _Aborted:
+        except Aborted:
             pass
         return ctx.code, ctx.details, out
 
@@ -117,11 +97,11 @@ def test_malformed_input_is_invalid_argument() -> None:
             ]
             codes = []
             for req in bad:
-                ctx = _Context(None)
+                ctx = FakeServicerContext(None)
                 try:
                     async for _ in servicer.Fetch(req, ctx):  # type: ignore[arg-type]
                         pass
-                except _Aborted:
+                except Aborted:
                     pass
                 codes.append(ctx.code)
             assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED]

@@ -51,17 +51,19 @@ def worker() -> ModuleType:
     return _load("edge_bench_worker", BENCH / "peers" / "worker.py")
 
 
-def _kdn_client(edge_bench: ModuleType, worker: ModuleType, tmp_path: Path, mem: MemoryEdgeTransport):  # type: ignore[no-untyped-def]
+def _kdn_client(edge_bench: ModuleType, worker: ModuleType, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The benchmark's KDN client over an in-memory edge, with a set "small" of three chunks;
+    the client, the chain and the in-memory transport (to count calls or corrupt keys)."""
     chain = make_chain(3, shape=SHAPE, seed=5)
     edge_bench.write_data(tmp_path, {"small": (chain, SHAPE)})
     client = worker.KdnClient(tmp_path, "memory")
+    mem = MemoryEdgeTransport()
     client.attach(mem, mem)
-    return client, chain
+    return client, chain, mem
 
 
 def test_kdn_get_decodes_into_the_reused_buffer(edge_bench: ModuleType, worker: ModuleType, tmp_path: Path) -> None:
-    mem = MemoryEdgeTransport()
-    client, chain = _kdn_client(edge_bench, worker, tmp_path, mem)
+    client, chain, mem = _kdn_client(edge_bench, worker, tmp_path)
     objs = client.sets["small"]
 
     async def go() -> None:
@@ -79,8 +81,7 @@ def test_kdn_get_decodes_into_the_reused_buffer(edge_bench: ModuleType, worker: 
 
 
 def test_kdn_get_of_a_flipped_bit_fails(edge_bench: ModuleType, worker: ModuleType, tmp_path: Path) -> None:
-    mem = MemoryEdgeTransport()
-    client, chain = _kdn_client(edge_bench, worker, tmp_path, mem)
+    client, chain, mem = _kdn_client(edge_bench, worker, tmp_path)
     objs = client.sets["small"]
 
     async def go() -> None:
@@ -97,8 +98,7 @@ def test_kdn_get_of_a_flipped_bit_fails(edge_bench: ModuleType, worker: ModuleTy
 def test_the_worker_answers_a_failed_get_as_an_error(edge_bench: ModuleType, worker: ModuleType,
                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver then marks the figure missing instead of timing a failed GET."""
-    mem = MemoryEdgeTransport()
-    client, chain = _kdn_client(edge_bench, worker, tmp_path, mem)
+    client, chain, mem = _kdn_client(edge_bench, worker, tmp_path)
 
     async def attached() -> dict:
         return {}
@@ -168,7 +168,7 @@ def test_a_missing_peer_is_reported_with_its_reason(edge_bench: ModuleType) -> N
 
 def test_one_object_at_a_time_still_cycles_through_every_object(edge_bench: ModuleType, worker: ModuleType,
                                                                  tmp_path: Path) -> None:
-    client, _chain = _kdn_client(edge_bench, worker, tmp_path, MemoryEdgeTransport())
+    client, _chain, _mem = _kdn_client(edge_bench, worker, tmp_path)
     objs = client.sets["small"]  # 3 objects
     assert [client.indices(objs, 1)[0] for _ in range(4)] == [0, 1, 2, 0]
     assert client.indices(objs, 3) == [1, 2, 0]

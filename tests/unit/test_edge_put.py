@@ -9,30 +9,11 @@ from typing import Any, AsyncIterator
 import grpc
 
 from kdn.edge.server import EdgeServicer, PutBudget
-from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.edge.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.wire.auth import TokenAuth
 from kdn.wire.convert import put_messages
-
-
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    def __init__(self) -> None:
-        self.code: Any = None
-        self.details = ""
-
-    def invocation_metadata(self) -> Any:
-        return ()
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.code, self.details = code, details
-        # as grpc.aio's servicer context does: it keeps the abort exception on the call's state
-        self.abort_exception = _Aborted()
-        raise self.abort_exception
 
 
 def _servicer(node: Any) -> EdgeServicer:
@@ -41,10 +22,10 @@ def _servicer(node: Any) -> EdgeServicer:
 
 
 async def _put(servicer: EdgeServicer, messages: AsyncIterator[pb.PutChunk]) -> tuple[Any, str]:
-    ctx = _Context()
+    ctx = FakeServicerContext()
     try:
         await servicer.Put(messages, ctx)  # type: ignore[arg-type]
-    except _Aborted:
+    except Aborted:
         pass
     return ctx.code, ctx.details
 

@@ -54,6 +54,13 @@ def mem_disk(tmp_path: Path, mem_items: int, disk_items: int, *, policy: str = "
     )
 
 
+def put_all(store: TieredStore, entries: list[tuple[ChunkKey, bytes]], **kw: object) -> list[ChunkKey]:
+    """Put each artifact of ``entries`` (a slice of ``CHAIN``) for tenant acme; their keys, in order."""
+    for _, data in entries:
+        store.put(data, tenant="acme", **kw)  # type: ignore[arg-type]
+    return [key for key, _ in entries]
+
+
 def tiers_of(store: TieredStore, keys, tenant: str = "acme") -> list[str | None]:
     by_key = {s.meta.key: s.tier for s in store.entries(tenant=tenant)}
     return [by_key.get(k) for k in keys]
@@ -67,8 +74,7 @@ def test_a_graceful_close_keeps_every_acknowledged_memory_entry_across_a_restart
     """Issue 19 measured 0/300 after SIGTERM + restart with the default memory tier over disk."""
     chain = make_chain(120, seed=4)
     store = mem_disk(tmp_path, 200, 400)
-    for _, data in chain:
-        store.put(data, tenant="acme")
+    put_all(store, chain)
     store.pin([chain[0][0]], tenant="acme")
     assert set(tiers_of(store, [k for k, _ in chain])) == {"memory"}  # all acknowledged, none on disk yet
     store.close()
@@ -83,8 +89,7 @@ def test_a_graceful_close_keeps_every_acknowledged_memory_entry_across_a_restart
     # a disk budget smaller than memory: what fits is kept, and nothing breaks
     small = tmp_path / "small"
     store = TieredStore([MemoryTier(50 * SIZE), DiskTier(small, 10 * SIZE, fsync=False)], policy="lru", clock=FakeClock())
-    for _, data in chain[:40]:
-        store.put(data, tenant="acme")
+    put_all(store, chain[:40])
     store.close()
     back = TieredStore([MemoryTier(50 * SIZE), DiskTier(small, 10 * SIZE, fsync=False)], policy="lru", clock=FakeClock())
     assert len(back.entries(tenant="acme")) == 10
@@ -133,8 +138,7 @@ def test_duplicate_put_is_idempotent() -> None:
 
 def test_lookup_returns_tiers_of_the_leading_run(tmp_path: Path) -> None:
     store = mem_disk(tmp_path, 2, 10)
-    for _, data in CHAIN[:4]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[:4])
     keys = [k for k, _ in CHAIN[:6]]
     assert store.lookup(keys, tenant="acme") == ["disk", "disk", "memory", "memory"]
     store.delete(keys[1], tenant="acme")
@@ -167,9 +171,7 @@ def test_budgets_hold_and_victims_are_demoted_then_dropped(tmp_path: Path) -> No
 
 def test_disk_hit_is_verified_and_promoted(tmp_path: Path) -> None:
     store = mem_disk(tmp_path, 2, 5)
-    for _, data in CHAIN[:4]:
-        store.put(data, tenant="acme")
-    keys = [k for k, _ in CHAIN[:4]]
+    keys = put_all(store, CHAIN[:4])
     assert tiers_of(store, keys) == ["disk", "disk", "memory", "memory"]
     assert store.get(keys[0], tenant="acme") == (CHAIN[0][1], "disk")
     # promoted; the LRU memory victim (keys[2]) went down to disk in its place
@@ -217,8 +219,7 @@ def test_every_policy_keeps_budgets_and_serves_correct_bytes(tmp_path: Path, pol
 def test_prefix_policy_keeps_chain_heads_in_memory(tmp_path: Path) -> None:
     store = mem_disk(tmp_path, 3, 20, policy="prefix")
     keys = [k for k, _ in CHAIN[:6]]
-    for _, data in CHAIN[:6]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[:6])
     # leaves go first: the chain's tail is demoted, the root stays hot
     assert tiers_of(store, keys)[0] == "memory"
     assert store.lookup(keys, tenant="acme") != []
@@ -248,25 +249,21 @@ def test_pinned_entries_are_never_evicted_or_demoted(tmp_path: Path) -> None:
     k0, d0 = CHAIN[0]
     store.put(d0, tenant="acme", pin=True)
     assert store.pin([k0, CHAIN[11][0]], tenant="acme") == 1  # only resident keys count
-    for _, data in CHAIN[1:9]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[1:9])
     assert tiers_of(store, [k0]) == ["memory"]
     assert store.get(k0, tenant="acme") == (d0, "memory")
     assert store.stats()["pinned"] == 1
     # unpinned, it becomes an ordinary LRU entry again: demoted, then dropped
     assert store.unpin([k0], tenant="acme") == 1
-    for _, data in CHAIN[9:11]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[9:11])
     assert tiers_of(store, [k0]) == ["disk"]
-    for _, data in CHAIN[11:12] + CHAIN[1:2]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[11:12] + CHAIN[1:2])
     assert tiers_of(store, [k0]) == [None]
 
 
 def test_when_everything_is_pinned_puts_go_down_then_fail(tmp_path: Path) -> None:
     store = mem_disk(tmp_path, 2, 2)
-    for _, data in CHAIN[:2]:
-        store.put(data, tenant="acme", pin=True)
+    put_all(store, CHAIN[:2], pin=True)
     store.put(CHAIN[2][1], tenant="acme")
     assert tiers_of(store, [CHAIN[2][0]]) == ["disk"]
     store.put(CHAIN[3][1], tenant="acme", pin=True)
@@ -304,9 +301,7 @@ def test_higher_priority_is_evicted_after_lower(tmp_path: Path) -> None:
 def test_ttl_expires_lazily_and_in_bulk_with_a_fake_clock(tmp_path: Path) -> None:
     clock = FakeClock()
     store = mem_disk(tmp_path, 2, 10, clock=clock)
-    for _, data in CHAIN[:4]:
-        store.put(data, tenant="acme")
-    k = [key for key, _ in CHAIN[:4]]
+    k = put_all(store, CHAIN[:4])
     assert store.set_ttl(k[:2], 60, tenant="acme") == 2  # these two are on disk
     store.put(CHAIN[4][1], tenant="acme", ttl_s=30, pin=True)  # pinned, yet the TTL wins
     assert store.set_ttl([k[3]], 10, tenant="acme") == 1
@@ -332,8 +327,7 @@ def test_ttl_expires_lazily_and_in_bulk_with_a_fake_clock(tmp_path: Path) -> Non
 
 def test_another_tenant_sees_exactly_what_an_absent_key_gives(tmp_path: Path) -> None:
     store = mem_disk(tmp_path, 2, 10)
-    for _, data in CHAIN[:3]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[:3])
     owned, absent = CHAIN[2][0], ChunkKey(b"\x07" * 32)
 
     def view(key: ChunkKey) -> tuple:
@@ -364,8 +358,7 @@ def test_another_tenant_sees_exactly_what_an_absent_key_gives(tmp_path: Path) ->
 
 def test_corrupt_disk_blob_is_detected_dropped_and_reported_as_a_miss(tmp_path: Path) -> None:
     store = mem_disk(tmp_path, 1, 10)
-    for _, data in CHAIN[:3]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[:3])
     key = CHAIN[0][0]
     path = store.tiers[1].blob_path(EntryId("acme", key))  # type: ignore[attr-defined]
     raw = bytearray(path.read_bytes())
@@ -386,8 +379,7 @@ def test_corrupt_disk_blob_is_detected_dropped_and_reported_as_a_miss(tmp_path: 
 
 def test_restart_rebuilds_the_disk_index(tmp_path: Path) -> None:
     store = mem_disk(tmp_path, 1, 10)
-    for _, data in CHAIN[:5]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[:5])
     store.put(CHAIN[0][1], tenant="beta")
     on_disk = {s.meta.key for s in store.entries(tenant="acme") if s.tier == "disk"}
     assert len(on_disk) == 5  # beta's put pushed the last one down
@@ -410,8 +402,7 @@ def test_restart_rebuilds_the_disk_index(tmp_path: Path) -> None:
 
 def test_restart_drops_partial_and_foreign_files_and_never_shows_a_killed_writers_tmp(tmp_path: Path) -> None:
     store = mem_disk(tmp_path, 1, 10)
-    for _, data in CHAIN[:4]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[:4])
     disk = store.tiers[1]
     good = [k for k, _ in CHAIN[:3]]
     store.close()
@@ -445,8 +436,7 @@ def test_restart_drops_partial_and_foreign_files_and_never_shows_a_killed_writer
 
 def test_disk_full_raises_storage_full_and_keeps_old_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = TieredStore([DiskTier(tmp_path / "d", 20 * SIZE, fsync=True)], policy="lru", clock=FakeClock())
-    for _, data in CHAIN[:3]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[:3])
 
     def enospc(fd: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -532,8 +522,7 @@ def test_build_store_builds_memory_over_disk(tmp_path: Path) -> None:
     config = EdgeConfig(memory_bytes=2 * SIZE, disk_dir=str(tmp_path / "x"), disk_bytes=4 * SIZE, disk_fsync=False)
     store = build_store(config)
     assert [t.name for t in store.tiers] == ["memory", "disk"]
-    for _, data in CHAIN[:3]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[:3])
     assert store.stats()["bytes_disk"] == SIZE
     assert [t.name for t in build_store(EdgeConfig(memory_bytes=SIZE)).tiers] == ["memory"]
 
@@ -541,9 +530,7 @@ def test_build_store_builds_memory_over_disk(tmp_path: Path) -> None:
 def test_pins_priorities_and_ttls_survive_restart(tmp_path: Path) -> None:
     clock = FakeClock()
     store = mem_disk(tmp_path, 1, 10, clock=clock)
-    for _, data in CHAIN[:6]:
-        store.put(data, tenant="acme")
-    k = [key for key, _ in CHAIN[:6]]
+    k = put_all(store, CHAIN[:6])
     assert store.pin(k[:2], tenant="acme") == 2
     assert store.set_priority([k[2]], 7, tenant="acme") == 1
     assert store.set_ttl([k[3]], 100, tenant="acme") == 1
@@ -693,8 +680,7 @@ def test_retention_file_of_an_older_edge_is_adopted_once(tmp_path: Path) -> None
     """Before 2026-11 the retention hints were saved as ``.entry-hints.json``: an edge that finds
     only that name renames it and restores the hints from it."""
     store = mem_disk(tmp_path, 1, 10)
-    for _, data in CHAIN[:3]:
-        store.put(data, tenant="acme")
+    put_all(store, CHAIN[:3])
     assert store.pin([CHAIN[1][0]], tenant="acme") == 1
     store.close()
     disk = tmp_path / "disk"

@@ -10,13 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import grpc
 import pytest
 
 from kdn.edge.operator_hints import HintService
 from kdn.edge.schedules import SCHEDULES_FILE
 from kdn.edge.server import EdgeServicer
-from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.edge.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
 from kdn.errors import NotFound
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb
@@ -24,23 +23,6 @@ from kdn.wire.auth import TokenAuth
 
 A = pb.HintRequest
 TOKENS = {"tok-acme": ["acme"], "tok-globex": ["globex"], "tok-ops": ["*"]}
-
-
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    def __init__(self, token: str | None) -> None:
-        self._md = (("authorization", f"Bearer {token}"),) if token else ()
-        self.code: Any = None
-
-    def invocation_metadata(self) -> Any:
-        return self._md
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.code = code
-        raise _Aborted(details)
 
 
 def _schedule(tenant: str, sid: str, **kw: Any) -> pb.HintRequest:
@@ -65,14 +47,14 @@ def test_schedule_ids_are_per_tenant_and_stats_show_a_tenant_only_its_own() -> N
             servicer = EdgeServicer(server)  # type: ignore[arg-type]
 
             async def hint(req: pb.HintRequest, token: str) -> Any:
-                ctx = _Context(token)
+                ctx = FakeServicerContext(token)
                 try:
                     return await servicer.Hint(req, ctx)  # type: ignore[arg-type]
-                except _Aborted:
+                except Aborted:
                     return ctx.code
 
             async def stats(token: str) -> tuple[dict[str, float], dict[str, Any]]:
-                resp = await servicer.Stats(pb.StatsRequest(), _Context(token))  # type: ignore[arg-type]
+                resp = await servicer.Stats(pb.StatsRequest(), FakeServicerContext(token))  # type: ignore[arg-type]
                 return dict(resp.counters), json.loads(resp.json)
 
             keys = [bytes(k) for k in acme.keys]

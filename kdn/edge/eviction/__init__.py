@@ -26,7 +26,7 @@ from kdn.edge.eviction.base import EvictionPolicy, Key, SkipFn
 from kdn.edge.eviction.belady import Belady
 from kdn.edge.eviction.lru import LRU
 from kdn.edge.eviction.prefix import PrefixAware
-from kdn.edge.eviction.registry import POLICIES, make_policy
+from kdn.edge.eviction.registry import POLICIES, make_policy, policy_class
 from kdn.edge.eviction.s3fifo import S3FIFO
 from kdn.edge.eviction.sieve import Sieve
 
@@ -42,4 +42,5 @@ __all__ = [
     "SkipFn",
     "Sieve",
     "make_policy",
+    "policy_class",
 ]
