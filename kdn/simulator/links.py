@@ -80,7 +80,7 @@ class FairLinks:
         self.sent_bytes = [0.0] * len(self.bw)
         self.tcp = tcp if tcp is not None else TcpModel()
         n = len(self.bw)
-        self._flows: list[list[tuple[float, int]]] = [[] for _ in range(n)]  # heap of (virtual finish, flow id)
+        self._flows: list[list[tuple[float, int, float]]] = [[] for _ in range(n)]  # heap of (virtual finish, flow id, joined)
         self._vt = [0.0] * n  # virtual time (bytes served per flow so far)
         self._t = [0.0] * n  # real time the virtual clock was last advanced to
         self._seq = 0
@@ -104,7 +104,7 @@ class FairLinks:
                 vt += (t - t0) * bw / k
                 break
             t0 += dt
-            vt, fid = heapq.heappop(flows)
+            vt, fid, _ = heapq.heappop(flows)
             if left_at is not None:
                 left_at[fid] = t0
         self._vt[site] = vt
@@ -119,17 +119,23 @@ class FairLinks:
         if cold:
             ready += rtt
         self._advance(site, ready)
-        start = ready if ready > self._t[site] else self._t[site]
+        # Requests reach a link out of order (each comes from its own distance), so ``ready`` may
+        # lie before the link's clock. Such a transfer starts at its own ``ready`` and shares the
+        # link only with the flows that had joined by then (with what they have left now: a
+        # slight underestimate of their bytes); flows that joined later are not counted.
         flows = self._flows[site]
         vt = self._vt[site]
         bw = self.bw[site]
         shared = nbytes
-        for v, _ in flows:
-            left = v - vt
-            shared += left if left < nbytes else nbytes
-        end = start + shared / bw
+        sharing = 0
+        for v, _, joined in flows:
+            if joined <= ready:
+                left = v - vt
+                shared += left if left < nbytes else nbytes
+                sharing += 1
+        end = ready + shared / bw
         if rtt > 0.0 and cwnd != INF:
-            share = bw / (len(flows) + 1)
+            share = bw / (sharing + 1)
             return end, self.tcp.rounds_s(nbytes, rtt, share, cwnd) - nbytes / share  # rounds spent window-limited
         return end, 0.0
 
@@ -143,7 +149,7 @@ class FairLinks:
         flows on the link now; its id is ``self.last_id``)."""
         end, extra = self._finish(site, ready, nbytes, rtt, cwnd, cold)
         self._seq += 1
-        heapq.heappush(self._flows[site], (self._vt[site] + nbytes, self._seq))
+        heapq.heappush(self._flows[site], (self._vt[site] + nbytes, self._seq, ready + rtt if cold else ready))
         self.sent_bytes[site] += nbytes
         if self.extra is not None:
             self.extra[self._seq] = extra

@@ -108,3 +108,18 @@ def test_prediction_equals_commit_and_last_flow_is_exact() -> None:
         assert links.finish(1, 0.0, 1e6) == pytest.approx(1e6 / C)  # other sites untouched
     with pytest.raises(ValueError, match="unknown link mode"):
         make_links("lifo", [C])
+
+
+def test_fair_link_does_not_hold_an_earlier_transfer_behind_a_later_one() -> None:
+    # requests reach an origin's link out of order (each from its own distance): one ready at
+    # 1.0 s is predicted and committed first, then one ready at 0.0 s. The second has the link to
+    # itself until 1.0 s and finishes at 1 MB / C, not after the first one's ready time.
+    fair = FairLinks([C])
+    fair.finish(0, 1.0, 1e6)  # a prediction changes nothing for what comes later
+    fair.commit(0, 1.0, 1e6)
+    assert fair.commit(0, 0.0, 1e6) == pytest.approx(1e6 / C)
+    # a transfer ready while an earlier-joined flow is still on the link shares with it
+    busy = FairLinks([C])
+    busy.commit(0, 0.0, 10e6)
+    busy.commit(0, 0.5, 1e6)  # moves the link's clock to 0.5 s
+    assert busy.commit(0, 0.2, 1e6) == pytest.approx(0.2 + 2e6 / C, rel=1e-6)
