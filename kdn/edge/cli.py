@@ -194,6 +194,9 @@ def client_tls(args: argparse.Namespace) -> Any:
     """The TLS files of :func:`add_connection_flags` (None: plaintext); ConfigError names a bad pair."""
     from kdn.wire.tls import TlsFiles
 
+    for flag, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
     try:
         return TlsFiles.for_client(args.tls_cert, args.tls_key, args.tls_ca)
     except ValueError as exc:

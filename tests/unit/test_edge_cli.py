@@ -93,3 +93,17 @@ def test_the_edge_refuses_a_nan_ttl_instead_of_clearing_ttls() -> None:
             assert node.store.entries()[0].ttl_left_s == pytest.approx(60)  # the TTL is still there
 
     asyncio.run(main())
+
+
+def test_a_missing_tls_file_is_one_line_naming_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kdn.edge.cli import main_stats
+
+    missing = tmp_path / "nope.pem"
+    assert main_stats(["--edge", "127.0.0.1:9", "--tls-ca", str(missing)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"--tls-ca {missing}: no such file" in err
+    assert main_stats(["--edge", "127.0.0.1:9", "--tls-ca", str(missing), "--json"]) != 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["error"] == "ConfigError" and "--tls-ca" in out["message"]
