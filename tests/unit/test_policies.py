@@ -274,16 +274,18 @@ def test_prefix_victim_skips_pinned_leaves_and_falls_back_when_all_leaves_are_pi
 
 
 def test_prefix_scores_survive_clock_rescaling() -> None:
-    p = PrefixAware(half_life=1.0)  # the clock passes the rescale point within 300 accesses
+    from kdn.edge.eviction.prefix import _RESCALE_AT
+
+    p = PrefixAware(half_life=1.0)  # two accesses a step: the clock passes the rescale point halfway
     p.insert("hot", 1)
-    for i in range(400):
+    for i in range(int(_RESCALE_AT)):
         p.touch("hot")
         p.insert(i, 1)
         if len(p) > 50:
             v = p.victim()
             assert v != "hot"
             p.remove(v)
-    assert "hot" in p and p._vclock < 300
+    assert "hot" in p and p._vclock <= _RESCALE_AT
 
 
 def test_belady_is_optimal_against_every_policy_on_random_traces() -> None:
