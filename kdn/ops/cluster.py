@@ -370,7 +370,10 @@ def down(state_dir: Path, *, shm_dir: str = DEFAULT_SHM_DIR) -> dict:
     if not state.started_head:
         problem = _remove_roles(state)
     stopped = stop_sessions(state.our_sessions())
-    segments, freed = remove_segments_of(stopped, shm_dir)
+    # the edges' own pids too: on a joined cluster their actors were killed above, before the
+    # sessions were listed, so they are not among ``stopped``
+    edge_pids = [int(e["pid"]) for e in state.edges if isinstance(e.get("pid"), int)]
+    segments, freed = remove_segments_of(stopped + edge_pids, shm_dir)
     (Path(state_dir) / "cluster.json").unlink(missing_ok=True)
     if state.started_head:
         shutil.rmtree(ray_temp_dir(Path(state_dir)), ignore_errors=True)

@@ -120,3 +120,32 @@ def test_down_removes_the_shared_memory_segments_of_the_edges_it_stopped(tmp_pat
     finally:
         reap(proc)
         proc.stdout.close()
+
+
+def test_down_removes_the_segments_of_edges_killed_before_their_sessions_were_listed(tmp_path):
+    """On a joined cluster `kdn down` kills the edge actors first (ray.kill), so their pids are not
+    among the processes it then stops; the pids recorded for the edges in the state still count."""
+    import signal
+    import subprocess
+    import sys
+
+    from kdn.ops.cluster import _boot_id, down
+    from tests.children import reap
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", POOL, str(shm)], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGKILL)  # what ray.kill does to the edge's actor process
+        proc.wait(timeout=10)
+        assert len(list(shm.glob(f"kdn-edge-0-{proc.pid}-*"))) == 3
+        state = ClusterState(address="", state_dir=str(tmp_path), started_head=True, boot_id=_boot_id())
+        state.edges = [{"node_id": "edge-0", "pid": proc.pid}]
+        state.save()
+        result = down(tmp_path, shm_dir=str(shm))
+        assert result["shm_segments_removed"] == 3 and not list(shm.iterdir())
+    finally:
+        reap(proc)
+        proc.stdout.close()
