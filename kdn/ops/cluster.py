@@ -260,6 +260,10 @@ def up(config: ClusterConfig, *, progress=print) -> ClusterState:
     os.environ.update(auth)  # this driver, and the actors it creates, speak the same token
     try:
         common = [f"--num-cpus={config.cpus_per_node:g}"]
+        if config.address is None and config.bind_host in ("127.0.0.1", "localhost"):
+            # every node on this host: Ray's own traffic stays on loopback too (by default it
+            # advertises the host's primary address)
+            common.append("--node-ip-address=127.0.0.1")
         if config.address is None:
             port = config.head_port or free_port()
             progress(f"starting Ray head on port {port}")

@@ -158,7 +158,7 @@ def test_down_of_a_joined_cluster_without_its_token_is_one_line(tmp_path):
     cluster._new_ray_auth_token(head_dir)
     port = free_port()
     log = head_dir / "head.log"
-    head = cluster._start_node(["--head", f"--port={port}", "--include-dashboard=false",
+    head = cluster._start_node(["--head", f"--port={port}", "--include-dashboard=false", "--node-ip-address=127.0.0.1",
                                 f"--ray-client-server-port={free_port()}", f"--temp-dir={cluster.ray_temp_dir(head_dir)}",
                                 "--num-cpus=1"], log, cluster.ray_auth_env(head_dir))
     try:
