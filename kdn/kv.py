@@ -21,7 +21,7 @@ from kdn.errors import InvalidInput
 KV_LAYOUT_VERSION = 1
 
 
-PREFAULT_MIN_BYTES = 8 << 20
+PREFAULT_MIN_BYTES = 32 << 20  # glibc maps every allocation above 32 MiB anew; below, pages may be reused
 
 
 def empty_prefaulted(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -79,9 +79,9 @@ COVERED_ELSEWHERE: list[tuple[str, str]] = [
 
 # (pattern, reason): what this machine cannot run.
 NOT_HERE: list[tuple[str, str]] = [
-    (r"^deploy/install-vllm\.sh", "downloads vLLM from the network; .ci/run's stage 2 runs it"),
+    (r"^deploy/install-vllm\.sh", "downloads vLLM from the network; .ci/run's stage 3 runs it"),
     (r"^\. \.venv-vllm/bin/activate", "the vLLM venv is made by deploy/install-vllm.sh (network)"),
-    (r"vllm serve ", "needs vLLM (tests/vllm run it in .ci/run's stage 2)"),
+    (r"vllm serve ", "needs vLLM (tests/vllm run it in .ci/run's stage 3)"),
     (r"^pip install kdn\b", "installs from a package index: no network here (the venv has kdn already)"),
     (r"^kdn model train-reference\b",
      "trains for 15+ minutes on 2 cores; tests/unit/test_reference.py trains a reduced one"),
