@@ -255,10 +255,10 @@ def _hint(command: str, argv: list[str]) -> int:
     from kdn.proto import kdn_pb2 as pb
 
     args = _hint_parser(command).parse_args(argv)
-    if args.document and Path(args.document).exists():
-        # named the way it was ingested: `kdn ingest` ids a document by its absolute path
-        # (kdn.origin.ingest.doc_id_for); the origin also matches a path's tail (docs/manual.md)
-        args.document = Path(args.document).resolve().as_posix()
+    # the name goes as typed: `kdn ingest` ids a document by its absolute path on the ingest host
+    # (kdn.origin.ingest.doc_id_for), and the origin matches it exactly or by its tail
+    # (docs/manual.md), which works from any directory or host; resolving it here would name a
+    # path of this host. An ambiguous tail is refused with the candidates listed.
     try:
         keys = [parse_key(k) for k in args.keys]
         fp = parse_fingerprint(args.fingerprint) if args.fingerprint else ModelFingerprint(b"")
