@@ -86,6 +86,15 @@ def test_trained_output_is_a_loadable_model_dir_with_its_task(tiny_retrieval: Pa
     assert lm.tokenizer.encode("D : k3 v1 .") == [lm.tokenizer.encode(w)[0] for w in "D : k3 v1 .".split()]
 
 
+def test_retraining_over_a_model_needs_force(tiny_retrieval: Path, capsys) -> None:
+    before = (tiny_retrieval / "kdn_reference.json").read_text()
+    capsys.readouterr()
+    assert model_main(["train-reference", "--task", "retrieval", "--preset", "tiny", "--out", str(tiny_retrieval), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"out_dir": str(tiny_retrieval), "skipped": True}
+    assert "--force" in captured.err and (tiny_retrieval / "kdn_reference.json").read_text() == before
+
+
 def test_eval_blend_scores_every_method_and_writes_a_verdict(tiny_retrieval: Path, tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("KDN_CACHE", str(tmp_path))
     assert blend_eval.main(["--model", str(tiny_retrieval), "--prompts", "4", "--docs", "3", "--json"]) == 0
