@@ -10,7 +10,7 @@ For held-out prompts ``[prefix][doc_1 … doc_n][question]`` it runs, on the sam
 - ``first-k`` — EPIC-style: the first ``k`` tokens of each segment recomputed;
 - ``blend@r`` — CacheBlend's deviation rule at recompute ratios ``r`` (default 5/10/15/30%).
 
-and reports per method: task accuracy (retrieval model: both answer words right), top-1 agreement
+and reports per method: task accuracy (retrieval model: every answer word right), top-1 agreement
 with full prefill on the scored tokens, KL(full ‖ method) in nats averaged over them, the share
 of document tokens recomputed, the compute share (token×layer), the share of prompt tokens
 reused, and the median time to first-token logits. Segments are prefilled once per document
@@ -116,7 +116,7 @@ def retrieval_cases(model_dir: Path, lm: LoadedModel, n: int, n_docs: int, seed:
         facts = pool[target][1]
         key = list(facts)[int(torch.randint(0, len(facts), (1,), generator=gen))]
         v = facts[key]
-        cases.append(Case(prefix, tuple(docs_tok[i] for i in pick), enc(["?", f"k{key}"]), enc([f"v{v[0]}", f"v{v[1]}"])))
+        cases.append(Case(prefix, tuple(docs_tok[i] for i in pick), enc(["?", f"k{key}"]), enc([f"v{x}" for x in v])))
     return cases
 
 

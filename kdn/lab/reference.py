@@ -374,18 +374,28 @@ def _info(spec: str) -> dict[str, Any]:
     return info
 
 
+def _already_trained(out: Path, args: argparse.Namespace) -> bool:
+    """``out`` holds a model and ``--force`` was not given: say so (and how to retrain)."""
+    if not (out / "config.json").is_file() or args.force:
+        return False
+    print(f"{out} already holds a model (use --force to retrain)", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"out_dir": str(out), "skipped": True}))
+    return True
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The preset fields the command line sets (``--steps``, ``--seed``, ``--threads``)."""
+    return {k: v for k, v in (("steps", args.steps), ("seed", args.seed), ("threads", args.threads)) if v is not None}
+
+
 def _train_retrieval(args: argparse.Namespace) -> int:
     from kdn.lab.retrieval import RetrievalTrainConfig, default_retrieval_dir, train_retrieval
 
     out = args.out or default_retrieval_dir()
-    if (out / "config.json").is_file() and not args.force:
-        print(f"{out} already holds a model (use --force to retrain)", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"out_dir": str(out), "skipped": True}))
+    if _already_trained(out, args):
         return 0
-    cfg = RetrievalTrainConfig.preset(args.preset)
-    overrides = {k: v for k, v in (("steps", args.steps), ("seed", args.seed), ("threads", args.threads)) if v is not None}
-    result = train_retrieval(replace(cfg, **overrides), out, progress=True)
+    result = train_retrieval(replace(RetrievalTrainConfig.preset(args.preset), **_overrides(args)), out, progress=True)
     d = result.as_dict()
     if args.json:
         print(json.dumps(d, indent=2))
@@ -427,14 +437,9 @@ def main(argv: list[str]) -> int:
         if args.task == "retrieval":
             return _train_retrieval(args)
         out = args.out or default_reference_dir()
-        if (out / "config.json").is_file() and not args.force:
-            print(f"{out} already holds a model (use --force to retrain)", file=sys.stderr)
-            if args.json:
-                print(json.dumps({"out_dir": str(out), "skipped": True}))
+        if _already_trained(out, args):
             return 0
-        cfg = TrainConfig.preset(args.preset)
-        overrides = {k: v for k, v in (("steps", args.steps), ("seed", args.seed), ("threads", args.threads)) if v is not None}
-        cfg = replace(cfg, **overrides)
+        cfg = replace(TrainConfig.preset(args.preset), **_overrides(args))
         result = train_reference(cfg, out, progress=True)  # the bar goes to stderr
     except KdnError as exc:
         report_error(f"model {args.cmd}", exc, as_json=args.json)

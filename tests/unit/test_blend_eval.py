@@ -40,12 +40,59 @@ def test_task_prompts_have_unique_keys_and_the_answer_in_one_document() -> None:
     assert heldout_prompts(task, 3, 8, 0) != [make_prompt(task, 8, torch.Generator().manual_seed(1))[0] for _ in range(3)]
 
 
+def test_one_word_answers_lay_out_and_score_like_two_word_ones() -> None:
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from kdn.lab.retrieval import build_tokenizer, full_prefill_accuracy, prompt_ids
+
+    cfg = RetrievalTrainConfig.preset("tiny")
+    for words in (1, 2):
+        task = replace(cfg.task, value_words=words)
+        prompt, _ = make_prompt(task, 3, torch.Generator().manual_seed(0))
+        doc = prompt.docs[prompt.answer_doc]
+        i = doc.index(prompt.question[1])
+        assert len(prompt.answer) == words and tuple(doc[i + 1 : i + 2 + words]) == (*prompt.answer, ".")
+        assert all(len(d) == task.doc_tokens for d in prompt.docs)
+        tok = build_tokenizer(task)
+        pre, docs, q, ans = prompt_ids(tok, prompt)
+        seen = []
+
+        class Says:  # predicts ``ids`` at the last positions; records what it was fed
+            def __init__(self, ids: list[int]) -> None:
+                self.ids = ids
+
+            def eval(self) -> None: ...
+
+            def train(self) -> None: ...
+
+            def __call__(self, input_ids, logits_to_keep):
+                seen.append((input_ids[0].tolist(), logits_to_keep))
+                logits = torch.zeros(1, logits_to_keep, tok.get_vocab_size())
+                logits[0, torch.arange(logits_to_keep), torch.tensor(self.ids[-logits_to_keep:])] = 1.0
+                return SimpleNamespace(logits=logits)
+
+        assert full_prefill_accuracy(Says(ans), tok, [prompt]) == 1.0
+        assert seen[-1] == (pre + sum(docs, []) + q + ans[:-1], words)  # teacher-forced on earlier answer words only
+        wrong = [(a + 1) % tok.get_vocab_size() for a in ans]
+        assert full_prefill_accuracy(Says(ans[:-1] + wrong[-1:]), tok, [prompt]) == 0.0
+
+
 def test_trained_output_is_a_loadable_model_dir_with_its_task(tiny_retrieval: Path) -> None:
     assert not list(tiny_retrieval.parent.glob(".retrieval.tmp-*"))  # renamed into place, nothing left over
     cfg, meta = load_task(tiny_retrieval)
     assert meta["task"] == "retrieval" and cfg.task.doc_tokens == 32
     lm = load_model(str(tiny_retrieval))
     assert lm.tokenizer.encode("D : k3 v1 .") == [lm.tokenizer.encode(w)[0] for w in "D : k3 v1 .".split()]
+
+
+def test_retraining_over_a_model_needs_force(tiny_retrieval: Path, capsys) -> None:
+    before = (tiny_retrieval / "kdn_reference.json").read_text()
+    capsys.readouterr()
+    assert model_main(["train-reference", "--task", "retrieval", "--preset", "tiny", "--out", str(tiny_retrieval), "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"out_dir": str(tiny_retrieval), "skipped": True}
+    assert "--force" in captured.err and (tiny_retrieval / "kdn_reference.json").read_text() == before
 
 
 def test_eval_blend_scores_every_method_and_writes_a_verdict(tiny_retrieval: Path, tmp_path, monkeypatch, capsys) -> None:
