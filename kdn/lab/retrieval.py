@@ -25,8 +25,8 @@ LM can be downloaded here. So KDN trains one, in minutes, on this task:
 ``kdn model train-reference --task retrieval [--preset default|tiny] [--out DIR]``; default
 location ``$KDN_CACHE/retrieval-model``.
 
-Status, measured on the shared 2-core machine (2026-11-30): the model does **not** learn this task
-in the budget. Every configuration tried (4x16 and 2x32 heads, 512/128/100 keys, 1,500 steps of 16
+Status, measured on the shared 2-core machine (2026-11-30). First round: the model did **not** learn
+this task in the budget. Every configuration tried (4x16 and 2x32 heads, 512/128/100 keys, 1,500 steps of 16
 sequences, lr 3e-3..1e-2, with and without an induction warm-up) stays on the plateau where it
 predicts "some value word" (loss ~ ln(num_values)) and scores 0% with full prefill on held-out
 prompts; even a 1-layer model does not learn to copy *any* value from context within 200 steps,
@@ -34,7 +34,7 @@ while the same model learns a fixed-offset copy in ~75. The retrieval circuit (a
 needs more optimisation than 15 CPU-minutes give here; the quality goal of blending is therefore
 not shown on a model that reads.
 
-A second round (same machine, one thread, ~50k tokens/s at hidden 64) did not change that. With
+A second round (same machine, one thread, ~50k tokens/s at hidden 64) at first did not change that. With
 one-word answers (``value_words=1``, so the answer is a pure induction copy), 2-layer models
 (hidden 64/128, 2-16 heads, tied and untied embeddings, init 0.02/0.1, lr 1e-3..1e-2) and a
 curriculum of mini-documents (8-16 words, 2-4 facts, 1-3 documents, 32-64 sequences a step):
