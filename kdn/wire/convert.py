@@ -197,9 +197,9 @@ class _PrefixCheck:
             return
         try:
             self._reader.feed(piece)
-        except (KdnError, ValueError, OverflowError, RecursionError) as exc:
-            if isinstance(exc, KdnError):
-                raise
+        except KdnError:
+            raise
+        except (ValueError, OverflowError, RecursionError) as exc:
             raise InvalidInput(f"Put: unusable artifact header: {type(exc).__name__}") from exc
         if self._reader.complete:
             self._reader = None  # all verified: drop what the reader held
