@@ -15,7 +15,8 @@ Floors (each may import only its own floor and the floors below it):
 0. **contracts** — what every part agrees on and nothing else: ``errors``, ``keys``, ``kv``,
    ``models``, ``prefill``, ``artifact``, ``codecs``, ``placement``, ``config``, ``blobstore``,
    ``procs``, ``console``, ``proto`` (generated stubs), ``segments`` (position-free document KV)
-   and ``blend`` (re-placing segments and recomputing a share of them, run by hosts and the lab).
+   ``blend`` (re-placing segments and recomputing a share of them, run by hosts and the lab) and
+   ``steer`` (steered variants: their specs, chain roots and the methods the origin runs).
 1. **wire** — ``kdn.wire``: message conversions, the gRPC status ↔ error mapping (clients and the
    one servicer envelope), stream frames, the shm reader, auth, TLS, channels, in-process gRPC.
 2. **parts** — ``kdn.client`` and ``kdn.client_transport`` and ``kdn.integrations`` (the

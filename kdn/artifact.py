@@ -99,6 +99,7 @@ def encode_artifact(
     fingerprint: ModelFingerprint,
     codec: Codec | str = "raw",
     chunk_index: int = 0,
+    steer: str = "",
 ) -> bytes:
     """Frame one chunk's KV ``(L, 2, H, T, D)`` as a container."""
     codec = get_codec(codec) if isinstance(codec, str) else codec
@@ -126,6 +127,7 @@ def encode_artifact(
         codec_meta=codec.meta(),
         chunk_index=chunk_index,
         created_unix=time.time(),
+        steer=steer,
     )
     hbytes = header.SerializeToString()
     if len(hbytes) > MAX_HEADER:
@@ -160,6 +162,7 @@ class ArtifactReader:
         expect_fingerprint: ModelFingerprint | None = None,
         expect_key: ChunkKey | None = None,
         require_lossless: bool = False,
+        expect_steer: str | None = None,
         max_bytes: int = DEFAULT_MAX_BYTES,
         decode: bool = True,
         assemble: bool = False,
@@ -182,6 +185,7 @@ class ArtifactReader:
         self._expect_fp = expect_fingerprint
         self._expect_key = expect_key
         self._require_lossless = require_lossless
+        self._expect_steer = expect_steer
         self._max_bytes = max_bytes
         self._decode = decode
         self._assemble = (assemble or out is not None) and decode
@@ -355,6 +359,11 @@ class ArtifactReader:
             )
         if self._expect_key is not None and h.key != bytes(self._expect_key):
             raise ArtifactCorrupt(f"artifact holds key {h.key.hex()[:16]}…, expected {bytes(self._expect_key).hex()[:16]}…")
+        if self._expect_steer is not None and h.steer != self._expect_steer:
+            raise ArtifactCorrupt(
+                f"artifact is steered variant {h.steer[:120]!r}, expected {self._expect_steer[:120] or 'plain KV'!r}"
+                if h.steer else f"artifact is plain KV, expected steered variant {self._expect_steer[:120]!r}"
+            )
         if self._require_lossless and h.lossy:
             raise LossyRefused(f"artifact is lossy ({h.codec}:{h.codec_level}) but lossless was required")
         codec = get_codec(f"{h.codec}:{h.codec_level}" if h.codec_level else h.codec)

@@ -92,16 +92,22 @@ def chunk_keys(
     fingerprint: ModelFingerprint,
     namespace: Namespace,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    root: ChunkKey = ROOT_KEY,
 ) -> list[ChunkKey]:
-    """Keys of every *full* chunk of ``tokens``, in order. A trailing partial chunk has no key."""
+    """Keys of every *full* chunk of ``tokens``, in order. A trailing partial chunk has no key.
+
+    ``root``: the chain's first parent; :data:`ROOT_KEY` for plain KV, a steered variant's own
+    root (:func:`kdn.steer.steer_root`) otherwise, so no steered key equals a plain one."""
     if chunk_size <= 0:
         raise InvalidInput(f"chunk_size must be positive, got {chunk_size}")
     if len(fingerprint) != KEY_BYTES:
         raise InvalidInput(f"model fingerprint must be {KEY_BYTES} bytes, got {len(fingerprint)}")
     arr = _as_u32(tokens)
+    if len(root) != KEY_BYTES:
+        raise InvalidInput(f"chain root must be {KEY_BYTES} bytes, got {len(root)}")
     fp, ns = bytes(fingerprint), namespace.encode()
     keys: list[ChunkKey] = []
-    parent = ROOT_KEY
+    parent = bytes(root)
     for start in range(0, len(arr) - chunk_size + 1, chunk_size):
         parent = _step(parent, fp, ns, arr[start : start + chunk_size].tobytes())
         keys.append(parent)

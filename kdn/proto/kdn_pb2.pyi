@@ -19,7 +19,7 @@ FLOAT16: DType
 BFLOAT16: DType
 
 class ArtifactHeader(_message.Message):
-    __slots__ = ("layout_version", "fingerprint", "key", "parent_key", "token_count", "num_layers", "num_kv_heads", "head_dim", "dtype", "codec", "codec_level", "lossy", "codec_meta", "chunk_index", "created_unix")
+    __slots__ = ("layout_version", "fingerprint", "key", "parent_key", "token_count", "num_layers", "num_kv_heads", "head_dim", "dtype", "codec", "codec_level", "lossy", "codec_meta", "chunk_index", "created_unix", "steer")
     LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class ArtifactHeader(_message.Message):
     CODEC_META_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    STEER_FIELD_NUMBER: _ClassVar[int]
     layout_version: int
     fingerprint: bytes
     key: bytes
@@ -50,7 +51,8 @@ class ArtifactHeader(_message.Message):
     codec_meta: bytes
     chunk_index: int
     created_unix: float
-    def __init__(self, layout_version: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., key: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., token_count: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[str] = ..., codec_level: _Optional[str] = ..., lossy: _Optional[bool] = ..., codec_meta: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    steer: str
+    def __init__(self, layout_version: _Optional[int] = ..., fingerprint: _Optional[bytes] = ..., key: _Optional[bytes] = ..., parent_key: _Optional[bytes] = ..., token_count: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., codec: _Optional[str] = ..., codec_level: _Optional[str] = ..., lossy: _Optional[bool] = ..., codec_meta: _Optional[bytes] = ..., chunk_index: _Optional[int] = ..., created_unix: _Optional[float] = ..., steer: _Optional[str] = ...) -> None: ...
 
 class Namespace(_message.Message):
     __slots__ = ("tenant", "salt")

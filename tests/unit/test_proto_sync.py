@@ -81,7 +81,7 @@ def test_normalisation_keeps_schema_changes_visible(tmp_path: Path) -> None:
     fresh_dir = _regenerate(tmp_path)
     before = _normalise((fresh_dir / "kdn_pb2.pyi").read_text())
     proto = tmp_path / PROTO
-    proto.write_text(proto.read_text().replace("double created_unix = 15;", "double created_unix = 15;\n  uint32 extra = 16;"))
+    proto.write_text(proto.read_text().replace("double created_unix = 15;", "double created_unix = 15;\n  uint32 extra = 99;"))
     for name in GENERATED:
         (fresh_dir / name).unlink()
     _protoc(tmp_path)

@@ -1,0 +1,198 @@
+"""Steered KV: a document's stored KV edited at ingest so that later prompts read it differently.
+
+A *steer spec* (:class:`SteerSpec`) names one steered variant of a document: the ``method``, the
+operator's ``marks`` (token spans ``[start, end)`` of the document) and a ``strength``. Two methods
+(:mod:`kdn.steer.methods`), both of which leave the model's attention untouched at reuse time —
+only the stored K/V differ, so any engine that can load KV can use them:
+
+- ``key-edit`` (PASTA/SEKA-style): the keys of the marked tokens, in a few heads chosen by a
+  calibration, get a vector added along each head's mean query direction, restricted to the
+  lowest-frequency rotary dimensions (which barely rotate over the distances a prompt spans), so
+  every later query near the head's typical query gives the marked tokens about ``strength`` more
+  nats of attention logit. Needs a :class:`~kdn.steer.methods.KeyEditCalibration` for the model;
+  its digest is part of the spec (the same marks under another calibration are another variant).
+- ``re-read`` (LLMSteer-style, query-independent): the model reads the document (or only its marked
+  spans) a second time right after the first; the stored KV of those tokens is the second
+  reading's, rotated back to the single copy's positions (:mod:`kdn.blend.rope`), so the prompt
+  still reads as one copy and costs nothing more at reuse.
+
+Keys: a steered variant is part of the key. Its chain starts from its own root,
+``steer_root(spec) = BLAKE2b-256("kdn/steer/root/v1" ‖ canonical spec)`` instead of
+:data:`kdn.keys.ROOT_KEY`, so every chunk key of a steered chain differs from the plain chain's and
+from every other variant's; the plain chain (root ``ROOT_KEY``) is byte-for-byte what it always
+was. A client gets a steered variant only by naming it (its spec, or the variant id — the root's
+hex); by default it computes plain keys. Each steered artifact carries its spec (method, marks,
+strength, calibration) as canonical JSON in the container header's ``steer`` field; plain
+artifacts leave it empty, and a reader that expects plain refuses a steered artifact.
+
+Invariants:
+- plain keys never depend on anything in this module;
+- equal variant ids imply equal canonical specs (method, marks, strength, calibration digest);
+- a steered artifact's header names its spec; a steered result is never stored under a plain key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kdn.errors import InvalidInput
+from kdn.keys import KEY_BYTES, ChunkKey, ROOT_KEY
+
+METHODS = ("key-edit", "re-read")
+MAX_STRENGTH = 8.0  # nats of attention logit added (key-edit); beyond this a head sees nothing else
+MAX_MARKS = 4096
+SPEC_VERSION = 1
+_ROOT_PERSON = b"kdn/steer/root/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class SteerSpec:
+    """One steered variant of a document.
+
+    ``marks``: token spans ``[start, end)`` of the document, merged and sorted on construction.
+    ``key-edit`` needs at least one mark and a strength in ``(0, MAX_STRENGTH]`` nats;
+    ``re-read`` with no marks re-reads the whole document, with marks only those spans, and takes
+    no strength (it is stored as 1). ``calibration``: digest of the key-edit calibration ("" for
+    re-read).
+    """
+
+    method: str
+    marks: tuple[tuple[int, int], ...] = ()
+    strength: float = 1.0
+    calibration: str = ""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidInput(f"unknown steer method {self.method!r}; choose one of {', '.join(METHODS)}")
+        marks = _merge(self.marks)
+        object.__setattr__(self, "marks", marks)
+        if self.method == "key-edit":
+            if not marks:
+                raise InvalidInput("key-edit needs at least one marked span (what should get more attention)")
+            s = float(self.strength)
+            if not (0.0 < s <= MAX_STRENGTH):  # also refuses NaN
+                raise InvalidInput(f"key-edit strength must be in (0, {MAX_STRENGTH:g}] nats, got {self.strength!r}")
+            object.__setattr__(self, "strength", s)
+            if not re.fullmatch(r"[0-9a-f]{16,64}", self.calibration):
+                raise InvalidInput("key-edit needs the digest of the model's key-edit calibration (hex); "
+                                   "run `kdn eval-steer --model DIR` to calibrate")
+        else:
+            if float(self.strength) != 1.0:
+                raise InvalidInput(f"re-read takes no strength (reads the marked text once more), got {self.strength!r}")
+            object.__setattr__(self, "strength", 1.0)
+            if self.calibration:
+                raise InvalidInput("re-read takes no calibration")
+
+    def check_fits(self, n_tokens: int) -> None:
+        """Refuse marks that reach past a document of ``n_tokens`` tokens."""
+        for s, e in self.marks:
+            if e > n_tokens:
+                raise InvalidInput(f"marked span [{s}, {e}) is out of range: the document has {n_tokens} tokens")
+
+    def canonical(self) -> str:
+        """The spec as canonical JSON (sorted keys, no spaces): what the key hashes and the header holds."""
+        return json.dumps({"v": SPEC_VERSION, "method": self.method, "marks": [list(m) for m in self.marks],
+                           "strength": round(self.strength, 6), "calibration": self.calibration},
+                          sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_canonical(cls, text: str) -> "SteerSpec":
+        try:
+            d = json.loads(text)
+            if not isinstance(d, dict):
+                raise InvalidInput("malformed steer spec: not a JSON object")
+            if d.get("v") != SPEC_VERSION:
+                raise InvalidInput(f"steer spec version {d.get('v')!r} is not {SPEC_VERSION}")
+            return cls(d["method"], tuple(tuple(m) for m in d["marks"]), float(d["strength"]), d["calibration"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            if isinstance(exc, InvalidInput):
+                raise
+            raise InvalidInput(f"malformed steer spec: {exc}") from exc
+
+    @property
+    def variant_id(self) -> str:
+        """The hex of :func:`steer_root`: how a client names this variant."""
+        return bytes(steer_root(self)).hex()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "marks": [list(m) for m in self.marks], "strength": self.strength,
+                "calibration": self.calibration, "variant": self.variant_id}
+
+
+def _merge(marks: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
+    if len(marks) > MAX_MARKS:
+        raise InvalidInput(f"at most {MAX_MARKS} marked spans, got {len(marks)}")
+    spans = []
+    for m in marks:
+        if len(m) != 2:
+            raise InvalidInput(f"a marked span is (start, end), got {tuple(m)!r}")
+        s, e = m
+        if isinstance(s, bool) or isinstance(e, bool) or not isinstance(s, int) or not isinstance(e, int):
+            raise InvalidInput(f"a marked span holds two integers, got {tuple(m)!r}")
+        if s < 0 or e <= s:
+            raise InvalidInput(f"marked span [{s}, {e}) is empty or negative")
+        spans.append((s, e))
+    spans.sort()
+    out: list[tuple[int, int]] = []
+    for s, e in spans:
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return tuple(out)
+
+
+def steer_root(spec: SteerSpec | None) -> ChunkKey:
+    """The chain root of a variant: :data:`kdn.keys.ROOT_KEY` for plain (``None``)."""
+    if spec is None:
+        return ROOT_KEY
+    return ChunkKey(hashlib.blake2b(_ROOT_PERSON + spec.canonical().encode(), digest_size=KEY_BYTES).digest())
+
+
+def parse_variant(value: str | None) -> ChunkKey:
+    """A variant id from a client (64 hex digits, or "" / "plain" / None for plain) as a chain root."""
+    if value is None or value in ("", "plain"):
+        return ROOT_KEY
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError as exc:
+        raise InvalidInput(f"malformed steer variant id {value[:80]!r}: not hex") from exc
+    if len(raw) != KEY_BYTES:
+        raise InvalidInput(f"malformed steer variant id: {len(raw)} bytes, expected {KEY_BYTES}")
+    return ChunkKey(raw)
+
+
+def marks_from_regex(text: str, pattern: str, offsets: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Token spans of the lines of ``text`` that match ``pattern`` (``re.search``).
+
+    ``offsets``: each token's character span in ``text`` (a fast tokenizer's offset mapping). A
+    token is marked when it overlaps a matching line.
+    """
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        raise InvalidInput(f"bad --emphasize regex {pattern!r}: {exc}") from exc
+    lines, pos = [], 0
+    for line in text.splitlines(keepends=True):
+        if rx.search(line):
+            lines.append((pos, pos + len(line)))
+        pos += len(line)
+    if not lines:
+        raise InvalidInput(f"regex {pattern!r} matches no line of the document: nothing to emphasize")
+    return chars_to_tokens(lines, offsets)
+
+
+def chars_to_tokens(char_spans: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Token spans covering character spans (a token is in when its characters overlap the span)."""
+    out = []
+    for cs, ce in char_spans:
+        toks = [i for i, (ts, te) in enumerate(offsets) if ts < ce and te > cs]
+        if toks:
+            out.append((toks[0], toks[-1] + 1))
+    if not out:
+        raise InvalidInput("the marked text covers no token of the document")
+    return _merge(out)
