@@ -48,6 +48,7 @@ from kdn.errors import ArtifactCorrupt, Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.kv import KVShape, empty_prefaulted
 from kdn.segments import SEGMENT_PARENT, SegmentKey
+from kdn.steer import SteerSpec, parse_variant, steer_root
 from kdn.wire.convert import FetchSpec
 from kdn.wire.tls import TlsFiles
 
@@ -76,6 +77,8 @@ class ClientConfig(RoleConfig):
         True, description="move artifact bytes over the edge's bulk byte path when it offers one (else the gRPC stream)"
     )
     codec: str = Field("", description="preferred codec for fetches ('' = whatever the edge stores)")
+    steer: str = Field("", description="steered variant id to reuse (kdn.steer; '' = plain KV, the default). A "
+                       "client that names one computes that variant's keys, refuses any other KV, writes nothing back")
     require_lossless: bool = Field(True, description="refuse lossy artifacts (outputs then equal recompute)")
     put_codec: str = Field("raw", description="codec for chunks written back to the edge")
     write_back: bool = Field(True, description="Put newly computed full chunks to the edge in the background")
@@ -91,6 +94,8 @@ class ClientConfig(RoleConfig):
     @model_validator(mode="after")
     def _check(self) -> "ClientConfig":
         Namespace(self.tenant, self.salt)  # raises InvalidInput on a malformed tenant
+        root = parse_variant(self.steer)  # raises InvalidInput on a malformed variant id
+        self.__dict__["steer"] = "" if root == ROOT_KEY else bytes(root).hex()  # "plain" -> "", lower-case hex
         TlsFiles.for_client(self.tls_cert, self.tls_key, self.tls_ca)  # the TLS rules: kdn.wire.tls
         return self
 
@@ -222,9 +227,10 @@ class AsyncKdnClient:
         assert self.transport is not None
         lo, hi = i * chunk_size, (i + 1) * chunk_size
         # sections decode straight into chunk i's token range of the prefix KV: (L, 2, H, T, D) view
+        steer = self.config.steer
         reader = ArtifactReader(
             expect_fingerprint=fingerprint, expect_key=keys[i], require_lossless=self.config.require_lossless,
-            out=out[:, :, :, lo:hi],
+            out=out[:, :, :, lo:hi], expect_steer=None if steer else "",  # plain asked: a steered header is refused
         )
         spec = FetchSpec(
             keys[i], fingerprint, self.config.namespace,
@@ -241,7 +247,10 @@ class AsyncKdnClient:
                 tally.decode_s += time.perf_counter() - t0
                 tally.bytes += len(piece)
                 tally.via = via
-        reader.finish()
+        header = reader.finish()
+        if steer and (not header.steer or bytes(steer_root(SteerSpec.from_canonical(header.steer))).hex() != steer):
+            raise ArtifactCorrupt(f"chunk {i} is not steered variant {steer[:16]}... (its header names "
+                                  f"{header.steer[:120] or 'plain KV'!r})")
 
     async def put(self, fingerprint: ModelFingerprint, key: ChunkKey, data: bytes) -> bool:
         """Store one container on the edge."""
@@ -263,7 +272,7 @@ class AsyncKdnClient:
         assert self.transport is not None
         out = empty_prefaulted(kv_shape.chunk_shape(tokens), kv_shape.dtype)  # (L, 2, H, n, D)
         reader = ArtifactReader(expect_fingerprint=fingerprint, expect_key=ChunkKey(key),
-                                require_lossless=self.config.require_lossless, out=out)
+                                require_lossless=self.config.require_lossless, out=out, expect_steer="")
         n_bytes = 0
 
         async def go() -> None:
@@ -324,7 +333,8 @@ class AsyncKdnClient:
     # -- the request-level operations (never fail because the cache did) ----------------------
 
     def keys_for(self, tokens: Sequence[int] | np.ndarray, fingerprint: ModelFingerprint, chunk_size: int) -> list[ChunkKey]:
-        return chunk_keys(tokens, fingerprint=fingerprint, namespace=self.config.namespace, chunk_size=chunk_size)
+        return chunk_keys(tokens, fingerprint=fingerprint, namespace=self.config.namespace, chunk_size=chunk_size,
+                          root=parse_variant(self.config.steer))
 
     async def reuse(
         self,
@@ -393,7 +403,7 @@ class AsyncKdnClient:
         Returns how many the edge stored. Failures are counted and logged at debug level: a
         write-back is an optimisation, never part of the answer.
         """
-        if self.transport is None:
+        if self.transport is None or self.config.steer:  # locally computed KV is plain: never under a variant's keys
             return 0
         stored = 0
         n_tokens = int(layers[0][0].shape[2]) if layers else 0
@@ -422,7 +432,7 @@ class AsyncKdnClient:
         start: int,
     ) -> bool:
         """Start :meth:`write_back` in the background (call from the loop). False when dropped."""
-        if self.transport is None or not self.config.write_back or start >= len(keys):
+        if self.transport is None or not self.config.write_back or self.config.steer or start >= len(keys):
             return False
         if len(self._pending) >= self.config.max_pending_puts:
             self.counters["write_back_dropped"] += 1

@@ -227,7 +227,7 @@ def calibration_prompts(model_dir: Path, lm: LoadedModel, n: int, n_docs: int, s
 
 
 @torch.inference_mode()
-def run(model: str, *, prompts: int, docs: int, cal_prompts: int, seed: int, max_heads: int = 2,
+def run(model: str, *, prompts: int, docs: int, cal_prompts: int, seed: int, max_heads: int = 4,
         chunk_size: int = 256, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     model_dir = Path(model)
     meta = model_dir / "kdn_reference.json"
@@ -274,6 +274,8 @@ def run(model: str, *, prompts: int, docs: int, cal_prompts: int, seed: int, max
         r = table[name]
         gain, ls, le = r["middle"]["delta"], r["start"]["delta"], r["end"]["delta"]
         goal[name] = {"middle_gain": gain, "start_change": ls, "end_change": le,
+                      "middle_gain_ci95": r["middle"]["delta_ci95"], "start_ci95": r["start"]["delta_ci95"],
+                      "end_ci95": r["end"]["delta_ci95"],
                       "met": gain >= GOAL_GAIN and ls >= -GOAL_LOSS and le >= -GOAL_LOSS}
     ctx_tokens = len(make_cases(model_dir, lm, 1, docs, "start", seed)[0].context)
     return {"model": model, "fingerprint": fp, "layers": lm.kv_shape.num_layers, "heads": lm.kv_shape.num_kv_heads,
@@ -301,9 +303,10 @@ def format_table(res: dict[str, Any]) -> str:
 def goal_lines(res: dict[str, Any]) -> list[str]:
     out = []
     for name, g in res["goal"].items():
-        out.append(f"{name}: middle {g['middle_gain'] * 100:+.1f} points, start {g['start_change'] * 100:+.1f}, "
-                   f"end {g['end_change'] * 100:+.1f} -> goal (>= +5 middle, >= -1 elsewhere) "
-                   f"{'MET' if g['met'] else 'NOT MET'}")
+        ci = lambda k: f"[{g[k][0] * 100:+.1f}, {g[k][1] * 100:+.1f}]"  # noqa: E731
+        out.append(f"{name}: middle {g['middle_gain'] * 100:+.1f} points {ci('middle_gain_ci95')}, start "
+                   f"{g['start_change'] * 100:+.1f} {ci('start_ci95')}, end {g['end_change'] * 100:+.1f} {ci('end_ci95')} "
+                   f"-> goal (>= +5 middle, >= -1 elsewhere; point estimates) {'MET' if g['met'] else 'NOT MET'}")
     return out
 
 
@@ -313,7 +316,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompts", type=int, default=200, help="held-out prompts per position (default 200)")
     p.add_argument("--docs", type=int, default=8, help="documents per prompt (default 8)")
     p.add_argument("--cal-prompts", type=int, default=64, help="training-distribution prompts for calibration (default 64)")
-    p.add_argument("--max-heads", type=int, default=2, help="most heads key-edit may edit (default 2)")
+    p.add_argument("--max-heads", type=int, default=4, help="most heads key-edit may edit (default 4)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the generated prompts (default 0)")
     p.add_argument("--chunk-size", type=int, default=256, help="chunk size of the stored KV (default 256)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")

@@ -72,6 +72,14 @@ def main_ingest(argv: list[str]) -> int:
                    help="no progress on stderr (default: a bar on a terminal, else one line per stage and document)")
     p.add_argument("--local", action="store_true",
                    help="prefill in this process even when RAY_ADDRESS names a cluster (default: its kdn_origin nodes)")
+    p.add_argument("--emphasize", metavar="METHOD", choices=None,
+                   help="also store a steered variant of each document: key-edit (marked tokens get more attention; "
+                        "needs marks and the model's calibration from `kdn eval-steer`) or re-read (the model reads "
+                        "the document, or its marked lines, twice). Clients get it only by naming its variant id")
+    p.add_argument("--emphasize-regex", metavar="RX", default="", help="mark the lines that match RX")
+    p.add_argument("--emphasize-spans", metavar="S:E,...", default="", help="mark token spans [S, E)")
+    p.add_argument("--emphasize-strength", metavar="NATS", type=float, default=None,
+                   help="key-edit: attention logit added to marked tokens, (0, 8] (default: the calibrated one)")
     _common(p)
     args = p.parse_args(argv)
     from kdn.console import StageLines
@@ -84,7 +92,16 @@ def main_ingest(argv: list[str]) -> int:
     from kdn.origin.ingest.where import Placement, decide, origin_nodes
 
     started_ray = False
+    emphasize = ""
     try:
+        if args.emphasize or args.emphasize_regex or args.emphasize_spans or args.emphasize_strength is not None:
+            from kdn.origin.steer import Emphasis
+
+            if not args.emphasize:
+                raise InvalidInput("--emphasize-regex/-spans/-strength need --emphasize METHOD")
+            emphasize = Emphasis(args.emphasize, args.emphasize_regex,
+                                 Emphasis.parse_spans(args.emphasize_spans) if args.emphasize_spans else (),
+                                 args.emphasize_strength).to_json()
         config = _config(args, models=[args.model] if args.model else None, namespace=args.namespace)
         check_model_spec(config.models[0])
         # before any worker (which opens, so creates, the store): no document, nothing is made
@@ -133,7 +150,7 @@ def main_ingest(argv: list[str]) -> int:
     except KdnError as exc:
         return _fatal(args, exc)
     try:
-        summary = ingest(args.paths, config, executor=executor, progress=mode, found=found)
+        summary = ingest(args.paths, config, executor=executor, progress=mode, found=found, emphasize=emphasize)
         summary.where = where
     except KdnError as exc:
         return _fatal(args, exc)

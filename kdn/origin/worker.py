@@ -25,6 +25,7 @@ import torch
 
 from kdn.artifact import encode_artifact
 from kdn.codecs import get_codec
+from kdn.errors import InvalidInput
 from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys
 from kdn.models import LoadedModel, load_model
 from kdn.prefill import plan_chunks, prefill_chunks, window_tokens
@@ -45,6 +46,7 @@ class DocumentTask:
     salt: str = ""
     attempt: int = 0
     complete: bool = True  # False: ``text`` is only the first part of the document (see ingest)
+    emphasize: str = ""  # an operator's emphasis (kdn.origin.steer.Emphasis as JSON): also store a steered variant
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in DocumentTask.__dataclass_fields__}
@@ -71,13 +73,16 @@ class DocumentResult:
     seconds: float = 0.0
     worker_pid: int = 0
     attempts: int = 1
+    steer: str = ""  # the steered variant's canonical spec ("" when none was asked for or it failed)
+    steer_variant: str = ""  # its id (hex): what a client names to reuse it
+    steer_keys: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DocumentResult":
-        return cls(**{**d, "keys": tuple(d.get("keys", ()))})
+        return cls(**{**d, "keys": tuple(d.get("keys", ())), "steer_keys": tuple(d.get("steer_keys", ()))})
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +186,15 @@ class PrefillWorker:
             status, message = "skipped", "every chunk already stored"
         else:
             status, message = "stored", ""
+        steer: dict[str, Any] = {}
+        if t.emphasize:
+            try:
+                steer = self._store_steered(t, tokens[: plan.covered_tokens], ns)
+            except InvalidInput as exc:  # the plain chain is stored; the variant is not
+                status, message = "failed", f"steered variant not stored: {exc} (plain KV stored)"
+            if steer.pop("computed", 0) and status == "skipped":
+                status, message = "stored", "plain chunks were already stored; computed the steered variant"
+            written += steer.pop("written", 0)
         return DocumentResult(
             doc_id=t.doc_id,
             status=status,
@@ -196,7 +210,25 @@ class PrefillWorker:
             seconds=time.perf_counter() - t0,
             worker_pid=os.getpid(),
             attempts=t.attempt + 1,
+            **steer,
         ).to_dict()
+
+    def _store_steered(self, t: DocumentTask, tokens: Sequence[int], ns: Namespace) -> dict[str, Any]:
+        """Store the document's steered variant (see :mod:`kdn.origin.steer`); its result fields."""
+        from kdn.origin.steer import STEER_SUFFIX, Emphasis, calibration_for, resolve, store_steered_chain
+
+        em = Emphasis.from_json(t.emphasize)
+        if not tokens:
+            raise InvalidInput("the document holds no full chunk: nothing to steer")
+        cal = calibration_for(self.lm) if em.method == "key-edit" else None
+        spec = resolve(em, self.lm, t.text, len(tokens), cal)
+        keys, computed, written = store_steered_chain(self.lm, self.store, tokens, spec, ns, self.codecs, cal)
+        self.store.record_document(DocumentRecord(
+            tenant=t.tenant, fingerprint=self.lm.fingerprint, doc_id=t.doc_id + STEER_SUFFIX,
+            content_hash=t.content_hash, n_tokens=len(tokens), keys=tuple(keys), beyond_window_tokens=0,
+            updated=time.time()))
+        return {"steer": spec.canonical(), "steer_variant": spec.variant_id,
+                "steer_keys": tuple(bytes(k).hex() for k in keys), "computed": computed, "written": written}
 
     def compute(self, tokens: np.ndarray, tenant: str, salt: str = "", codecs: Sequence[str] | None = None) -> dict[str, Any]:
         """Compute on demand: store every missing full chunk of the chain ``tokens``."""

@@ -68,7 +68,7 @@ class SteerSpec:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InvalidInput(f"unknown steer method {self.method!r}; choose one of {', '.join(METHODS)}")
-        marks = _merge(self.marks)
+        marks = merge_marks(self.marks)
         object.__setattr__(self, "marks", marks)
         if self.method == "key-edit":
             if not marks:
@@ -123,7 +123,7 @@ class SteerSpec:
                 "calibration": self.calibration, "variant": self.variant_id}
 
 
-def _merge(marks: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
+def merge_marks(marks: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
     if len(marks) > MAX_MARKS:
         raise InvalidInput(f"at most {MAX_MARKS} marked spans, got {len(marks)}")
     spans = []
@@ -172,18 +172,28 @@ def marks_from_regex(text: str, pattern: str, offsets: Sequence[tuple[int, int]]
     ``offsets``: each token's character span in ``text`` (a fast tokenizer's offset mapping). A
     token is marked when it overlaps a matching line.
     """
+    return chars_to_tokens(regex_lines(text, pattern), offsets)
+
+
+def compile_regex(pattern: str) -> "re.Pattern[str]":
     try:
-        rx = re.compile(pattern)
+        return re.compile(pattern)
     except re.error as exc:
         raise InvalidInput(f"bad --emphasize regex {pattern!r}: {exc}") from exc
+
+
+def regex_lines(text: str, pattern: str) -> list[tuple[int, int]]:
+    """Character spans of the lines of ``text`` (without their line end) that match ``pattern``."""
+    rx = compile_regex(pattern)
     lines, pos = [], 0
     for line in text.splitlines(keepends=True):
-        if rx.search(line):
-            lines.append((pos, pos + len(line)))
+        body = line.rstrip("\r\n")
+        if rx.search(body):
+            lines.append((pos, pos + len(body)))
         pos += len(line)
     if not lines:
         raise InvalidInput(f"regex {pattern!r} matches no line of the document: nothing to emphasize")
-    return chars_to_tokens(lines, offsets)
+    return lines
 
 
 def chars_to_tokens(char_spans: Sequence[tuple[int, int]], offsets: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -195,4 +205,4 @@ def chars_to_tokens(char_spans: Sequence[tuple[int, int]], offsets: Sequence[tup
             out.append((toks[0], toks[-1] + 1))
     if not out:
         raise InvalidInput("the marked text covers no token of the document")
-    return _merge(out)
+    return merge_marks(out)

@@ -233,8 +233,8 @@ def answer_logprob(model: Any, kv: torch.Tensor, tail: Sequence[int], answer: Se
 
 
 @torch.inference_mode()
-def calibrate_key_edit(model: Any, fingerprint: str, prompts: Sequence[CalPrompt], *, max_heads: int = 2,
-                       probe: float = 2.0, strengths: Sequence[float] = (0.5, 1.0, 2.0, 3.0, 4.0),
+def calibrate_key_edit(model: Any, fingerprint: str, prompts: Sequence[CalPrompt], *, max_heads: int = 4,
+                       probe: float = 2.0, strengths: Sequence[float] = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0),
                        reach: int = DEFAULT_REACH, log: Callable[[str], None] = lambda s: None) -> KeyEditCalibration:
     """Pick heads and a strength for key-edit on ``prompts`` (see the module docstring)."""
     if not prompts:
@@ -267,15 +267,17 @@ def calibrate_key_edit(model: Any, fingerprint: str, prompts: Sequence[CalPrompt
     ranked = [hd for hd, g in sorted(gains.items(), key=lambda kv: -kv[1]) if g > 0][:max_heads]
     if not ranked:
         ranked = [max(gains, key=lambda hd: gains[hd])]
-    best = (-1.0, 0.0, probe)
-    for s in strengths:
-        lp, acc = score(ranked, s)
-        log(f"  heads {ranked} strength {s:g}: accuracy {acc:.3f}, log-prob {lp:.3f}")
-        if (acc, lp) > best[:2]:
-            best = (acc, lp, s)
+    best: tuple[float, float, float, int] = (-1.0, -math.inf, probe, 1)  # accuracy, log-prob, strength, heads
+    for k in range(1, len(ranked) + 1):
+        for s in strengths:
+            lp, acc = score(ranked[:k], s)
+            log(f"  heads {ranked[:k]} strength {s:g}: accuracy {acc:.3f}, log-prob {lp:.3f}")
+            if (acc, lp) > best[:2]:
+                best = (acc, lp, s, k)
+    chosen = ranked[: best[3]]
     notes = {"prompts": len(prompts), "probe": probe, "plain_accuracy": plain_acc, "calibrated_accuracy": best[0],
              "gains": {f"L{l}H{h}": g for (l, h), g in gains.items()}}
-    return KeyEditCalibration(fingerprint, tuple(ranked), directions_for(means, ranked, mask), best[2], reach, notes)
+    return KeyEditCalibration(fingerprint, tuple(chosen), directions_for(means, chosen, mask), best[2], reach, notes)
 
 
 # -- where a calibration lives -----------------------------------------------------------------------

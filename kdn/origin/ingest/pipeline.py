@@ -29,10 +29,12 @@ def ingest(
     on_result: OnResult | None = None,
     found: Discovery | None = None,
     progress_stream: TextIO | None = None,
+    emphasize: str = "",
 ) -> IngestSummary:
     """Ingest ``paths`` into ``config``'s store; never raises for a bad document (see summary).
 
     ``executor``: reuse one (tests, benchmarks); otherwise one is made from ``config`` and closed.
+    ``emphasize``: an :class:`kdn.origin.steer.Emphasis` as JSON: also store that steered variant.
     ``found``: ``paths`` already discovered (the CLI checks there is something to do first).
     ``progress``: ``"bar"`` (or True), ``"lines"`` (one line per document and a heartbeat, on
     ``progress_stream``, default stderr) or ``"off"`` (or False); see :class:`Progress`.
@@ -87,7 +89,8 @@ def ingest(
                     record(DocumentResult(s.doc_id, "failed", str(exc)))
                     continue
                 bar.started(s.doc_id)
-                yield DocumentTask(s.doc_id, doc.text, doc.digest, ns.tenant, ns.salt, complete=doc.complete)
+                yield DocumentTask(s.doc_id, doc.text, doc.digest, ns.tenant, ns.salt, complete=doc.complete,
+                                   emphasize=emphasize)
 
         try:
             ex.run(tasks(), record)

@@ -82,7 +82,8 @@ class IngestSummary:
             "worker_deaths": self.worker_deaths,
             "ignored": self.ignored,
             "not_regular": self.not_regular,
-            "results": [{k: v for k, v in r.to_dict().items() if k != "keys"} | {"keys": len(r.keys)} for r in self.results],
+            "results": [{k: v for k, v in r.to_dict().items() if k not in ("keys", "steer_keys")}
+                        | {"keys": len(r.keys), "steer_keys": len(r.steer_keys)} for r in self.results],
             "failed": self.failed,
         }
 
@@ -104,7 +105,8 @@ class IngestSummary:
         shown = sorted(self.results, key=lambda r: (r.status in ("stored", "skipped"), r.doc_id))
         for r in shown[:DOCUMENTS_SHOWN]:
             if r.status in ("stored", "skipped"):
-                lines.append(f"    {r.status:9} {r.doc_id}  ({r.n_chunks} chunks)")
+                lines.append(f"    {r.status:9} {r.doc_id}  ({r.n_chunks} chunks)"
+                             + (f"; steered variant {r.steer_variant} (ClientConfig(steer=...))" if r.steer_variant else ""))
             else:  # a problem: upper case, with the reason
                 lines.append(f"    {r.status.upper():9} {r.doc_id}: {r.message}")
         if len(shown) > DOCUMENTS_SHOWN:

@@ -1,0 +1,146 @@
+"""Origin side of steered KV: an operator's emphasis on a document becomes a steered chain in the store.
+
+The operator says what matters (``kdn ingest --emphasize METHOD [--emphasize-regex RX |
+--emphasize-spans S:E,...] [--emphasize-strength NATS]``): an :class:`Emphasis`, checked before
+any work. For each document it is resolved against that document's text and tokens into a
+:class:`kdn.steer.SteerSpec` (lines matching the regex become token spans; marks past the stored
+full chunks are dropped), the steered KV is computed here — the origin has the model — by
+:func:`kdn.steer.methods.steered_kv`, cut into chunks under the variant's own chain
+(:func:`kdn.steer.steer_root`) and stored with every configured codec, each header naming the spec.
+The edge needs no change: it keeps and serves these artifacts by key like any other. A manifest
+row ``<doc_id>#steer`` lists the variant's keys, and the ingest result names the variant id a
+client asks for (``ClientConfig(steer=...)``).
+
+Key-edit needs the model's calibration (``kdn eval-steer --model DIR`` writes it; only retrieval
+reference models can be calibrated today); without one it is refused with that advice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from kdn.artifact import encode_artifact
+from kdn.errors import InvalidInput
+from kdn.keys import ChunkKey, Namespace, chunk_keys
+from kdn.models import LoadedModel
+from kdn.origin.store import OriginStore
+from kdn.prefill import document_tokens
+from kdn.steer import MAX_STRENGTH, METHODS, SteerSpec, compile_regex, merge_marks, regex_lines, steer_root
+from kdn.steer.methods import KeyEditCalibration, load_calibration, steered_kv
+
+STEER_SUFFIX = "#steer"
+
+
+@dataclass(frozen=True, slots=True)
+class Emphasis:
+    """What an operator marks in every document of one ingest (before it meets a document)."""
+
+    method: str
+    regex: str = ""
+    spans: tuple[tuple[int, int], ...] = ()  # token spans of the document
+    strength: float | None = None  # key-edit: nats (default: the calibrated strength)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidInput(f"unknown --emphasize method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.regex and self.spans:
+            raise InvalidInput("--emphasize-regex and --emphasize-spans exclude each other")
+        if self.regex:
+            compile_regex(self.regex)
+        object.__setattr__(self, "spans", merge_marks(self.spans))
+        if self.method == "key-edit":
+            if not self.regex and not self.spans:
+                raise InvalidInput("key-edit needs marks: --emphasize-regex RX or --emphasize-spans S:E,...")
+            if self.strength is not None and not (0.0 < float(self.strength) <= MAX_STRENGTH):
+                raise InvalidInput(f"--emphasize-strength must be in (0, {MAX_STRENGTH:g}] nats, got {self.strength!r}")
+        elif self.strength is not None:
+            raise InvalidInput("re-read takes no --emphasize-strength (it reads the marked text once more)")
+
+    @staticmethod
+    def parse_spans(text: str) -> tuple[tuple[int, int], ...]:
+        """``"0:10,20:30"`` -> ``((0, 10), (20, 30))`` (token spans, end exclusive)."""
+        out = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            a, sep, b = part.partition(":")
+            try:
+                if not sep:
+                    raise ValueError
+                out.append((int(a), int(b)))
+            except ValueError:
+                raise InvalidInput(f"bad --emphasize-spans item {part!r}: want START:END token indices") from None
+        if not out:
+            raise InvalidInput("--emphasize-spans is empty")
+        return merge_marks(out)
+
+    def to_json(self) -> str:
+        return json.dumps({"method": self.method, "regex": self.regex, "spans": [list(s) for s in self.spans],
+                           "strength": self.strength})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Emphasis":
+        try:
+            d = json.loads(text)
+            return cls(d["method"], d.get("regex", ""), tuple(tuple(s) for s in d.get("spans", ())), d.get("strength"))
+        except (ValueError, KeyError, TypeError) as exc:
+            if isinstance(exc, InvalidInput):
+                raise
+            raise InvalidInput(f"malformed emphasis: {exc}") from exc
+
+
+def resolve(em: Emphasis, lm: LoadedModel, text: str, n_stored: int, cal: KeyEditCalibration | None) -> SteerSpec:
+    """The spec of ``em`` for one document whose first ``n_stored`` tokens are stored as chunks."""
+    if em.regex:
+        # token index of a character offset: tokens of the text before it (exact for tokenizers whose
+        # tokens never cross a line end; approximate by a token at a BPE merge across one)
+        marks = [(len(document_tokens(lm, text[:cs])), len(document_tokens(lm, text[:ce])))
+                 for cs, ce in regex_lines(text, em.regex)]
+        marks = [(s, e) for s, e in marks if e > s]
+    else:
+        marks = list(em.spans)
+    kept = [(s, min(e, n_stored)) for s, e in marks if s < n_stored]
+    if marks and not kept:
+        raise InvalidInput(f"every marked span lies past the document's stored chunks (first {n_stored} tokens)")
+    if em.method == "re-read":
+        return SteerSpec("re-read", tuple(kept))
+    if cal is None:
+        raise InvalidInput(f"no key-edit calibration for model {lm.spec}; run `kdn eval-steer --model DIR` on it first "
+                           "(or use --emphasize re-read, which needs none)")
+    return SteerSpec("key-edit", tuple(kept), float(em.strength if em.strength is not None else cal.strength), cal.digest)
+
+
+def calibration_for(lm: LoadedModel) -> KeyEditCalibration | None:
+    return load_calibration(bytes(lm.fingerprint).hex())
+
+
+def store_steered_chain(lm: LoadedModel, store: OriginStore, tokens: Sequence[int] | np.ndarray, spec: SteerSpec,
+                        ns: Namespace, codecs: Sequence[str], cal: KeyEditCalibration | None) -> tuple[list[ChunkKey], int, int]:
+    """Store the steered variant of ``tokens`` (whole chunks only). Returns keys, chunks computed, bytes written."""
+    toks = [int(t) for t in np.asarray(tokens).tolist()]
+    root = steer_root(spec)
+    keys = chunk_keys(toks, fingerprint=lm.fingerprint, namespace=ns, chunk_size=lm.chunk_size, root=root)
+    if not keys:
+        return [], 0, 0
+    if len(store.stored_keys(keys, tenant=ns.tenant, codecs=codecs)) == len(keys):
+        return keys, 0, 0
+    extra = sum(e - s for s, e in spec.marks) if spec.marks else len(toks)
+    if spec.method == "re-read" and lm.max_positions and len(toks) + extra > lm.max_positions:
+        raise InvalidInput(f"re-read of {extra} tokens after a {len(toks)}-token document needs {len(toks) + extra} "
+                           f"positions; the model has {lm.max_positions}: mark less (--emphasize-regex/--emphasize-spans)")
+    kv = steered_kv(lm.model, toks, spec, cal)  # (L, 2, H, T, D)
+    C, written = lm.chunk_size, 0
+    for i, key in enumerate(keys):
+        chunk = kv[:, :, :, i * C : (i + 1) * C].contiguous()
+        for codec in codecs:
+            blob = encode_artifact(chunk, key=key, parent_key=keys[i - 1] if i else root, fingerprint=lm.fingerprint,
+                                   codec=codec, chunk_index=i, steer=spec.canonical())
+            store.put(blob, tenant=ns.tenant)
+            written += len(blob)
+    return keys, len(keys), written
+
+
+def describe(spec: SteerSpec) -> dict[str, Any]:
+    return spec.as_dict()

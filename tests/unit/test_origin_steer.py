@@ -1,0 +1,119 @@
+"""``kdn ingest --emphasize``: the origin stores a steered variant beside the plain chain, under its
+own keys, each header naming its spec; bad emphasis is refused with one line (issue 14)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kdn.artifact import decode_artifact
+from kdn.client import ClientConfig
+from kdn.keys import DEFAULT_NAMESPACE, chunk_keys
+from kdn.models import load_model
+from kdn.origin.cli import main_ingest
+from kdn.origin.steer import Emphasis
+from kdn.origin.store import OriginStore
+from kdn.steer import SteerSpec, parse_variant
+from kdn.steer.methods import KeyEditCalibration, write_calibration
+
+CHUNK = 64
+TEXT = "".join(f"{'POLICY: keep the cache warm' if i % 5 == 2 else 'filler text of no interest'} {i}\n" for i in range(12))
+
+
+def _ingest(tmp_path, *extra: str) -> tuple[int, dict]:
+    doc = tmp_path / "doc.md"
+    doc.write_text(TEXT)
+    code = main_ingest([str(doc), "--model", "tiny", "--codec", "raw", "--workers", "0", "--no-progress",
+                        "--chunk-size", str(CHUNK), "--store", str(tmp_path / "store"), "--json", *extra])
+    return code, doc
+
+
+def _out(capsys) -> dict:
+    return json.loads(capsys.readouterr().out)
+
+
+def test_re_read_variant_is_stored_beside_the_plain_chain_under_its_own_keys(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
+    code, _ = _ingest(tmp_path)
+    assert code == 0
+    plain_only = _out(capsys)["results"][0]
+    code, _ = _ingest(tmp_path, "--emphasize", "re-read", "--emphasize-regex", "^POLICY")
+    assert code == 0
+    r = _out(capsys)["results"][0]
+    assert r["status"] == "stored" and r["steer_variant"] and r["steer_keys"] == r["keys"] == plain_only["keys"]
+    spec = SteerSpec.from_canonical(r["steer"])
+    assert spec.method == "re-read" and len(spec.marks) >= 2  # two POLICY lines inside the stored chunks
+    lm = load_model("tiny", chunk_size=CHUNK)
+    toks = lm.tokenizer.encode(TEXT)
+    assert lm.tokenizer.decode(toks[spec.marks[0][0] : spec.marks[0][1]]).startswith("POLICY")
+    store = OriginStore(tmp_path / "store")
+    try:
+        rec = store.document("default", lm.fingerprint, str(tmp_path / "doc.md") + "#steer") or next(
+            d for d in store.documents() if d.doc_id.endswith("#steer"))
+        plain_keys = chunk_keys(toks, fingerprint=lm.fingerprint, namespace=DEFAULT_NAMESPACE, chunk_size=CHUNK)
+        client_keys = chunk_keys(toks, fingerprint=lm.fingerprint, namespace=DEFAULT_NAMESPACE, chunk_size=CHUNK,
+                                 root=parse_variant(ClientConfig(edge="mem", steer=r["steer_variant"]).steer))
+        assert list(rec.keys) == client_keys[: len(rec.keys)] and not set(rec.keys) & set(plain_keys)
+        for k in rec.keys:
+            art = decode_artifact(store.get(k, "raw", tenant="default"))
+            assert SteerSpec.from_canonical(art.header.steer) == spec  # method and marks in the header
+        for k in plain_keys[: len(rec.keys)]:
+            assert decode_artifact(store.get(k, "raw", tenant="default")).header.steer == ""
+    finally:
+        store.close()
+
+
+def test_key_edit_needs_a_calibration_then_uses_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
+    code, _ = _ingest(tmp_path, "--emphasize", "key-edit", "--emphasize-regex", "POLICY")
+    assert code == 1
+    r = _out(capsys)["results"][0]
+    assert r["status"] == "failed" and "no key-edit calibration" in r["message"] and "plain KV stored" in r["message"]
+    lm = load_model("tiny", chunk_size=CHUNK)
+    D = lm.kv_shape.head_dim
+    cal = KeyEditCalibration(bytes(lm.fingerprint).hex(), ((1, 0),), torch.ones(1, D) / D, 2.5)
+    write_calibration(cal)
+    code, _ = _ingest(tmp_path, "--emphasize", "key-edit", "--emphasize-spans", "3:20,40:50")
+    assert code == 0
+    r = _out(capsys)["results"][0]
+    spec = SteerSpec.from_canonical(r["steer"])
+    assert (spec.method, spec.marks, spec.strength, spec.calibration) == ("key-edit", ((3, 20), (40, 50)), 2.5, cal.digest)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--emphasize", "boost"], "unknown --emphasize method"),
+    (["--emphasize", "key-edit", "--emphasize-regex", "(["], "bad --emphasize regex"),
+    (["--emphasize", "key-edit", "--emphasize-regex", "x", "--emphasize-strength", "9"], "must be in (0, 8]"),
+    (["--emphasize", "key-edit", "--emphasize-regex", "x", "--emphasize-strength", "0"], "must be in (0, 8]"),
+    (["--emphasize", "key-edit"], "key-edit needs marks"),
+    (["--emphasize", "re-read", "--emphasize-strength", "2"], "re-read takes no"),
+    (["--emphasize", "re-read", "--emphasize-spans", "5-9"], "bad --emphasize-spans item"),
+    (["--emphasize", "re-read", "--emphasize-spans", "9:5"], "empty or negative"),
+    (["--emphasize-regex", "x"], "need --emphasize METHOD"),
+    (["--emphasize", "re-read", "--emphasize-regex", "x", "--emphasize-spans", "1:2"], "exclude each other"),
+])
+def test_bad_emphasis_is_one_clear_error_before_any_work(tmp_path, capsys, args, message):
+    code, _ = _ingest(tmp_path, *args)
+    assert code == 2
+    err = _out(capsys)
+    assert message in err["message"], err
+    assert not (tmp_path / "store").exists()  # nothing was made
+
+
+def test_marks_out_of_range_or_matching_nothing_fail_that_document_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
+    code, _ = _ingest(tmp_path, "--emphasize", "re-read", "--emphasize-spans", "100000:100010")
+    assert code == 1
+    r = _out(capsys)["results"][0]
+    assert r["status"] == "failed" and "past the document's stored chunks" in r["message"]
+    assert r["keys"] > 0 and not r["steer_variant"]  # the plain chain is stored, no variant
+    code, _ = _ingest(tmp_path, "--emphasize", "re-read", "--emphasize-regex", "^NOTHING")
+    assert code == 1 and "matches no line" in _out(capsys)["results"][0]["message"]
+
+
+def test_emphasis_round_trips():
+    em = Emphasis("key-edit", spans=((5, 9), (0, 3)), strength=1.5)
+    assert Emphasis.from_json(em.to_json()) == em and em.spans == ((0, 3), (5, 9))
+    assert Emphasis.parse_spans("0:3, 5:9") == ((0, 3), (5, 9))
