@@ -58,7 +58,7 @@ def plot(res: dict[str, Any], path: Path) -> bool:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = res.get("when") or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     c = res["calibration"]
     lines = [f"## Steered KV ({now})", "",
              f"Command: `{res['command']}` — 2 CPU cores shared with other work (load average at the end: "
@@ -68,7 +68,7 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res['chunk_size']}; the partial last chunk and the question are prefilled at reuse), "
              f"{res['prompts_per_position']} per position; the answer's document is the first (start), the "
              f"{res['documents'] // 2}th or {res['documents'] // 2 + 1}th (middle) or the last (end). Marks = the answer's "
-             f"document; wrong marks = a random distractor document. Key-edit calibrated on {c['prompts']} "
+             f"document (the operator knows where the answer is: PASTA's setting); wrong marks = a random distractor document. Key-edit calibrated on {c['prompts']} "
              f"training-distribution prompts (not held-out): heads {['L%dH%d' % tuple(h) for h in c['heads']]}, "
              f"strength {c['strength']:g} nats. Accuracy with 95% Wilson interval; Δ = paired difference from plain on "
              f"the same prompts, points, 95% interval.", "",
@@ -106,17 +106,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-append", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--render", type=Path, help="re-render the markdown of a saved results JSON (no run)")
     args = p.parse_args(argv)
+    if args.render:
+        md = markdown(json.loads(args.render.read_text()))
+        print(md)
+        if not args.no_append:
+            with open(REPO / "BENCHMARKS.md", "a") as fh:
+                fh.write("\n" + md)
+        return 0
     torch.set_num_threads(1)
     res = steer_eval.run(str(args.model), prompts=args.prompts, docs=args.docs, cal_prompts=args.cal_prompts,
                          seed=args.seed, log=lambda s: print(s, file=sys.stderr))
     res.pop("_cal")
-    res["command"] = "python benchmarks/steer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    res["command"] = "PYTHONPATH=. python benchmarks/steer.py " + " ".join(argv if argv is not None else sys.argv[1:])
     res["load_average"] = os.getloadavg()
-    png = RESULTS / f"steer-{args.model.name}.png"
+    res["when"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stem = f"steer-{args.model.name}" + (f"-seed{args.seed}" if args.seed else "")
+    png = RESULTS / f"{stem}.png"
     res["plot"] = str(png.relative_to(REPO)) if plot(res, png) else None
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"steer-{args.model.name}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     md = markdown(res)
     print(json.dumps(res, indent=2, default=str) if args.json else md)
     if not args.no_append:
