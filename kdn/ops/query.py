@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_flags(p)  # --token, --tls-ca, --tls-cert, --tls-key: as kdn stats and kdn edge pin
     p.add_argument("--shm", choices=["auto", "on", "off"], default=None, help="shared-memory path (auto: loopback)")
     p.add_argument("--no-write-back", action="store_true", help="do not store newly computed chunks on the edge")
+    p.add_argument("--steer", default=None, metavar="VARIANT",
+                   help="reuse this steered variant (id printed by `kdn ingest --emphasize`) instead of plain KV")
     p.add_argument("--timeout", type=float, default=None, help="deadline of each fetch, seconds")
     p.add_argument("--config", type=Path, help="ClientConfig file (YAML/JSON); flags override it")
     p.add_argument("--compare", action="store_true", help="also run a full recompute and compare outputs")
@@ -107,6 +109,9 @@ def run(args: argparse.Namespace, stages: StageLines | None = None) -> dict[str,
     from kdn.keys import DEFAULT_CHUNK_SIZE
     from kdn.models import load_model
 
+    if args.steer and args.documents:
+        raise InvalidInput("--steer applies to stored prefix chains; --documents blends plain segments (steered "
+                           "segments are not built)")
     documents = [_read(p, "--documents file") for p in args.documents] if args.documents else None
     if documents is not None:
         prefix = _read(args.prompt_file, "--prompt-file") if args.prompt_file is not None else ""
@@ -117,7 +122,8 @@ def run(args: argparse.Namespace, stages: StageLines | None = None) -> dict[str,
         prompt = _prompt(args)
     overrides = dict(edge=args.edge, fallback_edges=args.fallback_edges, tenant=args.tenant, salt=args.salt, token=args.token, shm=args.shm,
                      tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                     fetch_timeout_s=args.timeout, write_back=False if args.no_write_back else None)
+                     fetch_timeout_s=args.timeout, write_back=False if args.no_write_back else None,
+                     steer=args.steer)
     cfg = ClientConfig.from_file(args.config, **overrides) if args.config else ClientConfig.build(**overrides)
     stages.line(f"loading {args.model} in this process")
     lm = load_model(args.model, dtype=args.dtype, chunk_size=args.chunk_size or DEFAULT_CHUNK_SIZE)

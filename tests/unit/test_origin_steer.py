@@ -117,3 +117,36 @@ def test_emphasis_round_trips():
     em = Emphasis("key-edit", spans=((5, 9), (0, 3)), strength=1.5)
     assert Emphasis.from_json(em.to_json()) == em and em.spans == ((0, 3), (5, 9))
     assert Emphasis.parse_spans("0:3, 5:9") == ((0, 3), (5, 9))
+
+
+def test_an_ingested_variant_is_reused_only_by_a_client_that_names_it(tmp_path, capsys, monkeypatch):
+    """Origin (kdn ingest --emphasize) -> edge (bytes by key) -> the transformers integration."""
+    from kdn.client import KdnClient
+    from kdn.client_transport import MemoryEdgeTransport
+    from kdn.integrations.transformers import generate
+
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
+    code, _ = _ingest(tmp_path, "--emphasize", "re-read")
+    assert code == 0
+    r = _out(capsys)["results"][0]
+    edge = MemoryEdgeTransport()
+    store = OriginStore(tmp_path / "store")
+    try:
+        rec = next(d for d in store.documents() if d.doc_id.endswith("#steer"))
+        assert len(rec.keys) == r["steer_keys"] > 0
+        for key in rec.keys:  # only the steered chain goes to the edge
+            edge.store[("default", bytes(key))] = store.get(key, "raw", tenant="default")
+    finally:
+        store.close()
+    lm = load_model("tiny", chunk_size=CHUNK)
+    tokens = lm.tokenizer.encode(TEXT) + lm.tokenizer.encode(" Q?")
+    with KdnClient(ClientConfig(edge="mem"), transport=edge) as plain:
+        got = generate(lm, tokens, client=plain, max_new_tokens=1)
+        assert got.reused_tokens == 0  # the default never gets a variant
+        plain.flush(5)
+    puts = edge.calls.get("put", 0)  # the plain client wrote plain KV back under plain keys: fine
+    with KdnClient(ClientConfig(edge="mem", steer=r["steer_variant"]), transport=edge) as steered:
+        got = generate(lm, tokens, client=steered, max_new_tokens=1)
+        steered.flush(5)
+    assert got.reused_tokens == r["steer_keys"] * CHUNK
+    assert edge.calls.get("put", 0) == puts  # the steered client wrote nothing back
