@@ -34,8 +34,11 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = list(res["variants"])
-    fig, ax = plt.subplots(figsize=(11, 4.2))
+    names = [n for n in res["variants"] if "@" not in n]
+    strengths = sorted({float(n.split("@")[1].split(",")[0]) for n in res["variants"] if "@" in n}
+                       | {res["calibration"]["strength"]})
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.4), gridspec_kw={"width_ratios": [3, 1.3]})
+    ax = axes[0]
     width = 0.8 / len(names)
     for j, name in enumerate(names):
         row = res["variants"][name]
@@ -44,6 +47,21 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         lo = [row[p]["accuracy"] - row[p]["ci95"][0] for p in POSITIONS]
         hi = [row[p]["ci95"][1] - row[p]["accuracy"] for p in POSITIONS]
         ax.bar(xs, acc, width, yerr=[lo, hi], capsize=2, label=name)
+    if len(strengths) > 1:
+        cal = res["calibration"]["strength"]
+        name_at = lambda s, wrong: ("key-edit" if s == cal else f"key-edit @{s:g}") + (", wrong marks" if wrong else "")  # noqa: E731
+        for p, style in zip(POSITIONS, ("o", "s", "^")):
+            for wrong, ls in ((False, "-"), (True, ":")):
+                ys = [res["variants"][name_at(s, wrong)][p]["accuracy"] for s in strengths]
+                axes[1].plot(strengths, ys, ls, marker=style, label=f"{p}{', wrong marks' if wrong else ''}")
+            axes[1].axhline(res["variants"]["plain"][p]["accuracy"], color="grey", lw=0.6)
+        axes[1].set_xlabel("key-edit strength (nats); grey: plain")
+        axes[1].set_ylabel("accuracy")
+        axes[1].set_ylim(0, 1)
+        axes[1].set_title("key-edit strength", fontsize=9)
+        axes[1].legend(fontsize=6)
+    else:
+        axes[1].axis("off")
     ax.set_xticks(range(len(POSITIONS)))
     ax.set_xticklabels([f"fact at the {p}" for p in POSITIONS])
     ax.set_ylabel("accuracy (95% Wilson CI)")
@@ -104,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cal-prompts", type=int, default=64)
     p.add_argument("--docs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", default="1,2,4", help="other key-edit strengths shown beside the calibrated one")
     p.add_argument("--no-append", action="store_true")
     p.add_argument("--json", action="store_true")
     p.add_argument("--render", type=Path, help="re-render the markdown of a saved results JSON (no run)")
@@ -117,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     res = steer_eval.run(str(args.model), prompts=args.prompts, docs=args.docs, cal_prompts=args.cal_prompts,
-                         seed=args.seed, log=lambda s: print(s, file=sys.stderr))
+                         seed=args.seed, sweep=[float(x) for x in args.sweep.split(",") if x], log=lambda s: print(s, file=sys.stderr))
     res.pop("_cal")
     res["command"] = "PYTHONPATH=. python benchmarks/steer.py " + " ".join(argv if argv is not None else sys.argv[1:])
     res["load_average"] = os.getloadavg()

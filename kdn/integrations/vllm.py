@@ -595,7 +595,8 @@ class _LoadJob:
                     self.progress[r][i] = section.layer + 1
                     self.cond.notify_all()
 
-        reader = ArtifactReader(expect_fingerprint=conn.fingerprint, expect_key=key, require_lossless=True, sink=place)
+        reader = ArtifactReader(expect_fingerprint=conn.fingerprint, expect_key=key, require_lossless=True, sink=place,
+                                expect_steer="")  # plain keys: a steered artifact here is refused
         stream = _fetch_stream(client, conn.fingerprint, key, [ChunkKey(k) for k in spec.keys[i + 1 : i + 1 + _PREFETCH_HINT]],
                                conn.config.fetch_timeout_s)
         async with aclosing(stream):

@@ -159,14 +159,16 @@ def stored_bytes(lm: LoadedModel, kv: torch.Tensor, tokens: Sequence[int], spec:
 # -- the variants -----------------------------------------------------------------------------------
 
 
-def variants(lm: LoadedModel, cal: KeyEditCalibration) -> dict[str, Callable[[Case, torch.Tensor], tuple[torch.Tensor, SteerSpec | None]]]:
+def variants(lm: LoadedModel, cal: KeyEditCalibration, sweep: Sequence[float] = ()) -> dict[str, Callable[[Case, torch.Tensor], tuple[torch.Tensor, SteerSpec | None]]]:
     rope = rope_spec(lm.model)
 
-    def key_edit(marks: Callable[[Case], tuple[int, int]]) -> Callable[[Case, torch.Tensor], tuple[torch.Tensor, SteerSpec]]:
+    def key_edit(marks: Callable[[Case], tuple[int, int]], strength: float | None = None
+                 ) -> Callable[[Case, torch.Tensor], tuple[torch.Tensor, SteerSpec]]:
+        s = cal.strength if strength is None else strength
+
         def run(case: Case, base: torch.Tensor) -> tuple[torch.Tensor, SteerSpec]:
             span = marks(case)
-            return (apply_key_edit(base, [span], cal.strength, cal, rope),
-                    SteerSpec("key-edit", (span,), cal.strength, cal.digest))
+            return apply_key_edit(base, [span], s, cal, rope), SteerSpec("key-edit", (span,), s, cal.digest)
         return run
 
     def reread(marks: Callable[[Case], tuple[int, int]] | None) -> Callable[[Case, torch.Tensor], tuple[torch.Tensor, SteerSpec]]:
@@ -176,7 +178,7 @@ def variants(lm: LoadedModel, cal: KeyEditCalibration) -> dict[str, Callable[[Ca
             return re_read(lm.model, ctx, spans), SteerSpec("re-read", tuple(spans))
         return run
 
-    return {
+    out = {
         "plain": lambda case, base: (base, None),
         "key-edit": key_edit(lambda c: c.span(c.target)),
         "key-edit, wrong marks": key_edit(lambda c: c.span(c.wrong)),
@@ -184,6 +186,10 @@ def variants(lm: LoadedModel, cal: KeyEditCalibration) -> dict[str, Callable[[Ca
         "re-read marked": reread(lambda c: c.span(c.target)),
         "re-read marked, wrong marks": reread(lambda c: c.span(c.wrong)),
     }
+    for s in sweep:  # other strengths, for the trade-off (the goal is judged on the calibrated one)
+        out[f"key-edit @{s:g}"] = key_edit(lambda c: c.span(c.target), s)
+        out[f"key-edit @{s:g}, wrong marks"] = key_edit(lambda c: c.span(c.wrong), s)
+    return out
 
 
 # -- statistics -------------------------------------------------------------------------------------
@@ -207,7 +213,7 @@ def paired(a: Sequence[float], b: Sequence[float], z: float = 1.96) -> tuple[flo
     m = statistics.fmean(d)
     sd = statistics.pstdev(d) if len(d) > 1 else 0.0
     h = z * sd / math.sqrt(len(d))
-    return (m, m - h, m + h)
+    return (m, max(-1.0, m - h), min(1.0, m + h))
 
 
 @dataclass(slots=True)
@@ -228,7 +234,7 @@ def calibration_prompts(model_dir: Path, lm: LoadedModel, n: int, n_docs: int, s
 
 @torch.inference_mode()
 def run(model: str, *, prompts: int, docs: int, cal_prompts: int, seed: int, max_heads: int = 4,
-        chunk_size: int = 256, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+        chunk_size: int = 256, sweep: Sequence[float] = (), log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     model_dir = Path(model)
     meta = model_dir / "kdn_reference.json"
     if not meta.is_file() or json.loads(meta.read_text()).get("task") != "retrieval":
@@ -241,7 +247,7 @@ def run(model: str, *, prompts: int, docs: int, cal_prompts: int, seed: int, max
                              max_heads=max_heads, log=log)
     log(f"  chose heads {list(cal.heads)} at strength {cal.strength:g}")
     cal_seconds = time.perf_counter() - t0
-    vs = variants(lm, cal)
+    vs = variants(lm, cal, [x for x in sweep if x != cal.strength])
     cells: dict[str, dict[str, Cell]] = {v: {p: Cell() for p in POSITIONS} for v in vs}
     for where in POSITIONS:
         cases = make_cases(model_dir, lm, prompts, docs, where, seed + TEST_SEED_OFFSET)
@@ -282,7 +288,7 @@ def run(model: str, *, prompts: int, docs: int, cal_prompts: int, seed: int, max
             "documents": docs, "context_tokens": ctx_tokens, "chunk_size": lm.chunk_size, "prompts_per_position": prompts,
             "calibration": {"prompts": cal_prompts, "heads": [list(h) for h in cal.heads], "strength": cal.strength,
                             "digest": cal.digest, "seconds": cal_seconds, "notes": cal.notes},
-            "variants": table, "goal": goal, "seconds": time.perf_counter() - t0, "_cal": cal}
+            "variants": table, "goal": goal, "sweep": list(sweep), "seconds": time.perf_counter() - t0, "_cal": cal}
 
 
 def format_table(res: dict[str, Any]) -> str:
@@ -319,6 +325,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-heads", type=int, default=4, help="most heads key-edit may edit (default 4)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the generated prompts (default 0)")
     p.add_argument("--chunk-size", type=int, default=256, help="chunk size of the stored KV (default 256)")
+    p.add_argument("--sweep", default="", help="also key-edit at these strengths, e.g. 1,2,4 (comma list)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--no-calibration", action="store_true", help="do not write the model's key-edit calibration")
     p.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
@@ -328,7 +335,8 @@ def main(argv: list[str]) -> int:
         if args.prompts < 1 or args.cal_prompts < 1:
             raise InvalidInput("--prompts and --cal-prompts must be >= 1")
         res = run(args.model, prompts=args.prompts, docs=args.docs, cal_prompts=args.cal_prompts, seed=args.seed,
-                  max_heads=args.max_heads, chunk_size=args.chunk_size, log=(lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr)))
+                  max_heads=args.max_heads, chunk_size=args.chunk_size,
+                  sweep=[float(x) for x in args.sweep.split(",") if x], log=(lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr)))
         cal = res.pop("_cal")
         res["calibration"]["path"] = None if args.no_calibration else str(write_calibration(cal))
     except (KdnError, ValueError) as exc:
