@@ -72,7 +72,7 @@ def main_ingest(argv: list[str]) -> int:
                    help="no progress on stderr (default: a bar on a terminal, else one line per stage and document)")
     p.add_argument("--local", action="store_true",
                    help="prefill in this process even when RAY_ADDRESS names a cluster (default: its kdn_origin nodes)")
-    p.add_argument("--emphasize", metavar="METHOD", choices=None,
+    p.add_argument("--emphasize", metavar="METHOD",
                    help="also store a steered variant of each document: key-edit (marked tokens get more attention; "
                         "needs marks and the model's calibration from `kdn eval-steer`) or re-read (the model reads "
                         "the document, or its marked lines, twice). Clients get it only by naming its variant id")

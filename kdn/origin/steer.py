@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -140,7 +140,3 @@ def store_steered_chain(lm: LoadedModel, store: OriginStore, tokens: Sequence[in
             store.put(blob, tenant=ns.tenant)
             written += len(blob)
     return keys, len(keys), written
-
-
-def describe(spec: SteerSpec) -> dict[str, Any]:
-    return spec.as_dict()
