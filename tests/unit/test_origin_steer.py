@@ -150,3 +150,24 @@ def test_an_ingested_variant_is_reused_only_by_a_client_that_names_it(tmp_path, 
         steered.flush(5)
     assert got.reused_tokens == r["steer_keys"] * CHUNK
     assert edge.calls.get("put", 0) == puts  # the steered client wrote nothing back
+
+
+def test_hints_reach_the_variant_by_document_name(tmp_path, capsys, monkeypatch):
+    """Pin / TTL / prefetch resolve a document by name at the origin: ``<doc>#steer`` names the
+    variant's chain, and the plain name still names only the plain chain."""
+    from kdn.origin.ingest.documents import document_matches
+
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
+    code, _ = _ingest(tmp_path, "--emphasize", "re-read")
+    assert code == 0
+    lm = load_model("tiny", chunk_size=CHUNK)
+    store = OriginStore(tmp_path / "store")
+    try:
+        ids = store.document_ids("default", lm.fingerprint)
+        (steer_id,) = document_matches("doc.md#steer", ids)
+        (plain_id,) = document_matches("doc.md", ids)
+        steered = store.document("default", lm.fingerprint, steer_id).keys
+        plain = store.document("default", lm.fingerprint, plain_id).keys
+        assert steered and plain and not set(steered) & set(plain)
+    finally:
+        store.close()
