@@ -171,3 +171,13 @@ def test_hints_reach_the_variant_by_document_name(tmp_path, capsys, monkeypatch)
         assert steered and plain and not set(steered) & set(plain)
     finally:
         store.close()
+
+
+def test_task_and_result_carry_the_emphasis_across_processes_as_plain_data():
+    from kdn.origin.worker import DocumentResult, DocumentTask
+
+    em = Emphasis("re-read", regex="^POLICY").to_json()
+    t = DocumentTask("d", "text", "h", "default", emphasize=em)
+    assert DocumentTask(**t.to_dict()) == t
+    r = DocumentResult("d", "stored", steer='{"v":1}', steer_variant="ab" * 32, steer_keys=("cd" * 32,))
+    assert DocumentResult.from_dict(json.loads(json.dumps(r.to_dict()))) == r
