@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     res["command"] = "PYTHONPATH=. python benchmarks/steer.py " + " ".join(argv if argv is not None else sys.argv[1:])
     res["load_average"] = os.getloadavg()
     res["when"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    stem = f"steer-{args.model.name}" + (f"-seed{args.seed}" if args.seed else "")
+    stem = (f"steer-{args.model.name}" + (f"-seed{args.seed}" if args.seed else "")
+            + (f"-docs{args.docs}" if args.docs != 8 else ""))
     png = RESULTS / f"{stem}.png"
     res["plot"] = str(png.relative_to(REPO)) if plot(res, png) else None
     RESULTS.mkdir(parents=True, exist_ok=True)

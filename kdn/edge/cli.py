@@ -17,6 +17,10 @@ Operator hints (the operator's interface to the cache)::
     kdn edge schedule --edge ADDR --tenant acme --cron "0 8 * * *" --document DOC --fingerprint HEX
     kdn edge cancel   --edge ADDR --tenant acme --schedule-id ID
     kdn edge prefetch --edge ADDR --tenant acme --fingerprint HEX (KEYHEX... | --document DOC)
+    kdn edge emphasize --edge ADDR --fingerprint HEX --document DOC --method key-edit|re-read
+                       [--regex RX | --spans S:E,...] [--strength NATS]
+        (the origin computes a steered variant of the document and the edge fetches it; prints its
+        variant id, which a client names to reuse it: kdn.steer)
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from kdn.errors import ConfigError, KdnError
 if TYPE_CHECKING:  # imported lazily below: `kdn --help` stays light
     from kdn.edge.config import EdgeConfig
 
-HINT_COMMANDS = ("pin", "unpin", "ttl", "priority", "schedule", "cancel", "prefetch")
+HINT_COMMANDS = ("pin", "unpin", "ttl", "priority", "schedule", "cancel", "prefetch", "emphasize")
 _SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -244,6 +248,11 @@ def _hint_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--cron", required=True, help='"M H DOM MON DOW", e.g. "0 8 * * *" (UTC)')
     if command == "cancel":
         p.add_argument("--schedule-id", required=True, help="the id `kdn edge schedule` printed")
+    if command == "emphasize":
+        p.add_argument("--method", required=True, help="key-edit (marked tokens get more attention) or re-read")
+        p.add_argument("--regex", default="", help="mark the lines of the document that match RX")
+        p.add_argument("--spans", default="", help="mark token spans S:E,... of the document")
+        p.add_argument("--strength", type=float, default=None, help="key-edit: nats, (0, 8] (default: calibrated)")
     p.add_argument("--deadline", type=float, default=10.0, help="seconds to wait for the answer (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     return p
@@ -265,6 +274,14 @@ def _hint(command: str, argv: list[str]) -> int:
         ns = Namespace(args.tenant, args.salt)
         if command not in ("cancel",) and not keys and not args.document:
             raise ConfigError("give chunk keys or --document")
+        emphasis = ""
+        if command == "emphasize":
+            from kdn.steer import Emphasis
+
+            if keys or not args.document or not args.fingerprint:
+                raise ConfigError("emphasize names a document (--document DOC --fingerprint HEX), not keys")
+            emphasis = Emphasis(args.method, args.regex, Emphasis.parse_spans(args.spans) if args.spans else (),
+                                args.strength).to_json()  # checked here: a bad one never reaches the origin
         with EdgeClient(args.edge, token=args.token, tls=client_tls(args), deadline_s=args.deadline) as client:
             if command == "prefetch":
                 queued = client.prefetch(keys, fingerprint=fp, namespace=ns, document=args.document)
@@ -273,14 +290,16 @@ def _hint(command: str, argv: list[str]) -> int:
                 action = {
                     "pin": pb.HintRequest.PIN, "unpin": pb.HintRequest.UNPIN, "ttl": pb.HintRequest.SET_TTL,
                     "priority": pb.HintRequest.SET_PRIORITY, "schedule": pb.HintRequest.SCHEDULE_PREFETCH,
-                    "cancel": pb.HintRequest.CANCEL_SCHEDULE,
+                    "cancel": pb.HintRequest.CANCEL_SCHEDULE, "emphasize": pb.HintRequest.EMPHASIZE,
                 }[command]
                 resp = client.hint(hint_request(
                     action, fingerprint=fp, namespace=ns, keys=keys, document=args.document,
                     ttl_s=getattr(args, "seconds", 0.0), priority=getattr(args, "priority", 0),
-                    cron=getattr(args, "cron", ""), schedule_id=getattr(args, "schedule_id", ""),
+                    cron=getattr(args, "cron", ""), schedule_id=getattr(args, "schedule_id", ""), emphasis=emphasis,
                 ))
                 result = {"command": command, "affected": resp.affected, "schedule_id": resp.schedule_id}
+                if command == "emphasize":
+                    result = {"command": command, "fetched": resp.affected, "steer_variant": resp.steer_variant}
     except KdnError as exc:
         report_error(f"edge {command}", exc, as_json=args.json, command=command)
         return 1

@@ -122,6 +122,21 @@ class HintService:
                 *(node.fetch_bytes(FetchSpec(k, fp, ns), token=token) for k in missing[start : start + 8])
             )
 
+    async def _emphasize(self, req: pb.HintRequest, ns: Namespace, token: str | None) -> tuple[int, str]:
+        """EMPHASIZE: the origin computes (or finds) the steered variant of ``req.document`` and
+        this edge fetches it; returns (chunks now held, variant id). The edge only stores keys."""
+        if not req.document or not req.emphasis:
+            raise InvalidInput("an emphasize hint needs a document and an emphasis")
+        if not req.fingerprint:
+            raise InvalidInput("an emphasize hint needs the model fingerprint")
+        if self._node.origin is None:
+            raise InvalidInput("this edge has no origin: a steered variant is computed by the origin")
+        fp = parse_fingerprint(req.fingerprint)
+        keys, variant = await self._node.origin.emphasize(req.document, req.emphasis, fingerprint=fp, namespace=ns,
+                                                          token=token)
+        await self._fetch_missing(keys, fp, ns, token)
+        return sum(1 for k in keys if self._node.store.contains(k, tenant=ns.tenant)), variant
+
     # -- the RPC -------------------------------------------------------------------------------
 
     async def apply(
@@ -150,6 +165,8 @@ class HintService:
             self.scheduler.cancel(scoped)
             self._tokens.pop(scoped, None)
             return 1, req.schedule_id
+        if action == A.EMPHASIZE:
+            return await self._emphasize(req, ns, token)
         if req.document and not keys:
             keys = await node.resolve_keys(
                 keys, req.document, fingerprint=parse_fingerprint(req.fingerprint), namespace=ns, token=token

@@ -267,8 +267,10 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
     @rpc
     async def Hint(self, request: pb.HintRequest, context: grpc.aio.ServicerContext) -> pb.HintResponse:
         ns, token = self.authorize(context, request.namespace)
-        affected, schedule_id = await self._s.hints.apply(request, ns, token, self._keys(request.keys))
-        return pb.HintResponse(affected=affected, schedule_id=schedule_id)
+        affected, name = await self._s.hints.apply(request, ns, token, self._keys(request.keys))
+        if request.action == pb.HintRequest.EMPHASIZE:
+            return pb.HintResponse(affected=affected, steer_variant=name)
+        return pb.HintResponse(affected=affected, schedule_id=name)
 
     @rpc
     async def OpenBulk(self, request: pb.BulkRequest, context: grpc.aio.ServicerContext) -> pb.BulkOffer:

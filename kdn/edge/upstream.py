@@ -67,6 +67,14 @@ class Upstream(ABC):
         """Chunk keys of an origin document, in order."""
         raise NotFound(f"{self.name} does not know documents")
 
+    async def emphasize(
+        self, document: str, emphasis: str, *, fingerprint: ModelFingerprint, namespace: Namespace,
+        token: str | None = None,
+    ) -> tuple[list[ChunkKey], str]:
+        """Keys and variant id of a steered variant of an origin document (``emphasis``:
+        :class:`kdn.steer.Emphasis` as JSON), computed by the origin when it is not stored yet."""
+        raise NotFound(f"{self.name} does not compute steered variants")
+
     async def healthy(self) -> bool:
         return True
 
@@ -185,6 +193,17 @@ class GrpcUpstream(Upstream):
             resp = await self._stub.Document(req, timeout=self._call_deadline, metadata=self._md(token))  # type: ignore[union-attr]
         return chain_keys(resp.keys)
 
+    async def emphasize(
+        self, document: str, emphasis: str, *, fingerprint: ModelFingerprint, namespace: Namespace,
+        token: str | None = None,
+    ) -> tuple[list[ChunkKey], str]:
+        if self.kind != "origin":
+            return await super().emphasize(document, emphasis, fingerprint=fingerprint, namespace=namespace, token=token)
+        req = document_request(document, fingerprint=fingerprint, namespace=namespace, emphasis=emphasis)
+        with rpc_errors(self._peer):  # the origin computes: the compute deadline, not a lookup's
+            resp = await self._stub.Document(req, timeout=self._fetch_deadline, metadata=self._md(token))  # type: ignore[union-attr]
+        return chain_keys(resp.keys), resp.steer_variant
+
     async def healthy(self) -> bool:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -275,6 +294,21 @@ class InMemoryUpstream(Upstream):
         if document not in self.documents:
             raise NotFound(f"no document {document!r}")
         return list(self.documents[document])
+
+    async def emphasize(
+        self, document: str, emphasis: str, *, fingerprint: ModelFingerprint, namespace: Namespace,
+        token: str | None = None,
+    ) -> tuple[list[ChunkKey], str]:
+        """The fake: ``documents[document + "#steer"]``, variant id = the emphasis' digest; every call
+        is recorded in ``emphasized``."""
+        import hashlib
+
+        self._check_up()
+        self.emphasized = getattr(self, "emphasized", []) + [(document, emphasis)]
+        keys = self.documents.get(document + "#steer")
+        if keys is None:
+            raise NotFound(f"no document {document!r}")
+        return list(keys), hashlib.blake2b(emphasis.encode(), digest_size=32).hexdigest()
 
     async def healthy(self) -> bool:
         return self.up

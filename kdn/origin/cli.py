@@ -95,7 +95,7 @@ def main_ingest(argv: list[str]) -> int:
     emphasize = ""
     try:
         if args.emphasize or args.emphasize_regex or args.emphasize_spans or args.emphasize_strength is not None:
-            from kdn.origin.steer import Emphasis
+            from kdn.steer import Emphasis
 
             if not args.emphasize:
                 raise InvalidInput("--emphasize-regex/-spans/-strength need --emphasize METHOD")

@@ -156,6 +156,14 @@ class OriginServicer(Servicer, pbg.OriginServiceServicer):
             rec = await self._run(self._s.store.document, ns.tenant, fp, matches[0])
             if rec is None:  # removed in between
                 raise NotFound(not_ingested(request.document, [], ids))
+        if request.emphasis:
+            t0 = time.perf_counter()
+            keys, variant = await asyncio.wait_for(
+                self._run(self._s.emphasize, rec.doc_id, rec.content_hash, request.emphasis, ns, fp),
+                timeout=self._s.config.compute_timeout_s)
+            self._s.count("emphasized")
+            self._s.count("compute_seconds", time.perf_counter() - t0)
+            return pb.DocumentResponse(keys=key_bytes(keys), steer_variant=variant)
         return pb.DocumentResponse(keys=key_bytes(rec.keys))
 
     @rpc
@@ -211,6 +219,34 @@ class OriginServer:
         if res.status == "failed":
             raise InvalidInput(f"ingest of {task.doc_id} failed: {res.message}")
         return [ChunkKey(bytes.fromhex(k)) for k in res.keys]
+
+    def emphasize(self, doc_id: str, content_hash: str, emphasis: str, ns: Namespace,
+                  fingerprint: ModelFingerprint) -> tuple[list[ChunkKey], str]:
+        """Store (or find) the steered variant ``emphasis`` of an ingested document; its keys and id.
+
+        The store keeps keys, not text: the text is read again from the path the document was
+        ingested from, and must still hash as it did then (else: re-ingest with ``--emphasize``)."""
+        from pathlib import Path
+
+        from kdn.origin.ingest.documents import read_text
+        from kdn.origin.ingest.pipeline import BYTES_PER_TOKEN
+        from kdn.steer import Emphasis
+
+        em = Emphasis.from_json(emphasis)  # a clear InvalidInput for a bad one
+        path = Path(doc_id)
+        if not path.is_absolute() or not path.is_file():
+            raise NotFound(f"document {doc_id!r} is not a file on the origin any more; run `kdn ingest --emphasize` "
+                           "where it is")
+        window = int(self.compute.models().get(fingerprint, {}).get("max_positions", 0) or 0)
+        doc = read_text(path, window * BYTES_PER_TOKEN if window > 0 else None)
+        if doc.digest != content_hash:
+            raise InvalidInput(f"document {doc_id!r} changed since it was ingested; ingest it again first")
+        task = DocumentTask(doc_id, doc.text, doc.digest, ns.tenant, ns.salt, complete=doc.complete,
+                            emphasize=em.to_json())
+        res = self.compute.ingest(fingerprint, task)
+        if not res.steer_variant:
+            raise InvalidInput(f"steered variant of {doc_id!r} not stored: {res.message}")
+        return [ChunkKey(bytes.fromhex(k)) for k in res.steer_keys], res.steer_variant
 
     def codecs_for(self, requested: str) -> list[str]:
         specs = list(self.config.codecs)

@@ -11,14 +11,17 @@ The edge needs no change: it keeps and serves these artifacts by key like any ot
 row ``<doc_id>#steer`` lists the variant's keys, and the ingest result names the variant id a
 client asks for (``ClientConfig(steer=...)``).
 
+The same happens later through an edge: ``kdn edge emphasize`` sends an EMPHASIZE hint, the edge
+asks the origin (``Document`` with an emphasis), and the origin reads the ingested file again (the
+store keeps keys, not text; the file must still hash as it did at ingest), stores the variant and
+answers its keys and id; the edge fetches them.
+
 Key-edit needs the model's calibration (``kdn eval-steer --model DIR`` writes it; only retrieval
 reference models can be calibrated today); without one it is refused with that advice.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -29,66 +32,10 @@ from kdn.keys import ChunkKey, Namespace, chunk_keys
 from kdn.models import LoadedModel
 from kdn.origin.store import OriginStore
 from kdn.prefill import document_tokens
-from kdn.steer import MAX_STRENGTH, METHODS, SteerSpec, compile_regex, merge_marks, regex_lines, steer_root
+from kdn.steer import Emphasis, SteerSpec, regex_lines, steer_root
 from kdn.steer.methods import KeyEditCalibration, load_calibration, steered_kv
 
 STEER_SUFFIX = "#steer"
-
-
-@dataclass(frozen=True, slots=True)
-class Emphasis:
-    """What an operator marks in every document of one ingest (before it meets a document)."""
-
-    method: str
-    regex: str = ""
-    spans: tuple[tuple[int, int], ...] = ()  # token spans of the document
-    strength: float | None = None  # key-edit: nats (default: the calibrated strength)
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InvalidInput(f"unknown --emphasize method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if self.regex and self.spans:
-            raise InvalidInput("--emphasize-regex and --emphasize-spans exclude each other")
-        if self.regex:
-            compile_regex(self.regex)
-        object.__setattr__(self, "spans", merge_marks(self.spans))
-        if self.method == "key-edit":
-            if not self.regex and not self.spans:
-                raise InvalidInput("key-edit needs marks: --emphasize-regex RX or --emphasize-spans S:E,...")
-            if self.strength is not None and not (0.0 < float(self.strength) <= MAX_STRENGTH):
-                raise InvalidInput(f"--emphasize-strength must be in (0, {MAX_STRENGTH:g}] nats, got {self.strength!r}")
-        elif self.strength is not None:
-            raise InvalidInput("re-read takes no --emphasize-strength (it reads the marked text once more)")
-
-    @staticmethod
-    def parse_spans(text: str) -> tuple[tuple[int, int], ...]:
-        """``"0:10,20:30"`` -> ``((0, 10), (20, 30))`` (token spans, end exclusive)."""
-        out = []
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            a, sep, b = part.partition(":")
-            try:
-                if not sep:
-                    raise ValueError
-                out.append((int(a), int(b)))
-            except ValueError:
-                raise InvalidInput(f"bad --emphasize-spans item {part!r}: want START:END token indices") from None
-        if not out:
-            raise InvalidInput("--emphasize-spans is empty")
-        return merge_marks(out)
-
-    def to_json(self) -> str:
-        return json.dumps({"method": self.method, "regex": self.regex, "spans": [list(s) for s in self.spans],
-                           "strength": self.strength})
-
-    @classmethod
-    def from_json(cls, text: str) -> "Emphasis":
-        try:
-            d = json.loads(text)
-            return cls(d["method"], d.get("regex", ""), tuple(tuple(s) for s in d.get("spans", ())), d.get("strength"))
-        except (ValueError, KeyError, TypeError) as exc:
-            if isinstance(exc, InvalidInput):
-                raise
-            raise InvalidInput(f"malformed emphasis: {exc}") from exc
 
 
 def resolve(em: Emphasis, lm: LoadedModel, text: str, n_stored: int, cal: KeyEditCalibration | None) -> SteerSpec:

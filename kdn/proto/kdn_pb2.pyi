@@ -175,7 +175,7 @@ class PrefetchResponse(_message.Message):
     def __init__(self, queued: _Optional[int] = ...) -> None: ...
 
 class HintRequest(_message.Message):
-    __slots__ = ("action", "fingerprint", "namespace", "keys", "document", "ttl_s", "priority", "cron", "schedule_id")
+    __slots__ = ("action", "fingerprint", "namespace", "keys", "document", "ttl_s", "priority", "cron", "schedule_id", "emphasis")
     class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ACTION_UNSPECIFIED: _ClassVar[HintRequest.Action]
@@ -185,6 +185,7 @@ class HintRequest(_message.Message):
         SET_PRIORITY: _ClassVar[HintRequest.Action]
         SCHEDULE_PREFETCH: _ClassVar[HintRequest.Action]
         CANCEL_SCHEDULE: _ClassVar[HintRequest.Action]
+        EMPHASIZE: _ClassVar[HintRequest.Action]
     ACTION_UNSPECIFIED: HintRequest.Action
     PIN: HintRequest.Action
     UNPIN: HintRequest.Action
@@ -192,6 +193,7 @@ class HintRequest(_message.Message):
     SET_PRIORITY: HintRequest.Action
     SCHEDULE_PREFETCH: HintRequest.Action
     CANCEL_SCHEDULE: HintRequest.Action
+    EMPHASIZE: HintRequest.Action
     ACTION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +203,7 @@ class HintRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CRON_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
+    EMPHASIS_FIELD_NUMBER: _ClassVar[int]
     action: HintRequest.Action
     fingerprint: bytes
     namespace: Namespace
@@ -210,15 +213,18 @@ class HintRequest(_message.Message):
     priority: int
     cron: str
     schedule_id: str
-    def __init__(self, action: _Optional[_Union[HintRequest.Action, str]] = ..., fingerprint: _Optional[bytes] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., document: _Optional[str] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ..., cron: _Optional[str] = ..., schedule_id: _Optional[str] = ...) -> None: ...
+    emphasis: str
+    def __init__(self, action: _Optional[_Union[HintRequest.Action, str]] = ..., fingerprint: _Optional[bytes] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., document: _Optional[str] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ..., cron: _Optional[str] = ..., schedule_id: _Optional[str] = ..., emphasis: _Optional[str] = ...) -> None: ...
 
 class HintResponse(_message.Message):
-    __slots__ = ("affected", "schedule_id")
+    __slots__ = ("affected", "schedule_id", "steer_variant")
     AFFECTED_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEER_VARIANT_FIELD_NUMBER: _ClassVar[int]
     affected: int
     schedule_id: str
-    def __init__(self, affected: _Optional[int] = ..., schedule_id: _Optional[str] = ...) -> None: ...
+    steer_variant: str
+    def __init__(self, affected: _Optional[int] = ..., schedule_id: _Optional[str] = ..., steer_variant: _Optional[str] = ...) -> None: ...
 
 class BulkRequest(_message.Message):
     __slots__ = ()
@@ -280,17 +286,21 @@ class ComputeResponse(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., computed: _Optional[int] = ..., already_stored: _Optional[int] = ...) -> None: ...
 
 class DocumentRequest(_message.Message):
-    __slots__ = ("namespace", "document", "fingerprint")
+    __slots__ = ("namespace", "document", "fingerprint", "emphasis")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     DOCUMENT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    EMPHASIS_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     document: str
     fingerprint: bytes
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., document: _Optional[str] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
+    emphasis: str
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., document: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., emphasis: _Optional[str] = ...) -> None: ...
 
 class DocumentResponse(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "steer_variant")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    STEER_VARIANT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    steer_variant: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., steer_variant: _Optional[str] = ...) -> None: ...

@@ -73,17 +73,20 @@ def prefetch_request(
     )
 
 
-def document_request(document: str, *, fingerprint: ModelFingerprint, namespace: Namespace) -> pb.DocumentRequest:
-    return pb.DocumentRequest(namespace=namespace_msg(namespace), document=document, fingerprint=bytes(fingerprint))
+def document_request(document: str, *, fingerprint: ModelFingerprint, namespace: Namespace,
+                     emphasis: str = "") -> pb.DocumentRequest:
+    return pb.DocumentRequest(namespace=namespace_msg(namespace), document=document, fingerprint=bytes(fingerprint),
+                              emphasis=emphasis)
 
 
 def hint_request(
     action: int, *, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey] = (),
     document: str = "", ttl_s: float = 0.0, priority: int = 0, cron: str = "", schedule_id: str = "",
+    emphasis: str = "",
 ) -> pb.HintRequest:
     return pb.HintRequest(
         action=action, fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), keys=key_bytes(keys),
-        document=document, ttl_s=ttl_s, priority=priority, cron=cron, schedule_id=schedule_id,
+        document=document, ttl_s=ttl_s, priority=priority, cron=cron, schedule_id=schedule_id, emphasis=emphasis,
     )
 
 
