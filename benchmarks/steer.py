@@ -50,12 +50,12 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     if len(strengths) > 1:
         cal = res["calibration"]["strength"]
         name_at = lambda s, wrong: ("key-edit" if s == cal else f"key-edit @{s:g}") + (", wrong marks" if wrong else "")  # noqa: E731
-        for p, style in zip(POSITIONS, ("o", "s", "^")):
+        for i, (p, style) in enumerate(zip(POSITIONS, ("o", "s", "^"))):
             for wrong, ls in ((False, "-"), (True, ":")):
                 ys = [res["variants"][name_at(s, wrong)][p]["accuracy"] for s in strengths]
-                axes[1].plot(strengths, ys, ls, marker=style, label=f"{p}{', wrong marks' if wrong else ''}")
-            axes[1].axhline(res["variants"]["plain"][p]["accuracy"], color="grey", lw=0.6)
-        axes[1].set_xlabel("key-edit strength (nats); grey: plain")
+                axes[1].plot(strengths, ys, ls, marker=style, color=f"C{i}", label=f"{p}{', wrong marks' if wrong else ''}")
+            axes[1].axhline(res["variants"]["plain"][p]["accuracy"], color=f"C{i}", lw=0.8, ls="--", alpha=0.5)
+        axes[1].set_xlabel("key-edit strength (nats); dashed: plain")
         axes[1].set_ylabel("accuracy")
         axes[1].set_ylim(0, 1)
         axes[1].set_title("key-edit strength", fontsize=9)
@@ -128,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", type=Path, help="re-render the markdown of a saved results JSON (no run)")
     args = p.parse_args(argv)
     if args.render:
-        md = markdown(json.loads(args.render.read_text()))
+        res = json.loads(args.render.read_text())
+        if res.get("plot"):
+            plot(res, REPO / res["plot"])
+        md = markdown(res)
         print(md)
         if not args.no_append:
             with open(REPO / "BENCHMARKS.md", "a") as fh:
