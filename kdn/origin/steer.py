@@ -43,8 +43,13 @@ def resolve(em: Emphasis, lm: LoadedModel, text: str, n_stored: int, cal: KeyEdi
     if em.regex:
         # token index of a character offset: tokens of the text before it (exact for tokenizers whose
         # tokens never cross a line end; approximate by a token at a BPE merge across one)
-        marks = [(len(document_tokens(lm, text[:cs])), len(document_tokens(lm, text[:ce])))
-                 for cs, ce in regex_lines(text, em.regex)]
+        lines: list[tuple[int, int]] = []
+        for cs, ce in regex_lines(text, em.regex):  # consecutive matching lines: one span, fewer tokenizations
+            if lines and cs - lines[-1][1] <= 2:
+                lines[-1] = (lines[-1][0], ce)
+            else:
+                lines.append((cs, ce))
+        marks = [(len(document_tokens(lm, text[:cs])), len(document_tokens(lm, text[:ce]))) for cs, ce in lines]
         marks = [(s, e) for s, e in marks if e > s]
     else:
         marks = list(em.spans)
