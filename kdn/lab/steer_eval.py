@@ -100,12 +100,26 @@ def target_index(where: str, n_docs: int, gen: torch.Generator) -> int:
     raise InvalidInput(f"unknown position {where!r}")
 
 
+def prompt_task(model_dir: Path) -> Any:
+    """The task a retrieval model was trained on, as far as prompts go: fields this build does not
+    know (a newer trainer's curriculum settings) are left out; they change training, not prompts."""
+    from dataclasses import fields
+
+    from kdn.lab.retrieval import TaskConfig, load_task
+
+    try:
+        return load_task(model_dir)[0].task
+    except TypeError:
+        meta = json.loads((Path(model_dir) / "kdn_reference.json").read_text())
+        known = {f.name for f in fields(TaskConfig)}
+        return TaskConfig(**{k: v for k, v in meta["train_config"]["task"].items() if k in known})
+
+
 def make_cases(model_dir: Path, lm: LoadedModel, n: int, n_docs: int, where: str, seed: int) -> list[Case]:
     """``n`` prompts whose answer document sits at ``where``; keys unique within a prompt."""
-    from kdn.lab.retrieval import PREFIX_TEXT, _document, load_task
+    from kdn.lab.retrieval import PREFIX_TEXT, _document
 
-    cfg, _ = load_task(model_dir)
-    task = cfg.task
+    task = prompt_task(model_dir)
     if n_docs < 3:
         raise InvalidInput("steering needs at least 3 documents (start, middle, end)")
     if n_docs * task.facts_per_doc > task.num_keys:

@@ -72,3 +72,11 @@ def test_wilson_interval():
     assert steer_eval.wilson(0, 10)[0] == 0.0 and steer_eval.wilson(10, 10)[1] == 1.0
     m, lo, hi = steer_eval.paired([0, 0, 1, 1], [1, 1, 1, 1])
     assert m == 0.5 and lo < 0.5 < hi
+
+
+def test_a_newer_trainers_task_fields_do_not_stop_the_eval(tiny_retrieval, tmp_path):
+    meta = json.loads((tiny_retrieval / "kdn_reference.json").read_text())
+    meta["train_config"]["task"]["long_steps"] = 150  # a curriculum setting this build does not know
+    (tmp_path / "kdn_reference.json").write_text(json.dumps(meta))
+    task = steer_eval.prompt_task(tmp_path)
+    assert task == steer_eval.prompt_task(tiny_retrieval) and not hasattr(task, "long_steps")
