@@ -30,7 +30,9 @@ Status, measured on the shared 2-core machine (2026-11-30, ``benchmarks/steer.py
 "Steered KV"): on the 2-layer retrieval model (43% held-out) key-edit with correct marks meets the
 goal on two seeds (middle +33.5 / +34.0 points, start +6.5 / +15.0, end +33.0 / +20.0; the
 calibration chose all four layer-1 heads at 8 nats both times); wrong marks cost 8.5-31 points;
-re-read, whole or marked, loses 4-28 points on this model.
+re-read, whole or marked, loses 4-28 points on this model. On retrieval-v2 (98.5% held-out) plain
+accuracy is 1.000 in the middle and at the end, so the goal cannot be shown there; key-edit does not
+lift its start (0.870 -> 0.875), and re-read loses again.
 """
 
 from __future__ import annotations
