@@ -44,8 +44,8 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         row = res["variants"][name]
         xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(POSITIONS))]
         acc = [row[p]["accuracy"] for p in POSITIONS]
-        lo = [row[p]["accuracy"] - row[p]["ci95"][0] for p in POSITIONS]
-        hi = [row[p]["ci95"][1] - row[p]["accuracy"] for p in POSITIONS]
+        lo = [max(0.0, row[p]["accuracy"] - row[p]["ci95"][0]) for p in POSITIONS]
+        hi = [max(0.0, row[p]["ci95"][1] - row[p]["accuracy"]) for p in POSITIONS]
         ax.bar(xs, acc, width, yerr=[lo, hi], capsize=2, label=name)
     if len(strengths) > 1:
         cal = res["calibration"]["strength"]
@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     stem = (f"steer-{args.model.name}" + (f"-seed{args.seed}" if args.seed else "")
             + (f"-docs{args.docs}" if args.docs != 8 else ""))
     png = RESULTS / f"{stem}.png"
-    res["plot"] = str(png.relative_to(REPO)) if plot(res, png) else None
     RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")  # kept if the plot fails
+    res["plot"] = str(png.relative_to(REPO)) if plot(res, png) else None
     (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     md = markdown(res)
     print(json.dumps(res, indent=2, default=str) if args.json else md)
