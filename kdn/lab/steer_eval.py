@@ -32,7 +32,8 @@ goal on two seeds (middle +33.5 / +34.0 points, start +6.5 / +15.0, end +33.0 / 
 calibration chose all four layer-1 heads at 8 nats both times); wrong marks cost 8.5-31 points;
 re-read, whole or marked, loses 4-28 points on this model. On retrieval-v2 (98.5% held-out) plain
 accuracy is 1.000 in the middle and at the end, so the goal cannot be shown there; key-edit does not
-lift its start (0.870 -> 0.875), and re-read loses again.
+lift its start (0.870 -> 0.875), and re-read loses again; on the 3-layer v2 (98.5%) key-edit costs
+5 points at the start (0.980 -> 0.930) with nothing to gain in the middle.
 """
 
 from __future__ import annotations
