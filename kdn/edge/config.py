@@ -57,7 +57,7 @@ class EdgeConfig(RoleConfig):
     )
     policy: str = Field(
         "adaptive",
-        description="eviction policy name (kdn.edge.eviction registry); adaptive: prefix-aware, never far below LRU",
+        description="eviction policy name (kdn.edge.eviction registry); adaptive: LRU or prefix-aware, whichever sampled miniature caches say wins",
     )
     replicas: int = Field(2, ge=1, le=16, description="owners per key in the overlay")
     bounded_load_c: float = Field(
