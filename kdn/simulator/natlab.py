@@ -10,7 +10,9 @@ Each NAT masquerades its site behind its public address and lets in only replies
 ESTABLISHED/RELATED); unsolicited packets to the NAT itself are dropped, as a home router does. ``symmetric=True`` adds ``--random-fully``: every new destination gets a
 fresh random public port, so the address STUN saw is useless to the other site and ICE must
 relay through TURN; otherwise Linux keeps the source port (a port-restricted cone NAT) and a
-direct path is found. ``rate_mbit`` shapes natA's LAN side (every byte into site A passes it,
+direct path is found. ``block_direct=True`` keeps the NATs port-preserving but drops UDP from
+one site to the other's NAT (a firewall that allows only the public services): TURN again.
+``rate_mbit`` shapes natA's LAN side (every byte into site A passes it,
 direct, relayed, or plain TCP from the public segment) with ``tbf``.
 
 :meth:`NatLab.spawn` starts a process in a namespace and remembers it; :meth:`NatLab.close`
@@ -61,9 +63,12 @@ def available(*, turn: bool = True) -> str | None:
 class NatLab:
     """Build with :meth:`build`, run things with :meth:`spawn`/:meth:`run`, always :meth:`close`."""
 
-    def __init__(self, *, symmetric: bool = False, rate_mbit: float | None = None, prefix: str | None = None) -> None:
+    def __init__(
+        self, *, symmetric: bool = False, block_direct: bool = False, rate_mbit: float | None = None, prefix: str | None = None,
+    ) -> None:
         self.prefix = prefix or f"k{os.getpid() % 100000}"
         self.symmetric = symmetric
+        self.block_direct = block_direct
         self.rate_mbit = rate_mbit
         self.made: list[str] = []
         self.procs: list[subprocess.Popen[str]] = []
@@ -115,15 +120,22 @@ class NatLab:
             # a confirmed entry for the other site's first hole-punching packet would make this NAT
             # remap its site's own reply flow to a fresh port (a clash), and no punch would succeed
             self.sh(f"nat{site}", "iptables", "-A", "INPUT", "-i", "pub0", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP")
+            if self.block_direct:  # a firewall that lets UDP out only to the public services, not to the other site
+                other = NAT_IP["B" if site == "A" else "A"]
+                self.sh(f"nat{site}", "iptables", "-A", "FORWARD", "-o", "pub0", "-p", "udp", "-d", other, "-j", "DROP")
         if self.rate_mbit:
             self.sh("natA", "tc", "qdisc", "add", "dev", "lan0", "root", "tbf", "rate", f"{self.rate_mbit}mbit",
                     "burst", "32kb", "limit", "4000000")
         return self
 
-    def spawn(self, role: str, argv: list[str], *, log: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        """Start ``argv`` in ``role``'s namespace; stdout is a pipe, stderr goes to ``log``."""
+    def spawn(
+        self, role: str, argv: list[str], *, log: Path | None = None, env: dict[str, str] | None = None, stdout: bool = True,
+    ) -> subprocess.Popen[str]:
+        """Start ``argv`` in ``role``'s namespace; stdout is a pipe (read it, or pass ``stdout=False``),
+        stderr goes to ``log``."""
         err = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - closed with the process
-        p = subprocess.Popen(["ip", "netns", "exec", self.ns(role), *argv], stdout=subprocess.PIPE, stderr=err,
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns(role), *argv],
+                             stdout=subprocess.PIPE if stdout else subprocess.DEVNULL, stderr=err,
                              text=True, env={**os.environ, **(env or {})}, start_new_session=True)
         self.procs.append(p)
         return p
@@ -133,11 +145,11 @@ class NatLab:
         argv = [
             "turnserver", "-n", "--listening-ip", PUBLIC_IP, "--relay-ip", PUBLIC_IP, "--listening-port", str(TURN_PORT),
             "--min-port", "49152", "--max-port", "49352", "--lt-cred-mech", "--user", f"{TURN_USER}:{secret}",
-            "--realm", "kdn.test", "--no-tls", "--no-dtls", "--no-cli", "--fingerprint", "--log-file", "stdout",
+            "--realm", "kdn.test", "--no-tls", "--no-dtls", "--no-cli", "--log-file", str(workdir / "turnserver.log"),
             "--simple-log", "--pidfile", str(workdir / "turnserver.pid"), "--userdb", str(workdir / "turndb"),
-            "--no-multicast-peers",
+            "--allow-loopback-peers", *(["-V"] if os.environ.get("KDN_TURN_VERBOSE") else []),
         ]
-        p = self.spawn("pub", argv, log=workdir / "turnserver.err")
+        p = self.spawn("pub", argv, log=workdir / "turnserver.err", stdout=False)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # ready when it listens on its UDP port
             out = subprocess.run(["ip", "netns", "exec", self.ns("pub"), "ss", "-Hlun", f"sport = :{TURN_PORT}"],
