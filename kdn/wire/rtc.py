@@ -300,9 +300,9 @@ class RtcEndpoint:
     def __repr__(self) -> str:
         return f"RtcEndpoint({self.node_id!r}, {len(self.ice_servers)} ICE servers)"  # never the credentials
 
-    def _config(self) -> Any:
+    def _config(self, relay: bool) -> Any:
         aiortc = require_aiortc()
-        policy = aiortc.RTCIceTransportPolicy.RELAY if self.relay_only else aiortc.RTCIceTransportPolicy.ALL
+        policy = aiortc.RTCIceTransportPolicy.RELAY if relay else aiortc.RTCIceTransportPolicy.ALL
         return aiortc.RTCConfiguration(iceServers=[s.to_aiortc() for s in self.ice_servers], iceTransportPolicy=policy)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -370,40 +370,71 @@ class RtcEndpoint:
             fut.add_done_callback(lambda f, p=peer: self._dialing.pop(p, None))
         return await asyncio.shield(fut)
 
+    @property
+    def has_turn(self) -> bool:
+        return any(u.startswith("turn") for srv in self.ice_servers for u in srv.urls)
+
     async def _dial(self, peer: str) -> RtcClient:
-        aiortc = require_aiortc()
+        """Every candidate first; when that finds no path and a TURN server is configured, once
+        more with relay candidates only on both ends (the session id tells the answerer). In this
+        project's NAT lab, with aiortc 1.16 and coturn 4.6.1, relayed pairs completed only in
+        relay-only sessions, never among host and server-reflexive pairs."""
         t0 = time.perf_counter()
-        pc = aiortc.RTCPeerConnection(configuration=self._config())
-        session = secrets.token_hex(8)
+        deadline = time.monotonic() + self.connect_timeout_s
+        attempts = [self.relay_only]
+        if not self.relay_only and self.has_turn:
+            attempts.append(True)
+        why = ""
+        for i, relay in enumerate(attempts):
+            left = deadline - time.monotonic()
+            budget = left if i == len(attempts) - 1 else min(left / 2, 5.0)
+            try:
+                pc, channel = await self._attempt(peer, relay, budget)
+            except (asyncio.TimeoutError, KdnError, ValueError) as exc:
+                why = f"timed out after {budget:.3g} s" if isinstance(exc, asyncio.TimeoutError) else str(exc)
+                if isinstance(exc, KdnError) and not isinstance(exc, Unavailable):  # NotFound: nobody to ask
+                    break
+                continue
+            client = RtcClient(peer, pc, channel, time.perf_counter() - t0)
+            self._failed.pop(peer, None)
+            old = self._clients.get(peer)
+            self._clients[peer] = client
+            if old is not None:
+                self._spawn(old.close())
+            self._on_connect(peer, client.path, client.setup_s, "dial")
+            return client
+        self._failed[peer] = (time.monotonic(), why)
+        raise Unavailable(f"WebRTC to {peer}: no connection ({why})")
+
+    async def _attempt(self, peer: str, relay: bool, timeout_s: float) -> tuple[Any, Any]:
+        aiortc = require_aiortc()
+        pc = aiortc.RTCPeerConnection(configuration=self._config(relay))
+        session = secrets.token_hex(8) + ("r" if relay else "")
         opened = asyncio.get_running_loop().create_future()
         channel = pc.createDataChannel(CHANNEL_LABEL, ordered=True)
         channel.on("open", lambda: opened.done() or opened.set_result(None))
         answer = asyncio.get_running_loop().create_future()
         self._answers[session] = answer
-        try:
-            async def handshake() -> None:
-                await pc.setLocalDescription(await pc.createOffer())  # gathers every candidate
-                await self.signal.send(peer, self.node_id, session, "offer", pc.localDescription.sdp)
-                sdp = await answer
-                await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=sdp, type="answer"))
-                await opened
 
-            await asyncio.wait_for(handshake(), self.connect_timeout_s)
-        except (asyncio.TimeoutError, KdnError, ValueError) as exc:
+        async def handshake() -> None:
+            await pc.setLocalDescription(await pc.createOffer())  # gathers every candidate
+            await self.signal.send(peer, self.node_id, session, "offer", pc.localDescription.sdp)
+            sdp = await answer
+            await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=sdp, type="answer"))
+            await opened
+
+        try:
+            await asyncio.wait_for(handshake(), timeout_s)
+        except BaseException:
             await pc.close()
-            why = f"timed out after {self.connect_timeout_s:g} s" if isinstance(exc, asyncio.TimeoutError) else str(exc)
-            self._failed[peer] = (time.monotonic(), why)
-            raise Unavailable(f"WebRTC to {peer}: no connection ({why})") from exc
+            try:
+                await self.signal.send(peer, self.node_id, session, "bye")
+            except KdnError:
+                pass
+            raise
         finally:
             self._answers.pop(session, None)
-        client = RtcClient(peer, pc, channel, time.perf_counter() - t0)
-        self._failed.pop(peer, None)
-        old = self._clients.get(peer)
-        self._clients[peer] = client
-        if old is not None:
-            self._spawn(old.close())
-        self._on_connect(peer, client.path, client.setup_s, "dial")
-        return client
+        return pc, channel
 
     # -- answering -------------------------------------------------------------------------------
 
@@ -412,8 +443,8 @@ class RtcEndpoint:
         if self.handler is None:
             return
         t0 = time.perf_counter()
-        pc = aiortc.RTCPeerConnection(configuration=self._config())
         peer, session = offer.sender, offer.session
+        pc = aiortc.RTCPeerConnection(configuration=self._config(self.relay_only or session.endswith("r")))
         old = self._served.pop(session, None)
         if old is not None:
             await old.close()

@@ -9,9 +9,9 @@ site A reuses KV that only site B's edge holds, with output equal to recompute. 
 the path is what the NATs allow (edge metrics), that the TURN credential appears in no log line,
 and that with site B's edge gone site A still answers (origin, then recompute).
 Namespaces and processes are removed by the test (:meth:`NatLab.close`).
-
-Not working yet, and marked so (strict xfail): the relayed case. ICE gathers relay candidates
-from coturn and binds channels, but no relayed check ever completes (see RELAY_BROKEN).
+In this lab relayed pairs complete only in relay-only ICE sessions, so an edge that finds no path
+with every candidate tries once more relay-only (kdn.wire.rtc.RtcEndpoint._dial): that retry is
+what carries the symmetric case.
 """
 
 from __future__ import annotations
@@ -30,10 +30,6 @@ from kdn.simulator import natlab
 # ~80 s on the 2-core machine (six Python processes load torch): kept out of the default run
 pytestmark = [pytest.mark.integration, pytest.mark.netns, pytest.mark.slow]
 
-RELAY_BROKEN = (
-    "TURN relay does not work in this lab yet: coturn 4.6.1 allocates, binds channels and receives the "
-    "ChannelData, but sends nothing from its relay ports (its log: 'wrote to peer 0 bytes'); see README"
-)
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "tok-" + secrets.token_hex(8)
@@ -96,7 +92,7 @@ def _edge_config(tmp: Path, site: str, origin: str, turn_secret: str) -> Path:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("symmetric,path", [
     (False, "direct"),
-    pytest.param(True, "relayed", marks=pytest.mark.xfail(reason=RELAY_BROKEN, strict=True)),
+    (True, "relayed"),
 ], ids=["cone-direct", "symmetric-relayed"])
 def test_edges_behind_nat_share_kv_over_webrtc(tmp_path: Path, symmetric: bool, path: str) -> None:
     why = _why_not()  # probed here, not at collection: it makes a namespace
