@@ -194,7 +194,7 @@ def run_lab(rate_mbit: float | None, repeats: int, relay: bool, workdir: Path) -
 
 
 def _med(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})"
+    return f"{statistics.median(xs):.3g} ({min(xs):.3g}–{max(xs):.3g})"
 
 
 def main() -> int:

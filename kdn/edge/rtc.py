@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from kdn.edge.overlay import Member
 from kdn.edge.tasks import cancel_and_wait
@@ -192,12 +192,15 @@ class AutoPeerUpstream(Upstream):
 class EdgeRtc:
     """The edge's WebRTC side: announce, discover, dial, answer. See the module docstring."""
 
-    def __init__(self, config: "EdgeConfig", auth: TokenAuth, metrics: "EdgeMetrics", static: Sequence[Member]) -> None:
+    def __init__(
+        self, config: "EdgeConfig", auth: TokenAuth, metrics: "EdgeMetrics",
+        static: Sequence[Member] | Callable[[], Iterable[Member]],
+    ) -> None:
         assert config.rtc_signal
         self.config = config
         self.auth = auth
         self.metrics = metrics
-        self._static = list(static)
+        self._static = static  # the config's peers, or another provider (peers file, registry)
         self._announced: list[Member] = []
         self.signal = SignalClient(config.rtc_signal, token=config.upstream_token, tls=config.upstream_tls,
                                    deadline_s=config.peer_deadline_s)
@@ -219,9 +222,11 @@ class EdgeRtc:
         self.metrics.bytes_out.labels("rtc").inc(nbytes)
 
     def members(self) -> list[Member]:
-        """Static peers plus every other edge announced at the origin (the overlay's provider)."""
-        seen = {m.node_id for m in self._static}
-        return self._static + [m for m in self._announced if m.node_id not in seen]
+        """Configured peers (static or from their provider) plus every other edge announced at the
+        origin (the overlay's provider)."""
+        static = list(self._static() if callable(self._static) else self._static)
+        seen = {m.node_id for m in static}
+        return static + [m for m in self._announced if m.node_id not in seen]
 
     async def announce(self) -> None:
         anns = await self.signal.announce(

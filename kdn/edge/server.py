@@ -378,8 +378,8 @@ class EdgeServer:
         if c.rtc_signal:  # edges behind NAT: discovery at the origin, WebRTC where gRPC cannot dial
             from kdn.edge.rtc import EdgeRtc
 
-            self.rtc = EdgeRtc(c, self.auth, metrics, [] if callable(members) else list(members))
-            members = self.rtc.members if not callable(members) else members
+            self.rtc = EdgeRtc(c, self.auth, metrics, members if callable(members) else list(members))
+            members = self.rtc.members
             connect = self._connect_override or self.rtc.connect
         overlay = Overlay(
             self_member, members, replicas=c.replicas, backoff_s=c.peer_backoff_s, clock=self.clock,

@@ -47,7 +47,7 @@ def generate(edge: str, token: str, tenant: str, seed: str) -> None:
         got = gen(lm, prompt, client=client, max_new_tokens=8)
     base = gen(lm, prompt, max_new_tokens=8)
     print(json.dumps({"reused_tokens": got.reused_tokens, "equal": got.tokens == base.tokens,
-                      "warnings": list(got.warnings), "full": got.prompt_tokens // CHUNK * CHUNK}), flush=True)
+                      "warnings": list(got.warnings), "full": min(got.prompt_tokens // CHUNK * CHUNK, got.prompt_tokens - 1)}), flush=True)
 
 
 def metrics(port: str) -> None:
