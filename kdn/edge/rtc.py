@@ -132,8 +132,9 @@ class RtcPeerUpstream(Upstream):
 class AutoPeerUpstream(Upstream):
     """gRPC to a peer that answers its health check within ``probe_s``, else WebRTC.
 
-    The choice is kept for ``recheck_s`` (a peer that moved behind NAT, or out from behind it, is
-    noticed within that long); ``always_rtc`` skips the probe."""
+    The first request waits for the probe; after ``recheck_s`` the probe runs again in the
+    background (requests keep the current path meanwhile), and after a failure at once: a peer
+    that moved behind NAT, or out from behind it, is noticed. ``always_rtc`` skips the probe."""
 
     kind = "peer"
 
@@ -149,24 +150,31 @@ class AutoPeerUpstream(Upstream):
         self._recheck_s = recheck_s
         self._choice: Upstream | None = None
         self._until = 0.0
+        self._reprobe: asyncio.Future[Upstream] | None = None
 
     @property
     def path(self) -> str:
         return "unknown" if self._choice is None else ("grpc" if self._choice is self.grpc else "rtc")
 
-    async def _pick(self) -> Upstream:
-        if self._always_rtc:
-            return self.rtc
-        now = time.monotonic()
-        if self._choice is not None and now < self._until:
-            return self._choice
+    async def _probe(self) -> Upstream:
         try:
             ok = await asyncio.wait_for(self.grpc.healthy(), self._probe_s)
         except asyncio.TimeoutError:
             ok = False
-        self._choice = self.grpc if ok else self.rtc
-        self._until = now + self._recheck_s
-        log.info("peer %s: %s", self.name, "dialled over gRPC" if ok else "not dialable: WebRTC")
+        choice = self.grpc if ok else self.rtc
+        if choice is not self._choice:
+            log.info("peer %s: %s", self.name, "dialled over gRPC" if ok else "not dialable: WebRTC")
+        self._choice = choice
+        self._until = time.monotonic() + self._recheck_s
+        return choice
+
+    async def _pick(self) -> Upstream:
+        if self._always_rtc:
+            return self.rtc
+        if self._choice is None:
+            return await self._probe()  # the first request waits for the probe (at most probe_s)
+        if time.monotonic() >= self._until and (self._reprobe is None or self._reprobe.done()):
+            self._reprobe = asyncio.ensure_future(self._probe())  # later ones never do
         return self._choice
 
     async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
@@ -182,10 +190,14 @@ class AutoPeerUpstream(Upstream):
         return await (await self._pick()).lookup(keys, fingerprint=fingerprint, namespace=namespace, token=token)
 
     async def healthy(self) -> bool:
-        self._until = 0.0  # a failure: probe again next time
-        return await (await self._pick()).healthy()
+        """After a failure: probe which path works now, then ask that one."""
+        if self._always_rtc:
+            return await self.rtc.healthy()
+        return await (await self._probe()).healthy()
 
     async def close(self) -> None:
+        if self._reprobe is not None:
+            self._reprobe.cancel()
         await self.grpc.close()
 
 

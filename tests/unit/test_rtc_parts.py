@@ -137,3 +137,24 @@ def test_a_peer_is_dialled_over_grpc_when_it_answers_in_time_else_webrtc(grpc_ok
     up = AutoPeerUpstream(g, r, EdgeMetrics("a"), probe_s=0.05)  # type: ignore[arg-type]
     assert asyncio.run(up.fetch(None)) == b"data"  # type: ignore[arg-type]
     assert up.path == expect and (g.fetched, r.fetched) == ((1, 0) if expect == "grpc" else (0, 1))
+
+
+def test_the_path_is_rechecked_in_the_background_and_at_once_after_a_failure():
+    from kdn.edge.metrics import EdgeMetrics
+    from kdn.edge.rtc import AutoPeerUpstream
+
+    async def main():
+        g, r = _Up("b", False), _Up("b", True)
+        up = AutoPeerUpstream(g, r, EdgeMetrics("a"), probe_s=0.05, recheck_s=0.0)  # type: ignore[arg-type]
+        await up.fetch(None)  # type: ignore[arg-type]
+        assert up.path == "rtc"
+        g._healthy = True  # the peer became dialable
+        await up.fetch(None)  # type: ignore[arg-type]
+        assert r.fetched == 2  # this request kept the known path; the probe ran beside it
+        await asyncio.sleep(0.01)
+        assert up.path == "grpc"
+        g._healthy = False
+        assert await up.healthy() is True and up.path == "rtc"  # after a failure: probed at once
+        await up.close()
+
+    asyncio.run(main())
