@@ -183,14 +183,24 @@ def run_lab(rate_mbit: float | None, repeats: int, relay: bool, workdir: Path) -
         for role, args in (("pub", ["signal"]), ("pub", ["tcpserve"]), ("siteB", ["serve", "1" if relay else "0"])):
             p = lab.spawn(role, [sys.executable, __file__, "child", *args], log=workdir / f"{role}-{args[0]}.err")
             _wait_ready(p, f"{role} {args[0]}")
+        sender = p  # `ip netns exec` execs: this pid is the answering (sending) Python process
         tcp = _run(lab, "siteA", "tcpget", str(repeats))
+        cpu0, t0 = _cpu_s(sender.pid), time.perf_counter()
         try:
             rtc = _run(lab, "siteA", "dial", "1" if relay else "0", str(repeats))
+            # the sender's CPU over the whole dial run (setups included) per second of it
+            rtc["sender_cpu"] = (_cpu_s(sender.pid) - cpu0) / (time.perf_counter() - t0)
         except RuntimeError as exc:
             rtc = {"error": str(exc).splitlines()[-1][:200]}
         return {"tcp": tcp, "rtc": rtc}
     finally:
         lab.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _med(xs: list[float]) -> str:
@@ -232,7 +242,8 @@ def main() -> int:
         ratio = [a / statistics.median(tcp) for a in mbps]
         cpu = [x["cpu_s"] / x["s"] for x in rtc["fetch"]]
         rows.append(f"| {name} | {_med([s * 1000 for s in rtc['setup_s']])} | {_med(mbps)} | {_med(tcp)} | "
-                    f"{_med(ratio)} | {', '.join(sorted(set(rtc['paths'])))}; receiver CPU {_med(cpu)} cores |")
+                    f"{_med(ratio)} | {', '.join(sorted(set(rtc['paths'])))}; receiver CPU {_med(cpu)} cores, "
+                    f"sender {rtc['sender_cpu']:.2f} cores (whole run) |")
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = "\n".join([
         f"\n## WebRTC between edges behind NAT ({stamp})\n",
