@@ -155,6 +155,10 @@ class EdgeConfig(RoleConfig):
     )
     rtc_relay_only: bool = Field(False, description="use TURN relay candidates only (ICE transport policy relay)")
     rtc_announce_s: float = Field(5.0, gt=0, le=300, description="how often this edge re-announces itself")
+    rtc_prewarm: bool = Field(
+        True, description="connect to each newly announced peer in the background (probe, then WebRTC if needed), "
+        "so the first request does not pay the setup (~0.5 s direct, ~5.5 s relayed)",
+    )
 
     @field_validator("listen")
     @classmethod

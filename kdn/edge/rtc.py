@@ -9,6 +9,8 @@
 - connects each member with an :class:`AutoPeerUpstream`: gRPC when the peer's health check
   answers within ``rtc_dial_probe_s`` (it is directly dialable), else a :class:`RtcPeerUpstream`
   over a WebRTC data channel (:mod:`kdn.wire.rtc`); ``rtc_mode: always`` skips the probe;
+- connects to each newly announced peer in the background (``rtc_prewarm``), so the first
+  request does not pay the setup;
 - answers other edges' offers and serves their Lookup/Fetch on the channel with this node's own
   logic, under the same token check as the gRPC servicer (:class:`EdgeRtcHandler`).
 
@@ -189,6 +191,13 @@ class AutoPeerUpstream(Upstream):
     ) -> int:
         return await (await self._pick()).lookup(keys, fingerprint=fingerprint, namespace=namespace, token=token)
 
+    async def warm(self) -> None:
+        """Pick the path and, for WebRTC, connect now (background pre-warming; errors are kept
+        for the first request to see)."""
+        up = await self._pick()
+        if up is self.rtc:
+            await self.rtc.healthy()
+
     async def healthy(self) -> bool:
         """After a failure: probe which path works now, then ask that one."""
         if self._always_rtc:
@@ -223,6 +232,9 @@ class EdgeRtc:
         )
         self.address = ""
         self._tasks: list[asyncio.Task[None]] = []
+        self._node: "EdgeNode | None" = None
+        self._warmed: set[str] = set()
+        self._warming: set[asyncio.Task[None]] = set()
 
     def _connected(self, peer: str, path: str, setup_s: float, role: str) -> None:
         self.metrics.rtc_connections.labels(path, role).inc()
@@ -252,9 +264,31 @@ class EdgeRtc:
                 await self.announce()
             except KdnError as exc:
                 log.info("%s: announce to %s failed: %s", self.config.node_id, self.config.rtc_signal, exc)
+            self._prewarm()
             await asyncio.sleep(self.config.rtc_announce_s)
 
+    def _prewarm(self) -> None:
+        """Connect to newly announced peers in the background, once each."""
+        if not self.config.rtc_prewarm or self._node is None:
+            return
+        for m in self._announced:
+            if m.node_id in self._warmed:
+                continue
+            self._warmed.add(m.node_id)
+            up = self._node.peer(m)
+            if isinstance(up, AutoPeerUpstream):
+                t = asyncio.ensure_future(self._warm(up))
+                self._warming.add(t)
+                t.add_done_callback(self._warming.discard)
+
+    async def _warm(self, up: "AutoPeerUpstream") -> None:
+        try:
+            await up.warm()
+        except KdnError as exc:
+            log.info("%s: pre-warming %s: %s", self.config.node_id, up.name, exc)
+
     async def start(self, node: "EdgeNode", address: str) -> None:
+        self._node = node
         self.endpoint.handler = EdgeRtcHandler(node, self.auth, max_chain_keys=self.config.max_chain_keys)
         self.address = self.config.rtc_advertise or address
         try:
@@ -278,7 +312,7 @@ class EdgeRtc:
         return AutoPeerUpstream(grpc_up, rtc_up, self.metrics, probe_s=c.rtc_dial_probe_s, always_rtc=c.rtc_mode == "always")
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait(self._tasks + list(self._warming))
         self._tasks = []
         await self.endpoint.close()
         await self.signal.close()

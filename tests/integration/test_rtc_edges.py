@@ -73,6 +73,11 @@ def test_kv_held_only_by_edge_b_reaches_a_client_at_edge_a_over_webrtc(tmp_path)
         while len(edges["a"].node.overlay.members) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
 
+        # pre-warming: A connects to B once B is announced, before any request
+        while "edge-b" not in edges["a"].rtc.endpoint._clients and time.monotonic() < deadline + 10:
+            time.sleep(0.1)
+        assert "edge-b" in edges["a"].rtc.endpoint._clients
+
         cfg = dict(token=TOKEN, tenant="t1", lookup_timeout_s=20.0, fetch_timeout_s=20.0, shm="off", bulk=False)
         with KdnClient(ClientConfig(edge=edges["b"].address, **cfg)) as client:
             wrote = generate(lm, PROMPT, client=client, max_new_tokens=6)
