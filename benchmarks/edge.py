@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -51,6 +52,7 @@ sys.path.insert(0, str(REPO))
 
 from kdn.edge.admin import AsyncEdgeClient  # noqa: E402
 from kdn.edge.testing import Chain, make_chain  # noqa: E402
+from kdn.wire.channel import free_port  # noqa: E402
 
 PEERS = REPO / ".peers"
 WORKER = REPO / "benchmarks" / "peers" / "worker.py"
@@ -65,12 +67,6 @@ SCALING = (1, 2, 4, 8)
 
 
 # -- processes -------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -115,8 +111,12 @@ class Worker:
         self.proc = subprocess.Popen(args, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err)
         self.info: dict = {}
 
-    def _read(self) -> dict:
+    def _read(self, timeout: float = 900.0) -> dict:
+        """The worker's next answer; a worker silent for ``timeout`` seconds is a failure, not a hang."""
         assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise RuntimeError(f"{self.kind} worker silent for {timeout:.0f} s: {_tail(self.log)}")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"{self.kind} worker exited: {_tail(self.log)}")
@@ -195,7 +195,7 @@ def _start_on_port(name: str, label: str, argv: Callable[[int], list[str]], tmp:
                    env: dict[str, str] | None = None, **peer: Any) -> Peer:
     """Start a server that is told its port on the command line (``argv(port)``): a peer that is up
     once the port answers, else one that says why not (``label``, then the tail of its log)."""
-    port = _free_port()
+    port = free_port("127.0.0.1")
     log = tmp / log_name
     proc = subprocess.Popen(argv(port), cwd=tmp, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     try:

@@ -122,18 +122,22 @@ def main() -> int:
 def advice(path: Path, limit: int | None, append: bool = True) -> int:
     """How often the fetch-or-recompute rule fetches what the origin holds, and the TTFT that
     follows, under the old transfer model (FIFO links, always-warm connections) and the new one
-    (fair links; pooled connections with slow start and restart after idle; cold connections)."""
+    (fair links; pooled connections with slow start and restart after idle; cold connections),
+    and the new one with a client that prefills layer by layer behind the fetch (KDN's vLLM
+    connector; ``params.layer_pipelining``)."""
     prep = prepare(path, limit=limit)
     sc = prep.scenario
     rows = []
-    models = [("old: fifo, always warm", "fifo", "warm"), ("new: fair, pooled (default)", "fair", "pooled"), ("new: fair, cold", "fair", "cold")]
-    for label, sharing, conns in models:
-        variant = sc.model_copy(update={"network": sc.network.model_copy(update={"link_sharing": sharing, "connections": conns})})
+    models = [("old: fifo, always warm", "fifo", "warm", False), ("new: fair, pooled (default)", "fair", "pooled", False),
+              ("new: fair, cold", "fair", "cold", False), ("new: fair, pooled, layer-pipelined client", "fair", "pooled", True)]
+    for label, sharing, conns, pipe in models:
+        variant = sc.model_copy(update={"network": sc.network.model_copy(update={"link_sharing": sharing, "connections": conns}),
+                                        "params": sc.params.model_copy(update={"layer_pipelining": pipe})})
         for pol in ("origin_only", "nearest_edge"):
             r = run_policy(variant, prep.topology, prep.requests, prep.presets, pol)
             could = r.fetch_chosen + r.recompute_chosen
             rows.append((label, pol, r.fetch_chosen, could, r.ttft_p50_s, r.ttft_p90_s, r.origin_ratio, r.hit_ratio))
-            print(f"{label:28s} {pol:13s} fetched {r.fetch_chosen:7,d} of {could:7,d} ({r.fetch_chosen / max(could, 1):.1%})  "
+            print(f"{label:42s} {pol:13s} fetched {r.fetch_chosen:7,d} of {could:7,d} ({r.fetch_chosen / max(could, 1):.1%})  "
                   f"p50 {r.ttft_p50_s:.3f} p90 {r.ttft_p90_s:.3f} s  origin {r.origin_ratio:.1%}  edge hit {r.hit_ratio:.1%}", flush=True)
     if append:
         lines = [

@@ -16,7 +16,7 @@ Defaults live here and nowhere else. Example file::
 from __future__ import annotations
 
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from kdn.config import RoleConfig
 from kdn.wire.channel import MAX_MESSAGE, STREAM_PIECE
@@ -31,6 +31,30 @@ def _check_address(value: str, what: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"{what} must be {_ADDRESS_HELP}, got {value!r}")
     return value
+
+
+class IceServerConfig(BaseModel):
+    """A STUN or TURN server for WebRTC. The credential is a secret: masked in reprs and logs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    urls: list[str] = Field(min_length=1, description="stun:host:port, turn:host:port?transport=udp ...")
+    username: str | None = None
+    credential: SecretStr | None = None
+
+    @field_validator("urls")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for u in v:
+            if not u.startswith(("stun:", "turn:", "turns:")):
+                raise ValueError(f"ICE server URL must start with stun:, turn: or turns:, got {u[:60]!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _turn_needs_credentials(self) -> "IceServerConfig":
+        if any(u.startswith("turn") for u in self.urls) and (not self.username or self.credential is None):
+            raise ValueError("a TURN server needs a username and a credential")
+        return self
 
 
 class EdgeConfig(RoleConfig):
@@ -57,7 +81,7 @@ class EdgeConfig(RoleConfig):
     )
     policy: str = Field(
         "adaptive",
-        description="eviction policy name (kdn.edge.eviction registry); adaptive: prefix-aware, never far below LRU",
+        description="eviction policy name (kdn.edge.eviction registry); adaptive: LRU or prefix-aware, whichever sampled miniature caches say wins",
     )
     replicas: int = Field(2, ge=1, le=16, description="owners per key in the overlay")
     bounded_load_c: float = Field(
@@ -111,6 +135,30 @@ class EdgeConfig(RoleConfig):
     shm_max_segments: int = Field(64, ge=1, description="bound on live shm segments; oldest unlinked first")
     shm_max_bytes: int = Field(1 << 30, ge=1 << 20, description="bound on the bytes of live shm segments")
     schedule_tick_s: float = Field(1.0, gt=0, description="how often scheduled prefetches are checked")
+    rtc_signal: str | None = Field(
+        None, description="host:port of the WebRTC signalling service (the origin serves it); None = WebRTC off. "
+        "With it, this edge announces itself there, learns the other edges, and reaches those it cannot dial "
+        "(behind NAT) over WebRTC data channels (needs the webrtc extra: aiortc)",
+    )
+    rtc_advertise: str | None = Field(None, description="address announced to other edges; None = the listen address")
+    rtc_ice_servers: list[IceServerConfig] = Field(
+        default_factory=list, description="STUN/TURN servers for WebRTC; none = host candidates only"
+    )
+    rtc_mode: str = Field(
+        "auto", description="auto: dial a peer over gRPC when its health check answers within rtc_dial_probe_s, "
+        "else WebRTC; always: WebRTC to every announced peer",
+    )
+    rtc_dial_probe_s: float = Field(1.0, gt=0, le=30, description="how long a peer's gRPC health check may take in auto mode")
+    rtc_connect_timeout_s: float = Field(
+        10.0, gt=0, le=120, description="WebRTC setup (offer, ICE, data channel) must finish within this; else the "
+        "peer counts as down and the miss goes to the next owner or the origin",
+    )
+    rtc_relay_only: bool = Field(False, description="use TURN relay candidates only (ICE transport policy relay)")
+    rtc_announce_s: float = Field(5.0, gt=0, le=300, description="how often this edge re-announces itself")
+    rtc_prewarm: bool = Field(
+        True, description="connect to each newly announced peer in the background (probe, then WebRTC if needed), "
+        "so the first request does not pay the setup (~0.5 s direct, ~5.5 s relayed)",
+    )
 
     @field_validator("listen")
     @classmethod
@@ -121,6 +169,18 @@ class EdgeConfig(RoleConfig):
     @classmethod
     def _origin(cls, v: str | None) -> str | None:
         return None if v in (None, "") else _check_address(v, "origin")
+
+    @field_validator("rtc_signal")
+    @classmethod
+    def _rtc_signal(cls, v: str | None) -> str | None:
+        return None if v in (None, "") else _check_address(v, "rtc_signal")
+
+    @field_validator("rtc_mode")
+    @classmethod
+    def _rtc_mode(cls, v: str) -> str:
+        if v not in ("auto", "always"):
+            raise ValueError(f"rtc_mode must be auto or always, got {v!r}")
+        return v
 
     @field_validator("peers")
     @classmethod

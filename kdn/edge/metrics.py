@@ -60,6 +60,19 @@ class EdgeMetrics:
         self.latency = Histogram(
             "kdn_edge_rpc_seconds", "RPC latency", ["rpc", "source"], buckets=_LATENCY_BUCKETS, registry=r
         )
+        # edges behind NAT (kdn.edge.rtc): WebRTC setup, direct vs relayed, bytes per path
+        self.rtc_setup = Histogram(
+            "kdn_edge_rtc_setup_seconds", "WebRTC connection setup (offer to open data channel)", ["path", "role"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.rtc_connections = Counter(
+            "kdn_edge_rtc_connections", "WebRTC connections up, by path (direct/relayed) and role (dial/answer)",
+            ["path", "role"], registry=r,
+        )
+        self.peer_bytes = Counter(
+            "kdn_edge_peer_bytes", "artifact bytes exchanged with peer edges, by direction and path (grpc/direct/relayed)",
+            ["direction", "path"], registry=r,
+        )
         self._http = None
         self._thread = None
         self.port: int | None = None

@@ -173,6 +173,10 @@ class EdgeNode:
             self._peers[member.node_id] = up
         return up
 
+    def peer(self, member: Member) -> Upstream:
+        """The upstream for ``member`` (made on first use, kept while its address holds)."""
+        return self._peer(member)
+
     async def _peer_failed(self, member: Member, up: Upstream, exc: KdnError) -> None:
         if isinstance(exc, Unavailable) and not await up.healthy():
             log.info("%s: peer %s marked down: %s", self.node_id, member.node_id, exc)

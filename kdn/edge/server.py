@@ -328,6 +328,7 @@ class EdgeServer:
         self.metrics_port: int | None = None
         self.put_budget = PutBudget(config.put_buffer_bytes)  # shared by gRPC and bulk Puts
         self.bulk: BulkListener | None = None
+        self.rtc: Any = None  # kdn.edge.rtc.EdgeRtc when rtc_signal is configured
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self.port = 0
@@ -369,12 +370,21 @@ class EdgeServer:
                 await asyncio.to_thread(store.close)
             raise OSError(f"cannot bind {c.listen}: the port is in use or the host is not an address of this machine")
         self_member = Member(c.node_id, self.address, c.weight)
-        overlay = Overlay(
-            self_member,
+        metrics = EdgeMetrics(c.node_id)
+        members: Any = (
             self._members if self._members is not None
             else file_members(c.peers_file, c.peer_weights) if c.peers_file
-            else static_members(c.peers, c.peer_weights),
-            replicas=c.replicas, backoff_s=c.peer_backoff_s, clock=self.clock,
+            else static_members(c.peers, c.peer_weights)
+        )
+        connect = self._connect_override or self._connect
+        if c.rtc_signal:  # edges behind NAT: discovery at the origin, WebRTC where gRPC cannot dial
+            from kdn.edge.rtc import EdgeRtc
+
+            self.rtc = EdgeRtc(c, self.auth, metrics, members if callable(members) else list(members))
+            members = self.rtc.members
+            connect = self._connect_override or self.rtc.connect
+        overlay = Overlay(
+            self_member, members, replicas=c.replicas, backoff_s=c.peer_backoff_s, clock=self.clock,
         )
         origin = self._origin_override
         if origin is None and c.origin:
@@ -383,9 +393,8 @@ class EdgeServer:
                 fetch_deadline_s=c.fetch_deadline_s, call_deadline_s=c.admin_deadline_s,
                 max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
             )
-        metrics = EdgeMetrics(c.node_id)
         self.node = EdgeNode(
-            c, store=store, overlay=overlay, connect=self._connect_override or self._connect, origin=origin,
+            c, store=store, overlay=overlay, connect=connect, origin=origin,
             metrics=metrics, clock=self.clock,
         )
         self.node.address = self.address
@@ -397,6 +406,8 @@ class EdgeServer:
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         await self.node.start()
+        if self.rtc is not None:
+            await self.rtc.start(self.node, self.address)
         if c.bulk and tls is None:  # plain TCP: never where the operator asked for TLS
             self.bulk = BulkListener(self, c.listen.rpartition(":")[0], c.bulk_port)
             try:
@@ -423,6 +434,9 @@ class EdgeServer:
         if self.bulk is not None:
             await self.bulk.stop()
             self.bulk = None
+        if self.rtc is not None:
+            await self.rtc.stop()
+            self.rtc = None
         if self.node is not None:
             await self.node.stop()
             self.node.metrics.close()

@@ -21,6 +21,8 @@ RPCs (kdn/proto/kdn.proto):
   chunk is prefilled and stored; returns all keys. Unknown fingerprint -> ``FAILED_PRECONDITION``.
 - ``Document``: the chunk keys of an ingested document.
 - ``Stats``: counters.
+- ``SignalService`` (``Announce``/``Send``/``Receive``, :mod:`kdn.wire.signal`): discovery and
+  WebRTC offer/answer mailboxes for edges behind NAT, which can all dial the origin.
 
 Auth: ``OriginConfig.tokens`` maps bearer tokens to tenants (same rule as the edge,
 :mod:`kdn.wire.auth`): with tokens configured, every call's namespace must be granted to its token,
@@ -60,6 +62,7 @@ from kdn.wire.channel import STREAM_PIECE, grpc_options
 from kdn.wire.convert import key_bytes, parse_keys
 from kdn.wire.frames import encode_frames
 from kdn.wire.service import Servicer, add_servicer, rpc
+from kdn.wire.signal import SignalBoard, SignalServicer
 from kdn.origin.compute import ComputeBackend, LocalCompute
 from kdn.origin.config import OriginConfig
 from kdn.origin.ingest.documents import document_matches, not_ingested
@@ -197,6 +200,7 @@ class OriginServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
+        self.signal_board = SignalBoard()  # edges behind NAT: announcements and WebRTC mailboxes
 
     # -- in-process API ------------------------------------------------------------------------
 
@@ -326,6 +330,8 @@ class OriginServer:
         """Bind and serve on the running loop; returns the address once health says SERVING."""
         server = grpc.aio.server(options=grpc_options())
         add_servicer(server, OriginServicer(self), "OriginService")
+        # WebRTC signalling for edges behind NAT (kdn.wire.signal): every edge can dial the origin
+        add_servicer(server, SignalServicer(self.signal_board, self.auth, "origin"), "SignalService")
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         listen = self.config.listen

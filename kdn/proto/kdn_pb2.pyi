@@ -304,3 +304,53 @@ class DocumentResponse(_message.Message):
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     steer_variant: str
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., steer_variant: _Optional[str] = ...) -> None: ...
+
+class Announcement(_message.Message):
+    __slots__ = ("node_id", "address", "weight", "ttl_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    weight: float
+    ttl_s: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class Members(_message.Message):
+    __slots__ = ("members",)
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedCompositeFieldContainer[Announcement]
+    def __init__(self, members: _Optional[_Iterable[_Union[Announcement, _Mapping]]] = ...) -> None: ...
+
+class SignalMessage(_message.Message):
+    __slots__ = ("to", "sender", "session", "kind", "sdp")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SDP_FIELD_NUMBER: _ClassVar[int]
+    to: str
+    sender: str
+    session: str
+    kind: str
+    sdp: str
+    def __init__(self, to: _Optional[str] = ..., sender: _Optional[str] = ..., session: _Optional[str] = ..., kind: _Optional[str] = ..., sdp: _Optional[str] = ...) -> None: ...
+
+class SignalAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SignalPoll(_message.Message):
+    __slots__ = ("node_id", "wait_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    wait_s: float
+    def __init__(self, node_id: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class SignalBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[SignalMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[SignalMessage, _Mapping]]] = ...) -> None: ...

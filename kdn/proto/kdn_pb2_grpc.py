@@ -603,3 +603,161 @@ class OriginService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class SignalServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Announce = channel.unary_unary(
+                '/kdn.v1.SignalService/Announce',
+                request_serializer=kdn_dot_proto_dot_kdn__pb2.Announcement.SerializeToString,
+                response_deserializer=kdn_dot_proto_dot_kdn__pb2.Members.FromString,
+                _registered_method=True)
+        self.Send = channel.unary_unary(
+                '/kdn.v1.SignalService/Send',
+                request_serializer=kdn_dot_proto_dot_kdn__pb2.SignalMessage.SerializeToString,
+                response_deserializer=kdn_dot_proto_dot_kdn__pb2.SignalAck.FromString,
+                _registered_method=True)
+        self.Receive = channel.unary_unary(
+                '/kdn.v1.SignalService/Receive',
+                request_serializer=kdn_dot_proto_dot_kdn__pb2.SignalPoll.SerializeToString,
+                response_deserializer=kdn_dot_proto_dot_kdn__pb2.SignalBatch.FromString,
+                _registered_method=True)
+
+
+class SignalServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Announce(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Send(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Receive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SignalServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Announce': grpc.unary_unary_rpc_method_handler(
+                    servicer.Announce,
+                    request_deserializer=kdn_dot_proto_dot_kdn__pb2.Announcement.FromString,
+                    response_serializer=kdn_dot_proto_dot_kdn__pb2.Members.SerializeToString,
+            ),
+            'Send': grpc.unary_unary_rpc_method_handler(
+                    servicer.Send,
+                    request_deserializer=kdn_dot_proto_dot_kdn__pb2.SignalMessage.FromString,
+                    response_serializer=kdn_dot_proto_dot_kdn__pb2.SignalAck.SerializeToString,
+            ),
+            'Receive': grpc.unary_unary_rpc_method_handler(
+                    servicer.Receive,
+                    request_deserializer=kdn_dot_proto_dot_kdn__pb2.SignalPoll.FromString,
+                    response_serializer=kdn_dot_proto_dot_kdn__pb2.SignalBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kdn.v1.SignalService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kdn.v1.SignalService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SignalService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Announce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.SignalService/Announce',
+            kdn_dot_proto_dot_kdn__pb2.Announcement.SerializeToString,
+            kdn_dot_proto_dot_kdn__pb2.Members.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Send(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.SignalService/Send',
+            kdn_dot_proto_dot_kdn__pb2.SignalMessage.SerializeToString,
+            kdn_dot_proto_dot_kdn__pb2.SignalAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Receive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.SignalService/Receive',
+            kdn_dot_proto_dot_kdn__pb2.SignalPoll.SerializeToString,
+            kdn_dot_proto_dot_kdn__pb2.SignalBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

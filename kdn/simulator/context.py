@@ -191,29 +191,46 @@ class Context:
     def choose(self, now: float, e: int, n_in: int, keys: list[int], h: int, edge_ready: float) -> tuple[bool, int, bool]:
         """Apply the fetch-or-recompute rule to a request at edge ``e`` whose ``h`` leading
         chunks edges hold (at the GPUs at ``edge_ready``), followed by the origin's leading run.
-        Returns ``(use_edges, origin_offered, take_origin)``; nothing is committed."""
+        Returns ``(use_edges, origin_offered, take_origin)``; nothing is committed. For layer
+        pipelining the edges' part flows in from the request on (a peer's round trip included:
+        a slight overestimate of its span), the origin's from one round trip after it."""
         k2 = self.origin.leading_run(keys, h) if h < len(keys) else 0
         ready: list[float] = []
         sizes: list[int] = []
+        spans: list[float] = []
         if h:
             ready.append(edge_ready)
             sizes.append(h)
+            spans.append(edge_ready - now)
         if k2:
-            ready.append(self.net.fetch_ready(self.origin.nearest[e], e, k2, now, False))
+            src = self.origin.nearest[e]
+            t2 = self.net.fetch_ready(src, e, k2, now, False)
+            ready.append(t2)
             sizes.append(k2)
-        m = self.cost.best_prefix(self.decision, now, self.gpus.next_free(e), n_in, ready, sizes)
+            spans.append(self._origin_span(e, src, now, t2))
+        m = self.cost.best_prefix(self.decision, now, self.gpus.next_free(e), n_in, ready, sizes, spans)
         return m >= 1 and h > 0, k2, k2 > 0 and m == len(sizes)
 
     def finish(self, plan: Plan) -> None:
         """Commit the origin part of ``plan``, run its prefill on the edge's GPUs, count it."""
         e = plan.edge
         ready = plan.edge_ready
+        span = ready - plan.arrival
         if plan.origin:
-            t2 = self.net.fetch_ready(self.origin.nearest[e], e, plan.origin, plan.arrival, True)
+            src = self.origin.nearest[e]
+            t2 = self.net.fetch_ready(src, e, plan.origin, plan.arrival, True)
             if t2 > ready:
-                ready = t2
+                ready, span = t2, self._origin_span(e, src, plan.arrival, t2)
         cost = self.cost
         serve_s = cost.serve_s(plan.local + plan.peer + plan.origin, plan.tokens)
         gpus = self.gpus
+        if cost.pipelined:  # prefill starts before the last layer is in (never before a GPU is free)
+            ready -= cost.overlap(span, serve_s - cost.first_token_s, ready, gpus.next_free(e))
         start = ready if gpus.free is None else gpus.run(e, ready, serve_s)
         self._tally.add(plan, start, serve_s, cost.serve_s(0, plan.tokens))
+
+    def _origin_span(self, e: int, src: int, now: float, ready: float) -> float:
+        """How long an origin fetch's data flows in: from its first bytes (a round trip after the
+        request, at the earliest) to ``ready``."""
+        first = now + 2.0 * self.cost.lat[e][src]
+        return ready - first if ready > first else 0.0

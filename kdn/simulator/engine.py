@@ -18,7 +18,9 @@ between the prediction and the commit.
 
 Simplifications, stated: a lookup's answer (who holds what) is known without a round trip (a
 directory or digest of each edge's keys); fetched segments arrive in parallel and prefill starts
-when the last one has arrived (no layer pipelining); caches are updated when the request arrives
+when the last one has arrived, or, with ``params.layer_pipelining`` (a client that prefills layer
+by layer behind the fetch, as KDN's vLLM connector does), layer ``l`` starts once its part of the
+last segment is in (:meth:`CostModel.overlap`); caches are updated when the request arrives
 (pull-through and write-back fill at once, as if coalesced); GPU pools queue (FIFO over
 ``gpu_replicas_per_edge`` replicas per edge) only when that is set, else they are unlimited; the origins
 are replicas of one store (a chunk published at one is at all), each edge uses its nearest.

@@ -218,6 +218,9 @@ class PolicyParams(_Strict):
     prefetch_depth: int = Field(8, ge=0, description="hint_prefetch: leading chunks of a hinted context pushed")
     decision: Literal["auto", "fetch", "recompute"] = Field("auto", description="fetch-or-recompute rule")
     publish_to_origin: bool = Field(True, description="GPUs upload KV they computed to the origin")
+    layer_pipelining: bool = Field(
+        False, description="the client prefills layer l as soon as layer l of the fetched KV is there (KDN's vLLM connector does; the transformers client fetches, then prefills)"
+    )
 
 
 class NetworkSpec(_Strict):

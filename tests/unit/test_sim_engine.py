@@ -416,3 +416,37 @@ def test_cold_connection_turns_a_fetch_into_a_recompute(cities: CityIndex, prese
     assert t["cold", "fetch"] > t["cold", "recompute"] and t["cold", "fetched"] == 0
     assert t["cold", "fetch"] > 2 * t["warm", "fetch"]  # slow start, not the bytes, is the difference
     assert t["warm", "auto"] == t["warm", "fetch"] and t["cold", "auto"] == t["cold", "recompute"]
+
+
+def test_layer_pipelining_overlap_is_bounded_by_the_span_the_compute_and_a_free_gpu(cities: CityIndex, presets: Any) -> None:
+    p = make(cities, presets, params__layer_pipelining=True)
+    sim = Simulation(p.scenario, p.topology, p.requests, presets, "origin_only")
+    cost = sim.cost
+    f = 1.0 - 1.0 / cost.layers
+    inf = float("-inf")
+    assert cost.overlap(2.0, 1.0, 10.0, inf) == pytest.approx(f * 1.0)  # compute-bound: all but one layer's compute hidden
+    assert cost.overlap(0.5, 1.0, 10.0, inf) == pytest.approx(f * 0.5)  # data-bound: all but one layer's data hidden
+    assert cost.overlap(2.0, 1.0, 10.0, 9.8) == pytest.approx(f * 0.2)  # the GPU was busy until 9.8
+    assert cost.overlap(2.0, 1.0, 10.0, 11.0) == 0.0  # busy past the data's arrival: nothing to overlap
+    off = Simulation(make(cities, presets).scenario, p.topology, p.requests, presets, "origin_only").cost
+    assert off.overlap(2.0, 1.0, 10.0, inf) == 0.0
+
+
+@pytest.mark.parametrize("origin", ["London, GB", "Los Angeles, US"])
+def test_layer_pipelining_brings_fetches_forward_and_the_rule_sees_it(cities: CityIndex, presets: Any, origin: str) -> None:
+    """A client that prefills layer by layer behind the fetch (KDN's vLLM connector) gets the first
+    token sooner from a fetch, never from a recompute, and the fetch-or-recompute rule uses that:
+    the rule still picks the faster of the two with pipelining on."""
+    case = {"topology__origins": [{"city": origin, "uplink_gbps": 25}], "model": "llama-3.1-70b", "gpu": "h100-sxm",
+            "network__connections": "cold"}
+    t = {}
+    for pipe in (False, True):
+        for d in ("auto", "fetch", "recompute"):
+            t[pipe, d], r = _one_request(cities, presets, d, params__layer_pipelining=pipe, **case)
+    assert t[True, "recompute"] == t[False, "recompute"]
+    assert t[True, "fetch"] < t[False, "fetch"]
+    layers = presets.models["llama-3.1-70b"].layers
+    # at most all but one layer of the compute after the data is hidden
+    assert t[False, "fetch"] - t[True, "fetch"] <= (1 - 1 / layers) * t[False, "fetch"]
+    for pipe in (False, True):
+        assert t[pipe, "auto"] == pytest.approx(min(t[pipe, "fetch"], t[pipe, "recompute"]), rel=1e-12)

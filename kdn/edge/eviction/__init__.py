@@ -10,8 +10,8 @@ states the contract every policy keeps). Registry :data:`POLICIES`, factory :fun
 ``prefix``  prefix-aware, for chained KV chunks (:mod:`.prefix`): evicts only leaves of the
             cached prefix forest, by frequency with dynamic aging, so a chunk is never dropped while
             chunks that depend on it stay, and shared roots survive.
-``adaptive`` ``prefix`` with a half-life that adapts, per epoch, to how it fares against an LRU
-            shadow of the same size (:mod:`.adaptive`): at or above LRU where a fixed half-life is not.
+``adaptive`` LRU or ``prefix``, whichever miniature simulations of both on 1 in 4 keys say wins
+            (:mod:`.adaptive`): starts as LRU, so at or above LRU where a fixed half-life is not.
 
 A cache that holds only part of each chain says so through ``make_policy(name, whole_chains=False)``
 (:meth:`~kdn.edge.eviction.base.EvictionPolicy.for_tier`); no caller tests a policy's name.

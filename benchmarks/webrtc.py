@@ -1,0 +1,311 @@
+"""WebRTC between edges behind NAT (issue 18): setup time, throughput vs plain TCP on one link.
+
+Run as root from the repo root: ``python benchmarks/webrtc.py`` (about 2 minutes). It builds the
+NAT lab of :mod:`kdn.simulator.natlab` twice:
+
+1. **shaped**: natA's LAN side limited to 50 Mbit/s by ``tbf`` (every byte into site A crosses
+   it). Site B's process answers WebRTC data-channel Fetches (:mod:`kdn.wire.rtc`, the edges'
+   transport, 60 KiB messages, back-pressure on ``bufferedAmount``) of a random 16 MiB artifact;
+   site A's process dials it (signalling through a ``SignalService`` on the public segment) and
+   times fresh connection setups (offer to open channel) and fetches. The baseline: plain TCP
+   from a server on the public segment to site A, across the same shaped link, same bytes.
+2. **unshaped** (veth speed): the same, to find the CPU ceiling of the pure-Python data channel.
+
+``--relay`` adds a third lab: the shaped link with direct UDP between the sites blocked, both
+ends relay-only (TURN through coturn on the public segment); a connection that does not come up
+is reported as such.
+Each figure: median of ``--repeats`` runs with the range, load average before and after.
+Appends a section to BENCHMARKS.md and writes ``benchmarks/results/webrtc.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SIZE = 16 << 20
+SIGNAL_PORT = 50999
+TCP_PORT = 5201
+TURN_SECRET = "bench-turn-secret"
+
+
+# -- children (run inside the namespaces) -------------------------------------------------------
+
+
+def child_signal() -> None:
+    import grpc
+
+    from kdn.wire.auth import TokenAuth
+    from kdn.wire.service import add_servicer
+    from kdn.wire.signal import SignalBoard, SignalServicer
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        add_servicer(server, SignalServicer(SignalBoard(), TokenAuth()), "SignalService")
+        server.add_insecure_port(f"0.0.0.0:{SIGNAL_PORT}")
+        await server.start()
+        print(json.dumps({"event": "ready"}), flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _ice(relay: bool) -> list:
+    from kdn.simulator.natlab import PUBLIC_IP, TURN_PORT, TURN_USER
+    from kdn.wire.rtc import IceServer
+
+    return [IceServer((f"stun:{PUBLIC_IP}:{TURN_PORT}",)),
+            IceServer((f"turn:{PUBLIC_IP}:{TURN_PORT}?transport=udp",), TURN_USER, TURN_SECRET)] if relay else \
+        [IceServer((f"stun:{PUBLIC_IP}:{TURN_PORT}",))]
+
+
+def child_serve(relay: str) -> None:
+    from kdn.simulator.natlab import PUBLIC_IP
+    from kdn.proto import kdn_pb2 as pb
+    from kdn.wire.rtc import RtcEndpoint
+    from kdn.wire.signal import SignalClient
+
+    blob = os.urandom(SIZE)
+
+    class Handler:
+        async def lookup(self, request, token):
+            return pb.LookupResponse(available=0)
+
+        async def fetch(self, request, token, *, forwarded):
+            return blob, "memory"
+
+    async def main() -> None:
+        sig = SignalClient(f"{PUBLIC_IP}:{SIGNAL_PORT}")
+        await sig.announce("b", "b", ttl_s=600)
+        ep = RtcEndpoint("b", sig, ice_servers=_ice(relay == "1"), handler=Handler(), relay_only=relay == "1")
+        ep.start()
+        print(json.dumps({"event": "ready"}), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def child_dial(relay: str, repeats: str) -> None:
+    from kdn.simulator.natlab import PUBLIC_IP
+    from kdn.proto import kdn_pb2 as pb
+    from kdn.wire.rtc import RtcEndpoint
+    from kdn.wire.signal import SignalClient
+
+    async def main() -> dict:
+        sig = SignalClient(f"{PUBLIC_IP}:{SIGNAL_PORT}")
+        await sig.announce("a", "a", ttl_s=600)
+        ep = RtcEndpoint("a", sig, ice_servers=_ice(relay == "1"), relay_only=relay == "1", connect_timeout_s=20)
+        ep.start()
+        setups, paths, rates = [], [], []
+        req = pb.FetchRequest(key=b"k", namespace=pb.Namespace(tenant="t"))
+        for _ in range(int(repeats)):
+            client = await ep._dial("b")  # a fresh connection each time: setup is what is timed
+            setups.append(client.setup_s)
+            paths.append(client.path)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            data, _ = await client.fetch(req, token=None, timeout_s=120, limit=SIZE)
+            dt = time.perf_counter() - t0
+            assert len(data) == SIZE
+            rates.append({"MBps": SIZE / dt / 1e6, "cpu_s": time.process_time() - cpu0, "s": dt})
+            await client.close()
+        await ep.close()
+        return {"setup_s": setups, "paths": paths, "fetch": rates}
+
+    print(json.dumps(asyncio.run(main())), flush=True)
+
+
+def child_tcpserve() -> None:
+    blob = os.urandom(SIZE)
+    srv = socket.create_server(("0.0.0.0", TCP_PORT))
+    print(json.dumps({"event": "ready"}), flush=True)
+    while True:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(8)
+            conn.sendall(blob)
+
+
+def child_tcpget(repeats: str) -> None:
+    from kdn.simulator.natlab import PUBLIC_IP
+
+    out = []
+    for _ in range(int(repeats)):
+        t0 = time.perf_counter()
+        with socket.create_connection((PUBLIC_IP, TCP_PORT)) as s:
+            s.sendall(b"g" * 8)
+            got = 0
+            while got < SIZE:
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    break
+                got += len(chunk)
+        dt = time.perf_counter() - t0
+        assert got == SIZE
+        out.append({"MBps": SIZE / dt / 1e6, "s": dt})
+    print(json.dumps(out), flush=True)
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+
+def _wait_ready(p: subprocess.Popen, what: str) -> None:
+    line = p.stdout.readline()
+    if '"ready"' not in line:
+        raise RuntimeError(f"{what} did not start: {line!r}")
+
+
+def _run(lab, role: str, *args: str, timeout: float = 600) -> object:
+    r = subprocess.run(["ip", "netns", "exec", lab.ns(role), sys.executable, __file__, "child", *args],
+                       capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if r.returncode != 0:
+        raise RuntimeError(f"{role} {args}: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run_lab(rate_mbit: float | None, repeats: int, relay: bool, workdir: Path) -> dict:
+    from kdn.simulator.natlab import NatLab
+
+    lab = NatLab(rate_mbit=rate_mbit, block_direct=relay, prefix=f"kb{os.getpid() % 10000}")
+    try:
+        lab.build()
+        lab.start_turn(TURN_SECRET, workdir)
+        for role, args in (("pub", ["signal"]), ("pub", ["tcpserve"]), ("siteB", ["serve", "1" if relay else "0"])):
+            p = lab.spawn(role, [sys.executable, __file__, "child", *args], log=workdir / f"{role}-{args[0]}.err")
+            _wait_ready(p, f"{role} {args[0]}")
+        sender = p  # `ip netns exec` execs: this pid is the answering (sending) Python process
+        tcp = _run(lab, "siteA", "tcpget", str(repeats))
+        cpu0, t0 = _cpu_s(sender.pid), time.perf_counter()
+        try:
+            rtc = _run(lab, "siteA", "dial", "1" if relay else "0", str(repeats))
+            # the sender's CPU over the whole dial run (setups included) per second of it
+            rtc["sender_cpu"] = (_cpu_s(sender.pid) - cpu0) / (time.perf_counter() - t0)
+        except RuntimeError as exc:
+            rtc = {"error": str(exc).splitlines()[-1][:200]}
+        return {"tcp": tcp, "rtc": rtc}
+    finally:
+        lab.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3g} ({min(xs):.3g}–{max(xs):.3g})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rate-mbit", type=float, default=50.0)
+    ap.add_argument("--relay", action="store_true", help="also try the relayed (TURN) path")
+    ap.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
+    args = ap.parse_args()
+    from kdn.simulator.natlab import available
+
+    why = available()
+    if why:
+        print(f"cannot run: {why}", file=sys.stderr)
+        return 2
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"kdn-webrtc-bench-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    load0 = open("/proc/loadavg").read().split()[:3]
+    results = {
+        "shaped": run_lab(args.rate_mbit, args.repeats, False, work),
+        "unshaped": run_lab(None, args.repeats, False, work),
+    }
+    if args.relay:
+        results["shaped relayed"] = run_lab(args.rate_mbit, args.repeats, True, work)
+    load1 = open("/proc/loadavg").read().split()[:3]
+
+    rows = []
+    for name, r in results.items():
+        tcp = [x["MBps"] for x in r["tcp"]]
+        rtc = r["rtc"]
+        if "error" in rtc:
+            rows.append(f"| {name} | — | — | {_med(tcp)} | — | no connection: {rtc['error']} |")
+            continue
+        mbps = [x["MBps"] for x in rtc["fetch"]]
+        ratio = [a / statistics.median(tcp) for a in mbps]
+        cpu = [x["cpu_s"] / x["s"] for x in rtc["fetch"]]
+        rows.append(f"| {name} | {_med([s * 1000 for s in rtc['setup_s']])} | {_med(mbps)} | {_med(tcp)} | "
+                    f"{_med(ratio)} | {', '.join(sorted(set(rtc['paths'])))}; receiver CPU {_med(cpu)} cores, "
+                    f"sender {rtc['sender_cpu']:.2f} cores (whole run) |")
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    text = "\n".join([
+        f"\n## WebRTC between edges behind NAT ({stamp})\n",
+        f"Command: `python benchmarks/webrtc.py{' --relay' if args.relay else ''}` (root; network namespaces)  ",
+        f"Two sites behind masquerading NATs (kdn.simulator.natlab), a {SIZE >> 20} MiB artifact per fetch, "
+        f"median (range) of {args.repeats}; shaped = natA's LAN side tbf {args.rate_mbit:g} Mbit/s, which every byte "
+        f"into site A crosses (WebRTC from site B, TCP from the public segment). Load average {' '.join(load0)} "
+        f"before, {' '.join(load1)} after, 2 CPUs shared.\n",
+        "| link | setup (ms) | WebRTC MB/s | plain TCP MB/s | WebRTC / TCP | path |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"goal (WebRTC >= 0.8x TCP on the {args.rate_mbit:g} Mbit/s link): "
+        + ("see the shaped row" if "error" in results["shaped"]["rtc"] else
+           ("MET" if statistics.median([x["MBps"] for x in results["shaped"]["rtc"]["fetch"]])
+            >= 0.8 * statistics.median([x["MBps"] for x in results["shaped"]["tcp"]]) else "NOT MET")),
+        "",
+    ])
+    print(text)
+    (work / "results.json").write_text(json.dumps(results))
+    try:
+        _plot(results, REPO / "benchmarks" / "results" / "webrtc.png")
+        text += "Plot: `benchmarks/results/webrtc.png`.\n"
+    except Exception as exc:  # noqa: BLE001 - a plot is a convenience
+        print(f"no plot: {exc}", file=sys.stderr)
+    if not args.no_record:
+        with open(REPO / "BENCHMARKS.md", "a") as f:
+            f.write(text)
+    return 0
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, rtc, tcp = [], [], []
+    for name, r in results.items():
+        if "error" in r["rtc"]:
+            continue
+        names.append(name)
+        rtc.append(statistics.median([x["MBps"] for x in r["rtc"]["fetch"]]))
+        tcp.append(statistics.median([x["MBps"] for x in r["tcp"]]))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], rtc, 0.4, label="WebRTC data channel")
+    ax.bar([x + 0.2 for x in xs], tcp, 0.4, label="plain TCP")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("MB/s (median)")
+    ax.set_yscale("log")
+    ax.set_title("16 MiB across a NAT: WebRTC vs TCP")
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        cmd, *rest = sys.argv[2:]
+        {"signal": child_signal, "serve": child_serve, "dial": child_dial, "tcpserve": child_tcpserve,
+         "tcpget": child_tcpget}[cmd](*rest)
+    else:
+        sys.exit(main())

@@ -1,0 +1,318 @@
+"""Edges behind NAT: discovery through the origin and peer fetches over WebRTC.
+
+:class:`EdgeRtc` is switched on by ``EdgeConfig.rtc_signal`` (the origin's address, which serves
+``SignalService``). It
+
+- announces this edge there every ``rtc_announce_s`` and turns the answer (every live edge) into
+  overlay members (:meth:`EdgeRtc.members`, merged with the static ``peers``): edges behind NAT
+  discover each other through the cluster;
+- connects each member with an :class:`AutoPeerUpstream`: gRPC when the peer's health check
+  answers within ``rtc_dial_probe_s`` (it is directly dialable), else a :class:`RtcPeerUpstream`
+  over a WebRTC data channel (:mod:`kdn.wire.rtc`); ``rtc_mode: always`` skips the probe;
+- connects to each newly announced peer in the background (``rtc_prewarm``), so the first
+  request does not pay the setup;
+- answers other edges' offers and serves their Lookup/Fetch on the channel with this node's own
+  logic, under the same token check as the gRPC servicer (:class:`EdgeRtcHandler`).
+
+A peer that cannot be reached within ``rtc_connect_timeout_s`` raises ``Unavailable``: the node
+marks it down and the miss goes to the next owner or the origin, as for a dead gRPC peer.
+Metrics (the edge's Prometheus registry): ``kdn_edge_rtc_setup_seconds{path,role}``,
+``kdn_edge_rtc_connections{path,role}``, ``kdn_edge_peer_bytes{direction,path}`` with path
+``grpc``, ``direct`` or ``relayed``. TURN credentials are read from the config's secret only when
+a peer connection is built; they are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+from kdn.edge.overlay import Member
+from kdn.edge.tasks import cancel_and_wait
+from kdn.edge.upstream import FetchSpec, PeerUpstream, Upstream
+from kdn.errors import KdnError, Unavailable
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint
+from kdn.proto import kdn_pb2 as pb
+from kdn.wire.auth import TokenAuth
+from kdn.wire.convert import lookup_request, parse_keys, parse_namespace
+from kdn.wire.rtc import IceServer, RtcEndpoint
+from kdn.wire.signal import SignalClient
+
+if TYPE_CHECKING:
+    from kdn.edge.config import EdgeConfig
+    from kdn.edge.metrics import EdgeMetrics
+    from kdn.edge.node import EdgeNode
+
+__all__ = ["AutoPeerUpstream", "EdgeRtc", "EdgeRtcHandler", "RtcPeerUpstream", "ice_servers"]
+
+log = logging.getLogger(__name__)
+
+
+def ice_servers(config: "EdgeConfig") -> list[IceServer]:
+    """The config's STUN/TURN servers as :class:`kdn.wire.rtc.IceServer` (credential unmasked here only)."""
+    return [
+        IceServer(tuple(s.urls), s.username, s.credential.get_secret_value() if s.credential is not None else None)
+        for s in config.rtc_ice_servers
+    ]
+
+
+class EdgeRtcHandler:
+    """Serves another edge's Lookup/Fetch arriving on a data channel: the gRPC servicer's rules
+    (token granted the request's tenant, bounded key chains), this node's logic."""
+
+    def __init__(self, node: "EdgeNode", auth: TokenAuth, *, max_chain_keys: int) -> None:
+        self.node = node
+        self.auth = auth
+        self.max_chain_keys = max_chain_keys
+
+    async def lookup(self, request: pb.LookupRequest, token: str | None) -> pb.LookupResponse:
+        ns = parse_namespace(request.namespace)
+        self.auth.check(token, ns.tenant)
+        fp = parse_fingerprint(request.fingerprint)
+        keys = parse_keys(request.keys, limit=self.max_chain_keys)
+        found = await self.node.lookup(keys, fingerprint=fp, namespace=ns, local_only=request.local_only, token=token)
+        return pb.LookupResponse(
+            available=len(found),
+            locations=[pb.Location(tier=f.tier, node_id=f.node_id, address=f.address) for f in found],
+            node_id=self.node.node_id,
+        )
+
+    async def fetch(self, request: pb.FetchRequest, token: str | None, *, forwarded: bool) -> tuple[bytes, str]:
+        ns = parse_namespace(request.namespace)
+        self.auth.check(token, ns.tenant)
+        spec = FetchSpec.from_proto(request, ns)
+        return await self.node.fetch_bytes(spec, token=token, forwarded=forwarded)
+
+
+class RtcPeerUpstream(Upstream):
+    """A peer edge over a WebRTC data channel (dialled through the signalling service)."""
+
+    kind = "peer"
+
+    def __init__(
+        self, name: str, address: str, endpoint: RtcEndpoint, metrics: "EdgeMetrics", *, token: str | None,
+        call_deadline_s: float, fetch_deadline_s: float, max_artifact: int,
+    ) -> None:
+        self.name, self.address = name, address
+        self._endpoint = endpoint
+        self._metrics = metrics
+        self._token = token
+        self._call_deadline = call_deadline_s
+        self._fetch_deadline = fetch_deadline_s
+        self._max_artifact = max_artifact
+
+    def _tok(self, token: str | None) -> str | None:
+        return self._token if self._token is not None else token
+
+    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
+        client = await self._endpoint.connect(self.name)
+        data, _source = await client.fetch(
+            spec.to_proto(), token=self._tok(token), timeout_s=self._fetch_deadline, limit=self._max_artifact,
+            forwarded=not spec.local_only,
+        )
+        self._metrics.peer_bytes.labels("in", client.path).inc(len(data))
+        return data
+
+    async def lookup(
+        self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
+    ) -> int:
+        client = await self._endpoint.connect(self.name)
+        req = lookup_request(keys, fingerprint=fingerprint, namespace=namespace, local_only=True)
+        resp = await client.lookup(req, token=self._tok(token), timeout_s=self._call_deadline)
+        return min(int(resp.available), len(keys))
+
+    async def healthy(self) -> bool:
+        try:
+            await self._endpoint.connect(self.name)
+        except KdnError:
+            return False
+        return True
+
+
+class AutoPeerUpstream(Upstream):
+    """gRPC to a peer that answers its health check within ``probe_s``, else WebRTC.
+
+    The first request waits for the probe; after ``recheck_s`` the probe runs again in the
+    background (requests keep the current path meanwhile), and after a failure at once: a peer
+    that moved behind NAT, or out from behind it, is noticed. ``always_rtc`` skips the probe."""
+
+    kind = "peer"
+
+    def __init__(
+        self, grpc_up: PeerUpstream, rtc_up: RtcPeerUpstream, metrics: "EdgeMetrics", *, probe_s: float,
+        always_rtc: bool = False, recheck_s: float = 30.0,
+    ) -> None:
+        self.name, self.address = grpc_up.name, grpc_up.address
+        self.grpc, self.rtc = grpc_up, rtc_up
+        self._metrics = metrics
+        self._probe_s = probe_s
+        self._always_rtc = always_rtc
+        self._recheck_s = recheck_s
+        self._choice: Upstream | None = None
+        self._until = 0.0
+        self._reprobe: asyncio.Future[Upstream] | None = None
+
+    @property
+    def path(self) -> str:
+        return "unknown" if self._choice is None else ("grpc" if self._choice is self.grpc else "rtc")
+
+    async def _probe(self) -> Upstream:
+        try:
+            ok = await asyncio.wait_for(self.grpc.healthy(), self._probe_s)
+        except asyncio.TimeoutError:
+            ok = False
+        choice = self.grpc if ok else self.rtc
+        if choice is not self._choice:
+            log.info("peer %s: %s", self.name, "dialled over gRPC" if ok else "not dialable: WebRTC")
+        self._choice = choice
+        self._until = time.monotonic() + self._recheck_s
+        return choice
+
+    async def _pick(self) -> Upstream:
+        if self._always_rtc:
+            return self.rtc
+        if self._choice is None:
+            return await self._probe()  # the first request waits for the probe (at most probe_s)
+        if time.monotonic() >= self._until and (self._reprobe is None or self._reprobe.done()):
+            self._reprobe = asyncio.ensure_future(self._probe())  # later ones never do
+        return self._choice
+
+    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
+        up = await self._pick()
+        data = await up.fetch(spec, token=token)
+        if up is self.grpc:
+            self._metrics.peer_bytes.labels("in", "grpc").inc(len(data))
+        return data
+
+    async def lookup(
+        self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
+    ) -> int:
+        return await (await self._pick()).lookup(keys, fingerprint=fingerprint, namespace=namespace, token=token)
+
+    async def warm(self) -> None:
+        """Pick the path and, for WebRTC, connect now (background pre-warming; errors are kept
+        for the first request to see)."""
+        up = await self._pick()
+        if up is self.rtc:
+            await self.rtc.healthy()
+
+    async def healthy(self) -> bool:
+        """After a failure: probe which path works now, then ask that one."""
+        if self._always_rtc:
+            return await self.rtc.healthy()
+        return await (await self._probe()).healthy()
+
+    async def close(self) -> None:
+        if self._reprobe is not None:
+            self._reprobe.cancel()
+        await self.grpc.close()
+
+
+class EdgeRtc:
+    """The edge's WebRTC side: announce, discover, dial, answer. See the module docstring."""
+
+    def __init__(
+        self, config: "EdgeConfig", auth: TokenAuth, metrics: "EdgeMetrics",
+        static: Sequence[Member] | Callable[[], Iterable[Member]],
+    ) -> None:
+        assert config.rtc_signal
+        self.config = config
+        self.auth = auth
+        self.metrics = metrics
+        self._static = static  # the config's peers, or another provider (peers file, registry)
+        self._announced: list[Member] = []
+        self.signal = SignalClient(config.rtc_signal, token=config.upstream_token, tls=config.upstream_tls,
+                                   deadline_s=config.peer_deadline_s)
+        self.endpoint = RtcEndpoint(
+            config.node_id, self.signal, ice_servers=ice_servers(config),
+            connect_timeout_s=config.rtc_connect_timeout_s, relay_only=config.rtc_relay_only,
+            on_connect=self._connected, on_served=self._served,
+        )
+        self.address = ""
+        self._tasks: list[asyncio.Task[None]] = []
+        self._node: "EdgeNode | None" = None
+        self._warmed: set[str] = set()
+        self._warming: set[asyncio.Task[None]] = set()
+
+    def _connected(self, peer: str, path: str, setup_s: float, role: str) -> None:
+        self.metrics.rtc_connections.labels(path, role).inc()
+        self.metrics.rtc_setup.labels(path, role).observe(setup_s)
+        log.info("%s: WebRTC %s %s up (%s, %.3f s)", self.config.node_id, role, peer, path, setup_s)
+
+    def _served(self, path: str, nbytes: int) -> None:
+        self.metrics.peer_bytes.labels("out", path).inc(nbytes)
+        self.metrics.bytes_out.labels("rtc").inc(nbytes)
+
+    def members(self) -> list[Member]:
+        """Configured peers (static or from their provider) plus every other edge announced at the
+        origin (the overlay's provider)."""
+        static = list(self._static() if callable(self._static) else self._static)
+        seen = {m.node_id for m in static}
+        return static + [m for m in self._announced if m.node_id not in seen]
+
+    async def announce(self) -> None:
+        anns = await self.signal.announce(
+            self.config.node_id, self.address, weight=self.config.weight, ttl_s=self.config.rtc_announce_s * 3
+        )
+        self._announced = [Member(a.node_id, a.address, a.weight or 1.0) for a in anns if a.node_id != self.config.node_id]
+
+    async def _announce_loop(self) -> None:
+        while True:
+            try:
+                await self.announce()
+            except KdnError as exc:
+                log.info("%s: announce to %s failed: %s", self.config.node_id, self.config.rtc_signal, exc)
+            self._prewarm()
+            await asyncio.sleep(self.config.rtc_announce_s)
+
+    def _prewarm(self) -> None:
+        """Connect to newly announced peers in the background, once each."""
+        if not self.config.rtc_prewarm or self._node is None:
+            return
+        for m in self._announced:
+            if m.node_id in self._warmed:
+                continue
+            self._warmed.add(m.node_id)
+            up = self._node.peer(m)
+            if isinstance(up, AutoPeerUpstream):
+                t = asyncio.ensure_future(self._warm(up))
+                self._warming.add(t)
+                t.add_done_callback(self._warming.discard)
+
+    async def _warm(self, up: "AutoPeerUpstream") -> None:
+        try:
+            await up.warm()
+        except KdnError as exc:
+            log.info("%s: pre-warming %s: %s", self.config.node_id, up.name, exc)
+
+    async def start(self, node: "EdgeNode", address: str) -> None:
+        self._node = node
+        self.endpoint.handler = EdgeRtcHandler(node, self.auth, max_chain_keys=self.config.max_chain_keys)
+        self.address = self.config.rtc_advertise or address
+        try:
+            await self.announce()  # members known before the first request, when the origin answers
+        except KdnError as exc:
+            log.warning("%s: signalling at %s not reachable yet: %s", self.config.node_id, self.config.rtc_signal, exc)
+        self.endpoint.start()
+        self._tasks.append(asyncio.ensure_future(self._announce_loop()))
+
+    def connect(self, member: Member) -> Upstream:
+        c = self.config
+        grpc_up = PeerUpstream(
+            member.node_id, member.address, tls=c.upstream_tls, token=c.upstream_token,
+            fetch_deadline_s=c.peer_deadline_s * 4, call_deadline_s=c.peer_deadline_s,
+            max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
+        )
+        rtc_up = RtcPeerUpstream(
+            member.node_id, member.address, self.endpoint, self.metrics, token=c.upstream_token,
+            call_deadline_s=c.peer_deadline_s, fetch_deadline_s=c.peer_deadline_s * 4, max_artifact=c.max_artifact_bytes,
+        )
+        return AutoPeerUpstream(grpc_up, rtc_up, self.metrics, probe_s=c.rtc_dial_probe_s, always_rtc=c.rtc_mode == "always")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._tasks + list(self._warming))
+        self._tasks = []
+        await self.endpoint.close()
+        await self.signal.close()
