@@ -83,7 +83,7 @@ from kdn.lab.training import fit
 
 RETRIEVAL_DIRNAME = "retrieval-model"
 # the default preset's phases (optimiser steps): induction, induction at long range, the task
-WARM_STEPS, LONG_STEPS, TASK_STEPS = 600, 150, 125
+WARM_STEPS, LONG_STEPS, TASK_STEPS = 600, 150, 200
 PREFIX_TEXT = "R :"
 HELDOUT_SEED_OFFSET = 10_000
 
