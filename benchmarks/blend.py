@@ -134,7 +134,11 @@ def plot(q: dict[str, Any] | None, t: dict[str, Any] | None, path: Path) -> bool
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = [x for x in (q, t) if x is not None]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    axes = list(axes[0]) if q is not None else [None, *axes[0]]  # axes[0]: quality, axes[1]: TTFT
     if q is not None:
         m = q["methods"]
         ratios = [float(k.split("@")[1]) for k in m if k.startswith("blend@")]
@@ -225,7 +229,7 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"| {w['queries']} | {w['edge_artifacts']} | {w['edge_bytes'] / 1e6:.2f} MB | "
                          f"{w['reused_fraction']:.3f} | — |")
     if res.get("plot"):
-        lines += ["", "![blend](benchmarks/results/blend.png)"]
+        lines += ["", f"![blend](benchmarks/results/{res['plot']})"]
     return "\n".join(lines) + "\n"
 
 
@@ -265,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         print("no-decay ...", file=sys.stderr)
         res["no_decay"] = no_decay(args.retrieval if have_retrieval else None, queries=60 if args.quick else 200)
     res["load_average"] = os.getloadavg()
-    res["plot"] = plot(res.get("retrieval"), res.get("ttft"), RESULTS / "blend.png")
+    # a run that skips a section plots only what it measured, under its own name (so a quality-only
+    # run does not replace the plot of a run that measured TTFT with an empty panel)
+    name = {(True, True): "blend.png", (True, False): "blend-quality.png", (False, True): "blend-ttft.png"}.get(
+        (res.get("retrieval") is not None, res.get("ttft") is not None))
+    res["plot"] = name if name and plot(res.get("retrieval"), res.get("ttft"), RESULTS / name) else None
     md = markdown(res)
     if args.json:
         print(json.dumps(res, indent=2, default=str))

@@ -40,6 +40,47 @@ def test_task_prompts_have_unique_keys_and_the_answer_in_one_document() -> None:
     assert heldout_prompts(task, 3, 8, 0) != [make_prompt(task, 8, torch.Generator().manual_seed(1))[0] for _ in range(3)]
 
 
+def test_training_phases_induction_long_range_induction_then_the_task() -> None:
+    """Each phase's batches: a copy of a word sequence (short, then long range) supervised on the copy
+    only; then task sequences supervised on the answer words only; the lr of each phase."""
+    from dataclasses import replace
+
+    from kdn.lab.retrieval import _lr_at, _train_batch, build_tokenizer
+
+    cfg = RetrievalTrainConfig.preset("default")
+    task = cfg.task
+    assert task.warm_steps < task.warm_steps + task.long_steps < cfg.steps
+    tok = build_tokenizer(task)
+    gen = torch.Generator().manual_seed(0)
+    W = task.warm_len
+    longest = 0
+    for step in (0, task.warm_steps, task.warm_steps + 1, task.warm_steps + 2, task.warm_steps + 3):
+        x, y = _train_batch(cfg, tok, gen, step)
+        rows = torch.cat((x, y[:, -1:]), 1)  # y is x shifted by one; its last word is supervised
+        sup = y != -100
+        assert (sup.sum(1) == W - 1).all() and sup[:, -(W - 1):].all()  # the copy after its first word, nothing else
+        assert torch.equal(y[:, -(W - 1):], rows[:, -(W - 1):])
+        n = rows.shape[1]
+        assert all(any(torch.equal(row[i : i + W], row[-W:]) for i in range(n - 2 * W + 1))
+                   for row in rows)  # the copied sequence occurs earlier in its row
+        if step >= task.warm_steps:
+            assert rows.numel() <= task.long_tokens and n - 2 * W in task.long_gaps
+        longest = max(longest, n)
+    assert longest > 2 * task.warm_len * 3  # the long phase reaches past the warm-up's distances
+    x, y = _train_batch(cfg, tok, gen, task.warm_steps + task.long_steps)
+    answers = y[y != -100]
+    vals = {tok.token_to_id(f"v{i}") for i in range(task.num_values)}
+    assert answers.numel() > 0 and set(answers.tolist()) <= vals
+    n_docs = (x[0] == tok.token_to_id("D")).sum().item()
+    assert task.short_docs < n_docs <= task.max_docs  # short_share 0: no 1-document sequences
+    # schedule: the warm-up as before (cosine over lr_horizon), then constant long_lr, task_lr, a final decay
+    old = replace(cfg, task_lr=0.0, steps=cfg.lr_horizon, lr_horizon=0)
+    assert all(_lr_at(s, cfg) == _lr_at(s, old) for s in range(task.warm_steps))
+    assert _lr_at(task.warm_steps, cfg) == _lr_at(task.warm_steps + task.long_steps - 1, cfg) == cfg.long_lr
+    assert _lr_at(task.warm_steps + task.long_steps, cfg) == cfg.task_lr
+    assert _lr_at(cfg.steps - 1, cfg) < 0.1 * cfg.task_lr
+
+
 def test_one_word_answers_lay_out_and_score_like_two_word_ones() -> None:
     from dataclasses import replace
     from types import SimpleNamespace
