@@ -77,7 +77,7 @@ def main_simulate(argv: list[str]) -> int:
         print(json.dumps(report.report_json(rep, plots)))
     else:
         report.render_table(rep)
-        sim = f"simulation {rep.wall_s + sweep_s:.1f} s" + (f" ({rep.wall_s:.1f} s policies + {sweep_s:.1f} s cache sweep)" if sweep_s else "")
+        sim = f"simulation {rep.wall_s + sweep_s:.1f} s" + (f" ({rep.wall_s:.2f} s policies + {sweep_s:.2f} s cache sweep)" if sweep_s else "")
         print(f"setup {rep.setup_s:.1f} s, {sim}; plots: " + ", ".join(plots.values()))
     return 0
 

@@ -219,7 +219,7 @@ def test_cli_simulation_time_includes_the_cache_sweep(tmp_path: Path, capsys: py
     assert rc == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("setup "))
     total, policies, sweep = (float(v) for v in re.search(r"simulation ([\d.]+) s \(([\d.]+) s policies \+ ([\d.]+) s cache sweep\)", line).groups())
-    assert total == pytest.approx(policies + sweep, abs=0.11) and sweep > 0
+    assert total == pytest.approx(policies + sweep, abs=0.06) and sweep > 0
 
 
 def test_each_policy_keeps_one_distinct_style_in_every_plot(tmp_path: Path) -> None:
