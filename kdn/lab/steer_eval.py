@@ -115,7 +115,10 @@ def prompt_task(model_dir: Path) -> Any:
     except TypeError:
         meta = json.loads((Path(model_dir) / "kdn_reference.json").read_text())
         known = {f.name for f in fields(TaskConfig)}
-        return TaskConfig(**{k: v for k, v in meta["train_config"]["task"].items() if k in known})
+        task = {k: v for k, v in meta["train_config"]["task"].items() if k in known}
+        if "long_gaps" in task:
+            task["long_gaps"] = tuple(task["long_gaps"])  # JSON gives a list
+        return TaskConfig(**task)
 
 
 def make_cases(model_dir: Path, lm: LoadedModel, n: int, n_docs: int, where: str, seed: int) -> list[Case]:

@@ -76,7 +76,7 @@ def test_wilson_interval():
 
 def test_a_newer_trainers_task_fields_do_not_stop_the_eval(tiny_retrieval, tmp_path):
     meta = json.loads((tiny_retrieval / "kdn_reference.json").read_text())
-    meta["train_config"]["task"]["long_steps"] = 150  # a curriculum setting this build does not know
+    meta["train_config"]["task"]["future_curriculum_steps"] = 150  # a setting this build does not know
     (tmp_path / "kdn_reference.json").write_text(json.dumps(meta))
     task = steer_eval.prompt_task(tmp_path)
-    assert task == steer_eval.prompt_task(tiny_retrieval) and not hasattr(task, "long_steps")
+    assert task == steer_eval.prompt_task(tiny_retrieval) and not hasattr(task, "future_curriculum_steps")
