@@ -31,10 +31,12 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Literal
 
+import numpy as np
 import torch
 import xxhash
 
 from kdn.codecs import Codec, SectionInfo, get_codec
+from kdn.codecs.base import same_width_array
 from kdn.errors import (
     ArtifactCorrupt,
     FingerprintMismatch,
@@ -148,6 +150,16 @@ def encode_artifact(
     return b"".join(parts)
 
 
+@dataclass(slots=True)
+class _Direct:
+    """A raw section's payload being received in place: its views into ``kv``."""
+
+    info: SectionInfo
+    length: int
+    views: list[memoryview]
+    arrived: bool = False
+
+
 class ArtifactReader:
     """Incremental, verifying decoder: feed bytes as they arrive, get sections as they complete.
 
@@ -201,10 +213,113 @@ class ArtifactReader:
         self._infos: list[SectionInfo] = []
         self._next = 0
         self._done = False
+        self._kv_array: np.ndarray | None = None  # kv's memory as a numpy array, made once
+        # receiving in place (landing / landed): a scratch buffer for everything but raw payloads
+        self._scratch = bytearray(64 << 10)
+        self._scr_n = 0  # bytes of the part being received that are in _scratch
+        self._land_to = 0  # where the last landing in _scratch ends
+        self._direct: _Direct | None = None  # a raw payload being received into kv
 
     @property
     def complete(self) -> bool:
         return self._done
+
+    @property
+    def received(self) -> int:
+        """Bytes of the container given to this reader so far (fed or landed)."""
+        return self._total
+
+    # -- receiving in place ------------------------------------------------------------------
+    #
+    # A transport that can receive into given buffers (the bulk socket) asks ``landing()`` where
+    # the next bytes go, fills those views exactly, and calls ``landed()``; it knows nothing of the
+    # container's layout. A raw section's payload lands straight in its place in ``kv`` (``out``),
+    # so the socket's copy is the only copy of those bytes in this process; the section is then
+    # hashed where it landed (hot in cache) and nothing of it is handed out before its checksum
+    # matched. Everything else (header, lengths, checks, compressed sections) lands in a scratch
+    # buffer and is parsed by the same code as ``feed``.
+
+    def landing(self) -> list[memoryview]:
+        """Writable views the next bytes of the container should be received into, in order
+        (fill every one, then call :meth:`landed`); ``[]`` once the artifact is complete."""
+        if self._done:
+            return []
+        d = self._direct
+        if d is not None:
+            return [memoryview(self._scratch)[4:12]] if d.arrived else list(d.views)
+        need = self._need(memoryview(self._scratch)[: self._scr_n])
+        if need > len(self._scratch):
+            grown = bytearray(need)
+            grown[: self._scr_n] = self._scratch[: self._scr_n]
+            self._scratch = grown
+        self._land_to = need
+        return [memoryview(self._scratch)[self._scr_n : need]]
+
+    def landed(self) -> list[Section]:
+        """The views of the last :meth:`landing` are filled: parse (verify) what they completed."""
+        d = self._direct
+        if d is not None:
+            if not d.arrived:
+                d.arrived = True  # the payload is in place; its check comes next
+                return []
+            self._direct = None
+            return [self._verify_landed(d)]
+        self._scr_n = self._land_to
+        part = memoryview(self._scratch)[: self._scr_n]
+        if self.header is not None and self._next < len(self._infos) and self._scr_n == 4:
+            d = self._land_direct(_U32.unpack_from(part, 0)[0])
+            if d is not None:
+                self._direct = d
+                return []
+        if self._need(part) > self._scr_n:
+            return []  # a length arrived: the rest of this part comes next
+        self._scr_n = 0
+        return self.feed(part)
+
+    def _land_direct(self, length: int) -> "_Direct | None":
+        """Views of the next section's place in ``kv`` if its payload can be received there."""
+        assert self._codec is not None
+        info = self._infos[self._next]
+        if not (self._assemble and self._codec.stores_raw and length == info.raw_bytes):
+            return None
+        which = 0 if info.kind == "k" else 1
+        target = self._kv_array_for(info)[info.layer, which]  # (H, T, D), same-width ints
+        if target.flags.c_contiguous:
+            runs = [target]
+        elif target.ndim == 3 and target[0].flags.c_contiguous:
+            runs = list(target)  # one (T, D) run per head: a token range of a longer prefix
+        else:
+            return None
+        if self._total + 4 + length + 8 > self._max_bytes:
+            return None  # feed() refuses it with the usual error
+        return _Direct(info, length, [memoryview(r.reshape(-1).view(np.uint8)) for r in runs])
+
+    def _verify_landed(self, d: "_Direct") -> Section:
+        check = bytes(self._scratch[4:12])
+        h = xxhash.xxh3_64()
+        h.update(memoryview(self._scratch)[:4])
+        for v in d.views:
+            h.update(v)
+        info = d.info
+        if h.intdigest() != _U64.unpack(check)[0]:
+            raise ArtifactCorrupt(f"layer {info.layer} {info.kind.upper()} section checksum mismatch")
+        self._tree.update(check)
+        self._total += 4 + d.length + 8
+        self._scr_n = 0
+        self._next += 1
+        assert self.kv is not None
+        return Section(info.layer, info.kind, self.kv[info.layer, 0 if info.kind == "k" else 1])
+
+    def _kv_array_for(self, info: SectionInfo) -> np.ndarray:
+        if self.kv is None:
+            assert self.header is not None
+            h = self.header
+            self.kv = torch.empty(
+                (h.num_layers, 2, h.num_kv_heads, h.token_count, h.head_dim), dtype=info.dtype
+            )  # (L, 2, H, T, D)
+        if self._kv_array is None:
+            self._kv_array = same_width_array(self.kv)  # one conversion per reader, not per section
+        return self._kv_array
 
     def feed(self, data: bytes | memoryview) -> list[Section]:
         if self._done:
@@ -408,14 +523,12 @@ class ArtifactReader:
             return True  # the section (and its view of the fed bytes) is gone once the sink returns
         if not self._assemble:
             return Section(info.layer, info.kind, self._codec.decode(framed[4:], info))
-        if self.kv is None:
-            assert self.header is not None
-            h = self.header
-            self.kv = torch.empty(
-                (h.num_layers, 2, h.num_kv_heads, h.token_count, h.head_dim), dtype=info.dtype
-            )  # (L, 2, H, T, D)
-        out = self.kv[info.layer, 0 if info.kind == "k" else 1]  # (H, T, D) view
-        self._codec.decode_into(framed[4:], info, out)
+        which = 0 if info.kind == "k" else 1
+        target = self._kv_array_for(info)[info.layer, which]
+        assert self.kv is not None
+        out = self.kv[info.layer, which]  # (H, T, D) view
+        if not self._codec.decode_into_array(framed[4:], info, target):
+            self._codec.decode_into(framed[4:], info, out)
         return Section(info.layer, info.kind, out)
 
     def _parse_trailer(self) -> None:

@@ -32,7 +32,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Literal, Sequence, TypeVar
@@ -236,17 +235,14 @@ class AsyncKdnClient:
             keys[i], fingerprint, self.config.namespace,
             codec=self.config.codec, require_lossless=self.config.require_lossless,
         )
-        stream = self.transport.fetch(
-            spec, timeout=self.config.fetch_timeout_s, next_keys=keys[i + 1 : i + 1 + _PREFETCH_HINT]
+        # the reader verifies, refuses a geometry other than out's, and writes each complete
+        # section into out (over the bulk path the raw KV is received there in place)
+        stats = await self.transport.fetch_into(
+            spec, reader, timeout=self.config.fetch_timeout_s, next_keys=keys[i + 1 : i + 1 + _PREFETCH_HINT]
         )
-        async with aclosing(stream):  # a refused artifact ends its call now, not at garbage collection
-            async for piece, via in stream:
-                t0 = time.perf_counter()
-                # verifies, refuses a geometry other than out's, writes each complete section into out
-                reader.feed(piece)
-                tally.decode_s += time.perf_counter() - t0
-                tally.bytes += len(piece)
-                tally.via = via
+        tally.decode_s += stats.decode_s
+        tally.bytes += stats.bytes
+        tally.via = stats.via
         header = reader.finish()
         if steer and (not header.steer or bytes(steer_root(SteerSpec.from_canonical(header.steer))).hex() != steer):
             raise ArtifactCorrupt(f"chunk {i} is not steered variant {steer[:16]}... (its header names "
@@ -279,11 +275,9 @@ class AsyncKdnClient:
             nonlocal n_bytes
             spec = FetchSpec(ChunkKey(key), fingerprint, self.config.namespace, codec=self.config.codec,
                              require_lossless=self.config.require_lossless)
-            stream = self.transport.fetch(spec, timeout=self.config.fetch_timeout_s)
-            async with aclosing(stream):
-                async for piece, _via in stream:
-                    reader.feed(piece)  # geometry other than out's (another length) is refused here
-                    n_bytes += len(piece)
+            # a geometry other than out's (another length) is refused by the reader
+            stats = await self.transport.fetch_into(spec, reader, timeout=self.config.fetch_timeout_s)
+            n_bytes += stats.bytes
             header = reader.finish()
             if header.parent_key != bytes(SEGMENT_PARENT):
                 raise ArtifactCorrupt("artifact under a segment key is not a segment")

@@ -27,10 +27,12 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
-from kdn.errors import FingerprintMismatch, KdnError, NotFound, Unavailable
+from kdn.artifact import ArtifactReader
+from kdn.errors import FingerprintMismatch, InvalidInput, KdnError, NotFound, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pb_grpc
@@ -39,7 +41,7 @@ from kdn.wire.channel import STREAM_PIECE, aio_channel, auth_metadata, split_pie
 from kdn.wire.convert import FetchSpec, lookup_request, put_header, put_messages
 from kdn.wire.errors import rpc_errors
 from kdn.wire.frames import decode_chunk
-from kdn.wire.bulk import BufferPool, BulkClient, BulkProtocolError
+from kdn.wire.bulk import LAND_MIN_BYTES, BufferPool, BulkClient, BulkProtocolError
 from kdn.wire.shm import SegmentCache
 from kdn.wire.tls import TlsFiles
 
@@ -71,8 +73,35 @@ class EdgeTransport(ABC):
     ) -> bool:
         """Store one container; True when the edge kept it."""
 
+    async def fetch_into(
+        self, spec: FetchSpec, reader: ArtifactReader, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
+    ) -> FetchStats:
+        """Fetch ``spec``'s container into ``reader`` (which verifies and decodes it); the caller
+        calls ``reader.finish()``. This default feeds the pieces of :meth:`fetch` as they arrive;
+        a transport that can receive in place lands the bytes where the reader wants them."""
+        stats = FetchStats()
+        stream = self.fetch(spec, timeout=timeout, next_keys=next_keys)
+        async with aclosing(stream):  # a refused artifact ends its call now, not at garbage collection
+            async for piece, via in stream:
+                t0 = time.perf_counter()
+                reader.feed(piece)
+                stats.decode_s += time.perf_counter() - t0
+                stats.bytes += len(piece)
+                stats.via = via
+        return stats
+
     async def close(self) -> None:
         return None
+
+
+@dataclass(slots=True)
+class FetchStats:
+    """How one :meth:`EdgeTransport.fetch_into` went: the path, the bytes, the seconds spent in
+    the reader (verifying and decoding; for bytes received in place, hashing them where they landed)."""
+
+    via: str = ""
+    bytes: int = 0
+    decode_s: float = 0.0
 
 
 def is_loopback(address: str) -> bool:
@@ -85,6 +114,7 @@ class GrpcEdgeTransport(EdgeTransport):
     it inside one event loop. ``channel`` replaces the socket (an in-process channel in tests).
 
     Payload bytes take the fastest path the edge offers: shared memory on the same host (``shm``:
+    the segment is named over the bulk socket when the edge offers it, else in the gRPC answer;
     the mapping is cached by segment name, and the caller's reader verifies while it copies into
     its destination), else the bulk byte path (``bulk``, :mod:`kdn.wire.bulk`: received into a
     reused buffer from :attr:`buffers`), else the gRPC stream. An edge that does not offer the bulk
@@ -117,6 +147,8 @@ class GrpcEdgeTransport(EdgeTransport):
         self._bulk_expires = 0.0
         self._bulk_rest_until = 0.0
         self._bulk_backoff_s = bulk_backoff_s
+        self._bulk_shm = True  # the edge names segments over the bulk socket (False: over gRPC)
+        self.land_min_bytes = LAND_MIN_BYTES  # bulk answers this large are received in place
 
     async def lookup(
         self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
@@ -163,17 +195,39 @@ class GrpcEdgeTransport(EdgeTransport):
         self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
     ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
         use_shm = self.shm
-        if not use_shm:
-            bulk = await self._bulk_client(timeout)
-            if bulk is not None:
-                request = spec.to_proto(next_keys, shm=False).SerializeToString()
-                try:
-                    async with asyncio.timeout(timeout):
-                        buf, size, _source = await bulk.fetch(request, self.buffers)
-                except TimeoutError as exc:
-                    raise Unavailable(f"Fetch from {self.address}: deadline of {timeout}s exceeded") from exc
-                except (OSError, BulkProtocolError) as exc:
-                    self._bulk_broke(exc)  # nothing was yielded yet: this call goes over gRPC
+        bulk = await self._bulk_client(timeout) if self._bulk_shm or not use_shm else None
+        if bulk is not None:
+            request = spec.to_proto(next_keys, shm=use_shm).SerializeToString()
+            try:
+                async with asyncio.timeout(timeout):
+                    buf, size, text = await bulk.fetch(request, self.buffers, shm=use_shm)
+            except TimeoutError as exc:
+                raise Unavailable(f"Fetch from {self.address}: deadline of {timeout}s exceeded") from exc
+            except (OSError, BulkProtocolError) as exc:
+                self._bulk_broke(exc)  # nothing was yielded yet: this call goes over gRPC
+            except InvalidInput as exc:
+                if not use_shm:
+                    raise
+                # an edge from before the SHM request refuses it (and hangs up): segments are
+                # named over gRPC from now on, bytes still take the bulk path
+                log.info("%s: no shared memory over the bulk path (%s); asking over gRPC", self.address, exc)
+                self._bulk_shm = False
+                self._bulk_broke(exc)
+            else:
+                if buf is None:  # a shared-memory segment on this host, named over the bulk socket
+                    assert self._maps is not None
+                    try:
+                        art = self._maps.open(text, size=size, verify=False)  # cached by name
+                    except (OSError, KdnError) as exc:
+                        # recycled between the answer and the mapping: ask gRPC (which retries once)
+                        log.debug("%s: segment %r not mapped (%s); asking again", self.address, text, exc)
+                    else:
+                        try:
+                            # the consumer verifies while it copies what it needs, before the next piece
+                            yield art.data, "shm"
+                        finally:
+                            art.close()
+                        return
                 else:
                     view = memoryview(buf)[:size]
                     try:
@@ -218,6 +272,31 @@ class GrpcEdgeTransport(EdgeTransport):
                 if not call.done():
                     call.cancel()
             use_shm = False
+
+    async def fetch_into(
+        self, spec: FetchSpec, reader: ArtifactReader, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
+    ) -> FetchStats:
+        """Over the bulk path, the container is received in place (:meth:`BulkClient.fetch_into`):
+        raw KV straight into the reader's destination. Shared memory and gRPC feed the reader
+        (the shared-memory path already reads the bytes where they lie)."""
+        bulk = None if self.shm else await self._bulk_client(timeout)
+        if bulk is None:
+            return await super().fetch_into(spec, reader, timeout=timeout, next_keys=next_keys)
+        request = spec.to_proto(next_keys, shm=False).SerializeToString()
+        before = reader.received
+        try:
+            async with asyncio.timeout(timeout):
+                size, _source, reader_s = await bulk.fetch_into(request, reader, self.buffers, self.land_min_bytes)
+        except TimeoutError as exc:
+            raise Unavailable(f"Fetch from {self.address}: deadline of {timeout}s exceeded") from exc
+        except (OSError, BulkProtocolError) as exc:
+            if reader.received != before:
+                # part of the container is in the reader: it cannot start over on another path
+                self._bulk_broke(exc)
+                raise Unavailable(f"Fetch from {self.address}: bulk connection broke mid-answer ({exc})") from exc
+            self._bulk_broke(exc)  # nothing landed yet: this call goes over gRPC
+            return await super().fetch_into(spec, reader, timeout=timeout, next_keys=next_keys)
+        return FetchStats("bulk", size, reader_s)
 
     async def put(
         self, fingerprint: ModelFingerprint, namespace: Namespace, key: ChunkKey, data: bytes, *, timeout: float
@@ -309,6 +388,25 @@ class FailoverEdgeTransport(EdgeTransport):
                 if started:
                     raise
                 last = exc
+        assert last is not None
+        raise last
+
+    async def fetch_into(
+        self, spec: FetchSpec, reader: ArtifactReader, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
+    ) -> FetchStats:
+        last: Unavailable | None = None
+        for i in self._order():
+            before = reader.received
+            try:
+                stats = await self.transports[i].fetch_into(spec, reader, timeout=timeout, next_keys=next_keys)
+            except Unavailable as exc:
+                self._failed(i)
+                if reader.received != before:
+                    raise  # the reader holds part of this container: not restarted elsewhere
+                last = exc
+                continue
+            self._down_until.pop(i, None)
+            return stats
         assert last is not None
         raise last
 

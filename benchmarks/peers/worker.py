@@ -30,8 +30,10 @@ With ``--fork N`` the process imports the client's stack once, forks N clients a
 built by ``kdn.edge.testing.make_chain``. KDN, Redis and raw TCP store the containers as they are;
 LMCache stores a KV tensor of the shape in the manifest (exactly the KV payload's bytes: LMCache
 keeps no checksums or header). Every KDN GET verifies every checksum, as an inference host does:
-the pieces go through ``kdn.artifact.ArtifactReader(expect_fingerprint=, expect_key=, out=)``,
-which decodes each verified section into a preallocated, reused ``(L, 2, H, T, D)`` tensor.
+the bytes go through ``kdn.artifact.ArtifactReader(expect_fingerprint=, expect_key=, out=)`` by
+the transport's ``fetch_into`` (what ``kdn.client`` uses), which lands each raw section in a
+preallocated, reused ``(L, 2, H, T, D)`` tensor (bulk: received there in place, then hashed) and
+verifies every checksum before the GET counts as done.
 """
 
 from __future__ import annotations
@@ -215,9 +217,15 @@ class KdnClient(Client):
 
         key = objs.keys[i]
         reader = ArtifactReader(expect_fingerprint=self.fp, expect_key=key, out=self.out[(objs.name, slot)])
-        async for piece, via in transport.fetch(FetchSpec(key, self.fp, self.ns), timeout=60):
-            reader.feed(piece)  # verifies each section's checksum, then decodes it into out
+        if hasattr(transport, "fetch_into"):
+            # the inference client's path (kdn.client): over the bulk socket the raw KV is received
+            # straight into out and verified there; shm and gRPC feed the reader
+            via = (await transport.fetch_into(FetchSpec(key, self.fp, self.ns), reader, timeout=60)).via
             self.vias[via] = self.vias.get(via, 0) + 1
+        else:
+            async for piece, via in transport.fetch(FetchSpec(key, self.fp, self.ns), timeout=60):
+                reader.feed(piece)  # verifies each section's checksum, then decodes it into out
+                self.vias[via] = self.vias.get(via, 0) + 1
         reader.finish()  # the whole-artifact digest
 
     async def get_one(self, objs: Objects, i: int, slot: int = 0) -> None:

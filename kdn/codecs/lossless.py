@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import zstandard
 
-from kdn.codecs.base import Codec, SectionInfo, copy_exact, register_codec
+from kdn.codecs.base import Codec, SectionInfo, copy_bytes_into, copy_exact, register_codec
 from kdn.errors import ArtifactCorrupt
 
 _LAYOUT_BLOCK, _LAYOUT_PLANES = 0, 1
@@ -104,6 +104,7 @@ class RawCodec(Codec):
     """The tensor's bytes as they are."""
 
     name = "raw"
+    stores_raw = True
 
     def encode(self, x: torch.Tensor, info: SectionInfo) -> bytes:
         return tensor_bytes(x).tobytes()
@@ -126,6 +127,15 @@ class RawCodec(Codec):
         if tuple(out.shape) != info.shape or out.dtype != info.dtype:
             raise ValueError(f"decode_into needs a {info.shape} {info.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
         copy_exact(out, src)  # one copy, straight from the payload, whatever out's strides
+
+    def decode_into_array(self, payload: memoryview, info: SectionInfo, target: np.ndarray) -> bool:
+        src = np.frombuffer(payload, dtype=np.uint8)
+        if src.size != info.raw_bytes:
+            raise ArtifactCorrupt(f"section decodes to {src.size} bytes, header says {info.raw_bytes}")
+        if target.shape != info.shape or target.itemsize != info.dtype.itemsize:
+            raise ValueError(f"decode_into_array needs a {info.shape} array of {info.dtype}'s width, got {target.shape}")
+        copy_bytes_into(target, src)  # one copy, straight from the payload, whatever the strides
+        return True
 
     def max_payload(self, info: SectionInfo) -> int:
         return info.raw_bytes

@@ -3,8 +3,12 @@ Fetch/Put requests it serves with the same node, auth and checks as the gRPC ser
 
 A Fetch answer is the stored container sent with one ``sendall`` of a view of the stored bytes:
 the container is already its own wire form (sections with their checksums), so nothing is framed
-or encoded per fetch. A Put is received with ``recv_into`` a buffer of the declared size after the
-token, the size bound and the edge's Put budget said yes, then checked and stored like a gRPC Put.
+or encoded per fetch. An SHM request (a client on this host) is answered with the name of a
+shared-memory segment holding the container (:class:`kdn.edge.shm.ShmPool`, the same pool and the
+same checks as a gRPC Fetch with ``shm``); an edge without a pool, or with no room in it, sends
+the bytes as for a Fetch. A Put is received with ``recv_into`` a buffer of the declared size after the
+token, the size bound and the edge's Put budget said yes, then checked and stored like a gRPC Put
+(the store keeps that buffer itself: one copy per byte on the edge, the socket's).
 
 Tickets: ``OpenBulk`` (gRPC, any valid token) grants a random 32-byte ticket that stands for the
 caller's token; a connection presents it once; every request on it is then checked against that
@@ -26,7 +30,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from kdn.errors import InvalidInput, KdnError, Unauthorized
+from kdn.errors import InvalidInput, KdnError, Unauthorized, Unavailable
 from kdn.proto import kdn_pb2 as pb
 from kdn.wire import bulk as wb
 from kdn.wire.auth import TokenAuth
@@ -43,6 +47,7 @@ class BulkHost(Protocol):
     node: Any  # EdgeNode, once started
     auth: TokenAuth
     put_budget: Any  # PutBudget
+    shm: Any  # ShmPool | None
 
 
 class BulkListener:
@@ -171,12 +176,12 @@ class BulkListener:
                 except ConnectionError:
                     return  # the client closed between requests: the normal end
                 op, length = wb.REQUEST.unpack(head)
-                if op not in (wb.FETCH, wb.PUT) or length > wb.MAX_REQUEST:
+                if op not in (wb.FETCH, wb.PUT, wb.SHM) or length > wb.MAX_REQUEST:
                     self._refuse(sock, "bulk", InvalidInput(f"bad bulk request (op {op}, {length} bytes)"))
                     return
                 body = bytes(_recv_exactly(sock, length))
-                if op == wb.FETCH:
-                    self._fetch(sock, body, token)
+                if op != wb.PUT:
+                    self._fetch(sock, body, token, shm=op == wb.SHM)
                 elif not self._put(sock, body, token):
                     return  # the payload was not read: the stream cannot go on
         except (OSError, RuntimeError, concurrent.futures.CancelledError):
@@ -195,7 +200,7 @@ class BulkListener:
             self._s.node.metrics.refused.labels(rpc, code.name).inc()
         sock.sendall(wb.answer(status_value(code) or status_value(grpc.StatusCode.UNKNOWN), message))
 
-    def _fetch(self, sock: socket.socket, body: bytes, token: str | None) -> None:
+    def _fetch(self, sock: socket.socket, body: bytes, token: str | None, *, shm: bool = False) -> None:
         t0 = time.perf_counter()
         node = self._s.node
         assert node is not None
@@ -215,6 +220,17 @@ class BulkListener:
         except Exception as exc:
             self._refuse(sock, "Fetch", exc)
             return
+        pool = self._s.shm if shm else None
+        if pool is not None:
+            try:
+                name = pool.publish(ns.tenant, spec.key, data)  # written once per key, then reused
+            except Unavailable as exc:  # no room in shared memory: send the bytes instead
+                log.info("%s: shm refused (%s); sending the bytes", self._s.config.node_id, exc)
+            else:
+                sock.sendall(wb.answer(0, name, len(data), flags=wb.SHM_ANSWER))
+                node.metrics.bytes_out.labels("shm").inc(len(data))
+                node.metrics.latency.labels("Fetch", source).observe(time.perf_counter() - t0)
+                return
         view = memoryview(data)
         try:
             sock.sendall(wb.answer(0, source, len(view)))
@@ -247,8 +263,9 @@ class BulkListener:
         try:
             sock.sendall(wb.answer(0))  # go ahead
             data = _recv_exactly(sock, header.total_size)
-            try:  # the store verifies every checksum before it keeps a byte
-                self._on_loop(node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key))
+            try:  # the store verifies every checksum before it keeps a byte; it keeps this buffer itself
+                self._on_loop(node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key,
+                                       take=True))
             except Exception as exc:
                 self._refuse(sock, "Put", exc)
                 return True

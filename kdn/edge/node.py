@@ -425,13 +425,17 @@ class EdgeNode:
 
     # -- writes and operator hints -------------------------------------------------------------
 
-    async def put(self, data: bytes, *, namespace: Namespace, fingerprint: ModelFingerprint, key: ChunkKey) -> EntryMeta:
+    async def put(self, data: bytes | bytearray, *, namespace: Namespace, fingerprint: ModelFingerprint, key: ChunkKey,
+                  take: bool = False) -> EntryMeta:
+        """Verify and store one container (``take``: the caller hands ``data`` over, see
+        :meth:`kdn.edge.store.tiered.TieredStore.put`)."""
         header = read_header(memoryview(data))
         if header.key != bytes(key):
             raise InvalidInput(f"Put declared key {bytes(key).hex()[:16]} but the artifact holds {header.key.hex()[:16]}")
         if self.config.decode_check:
             await asyncio.to_thread(check_decodes, data, bytes(fingerprint))
-        meta = await asyncio.to_thread(self.store.put, data, tenant=namespace.tenant, expect_fingerprint=bytes(fingerprint))
+        meta = await asyncio.to_thread(self.store.put, data, tenant=namespace.tenant, expect_fingerprint=bytes(fingerprint),
+                                       take=take)
         self.metrics.bytes_in.labels("put").inc(len(data))
         return meta
 

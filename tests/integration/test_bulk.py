@@ -302,3 +302,172 @@ def test_killed_mid_answer_never_yields_torn_bytes() -> None:
                 await t.close()
 
     asyncio.run(main())
+
+
+def test_same_host_segment_named_over_the_bulk_socket_is_verified_and_falls_back() -> None:
+    """A client on the edge's host asks for shared memory over the bulk socket (no gRPC call):
+    the segment holds the stored container, a flipped bit in it is caught by the client's reader,
+    a recycled segment is asked for again, and an edge without a pool sends the bytes instead."""
+    chain = big_chain(2, seed=9)
+
+    async def main() -> None:
+        # the client maps from the default directory, so the edge publishes there (and unlinks on close)
+        cfg = edge_config(node_id="bulk-shm").model_copy(update={"shm": True})
+        async with EdgeServer(cfg) as srv:
+            t = GrpcEdgeTransport(srv.address, shm=True)
+            try:
+                for key, blob in zip(chain.keys, chain.blobs):
+                    assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
+                for _round in range(2):
+                    for i, blob in enumerate(chain.blobs):
+                        assert await fetch_verified(t, chain, i) == (blob, "shm")
+                assert srv.shm is not None and srv.shm.created == 2 and srv.shm.reused == 2
+                # named over one bulk socket (a failed bulk call would have dropped it for gRPC)
+                assert t._bulk is not None and t._bulk.connections == 1
+                assert t._maps is not None and len(t._maps) == 2  # and mapped once each
+                # a flipped bit in the published segment: the cached mapping sees it, the reader refuses
+                name = srv.shm._segments[("default", bytes(chain.keys[0]))].name
+                path = f"{srv.shm.dir}/{name}"
+                with open(path, "r+b") as f:
+                    f.seek(len(chain.blobs[0]) // 2)
+                    b = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([b[0] ^ 0x08]))
+                with pytest.raises(e.ArtifactCorrupt):
+                    await fetch_verified(t, chain, 0)
+                # the segment is recycled (unlinked) after it was named: asked again, still right
+                srv.shm.forget("default", chain.keys[0])
+                assert await fetch_verified(t, chain, 0) == (chain.blobs[0], "shm")
+                # a miss is NotFound over this path too
+                with pytest.raises(e.NotFound):
+                    await fetch_verified(t, big_chain(1, seed=10), 0)
+            finally:
+                await t.close()
+        # an edge without a shared-memory pool answers the same request with the bytes
+        async with served(edge_config()) as (srv, _t):
+            t = GrpcEdgeTransport(srv.address, shm=True)
+            try:
+                assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
+                assert srv.shm is None
+                assert await fetch_verified(t, chain, 0) == (chain.blobs[0], "bulk")
+            finally:
+                await t.close()
+        # an edge from before the SHM request refuses it and hangs up: the client names segments
+        # over gRPC from then on, and the call that was refused still gets its bytes
+        async with served(cfg.model_copy(update={"node_id": "bulk-old"})) as (srv, _t):
+            assert srv.bulk is not None
+            listener, serve_fetch = srv.bulk, srv.bulk._fetch
+
+            def old_edge(sock, body, token, *, shm=False):  # noqa: ANN001
+                if shm:
+                    listener._refuse(sock, "bulk", e.InvalidInput(f"bad bulk request (op {wb.SHM}, {len(body)} bytes)"))
+                    raise ConnectionResetError("an old edge closes after an unknown op")
+                serve_fetch(sock, body, token)
+
+            listener._fetch = old_edge  # type: ignore[method-assign]
+            t = GrpcEdgeTransport(srv.address, shm=True)
+            try:
+                assert await t.put(chain.fingerprint, chain.namespace, chain.keys[1], chain.blobs[1], timeout=TIMEOUT)
+                for _ in range(2):
+                    assert await fetch_verified(t, chain, 1) == (chain.blobs[1], "shm")
+                assert t._bulk_shm is False
+            finally:
+                await t.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_received_in_place_equals_fed_and_a_torn_or_corrupt_answer_is_refused(in_place: bool) -> None:
+    """``fetch_into`` over the bulk path, received in place (large answers) or whole into a pooled
+    buffer (small ones): the KV in the caller's tensor is bit for bit what the stored container
+    decodes to; a corrupt answer is ArtifactCorrupt (received in place, its connection holds
+    unread bytes and is closed); a connection that dies half-way is Unavailable (the reader holds
+    part of the container, so no silent retry) and is not reused."""
+    import torch
+
+    from kdn.artifact import decode_artifact
+
+    chain = big_chain(2, seed=11)
+
+    def reader_for(i: int) -> ArtifactReader:
+        return ArtifactReader(expect_fingerprint=chain.fingerprint, expect_key=chain.keys[i],
+                              out=torch.zeros(4, 2, 4, 64, 64, dtype=torch.float16))
+
+    async def main() -> None:
+        async with served(edge_config()) as (srv, t):
+            t.land_min_bytes = 0 if in_place else 1 << 30
+            for key, blob in zip(chain.keys, chain.blobs):
+                assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
+            for _round in range(2):
+                for i, blob in enumerate(chain.blobs):
+                    r = reader_for(i)
+                    stats = await t.fetch_into(chain.spec(i), r, timeout=TIMEOUT)
+                    r.finish()
+                    assert stats.via == "bulk" and stats.bytes == len(blob) and stats.decode_s > 0
+                    assert r.kv is not None and torch.equal(r.kv, decode_artifact(blob).kv)
+            assert t._bulk is not None and t._bulk.connections == 1  # one connection, kept
+            with pytest.raises(e.NotFound):
+                await t.fetch_into(big_chain(1, seed=12).spec(0), reader_for(0), timeout=TIMEOUT)
+            # the edge serves a flipped bit: refused, and that connection is dropped
+            real_get = srv.node.store.get
+
+            def serve_corrupt(key, **kw):  # noqa: ANN001, ANN003
+                got = real_get(key, **kw)
+                if got is None:
+                    return None
+                bad = bytearray(got[0])
+                bad[len(bad) // 2] ^= 0x02
+                return bytes(bad), got[1]
+
+            srv.node.store.get = serve_corrupt  # type: ignore[method-assign]
+            with pytest.raises(e.ArtifactCorrupt):
+                await t.fetch_into(chain.spec(0), reader_for(0), timeout=TIMEOUT)
+            srv.node.store.get = real_get  # type: ignore[method-assign]
+            r = reader_for(0)
+            await t.fetch_into(chain.spec(0), r, timeout=TIMEOUT)
+            r.finish()
+            assert t._bulk.connections == (2 if in_place else 1)  # unread bytes: that connection closed
+
+            # a listener that dies half-way through the answer
+            lsock = socket.socket()
+            lsock.bind(("127.0.0.1", 0))
+            lsock.listen(4)
+            lsock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            blob = chain.blobs[0]
+
+            async def liar() -> None:
+                conn, _ = await loop.sock_accept(lsock)
+                conn.setblocking(False)
+                await loop.sock_recv(conn, wb.HELLO.size)
+                await loop.sock_sendall(conn, wb.answer(0))
+                head = await loop.sock_recv(conn, wb.REQUEST.size)
+                (_, n) = struct.unpack("<BI", head)
+                await loop.sock_recv(conn, n)
+                await loop.sock_sendall(conn, wb.answer(0, "memory", len(blob)) + blob[: len(blob) // 2])
+                conn.close()
+
+            task = asyncio.create_task(liar())
+            try:
+                t._bulk = wb.BulkClient("127.0.0.1", lsock.getsockname()[1], b"x" * 32, peer="liar")
+                t._bulk_expires = float("inf")
+                r = reader_for(0)
+                if in_place:
+                    with pytest.raises(e.Unavailable, match="mid-answer"):
+                        await t.fetch_into(chain.spec(0), r, timeout=TIMEOUT)
+                    assert 0 < r.received < len(blob) and not r.complete
+                    with pytest.raises(e.ArtifactCorrupt, match="truncated"):
+                        r.finish()
+                else:  # nothing reached the reader: the same call is served over gRPC, whole
+                    assert (await t.fetch_into(chain.spec(0), r, timeout=TIMEOUT)).via == "grpc"
+                    r.finish()
+                # resting after the failure: the next fetch goes over gRPC, whole and verified
+                r = reader_for(0)
+                assert (await t.fetch_into(chain.spec(0), r, timeout=TIMEOUT)).via == "grpc"
+                r.finish()
+            finally:
+                await task
+                lsock.close()
+
+    asyncio.run(main())

@@ -13,7 +13,7 @@ from kdn.artifact import encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig, KdnClient
 from kdn.client_transport import MemoryEdgeTransport
 from kdn.errors import ConfigError
-from kdn.keys import ROOT_KEY, Namespace, chunk_keys
+from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys
 from kdn.kv import split_cache
 from kdn.models import load_model
 
@@ -251,3 +251,41 @@ def test_prefix_destination_is_a_writable_tensor_that_outlives_its_allocator(sha
     gc.collect()
     view.fill_(2.5)
     assert float(view.float().sum()) == 2.5 * view.numel()
+
+
+def test_failover_fetch_into_restarts_only_before_the_first_byte(lm):
+    """An edge that fails before sending anything is replaced by the next; one that fails after
+    part of the container reached the reader is not (the reader cannot start over)."""
+    import asyncio
+
+    from kdn.artifact import ArtifactReader
+    from kdn.client_transport import FailoverEdgeTransport
+    from kdn.errors import Unavailable
+    from kdn.wire.convert import FetchSpec
+
+    class HalfEdge(MemoryEdgeTransport):
+        async def fetch(self, spec, *, timeout, next_keys=()):  # noqa: ANN001
+            async for piece in MemoryEdgeTransport.fetch(self, spec, timeout=timeout, next_keys=next_keys):
+                yield piece
+                raise Unavailable("connection lost mid-answer")
+
+    cfg = ClientConfig(edge="mem")
+    good, half, down = MemoryEdgeTransport(name="good", piece=64), HalfEdge(name="half", piece=64), \
+        MemoryEdgeTransport(name="down", down=True)
+    _, chunks = publish(good, lm, DOC[:CHUNK], cfg.namespace)
+    half.store = dict(good.store)
+    key = next(iter(good.store))[1]
+    spec = FetchSpec(ChunkKey(key), lm.fingerprint, cfg.namespace)
+
+    async def main() -> None:
+        r = ArtifactReader(expect_fingerprint=lm.fingerprint, assemble=True)
+        stats = await FailoverEdgeTransport([down, good]).fetch_into(spec, r, timeout=5)
+        r.finish()
+        assert stats.via == "memory" and stats.bytes == r.received and torch.equal(r.kv, chunks[0])
+        r = ArtifactReader(expect_fingerprint=lm.fingerprint, assemble=True)
+        both = FailoverEdgeTransport([half, good])
+        with pytest.raises(Unavailable, match="mid-answer"):
+            await both.fetch_into(spec, r, timeout=5)
+        assert 0 < r.received and good.calls["fetch"] == 1 and both.failovers == 1
+
+    asyncio.run(main())

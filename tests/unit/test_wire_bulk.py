@@ -43,3 +43,11 @@ def test_frames() -> None:
         wb.parse_hello(wb.HELLO.pack(b"HTTP", wb.VERSION, ticket))
     with pytest.raises(e.InvalidInput, match="version 2"):
         wb.parse_hello(wb.HELLO.pack(wb.MAGIC, 2, ticket))
+
+
+def test_an_answer_naming_a_segment_carries_the_flag() -> None:
+    raw = wb.answer(0, "kdn-edge-1-0123456789abcdef", 1 << 25, flags=wb.SHM_ANSWER)
+    status, flags, tlen, size = wb.ANSWER.unpack_from(raw)
+    assert (status, flags, size) == (0, wb.SHM_ANSWER, 1 << 25)
+    assert raw[wb.ANSWER.size:].decode() == "kdn-edge-1-0123456789abcdef" and tlen == 27
+    assert wb.ANSWER.unpack_from(wb.answer(0, "memory", 5))[1] == 0  # a Fetch's answer has no flags

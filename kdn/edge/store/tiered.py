@@ -79,8 +79,12 @@ class TieredStore:
         pin: bool = False,
         ttl_s: float | None = None,
         priority: int | None = None,
+        take: bool = False,
     ) -> EntryMeta:
         """Verify and store one artifact for ``tenant``; returns its metadata.
+
+        ``take``: ``data`` is a buffer its caller hands over and never touches again (the bulk
+        path's receive buffer): it is kept as it is, without the copy a mutable buffer otherwise gets.
 
         Raises :class:`~kdn.errors.ArtifactCorrupt` (and the other
         :class:`~kdn.errors.ArtifactError` kinds) or :class:`~kdn.errors.FingerprintMismatch`
@@ -95,12 +99,16 @@ class TieredStore:
             check_ttl(ttl_s)
         if priority is not None:
             check_priority(priority)
-        blob = data if isinstance(data, bytes) else bytes(data)
         fp = None if expect_fingerprint is None else bytes(expect_fingerprint)
-        header = verify_artifact(blob, expect_fingerprint=fp)
-        meta = EntryMeta.from_header(header, tenant=tenant, size=len(blob))
+        header = verify_artifact(data, expect_fingerprint=fp)  # every checksum, on the bytes as given
+        meta = EntryMeta.from_header(header, tenant=tenant, size=len(data))
         eid = meta.eid
         ix, place = self._ix, self._place
+        with self._lock:
+            held = self._live(eid, self._clock.monotonic()) is not None
+        # The store keeps immutable bytes: a mutable buffer is copied, outside the lock, unless its
+        # caller hands it over (``take``) or the key is already held (a duplicate stores nothing).
+        blob: bytes | bytearray | memoryview = data if isinstance(data, bytes) or take or held else bytes(data)
         while True:
             writes: list[StagedWrite] = []
             wait_for: StagedWrite | None = None
@@ -117,6 +125,8 @@ class TieredStore:
                         return existing.meta
                     wait_for = place.staging.get(eid)
                     if wait_for is None:
+                        if not (isinstance(blob, bytes) or take):
+                            blob = bytes(blob)  # it was held a moment ago, and is not any more
                         # Pin and priority count from the start: a pinned newcomer is never the
                         # victim of its own placement.
                         entry = Entry(meta, pinned=pin, priority=priority or 0)
