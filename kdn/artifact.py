@@ -62,17 +62,42 @@ TRAILER_BYTES = 4 + 16
 DTYPE_TO_PB = {torch.float32: pb.FLOAT32, torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16}
 PB_TO_DTYPE = {v: k for k, v in DTYPE_TO_PB.items()}
 
+LAND_MIN_SECTION = 64 << 10
+"""A raw section's payload is received in place (``landing``) from this size on; a smaller one
+lands in the scratch buffer with its length and check (one receive instead of three, and a copy
+that stays in cache)."""
+
 # Bounds on the declared geometry, far above any real model, far below what could exhaust memory.
 _MAX_LAYERS, _MAX_HEADS, _MAX_HEAD_DIM, _MAX_TOKENS = 1024, 1024, 4096, 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
 class Section:
-    """One decoded section: the K (``kind='k'``) or V of one layer, ``(H, T, D)``."""
+    """One decoded section: the K (``kind='k'``) or V of one layer, ``(H, T, D)``.
 
-    layer: int
-    kind: Literal["k", "v"]
-    tensor: torch.Tensor
+    A section decoded into a larger ``(L, 2, H, T, D)`` tensor (``whole``) makes its view there on
+    first use of :attr:`tensor`: callers that passed ``out=`` rarely look, and a view per section
+    is a measurable part of reading a small artifact."""
+
+    __slots__ = ("layer", "kind", "_tensor", "_whole")
+
+    def __init__(self, layer: int, kind: Literal["k", "v"], tensor: torch.Tensor | None = None, *,
+                 whole: torch.Tensor | None = None) -> None:
+        if tensor is None and whole is None:
+            raise ValueError("a Section needs its tensor or the tensor it lies in")
+        self.layer = layer
+        self.kind = kind
+        self._tensor = tensor
+        self._whole = whole
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            assert self._whole is not None
+            self._tensor = self._whole[self.layer, 0 if self.kind == "k" else 1]  # (H, T, D) view
+        return self._tensor
+
+    def __repr__(self) -> str:
+        return f"Section(layer={self.layer}, kind={self.kind!r}, shape={tuple(self.tensor.shape)})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +182,6 @@ class _Direct:
     info: SectionInfo
     length: int
     views: list[memoryview]
-    arrived: bool = False
 
 
 class ArtifactReader:
@@ -211,6 +235,7 @@ class ArtifactReader:
         self.header: pb.ArtifactHeader | None = None
         self._codec: Codec | None = None
         self._infos: list[SectionInfo] = []
+        self._bounds: list[int] = []
         self._next = 0
         self._done = False
         self._kv_array: np.ndarray | None = None  # kv's memory as a numpy array, made once
@@ -246,7 +271,9 @@ class ArtifactReader:
             return []
         d = self._direct
         if d is not None:
-            return [memoryview(self._scratch)[4:12]] if d.arrived else list(d.views)
+            # the payload's runs, its check, and the next section's length: one receive call
+            more = self._next + 1 < len(self._infos)
+            return [*d.views, memoryview(self._scratch)[4 : 16 if more else 12]]
         need = self._need(memoryview(self._scratch)[: self._scr_n])
         if need > len(self._scratch):
             grown = bytearray(need)
@@ -257,30 +284,32 @@ class ArtifactReader:
 
     def landed(self) -> list[Section]:
         """The views of the last :meth:`landing` are filled: parse (verify) what they completed."""
+        done: list[Section] = []
         d = self._direct
         if d is not None:
-            if not d.arrived:
-                d.arrived = True  # the payload is in place; its check comes next
-                return []
             self._direct = None
-            return [self._verify_landed(d)]
+            done.append(self._verify_landed(d))
+            if self._next == len(self._infos):
+                return done  # the trailer comes next
+            self._scratch[0:4] = self._scratch[12:16]  # the next section's length came along
+            self._land_to = 4
         self._scr_n = self._land_to
         part = memoryview(self._scratch)[: self._scr_n]
         if self.header is not None and self._next < len(self._infos) and self._scr_n == 4:
             d = self._land_direct(_U32.unpack_from(part, 0)[0])
             if d is not None:
                 self._direct = d
-                return []
+                return done
         if self._need(part) > self._scr_n:
-            return []  # a length arrived: the rest of this part comes next
+            return done  # a length arrived: the rest of this part comes next
         self._scr_n = 0
-        return self.feed(part)
+        return done + self.feed(part)
 
     def _land_direct(self, length: int) -> "_Direct | None":
         """Views of the next section's place in ``kv`` if its payload can be received there."""
         assert self._codec is not None
         info = self._infos[self._next]
-        if not (self._assemble and self._codec.stores_raw and length == info.raw_bytes):
+        if not (self._assemble and self._codec.stores_raw and length == info.raw_bytes >= LAND_MIN_SECTION):
             return None
         which = 0 if info.kind == "k" else 1
         target = self._kv_array_for(info)[info.layer, which]  # (H, T, D), same-width ints
@@ -308,7 +337,7 @@ class ArtifactReader:
         self._scr_n = 0
         self._next += 1
         assert self.kv is not None
-        return Section(info.layer, info.kind, self.kv[info.layer, 0 if info.kind == "k" else 1])
+        return Section(info.layer, info.kind, whole=self.kv)
 
     def _kv_array_for(self, info: SectionInfo) -> np.ndarray:
         if self.kv is None:
@@ -398,7 +427,7 @@ class ArtifactReader:
                 return 4
             (length,) = _U32.unpack_from(b, 0)
             assert self._codec is not None
-            return 4 + length + 8 if length <= self._codec.max_payload(self._infos[self._next]) else 4
+            return 4 + length + 8 if length <= self._bounds[self._next] else 4
         return TRAILER_BYTES
 
     def finish(self) -> pb.ArtifactHeader:
@@ -486,6 +515,7 @@ class ArtifactReader:
             raise ArtifactCorrupt(f"header says lossy={h.lossy} but codec {h.codec} is lossy={codec.lossy}")
         self._codec = codec.with_meta(h.codec_meta)
         self._infos = section_infos(h)
+        self._bounds = [self._codec.max_payload(info) for info in self._infos]  # what each may declare
         if self.kv is not None:
             want = (h.num_layers, 2, h.num_kv_heads, h.token_count, h.head_dim)
             if tuple(self.kv.shape) != want or self.kv.dtype != PB_TO_DTYPE[h.dtype]:
@@ -502,7 +532,7 @@ class ArtifactReader:
             return None
         (length,) = _U32.unpack_from(self._view, self._pos)
         assert self._codec is not None
-        bound = self._codec.max_payload(info)
+        bound = self._bounds[self._next]
         if length > bound:
             raise ArtifactCorrupt(
                 f"layer {info.layer} {info.kind.upper()} section declares {length} bytes; "
@@ -526,9 +556,10 @@ class ArtifactReader:
         which = 0 if info.kind == "k" else 1
         target = self._kv_array_for(info)[info.layer, which]
         assert self.kv is not None
+        if self._codec.decode_into_array(framed[4:], info, target):
+            return Section(info.layer, info.kind, whole=self.kv)
         out = self.kv[info.layer, which]  # (H, T, D) view
-        if not self._codec.decode_into_array(framed[4:], info, target):
-            self._codec.decode_into(framed[4:], info, out)
+        self._codec.decode_into(framed[4:], info, out)
         return Section(info.layer, info.kind, out)
 
     def _parse_trailer(self) -> None:

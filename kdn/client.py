@@ -45,7 +45,7 @@ from kdn.client_transport import EdgeTransport, FailoverEdgeTransport, GrpcEdgeT
 from kdn.config import RoleConfig
 from kdn.errors import ArtifactCorrupt, Unavailable
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
-from kdn.kv import KVShape, empty_prefaulted
+from kdn.kv import DestinationPool, KVShape
 from kdn.segments import SEGMENT_PARENT, SegmentKey
 from kdn.steer import SteerSpec, parse_variant, steer_root
 from kdn.wire.convert import FetchSpec
@@ -86,6 +86,8 @@ class ClientConfig(RoleConfig):
     fetch_timeout_s: float = Field(10.0, gt=0, description="deadline of one chunk's Fetch")
     put_timeout_s: float = Field(30.0, gt=0, description="deadline of one chunk's Put")
     max_pending_puts: int = Field(256, ge=1, description="write-backs queued at most; more are dropped")
+    destination_pool_bytes: int = Field(1 << 30, ge=0, description="prefix KV buffers of finished requests kept "
+                                        "for reuse (no page faults per request); 0 maps a fresh one every time")
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -155,6 +157,7 @@ class AsyncKdnClient:
                      for a in [c.edge, *c.fallback_edges]]
             transport = edges[0] if len(edges) == 1 else FailoverEdgeTransport(edges, backoff_s=c.edge_backoff_s)
         self.transport = transport
+        self.destinations = DestinationPool(self.config.destination_pool_bytes)
         self._pending: set[asyncio.Task[int]] = set()
         self.counters: dict[str, float] = {
             "requests": 0, "reused_chunks": 0, "fetch_errors": 0, "edge_errors": 0,
@@ -193,7 +196,8 @@ class AsyncKdnClient:
         """
         assert self.transport is not None
         n = len(keys)
-        out = empty_prefaulted(kv_shape.chunk_shape(n * chunk_size), kv_shape.dtype)  # (L, 2, H, n*T, D)
+        # the pages of an earlier request's destination, once nothing refers to it: no faults
+        out = self.destinations.empty(kv_shape.chunk_shape(n * chunk_size), kv_shape.dtype)  # (L, 2, H, n*T, D)
         tally = _FetchTally()
         sem = asyncio.Semaphore(self.config.fetch_concurrency)
 
@@ -266,7 +270,7 @@ class AsyncKdnClient:
         unless it is a segment of exactly that length. Returns ``(kv, bytes)``; raises KdnError.
         """
         assert self.transport is not None
-        out = empty_prefaulted(kv_shape.chunk_shape(tokens), kv_shape.dtype)  # (L, 2, H, n, D)
+        out = self.destinations.empty(kv_shape.chunk_shape(tokens), kv_shape.dtype)  # (L, 2, H, n, D)
         reader = ArtifactReader(expect_fingerprint=fingerprint, expect_key=ChunkKey(key),
                                 require_lossless=self.config.require_lossless, out=out, expect_steer="")
         n_bytes = 0

@@ -71,9 +71,10 @@ FETCH, PUT, SHM = 1, 2, 3
 SHM_ANSWER = 0x01  # answer flag: text names a shared-memory segment, no payload follows
 MAX_REQUEST = 1 << 20  # a FetchRequest with a long next_keys list is a few KiB
 MAX_TEXT = 4096
-LAND_MIN_BYTES = 8 << 20
+LAND_MIN_BYTES = 2 << 20
 """Containers at least this large are received in place (:meth:`BulkClient.fetch_into`); smaller
-ones whole into a pooled buffer, then fed (1 MiB: ~50 landings cost more than the copy they save)."""
+ones whole into a pooled buffer, then fed (a 1 MiB container of 16 sections: its ~50 landings,
+each a receive call, cost more than the copy in cache they save)."""
 
 
 class Lander(Protocol):
@@ -101,6 +102,42 @@ async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, vie
         if not k:
             raise ConnectionResetError("peer closed the bulk connection")
         got += k
+
+
+_IOV_MAX = 512  # buffers per recvmsg_into call (Linux allows 1024)
+
+
+async def recv_views(loop: asyncio.AbstractEventLoop, sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view in ``views``, in order, from the non-blocking ``sock``: one ``recvmsg_into``
+    scatters what has arrived across as many of them as it covers (a section landing in a token
+    range of a prefix is one run per head: one system call, not one per head)."""
+    left = [v for v in views if len(v)]
+    i = 0
+    while i < len(left):
+        try:
+            n = sock.recvmsg_into(left[i : i + _IOV_MAX])[0]
+        except (BlockingIOError, InterruptedError):
+            await _readable(loop, sock)
+            continue
+        if not n:
+            raise ConnectionResetError("peer closed the bulk connection")
+        while n:
+            if n >= len(left[i]):
+                n -= len(left[i])
+                i += 1
+            else:
+                left[i] = left[i][n:]
+                n = 0
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+    loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        loop.remove_reader(fd)
 
 
 async def recv_answer(loop: asyncio.AbstractEventLoop, sock: socket.socket, head: bytearray) -> tuple[int, str, int]:
@@ -297,8 +334,7 @@ class BulkClient:
                         "bytes after the artifact trailer" if not views
                         else f"artifact truncated: the answer ends {want - left} bytes before its next part"
                     )
-                for view in views:
-                    await recv_exactly(loop, sock, view)
+                await recv_views(loop, sock, views)
                 left -= want
                 t0 = time.perf_counter()
                 reader.landed()  # verifies what completed, where it landed

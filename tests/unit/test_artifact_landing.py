@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kdn import artifact
 from kdn import errors as kerr
 from kdn.artifact import ArtifactReader, decode_artifact, encode_artifact
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint
@@ -26,6 +27,14 @@ def _kv(layers: int = 3, heads: int = 2, tokens: int = 8, dim: int = 16, dtype=t
 
 def _encode(kv: torch.Tensor, codec: str = "raw") -> bytes:
     return encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec=codec, chunk_index=0)
+
+
+@pytest.fixture(params=["in place", "in scratch"], autouse=True)
+def section_threshold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with raw payloads received in place (threshold 0) and in the scratch
+    buffer (a threshold above every section here): both paths must give the same answers."""
+    monkeypatch.setattr(artifact, "LAND_MIN_SECTION", 0 if request.param == "in place" else 1 << 30)
+    return request.param
 
 
 def land(reader: ArtifactReader, blob: bytes) -> tuple[int, int]:
@@ -66,7 +75,7 @@ def test_landed_kv_equals_fed_kv(codec: str, dtype: torch.dtype) -> None:
     assert r2.kv is not None and torch.equal(r2.kv, expected)
 
 
-def test_raw_sections_land_in_place_even_in_a_token_range_of_a_longer_prefix() -> None:
+def test_raw_sections_land_in_place_even_in_a_token_range_of_a_longer_prefix(section_threshold: str) -> None:
     kv = _kv(layers=2, heads=4, tokens=8, dim=16)
     blob = _encode(kv, "raw")
     prefix = torch.zeros(2, 2, 4, 24, 16, dtype=torch.float16)  # (L, 2, H, T_total, D)
@@ -75,8 +84,12 @@ def test_raw_sections_land_in_place_even_in_a_token_range_of_a_longer_prefix() -
     landings, views = land(reader, blob)
     assert torch.equal(prefix[:, :, :, 8:16], kv)
     assert not prefix[:, :, :, :8].any() and not prefix[:, :, :, 16:].any()  # nothing written outside
-    # 2 (header) + 4 sections x (length, payload, check) + trailer; a payload lands as 4 head runs
-    assert landings == 2 + 4 * 3 + 1 and views == landings - 4 + 4 * 4
+    if section_threshold == "in place":
+        # 2 (header) + the first length + 4 sections (each: 4 head runs, its check and the next
+        # length, in one landing) + trailer
+        assert landings == 2 + 1 + 4 + 1 and views == 2 + 1 + 4 * (4 + 1) + 1
+    else:  # small sections: length, then payload and check together into the scratch buffer
+        assert landings == views == 2 + 4 * 2 + 1
 
 
 def test_a_payload_is_in_out_before_its_check_but_never_handed_out_unverified() -> None:

@@ -289,3 +289,38 @@ def test_failover_fetch_into_restarts_only_before_the_first_byte(lm):
         assert 0 < r.received and good.calls["fetch"] == 1 and both.failovers == 1
 
     asyncio.run(main())
+
+
+def test_destination_pool_reuses_a_buffer_only_once_nothing_refers_to_it() -> None:
+    """A prefix destination is handed out again only when every tensor, view and storage made from
+    it is gone (a reused buffer under a live cache would corrupt that cache); idle ones are bounded."""
+    from kdn.kv import PREFAULT_MIN_BYTES, DestinationPool
+
+    shape = (2, 2, 4, PREFAULT_MIN_BYTES // 64, 4)  # fp16: 2 * PREFAULT_MIN_BYTES bytes
+    pool = DestinationPool(max_idle_bytes=4 * PREFAULT_MIN_BYTES)
+    a = pool.empty(shape, torch.float16)
+    a.fill_(1.5)
+    cache_view = a[:, 1, :, -3:]  # what a cache keeps after the request returns
+    del a
+    b = pool.empty(shape, torch.float16)
+    assert pool.mapped == 2 and pool.reused == 0  # a's pages are still in use through its view
+    b.fill_(2.5)
+    assert bool((cache_view == 1.5).all())
+    storage = cache_view.untyped_storage()
+    del cache_view
+    c = pool.empty(shape, torch.float16)
+    assert pool.mapped == 3 and pool.reused == 0  # a bare storage still counts
+    del storage
+    d = pool.empty(shape, torch.float16)
+    assert pool.reused == 1 and bool((d == 1.5).all())  # a's pages, contents and all: the caller overwrites
+    del b, c, d
+    for _ in range(3):
+        pool.empty(shape, torch.float16)  # each request's buffer dies at once: one region serves them all
+    assert pool.reused == 4 and pool.idle_bytes <= 4 * PREFAULT_MIN_BYTES + 2 * PREFAULT_MIN_BYTES
+    off = DestinationPool(max_idle_bytes=0)
+    x = off.empty(shape, torch.float16)
+    del x
+    off.empty(shape, torch.float16)
+    assert off.reused == 0  # switched off: a fresh mapping every time
+    small = pool.empty((2, 2, 2, 4, 4), torch.float16)
+    assert small.shape == (2, 2, 2, 4, 4)  # small destinations come from the allocator
