@@ -199,13 +199,17 @@ class EdgeNode:
 
     def _check_served(self, data: bytes, spec: FetchSpec) -> None:
         header = read_header(memoryview(data))
-        if header.fingerprint != bytes(spec.fingerprint):
+        self._check_meta(header.fingerprint, header.lossy, header.codec, spec)
+
+    @staticmethod
+    def _check_meta(fingerprint: bytes, lossy: bool, codec: str, spec: FetchSpec) -> None:
+        if fingerprint != bytes(spec.fingerprint):
             raise FingerprintMismatch(
-                f"artifact {bytes(spec.key).hex()[:16]} belongs to model {header.fingerprint.hex()[:16]}, "
+                f"artifact {bytes(spec.key).hex()[:16]} belongs to model {fingerprint.hex()[:16]}, "
                 f"not {bytes(spec.fingerprint).hex()[:16]}"
             )
-        if spec.require_lossless and header.lossy:
-            raise LossyRefused(f"artifact {bytes(spec.key).hex()[:16]} is lossy ({header.codec})")
+        if spec.require_lossless and lossy:
+            raise LossyRefused(f"artifact {bytes(spec.key).hex()[:16]} is lossy ({codec})")
 
     async def fetch_bytes(
         self,
@@ -250,14 +254,16 @@ class EdgeNode:
         :meth:`fetch_bytes` on ``loop``: coalescing, peers and the origin live there). The bulk
         byte path's threads answer hits this way without a round trip through the event loop."""
         tenant = spec.namespace.tenant
-        if not self.store.lookup([spec.key], tenant=tenant):
+        meta = self.store.meta(spec.key, tenant=tenant)
+        if meta is None:
             return None
         got = self.store.get(spec.key, tenant=tenant)
         if got is None:
             return None
         data, tier = got
         self.metrics.hits.labels(tier).inc()
-        self._check_served(data, spec)
+        # the stored header's fingerprint and lossiness, as verified at Put: not parsed again per fetch
+        self._check_meta(meta.fingerprint, meta.lossy, meta.codec, spec)
         if next_keys and self.config.prefetch_depth and not spec.local_only:
             loop.call_soon_threadsafe(self._read_ahead, spec, next_keys, token)
         return data, tier

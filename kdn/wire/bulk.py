@@ -71,10 +71,10 @@ FETCH, PUT, SHM = 1, 2, 3
 SHM_ANSWER = 0x01  # answer flag: text names a shared-memory segment, no payload follows
 MAX_REQUEST = 1 << 20  # a FetchRequest with a long next_keys list is a few KiB
 MAX_TEXT = 4096
-LAND_MIN_BYTES = 2 << 20
+LAND_MIN_BYTES = 256 << 10
 """Containers at least this large are received in place (:meth:`BulkClient.fetch_into`); smaller
-ones whole into a pooled buffer, then fed (a 1 MiB container of 16 sections: its ~50 landings,
-each a receive call, cost more than the copy in cache they save)."""
+ones whole into a pooled buffer, then fed. Measured on 1 MiB containers of 16 sections, 8 in
+flight: in place 3,449 req/s, whole then fed 2,757 (one receive call per section either way)."""
 
 
 class Lander(Protocol):

@@ -199,6 +199,13 @@ class TieredStore:
                 out.append(self._ix.tiers[entry.tier].name)
         return out
 
+    def meta(self, key: ChunkKey, *, tenant: str) -> EntryMeta | None:
+        """What the store knows of the tenant's live entry for ``key`` (from its verified header), or None."""
+        with self._lock:
+            self._check_open()
+            entry = self._live(EntryId(tenant, key), self._clock.monotonic())
+            return None if entry is None else entry.meta
+
     def contains(self, key: ChunkKey, *, tenant: str) -> bool:
         with self._lock:
             return self._live(EntryId(tenant, key), self._clock.monotonic()) is not None
