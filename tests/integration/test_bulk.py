@@ -259,6 +259,37 @@ def test_a_dead_bulk_listener_falls_back_to_grpc_before_the_first_byte() -> None
     asyncio.run(main())
 
 
+@contextlib.asynccontextmanager
+async def half_answer_listener(t: GrpcEdgeTransport, blob: bytes) -> AsyncIterator[None]:
+    """Point ``t``'s bulk path at a fake listener (loopback) that accepts the hello, answers one
+    request with half of ``blob``, and hangs up; closed and awaited on exit."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(4)
+    lsock.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def liar() -> None:
+        conn, _ = await loop.sock_accept(lsock)
+        conn.setblocking(False)
+        await loop.sock_recv(conn, wb.HELLO.size)
+        await loop.sock_sendall(conn, wb.answer(0))
+        head = await loop.sock_recv(conn, wb.REQUEST.size)
+        (_, n) = struct.unpack("<BI", head)
+        await loop.sock_recv(conn, n)
+        await loop.sock_sendall(conn, wb.answer(0, "memory", len(blob)) + blob[: len(blob) // 2])
+        conn.close()
+
+    task = asyncio.create_task(liar())
+    try:
+        t._bulk = wb.BulkClient("127.0.0.1", lsock.getsockname()[1], b"x" * 32, peer="liar")
+        t._bulk_expires = float("inf")
+        yield
+    finally:
+        await task
+        lsock.close()
+
+
 def test_killed_mid_answer_never_yields_torn_bytes() -> None:
     """A listener that sends half an answer and hangs up: the fetch does not yield a partial
     container (it falls back to gRPC, which the real edge serves whole)."""
@@ -269,36 +300,14 @@ def test_killed_mid_answer_never_yields_torn_bytes() -> None:
         async with EdgeServer(edge_config()) as srv:
             t = GrpcEdgeTransport(srv.address)
             assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], blob, timeout=TIMEOUT)
-            # a fake bulk listener that accepts the hello and then dies half-way through the bytes
-            lsock = socket.socket()
-            lsock.bind(("127.0.0.1", 0))
-            lsock.listen(4)
-            lsock.setblocking(False)
-            loop = asyncio.get_running_loop()
-
-            async def liar() -> None:
-                conn, _ = await loop.sock_accept(lsock)
-                conn.setblocking(False)
-                await loop.sock_recv(conn, wb.HELLO.size)
-                await loop.sock_sendall(conn, wb.answer(0))
-                head = await loop.sock_recv(conn, wb.REQUEST.size)
-                (_, n) = struct.unpack("<BI", head)
-                await loop.sock_recv(conn, n)
-                await loop.sock_sendall(conn, wb.answer(0, "memory", len(blob)) + blob[: len(blob) // 2])
-                conn.close()
-
-            task = asyncio.create_task(liar())
             try:
-                t._bulk = wb.BulkClient("127.0.0.1", lsock.getsockname()[1], b"x" * 32, peer="liar")
-                t._bulk_expires = float("inf")
-                pieces = []
-                async for piece, via in t.fetch(chain.spec(0), timeout=TIMEOUT):
-                    pieces.append((bytes(piece), via))
+                async with half_answer_listener(t, blob):
+                    pieces = []
+                    async for piece, via in t.fetch(chain.spec(0), timeout=TIMEOUT):
+                        pieces.append((bytes(piece), via))
                 assert [v for _, v in pieces] == ["grpc"] * len(pieces)
                 assert b"".join(p for p, _ in pieces) == blob
             finally:
-                await task
-                lsock.close()
                 await t.close()
 
     asyncio.run(main())
@@ -430,28 +439,8 @@ def test_received_in_place_equals_fed_and_a_torn_or_corrupt_answer_is_refused(in
             assert t._bulk.connections == (2 if in_place else 1)  # unread bytes: that connection closed
 
             # a listener that dies half-way through the answer
-            lsock = socket.socket()
-            lsock.bind(("127.0.0.1", 0))
-            lsock.listen(4)
-            lsock.setblocking(False)
-            loop = asyncio.get_running_loop()
             blob = chain.blobs[0]
-
-            async def liar() -> None:
-                conn, _ = await loop.sock_accept(lsock)
-                conn.setblocking(False)
-                await loop.sock_recv(conn, wb.HELLO.size)
-                await loop.sock_sendall(conn, wb.answer(0))
-                head = await loop.sock_recv(conn, wb.REQUEST.size)
-                (_, n) = struct.unpack("<BI", head)
-                await loop.sock_recv(conn, n)
-                await loop.sock_sendall(conn, wb.answer(0, "memory", len(blob)) + blob[: len(blob) // 2])
-                conn.close()
-
-            task = asyncio.create_task(liar())
-            try:
-                t._bulk = wb.BulkClient("127.0.0.1", lsock.getsockname()[1], b"x" * 32, peer="liar")
-                t._bulk_expires = float("inf")
+            async with half_answer_listener(t, blob):
                 r = reader_for(0)
                 if in_place:
                     with pytest.raises(e.Unavailable, match="mid-answer"):
@@ -466,8 +455,5 @@ def test_received_in_place_equals_fed_and_a_torn_or_corrupt_answer_is_refused(in
                 r = reader_for(0)
                 assert (await t.fetch_into(chain.spec(0), r, timeout=TIMEOUT)).via == "grpc"
                 r.finish()
-            finally:
-                await task
-                lsock.close()
 
     asyncio.run(main())
