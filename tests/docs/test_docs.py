@@ -75,6 +75,9 @@ COVERED_ELSEWHERE: list[tuple[str, str]] = [
      "quick start 1: the install is CI's own; `kdn demo` runs in tests/integration/test_demo.py"),
     (r"^python3 -m venv \.venv && \.venv/bin/pip install -e '\.\[dev\]' && \.venv/bin/python -m pytest -q$",
      "quick start 2: the test command itself, run verbatim by .ci/run"),
+    (r"^kdn edge emphasize --edge 127\.0\.0\.1:7070 --fingerprint \$FP --document docs/manual\.md --method re-read",
+     "by then the README's edge on 7070 is the standalone one (no origin to compute a variant); "
+     "tests/integration/test_steer_remote.py runs `kdn edge emphasize` against an edge with an origin"),
 ]
 
 # (pattern, reason): what this machine cannot run.
@@ -91,6 +94,11 @@ NOT_HERE: list[tuple[str, str]] = [
      "needs the model `kdn model train-reference --task retrieval` trains; tests/unit/test_blend_eval.py runs it on a small one"),
     (r"^kdn query --edge 127\.0\.0\.1:50071 --model DIR --documents",
      "DIR is the retrieval model `kdn model train-reference --task retrieval` trains"),
+    (r"^kdn eval-steer --model ~/\.cache/kdn/retrieval-model",
+     "needs the model `kdn model train-reference --task retrieval` trains; tests/unit/test_steer_eval.py runs it on a small one"),
+    (r"^kdn ingest docs/ --model ~/\.cache/kdn/retrieval-model --emphasize key-edit",
+     "needs that retrieval model and its key-edit calibration (`kdn eval-steer`); "
+     "tests/unit/test_origin_steer.py ingests key-edit variants with a calibrated small one"),
     (r"^python:.*from openai import OpenAI", "a client of the `vllm serve` above (needs vLLM)"),
 ]
 
