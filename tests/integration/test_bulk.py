@@ -457,3 +457,34 @@ def test_received_in_place_equals_fed_and_a_torn_or_corrupt_answer_is_refused(in
                 r.finish()
 
     asyncio.run(main())
+
+
+def test_a_put_of_a_held_key_lands_in_a_reused_buffer_and_is_still_verified() -> None:
+    """Re-putting a key the edge holds: the bytes are received into a pooled buffer (no fresh
+    memory), verified (a flipped bit is refused, the stored copy untouched), and dropped; a new
+    key's bytes are kept as received, never in a buffer the pool hands out again."""
+    chain = big_chain(2, seed=14)
+
+    async def main() -> None:
+        async with served(edge_config()) as (srv, t):
+            assert srv.bulk is not None
+            pool = srv.bulk._put_buffers
+            assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
+            assert pool.allocated == 0  # a new key: a buffer of its own, which the store keeps
+            for _ in range(3):
+                assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
+            assert pool.allocated == 1 and pool.reused == 2
+            bad = bytearray(chain.blobs[0])
+            bad[len(bad) // 2] ^= 0x20
+            with pytest.raises(e.ArtifactError):
+                await t.put(chain.fingerprint, chain.namespace, chain.keys[0], bytes(bad), timeout=TIMEOUT)
+            assert await t.put(chain.fingerprint, chain.namespace, chain.keys[1], chain.blobs[1], timeout=TIMEOUT)
+            for _ in range(2):  # the pooled buffer is written again: nothing stored may change
+                assert await t.put(chain.fingerprint, chain.namespace, chain.keys[1], chain.blobs[1], timeout=TIMEOUT)
+                assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
+            for i, blob in enumerate(chain.blobs):
+                assert await fetch_verified(t, chain, i) == (blob, "bulk")
+                stored, _tier = srv.node.store.get(chain.keys[i], tenant="default")
+                assert bytes(stored) == blob
+
+    asyncio.run(main())
