@@ -8,7 +8,9 @@ takes a deadline and raises only :mod:`kdn.errors` exceptions: gRPC statuses are
 :func:`kdn.wire.errors.rpc_errors` (the one place they map), timeouts become ``Unavailable``.
 ``fetch`` yields ``(piece, via)``: how the bytes travelled is the transport's business, so another
 byte path (a bulk socket negotiated over gRPC, say) slots in as one more ``via`` behind the same
-three methods, with the same checksums verified by the client.
+three methods, with the same checksums verified by the client. ``fetch_into`` hands the bytes to
+an :class:`kdn.artifact.ArtifactReader` instead (what :mod:`kdn.client` uses): by default it feeds
+``fetch``'s pieces; over the bulk path raw KV is received straight into the reader's destination.
 
 - :class:`GrpcEdgeTransport` speaks ``EdgeService`` over gRPC, a thin adapter over :mod:`kdn.wire`
   (requests from :mod:`kdn.wire.convert`, Fetch frames read zero-copy by :mod:`kdn.wire.frames`);
