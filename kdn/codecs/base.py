@@ -95,7 +95,6 @@ class Codec(ABC):
 
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_SAME_WIDTH_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def copy_exact(dst: torch.Tensor, src: torch.Tensor | np.ndarray) -> None:

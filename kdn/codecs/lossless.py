@@ -112,26 +112,28 @@ class RawCodec(Codec):
     def decode(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
         return bytes_tensor(bytearray(payload), info)
 
-    def borrow(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
+    @staticmethod
+    def _payload(payload: memoryview, info: SectionInfo) -> np.ndarray:
+        """The section's bytes as ``uint8``, refused unless exactly the tensor's size."""
         arr = np.frombuffer(payload, dtype=np.uint8)
         if arr.size != info.raw_bytes:
             raise ArtifactCorrupt(f"section decodes to {arr.size} bytes, header says {info.raw_bytes}")
+        return arr
+
+    def borrow(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
+        arr = self._payload(payload, info)
         with warnings.catch_warnings():  # read-only on purpose: the caller copies out of it
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(arr).view(info.dtype).reshape(info.shape)
 
     def decode_into(self, payload: memoryview, info: SectionInfo, out: torch.Tensor) -> None:
-        src = np.frombuffer(payload, dtype=np.uint8)
-        if src.size != info.raw_bytes:
-            raise ArtifactCorrupt(f"section decodes to {src.size} bytes, header says {info.raw_bytes}")
+        src = self._payload(payload, info)
         if tuple(out.shape) != info.shape or out.dtype != info.dtype:
             raise ValueError(f"decode_into needs a {info.shape} {info.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
         copy_exact(out, src)  # one copy, straight from the payload, whatever out's strides
 
     def decode_into_array(self, payload: memoryview, info: SectionInfo, target: np.ndarray) -> bool:
-        src = np.frombuffer(payload, dtype=np.uint8)
-        if src.size != info.raw_bytes:
-            raise ArtifactCorrupt(f"section decodes to {src.size} bytes, header says {info.raw_bytes}")
+        src = self._payload(payload, info)
         if target.shape != info.shape or target.itemsize != info.dtype.itemsize:
             raise ValueError(f"decode_into_array needs a {info.shape} array of {info.dtype}'s width, got {target.shape}")
         copy_bytes_into(target, src)  # one copy, straight from the payload, whatever the strides
