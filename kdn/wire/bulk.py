@@ -51,12 +51,13 @@ streams over gRPC), so bytes never travel in the clear where the operator asked 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import threading
 import time
 from collections import defaultdict
-from typing import Protocol
+from typing import AsyncIterator, Protocol
 
 from kdn.errors import ArtifactCorrupt, InvalidInput, KdnError, MessageTooLarge
 from kdn.wire.errors import error_from_status
@@ -211,6 +212,16 @@ def _raise_for(status: int, text: str, peer: str) -> None:
         raise error_from_status(status, text, peer=peer)
 
 
+class _Lease:
+    """One connection checked out for one request, and whether it may serve the next."""
+
+    __slots__ = ("sock", "clean")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.clean = False
+
+
 class BulkClient:
     """Connections to one edge's bulk listener, opened with one ticket and kept for reuse.
 
@@ -254,39 +265,57 @@ class BulkClient:
         else:
             sock.close()
 
+    @contextlib.asynccontextmanager
+    async def _lease(self) -> AsyncIterator[_Lease]:
+        """A connection for one request: kept for the next only if the request left it clean
+        (its answer read whole), closed otherwise (a broken or half-read stream is never reused)."""
+        lease = _Lease(await self._take())
+        try:
+            yield lease
+        finally:
+            if lease.clean:
+                self._give(lease.sock)
+            else:
+                lease.sock.close()
+
+    async def _ask(self, lease: _Lease, op: int, body: bytes) -> tuple[int, str, int]:
+        """Send one request; its answer's ``(flags, text, size)`` (a payload, if any, still in the
+        socket). A refusal raises the edge's KdnError and leaves the connection clean."""
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(lease.sock, REQUEST.pack(op, len(body)) + body)
+        status, flags, text, size = await recv_answer_flags(loop, lease.sock, bytearray(ANSWER.size))
+        if status:
+            lease.clean = True  # the refusal was the whole answer
+            _raise_for(status, text, self.peer)
+        return flags, text, size
+
+    @staticmethod
+    async def _recv_pooled(sock: socket.socket, size: int, pool: BufferPool) -> bytearray:
+        """The next ``size`` bytes, received into a buffer from ``pool`` (given back on failure)."""
+        buf = pool.take(size)
+        try:
+            await recv_exactly(asyncio.get_running_loop(), sock, memoryview(buf)[:size])
+        except BaseException:
+            pool.give(buf)
+            raise
+        return buf
+
     async def fetch(self, request: bytes, pool: BufferPool, *, shm: bool = False) -> tuple[bytearray | None, int, str]:
         """Send one serialized ``FetchRequest``; returns ``(buffer, size, source)``: the container's
         ``size`` bytes at the start of ``buffer``, a buffer from ``pool`` that the caller gives back.
         With ``shm`` (a client on the edge's host) the edge may answer with a shared-memory
         segment instead: then ``(None, size, segment name)``.
         Raises the edge's KdnError, or ``OSError``/``BulkProtocolError`` when the connection broke."""
-        loop = asyncio.get_running_loop()
-        sock = await self._take()
-        ok = False
-        try:
-            await loop.sock_sendall(sock, REQUEST.pack(SHM if shm else FETCH, len(request)) + request)
-            status, flags, text, size = await recv_answer_flags(loop, sock, bytearray(ANSWER.size))
-            if status:
-                ok = True
-                _raise_for(status, text, self.peer)
+        async with self._lease() as lease:
+            flags, text, size = await self._ask(lease, SHM if shm else FETCH, request)
             if flags & SHM_ANSWER:
                 if not shm:
                     raise BulkProtocolError("edge answered a FETCH with a shared-memory segment")
-                ok = True
+                lease.clean = True
                 return None, size, text
-            buf = pool.take(size)
-            try:
-                await recv_exactly(loop, sock, memoryview(buf)[:size])
-            except BaseException:
-                pool.give(buf)
-                raise
-            ok = True
+            buf = await self._recv_pooled(lease.sock, size, pool)
+            lease.clean = True
             return buf, size, text
-        finally:
-            if ok:
-                self._give(sock)
-            else:
-                sock.close()
 
     async def fetch_into(self, request: bytes, reader: Lander, pool: BufferPool,
                          land_min: int = LAND_MIN_BYTES) -> tuple[int, str, float]:
@@ -300,32 +329,22 @@ class BulkClient:
         ``OSError``/``BulkProtocolError`` when the connection broke; the connection is kept only
         after a complete answer."""
         loop = asyncio.get_running_loop()
-        sock = await self._take()
-        ok = False
-        try:
-            await loop.sock_sendall(sock, REQUEST.pack(FETCH, len(request)) + request)
-            status, flags, text, size = await recv_answer_flags(loop, sock, bytearray(ANSWER.size))
-            if status:
-                ok = True
-                _raise_for(status, text, self.peer)
+        async with self._lease() as lease:
+            flags, text, size = await self._ask(lease, FETCH, request)
             if flags:
                 raise BulkProtocolError(f"unexpected answer flags {flags:#x} for a FETCH")
-            spent = 0.0
             if size < land_min:
-                buf = pool.take(size)
+                buf = await self._recv_pooled(lease.sock, size, pool)
+                lease.clean = True  # the answer is read whole: the connection is clean, whatever the bytes say
+                view = memoryview(buf)[:size]
+                t0 = time.perf_counter()
                 try:
-                    view = memoryview(buf)[:size]
-                    await recv_exactly(loop, sock, view)
-                    ok = True  # the answer is read whole: the connection is clean, whatever the bytes say
-                    t0 = time.perf_counter()
-                    try:
-                        reader.feed(view)
-                    finally:
-                        view.release()
-                    return size, text, time.perf_counter() - t0
+                    reader.feed(view)
                 finally:
+                    view.release()
                     pool.give(buf)
-            left = size
+                return size, text, time.perf_counter() - t0
+            left, spent = size, 0.0
             while left:
                 views = reader.landing()
                 want = sum(len(v) for v in views)
@@ -334,40 +353,23 @@ class BulkClient:
                         "bytes after the artifact trailer" if not views
                         else f"artifact truncated: the answer ends {want - left} bytes before its next part"
                     )
-                await recv_views(loop, sock, views)
+                await recv_views(loop, lease.sock, views)
                 left -= want
                 t0 = time.perf_counter()
                 reader.landed()  # verifies what completed, where it landed
                 spent += time.perf_counter() - t0
-            ok = True
+            lease.clean = True
             return size, text, spent
-        finally:
-            if ok:
-                self._give(sock)
-            else:
-                sock.close()
 
     async def put(self, header: bytes, data: bytes | bytearray | memoryview) -> None:
         """Send one serialized ``PutHeader`` and, after the edge's go-ahead, the container."""
         loop = asyncio.get_running_loop()
-        sock = await self._take()
-        ok = False
-        try:
-            head = bytearray(ANSWER.size)
-            await loop.sock_sendall(sock, REQUEST.pack(PUT, len(header)) + header)
-            status, text, _ = await recv_answer(loop, sock, head)
-            if status:
-                ok = True
-                _raise_for(status, text, self.peer)
-            await loop.sock_sendall(sock, memoryview(data))
-            status, text, _ = await recv_answer(loop, sock, head)
-            ok = True
+        async with self._lease() as lease:
+            await self._ask(lease, PUT, header)  # the go-ahead, or the refusal of the header
+            await loop.sock_sendall(lease.sock, memoryview(data))
+            status, text, _ = await recv_answer(loop, lease.sock, bytearray(ANSWER.size))
+            lease.clean = True
             _raise_for(status, text, self.peer)
-        finally:
-            if ok:
-                self._give(sock)
-            else:
-                sock.close()
 
     def close(self) -> None:
         idle, self._idle = self._idle, []
