@@ -292,12 +292,11 @@ class GrpcEdgeTransport(EdgeTransport):
         except TimeoutError as exc:
             raise Unavailable(f"Fetch from {self.address}: deadline of {timeout}s exceeded") from exc
         except (OSError, BulkProtocolError) as exc:
+            self._bulk_broke(exc)
             if reader.received != before:
                 # part of the container is in the reader: it cannot start over on another path
-                self._bulk_broke(exc)
                 raise Unavailable(f"Fetch from {self.address}: bulk connection broke mid-answer ({exc})") from exc
-            self._bulk_broke(exc)  # nothing landed yet: this call goes over gRPC
-            return await super().fetch_into(spec, reader, timeout=timeout, next_keys=next_keys)
+            return await super().fetch_into(spec, reader, timeout=timeout, next_keys=next_keys)  # over gRPC
         return FetchStats("bulk", size, reader_s)
 
     async def put(

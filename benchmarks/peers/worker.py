@@ -217,15 +217,10 @@ class KdnClient(Client):
 
         key = objs.keys[i]
         reader = ArtifactReader(expect_fingerprint=self.fp, expect_key=key, out=self.out[(objs.name, slot)])
-        if hasattr(transport, "fetch_into"):
-            # the inference client's path (kdn.client): over the bulk socket the raw KV is received
-            # straight into out and verified there; shm and gRPC feed the reader
-            via = (await transport.fetch_into(FetchSpec(key, self.fp, self.ns), reader, timeout=60)).via
-            self.vias[via] = self.vias.get(via, 0) + 1
-        else:
-            async for piece, via in transport.fetch(FetchSpec(key, self.fp, self.ns), timeout=60):
-                reader.feed(piece)  # verifies each section's checksum, then decodes it into out
-                self.vias[via] = self.vias.get(via, 0) + 1
+        # the inference client's path (kdn.client): over the bulk socket the raw KV is received
+        # straight into out and verified there; shm and gRPC feed the reader
+        via = (await transport.fetch_into(FetchSpec(key, self.fp, self.ns), reader, timeout=60)).via
+        self.vias[via] = self.vias.get(via, 0) + 1
         reader.finish()  # the whole-artifact digest
 
     async def get_one(self, objs: Objects, i: int, slot: int = 0) -> None:
