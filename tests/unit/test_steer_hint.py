@@ -18,14 +18,11 @@ from kdn.edge.upstream import InMemoryUpstream, OriginUpstream
 from kdn.errors import InvalidInput, NotFound
 from kdn.keys import ChunkKey, Namespace
 from kdn.models import load_model
-from kdn.origin.config import OriginConfig
 from kdn.origin.ingest.documents import read_text
-from kdn.origin.server import OriginServer, OriginServicer
 from kdn.origin.worker import DocumentTask
 from kdn.proto import kdn_pb2 as pb
 from kdn.steer import Emphasis
-from kdn.wire.inproc import InProcessServer
-from kdn.wire.service import add_servicer
+from tests.origins import origin_in_process
 
 CHUNK = 32
 TEXT = "".join(f"{'POLICY: keep it warm' if i % 4 == 1 else 'plain filler line'} {i}\n" for i in range(10))
@@ -40,11 +37,7 @@ def lm():
 
 @pytest.fixture()
 def origin(tmp_path, lm):
-    cfg = OriginConfig(store_dir=str(tmp_path / "origin"), models=["tiny"], codecs=["raw"], chunk_size=CHUNK,
-                       verify_on_start="none", fsync=False, tokens={MD_TOKEN: ["acme"]})
-    srv = OriginServer(cfg, preloaded=(lm,))
-    inproc = InProcessServer()
-    add_servicer(inproc, OriginServicer(srv), "OriginService")
+    srv, inproc = origin_in_process(tmp_path / "origin", lm, chunk_size=CHUNK, tokens={MD_TOKEN: ["acme"]})
     doc = tmp_path / "policy.md"
     doc.write_text(TEXT)
     d = read_text(doc)

@@ -18,13 +18,11 @@ from kdn.errors import InvalidInput, NotFound, Unauthorized
 from kdn.keys import ChunkKey, Namespace
 from kdn.kv import split_cache
 from kdn.models import load_model
-from kdn.origin.config import OriginConfig
-from kdn.origin.server import OriginServer, OriginServicer
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.errors import rpc_errors
-from kdn.wire.inproc import InProcessRpcError, InProcessServer
-from kdn.wire.service import add_servicer
+from kdn.wire.inproc import InProcessRpcError
+from tests.origins import origin_in_process
 
 CHUNK = 32
 TOKENS = list(range(5, 5 + 4 * CHUNK))  # 4 full chunks
@@ -37,11 +35,7 @@ def lm():
 
 @pytest.fixture()
 def origin(tmp_path, lm):
-    cfg = OriginConfig(store_dir=str(tmp_path / "origin"), models=["tiny"], codecs=["raw"], chunk_size=CHUNK,
-                       verify_on_start="none", fsync=False, tokens={"tok-acme": ["acme"]})
-    srv = OriginServer(cfg, preloaded=(lm,))
-    inproc = InProcessServer()
-    add_servicer(inproc, OriginServicer(srv), "OriginService")
+    srv, inproc = origin_in_process(tmp_path / "origin", lm, chunk_size=CHUNK, tokens={"tok-acme": ["acme"]})
     yield srv, inproc
     srv.close()
 
