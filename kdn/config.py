@@ -8,6 +8,7 @@ overridable by command-line flags. Defaults live on the model fields and nowhere
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Self
 
@@ -15,6 +16,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kdn.errors import ConfigError
+
+
+def cache_root(env: dict[str, str] | None = None) -> Path:
+    """Where KDN keeps what it makes for this user: ``$KDN_CACHE`` or ``~/.cache/kdn`` (trained
+    models, blend verdicts, key-edit calibrations); never inside the repository."""
+    env = os.environ if env is None else env
+    return Path(env.get("KDN_CACHE") or Path.home() / ".cache" / "kdn").expanduser()
 
 
 class RoleConfig(BaseModel):

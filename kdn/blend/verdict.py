@@ -12,12 +12,12 @@ Gate: at the chosen ratio blend keeps ``>= min_accuracy_kept`` of full-prefill a
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kdn.blobstore import write_file_atomic
+from kdn.config import cache_root
 from kdn.errors import InvalidInput
 from kdn.keys import ModelFingerprint
 
@@ -27,8 +27,7 @@ MIN_AGREEMENT = 0.95
 
 
 def verdict_root(env: dict[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    return Path(env.get("KDN_CACHE") or Path.home() / ".cache" / "kdn").expanduser() / VERDICT_DIRNAME
+    return cache_root(env) / VERDICT_DIRNAME
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +51,7 @@ def verdict_path(fingerprint: ModelFingerprint, root: Path | None = None) -> Pat
 
 def write_verdict(v: Verdict, root: Path | None = None) -> Path:
     path = (root or verdict_root()) / f"{v.fingerprint}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".verdict-", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(v.as_dict(), fh, indent=2)
-        fh.write("\n")
-    os.replace(tmp, path)
+    write_file_atomic(path, (json.dumps(v.as_dict(), indent=2) + "\n").encode())
     return path
 
 

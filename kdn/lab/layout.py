@@ -13,15 +13,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kdn.config import cache_root  # noqa: F401  (where the trained models live; part of this module's API)
+
 META_FILE = "kdn_reference.json"
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-
-
-def cache_root(env: dict[str, str] | None = None) -> Path:
-    """``$KDN_CACHE`` or ``~/.cache/kdn``; never inside the repository."""
-    env = os.environ if env is None else env
-    return Path(env.get("KDN_CACHE") or Path.home() / ".cache" / "kdn").expanduser()
 
 
 def publish(tmp: Path, out: Path, meta: dict[str, Any]) -> None:

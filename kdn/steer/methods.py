@@ -35,6 +35,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kdn.blend.rope import RopeSpec, rope_spec
+from kdn.blobstore import write_file_atomic
+from kdn.config import cache_root
 from kdn.errors import InvalidInput, UnsupportedModel
 from kdn.steer import SteerSpec
 
@@ -286,25 +288,13 @@ CALIBRATION_DIRNAME = "steer-calibrations"
 
 
 def calibration_root(env: dict[str, str] | None = None) -> Path:
-    import os
-
-
-    env = os.environ if env is None else env
-    return Path(env.get("KDN_CACHE") or Path.home() / ".cache" / "kdn").expanduser() / CALIBRATION_DIRNAME
+    return cache_root(env) / CALIBRATION_DIRNAME
 
 
 def write_calibration(cal: KeyEditCalibration, root: Path | None = None) -> Path:
-    """Atomically write ``<root>/<fingerprint>.json`` (temporary file, then rename)."""
-    import os
-    import tempfile
-
+    """Atomically write ``<root>/<fingerprint>.json`` (:func:`kdn.blobstore.write_file_atomic`)."""
     path = (root or calibration_root()) / f"{cal.fingerprint}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".steer-cal-", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(cal.to_json(), fh)
-        fh.write("\n")
-    os.replace(tmp, path)
+    write_file_atomic(path, (json.dumps(cal.to_json()) + "\n").encode())
     return path
 
 
