@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 
 _BLOB_DIR = "blobs"
 _MANIFEST = "manifest.sqlite"
+_BUSY_S = 60.0  # how long a manifest statement waits for another process's lock
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +132,27 @@ def known_codec(spec: str) -> bool:
     return True
 
 
+def _enter_wal(db: sqlite3.Connection) -> None:
+    """Put the manifest in WAL mode, waiting out other processes opening it at the same moment.
+
+    Switching the journal mode takes an exclusive lock and SQLite answers "database is locked" at
+    once instead of calling the busy handler, so workers that open a fresh store together (Ray
+    starts an origin's PrefillWorkers in parallel) would fail; they retry here for as long as any
+    other statement would wait.
+    """
+    deadline = time.monotonic() + _BUSY_S
+    delay = 0.005
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
 def _blob_name(key: ChunkKey, codec: str) -> str:
     return f"{bytes(key).hex()}.{codec.replace(':', '-')}"
 
@@ -158,10 +180,10 @@ class OriginStore:
         self._lock = threading.Lock()
         manifest = self.root / _MANIFEST
         try:
-            self._db = sqlite3.connect(manifest, timeout=60.0, check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db = sqlite3.connect(manifest, timeout=_BUSY_S, check_same_thread=False, isolation_level=None)
+            _enter_wal(self._db)
             self._db.execute("PRAGMA synchronous=NORMAL")  # blobs are fsynced; lost rows are re-adopted
-            self._db.execute("PRAGMA busy_timeout=60000")
+            self._db.execute(f"PRAGMA busy_timeout={int(_BUSY_S * 1000)}")
             self._db.executescript(_SCHEMA)
         except sqlite3.Error as exc:
             raise ConfigError(

@@ -180,3 +180,32 @@ def test_a_blob_in_an_unknown_codec_never_stops_the_store(tmp_path, caplog):
         assert s2.blobs.get("t", _blob_name(k, "zstd-next")) == newer[k]
     assert s2.artifact(k1, "zstd-next") is not None
     s2.close()
+
+
+
+def _open_at_once(root: str, barrier, errors) -> None:
+    barrier.wait()
+    try:
+        OriginStore(root, fsync=False, verify="none")
+    except Exception as exc:  # reported to the parent, which asserts on it
+        errors.put(repr(exc))
+
+
+def test_processes_opening_a_fresh_store_together_all_get_it(tmp_path):
+    # Ray starts an origin's PrefillWorkers in parallel and each opens the store; SQLite refuses
+    # the switch to WAL at once while another connection holds the lock, so an open must wait
+    # that out like any other statement instead of failing with "database is locked".
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs, errors = 6, ctx.SimpleQueue()
+    for trial in range(10):
+        barrier = ctx.Barrier(procs)
+        workers = [ctx.Process(target=_open_at_once, args=(str(tmp_path / f"store{trial}"), barrier, errors))
+                   for _ in range(procs)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert [w.exitcode for w in workers] == [0] * procs
+    assert errors.empty(), errors.get()
