@@ -26,9 +26,11 @@ an :class:`kdn.artifact.ArtifactReader` instead (what :mod:`kdn.client` uses): b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
@@ -49,6 +51,7 @@ from kdn.wire.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+_SEGMENT_GUESSES = 4096  # specs whose last segment name a shared-memory client remembers
 
 
 class EdgeTransport(ABC):
@@ -150,6 +153,10 @@ class GrpcEdgeTransport(EdgeTransport):
         self._bulk_rest_until = 0.0
         self._bulk_backoff_s = bulk_backoff_s
         self._bulk_shm = True  # the edge names segments over the bulk socket (False: over gRPC)
+        # the segment each recent spec was last answered with: the next fetch of it reads that
+        # mapping while the edge confirms (see _fetch_shm_ahead)
+        self._segment_of: OrderedDict[FetchSpec, str] = OrderedDict()
+        self.read_ahead = 0  # shared-memory fetches read while the edge answered
         self.land_min_bytes = LAND_MIN_BYTES  # bulk answers this large are received in place
 
     async def lookup(
@@ -224,6 +231,7 @@ class GrpcEdgeTransport(EdgeTransport):
                         # recycled between the answer and the mapping: ask gRPC (which retries once)
                         log.debug("%s: segment %r not mapped (%s); asking again", self.address, text, exc)
                     else:
+                        self._remember_segment(spec, text)
                         try:
                             # the consumer verifies while it copies what it needs, before the next piece
                             yield art.data, "shm"
@@ -259,6 +267,7 @@ class GrpcEdgeTransport(EdgeTransport):
                                     call.cancel()
                                     break  # the segment is gone: ask again for the bytes themselves
                                 raise Unavailable(f"shared-memory segment {msg.shm_name!r} vanished ({self.address})")
+                            self._remember_segment(spec, msg.shm_name)
                             yielded = True
                             try:
                                 # the consumer verifies while it copies what it needs, before the next piece
@@ -281,6 +290,10 @@ class GrpcEdgeTransport(EdgeTransport):
         """Over the bulk path, the container is received in place (:meth:`BulkClient.fetch_into`):
         raw KV straight into the reader's destination. Shared memory and gRPC feed the reader
         (the shared-memory path already reads the bytes where they lie)."""
+        if self.shm:
+            stats = await self._fetch_shm_ahead(spec, reader, timeout=timeout, next_keys=next_keys)
+            if stats is not None:
+                return stats
         bulk = None if self.shm else await self._bulk_client(timeout)
         if bulk is None:
             return await super().fetch_into(spec, reader, timeout=timeout, next_keys=next_keys)
@@ -298,6 +311,84 @@ class GrpcEdgeTransport(EdgeTransport):
                 raise Unavailable(f"Fetch from {self.address}: bulk connection broke mid-answer ({exc})") from exc
             return await super().fetch_into(spec, reader, timeout=timeout, next_keys=next_keys)  # over gRPC
         return FetchStats("bulk", size, reader_s)
+
+    def _remember_segment(self, spec: FetchSpec, name: str) -> None:
+        self._segment_of[spec] = name
+        self._segment_of.move_to_end(spec)
+        while len(self._segment_of) > _SEGMENT_GUESSES:
+            self._segment_of.popitem(last=False)
+
+    async def _fetch_shm_ahead(
+        self, spec: FetchSpec, reader: ArtifactReader, *, timeout: float, next_keys: Sequence[ChunkKey]
+    ) -> FetchStats | None:
+        """Read the segment this spec was last answered with while the edge answers this fetch.
+
+        The control round trip (~0.35 ms here) was a tenth of a verified 32 MiB shared-memory
+        fetch. A published segment never changes (the edge writes a new, randomly named one for
+        every publication), so when its mapping is still open the reader verifies and copies it
+        while the request is on its way, and the fetch counts only once the edge has answered:
+        the edge still authorizes every fetch, counts it, sees ``next_keys``, and its refusal
+        (auth, not found) is the fetch's error; the reader's destination then holds bytes the
+        caller never uses. Any answer that grants the artifact confirms what was read, whatever
+        segment it names: the reader has checked the key, the fingerprint, losslessness if asked,
+        and every checksum. None when there is nothing to read ahead (the caller fetches as usual)."""
+        name = self._segment_of.get(spec)
+        if name is None or self._maps is None or not self._bulk_shm:
+            return None
+        bulk = await self._bulk_client(timeout)
+        try:
+            art = self._maps.peek(name) if bulk is not None else None
+        except KdnError:
+            art = None  # a mapping that does not read: the usual path says what is wrong
+        if art is None:
+            self._segment_of.pop(spec, None)
+            return None
+        assert bulk is not None
+        n = len(art)
+        request = spec.to_proto(next_keys, shm=True).SerializeToString()
+        answer = asyncio.ensure_future(bulk.fetch(request, self.buffers, shm=True))
+        try:
+            await asyncio.sleep(0)  # the request is sent before the copy starts
+            t0 = time.perf_counter()
+            try:
+                reader.feed(art.data)
+            finally:
+                art.close()
+            spent = time.perf_counter() - t0
+            try:
+                async with asyncio.timeout(timeout):
+                    buf, size, text = await answer
+            except TimeoutError as exc:
+                raise Unavailable(f"Fetch from {self.address}: deadline of {timeout}s exceeded") from exc
+            except (OSError, BulkProtocolError, InvalidInput) as exc:
+                if isinstance(exc, InvalidInput):
+                    self._bulk_shm = False  # an edge that refuses the SHM op: named over gRPC from now on
+                self._bulk_broke(exc)
+                await self._confirm(spec, timeout=timeout, next_keys=next_keys)
+                self.read_ahead += 1
+                return FetchStats("shm", n, spent)
+        except BaseException:
+            self._segment_of.pop(spec, None)
+            if not answer.done():
+                answer.cancel()
+            with contextlib.suppress(BaseException):
+                await answer  # its connection is closed (half-read), never reused
+            raise
+        if buf is not None:  # the edge sent the bytes this time: they are not needed
+            self.buffers.give(buf)
+            self._segment_of.pop(spec, None)
+        else:
+            self._remember_segment(spec, text)
+        self.read_ahead += 1
+        return FetchStats("shm", n, spent)
+
+    async def _confirm(self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey]) -> None:
+        """Ask for ``spec`` over gRPC and drop the answer: the bulk socket broke before the edge
+        said yes to a fetch whose bytes were already read ahead."""
+        stream = self.fetch(spec, timeout=timeout, next_keys=next_keys)
+        async with aclosing(stream):
+            async for _piece, _via in stream:
+                pass
 
     async def put(
         self, fingerprint: ModelFingerprint, namespace: Namespace, key: ChunkKey, data: bytes, *, timeout: float

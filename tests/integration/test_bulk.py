@@ -488,3 +488,77 @@ def test_a_put_of_a_held_key_lands_in_a_reused_buffer_and_is_still_verified() ->
                 assert bytes(stored) == blob
 
     asyncio.run(main())
+
+
+def test_shared_memory_read_ahead_counts_only_once_the_edge_says_yes() -> None:
+    """A repeated same-host fetch reads the segment it was last given while the edge answers:
+    the KV equals the stored artifact's, the edge still serves (and counts) every fetch, and its
+    refusal, a flipped bit in the mapping, or a bulk socket that breaks before the answer each end
+    as they would without the read-ahead."""
+    import torch
+
+    from kdn.artifact import decode_artifact
+
+    chain = big_chain(2, seed=11)
+    want = [decode_artifact(b).kv for b in chain.blobs]
+
+    async def fetch_kv(t: GrpcEdgeTransport, i: int) -> tuple[torch.Tensor, str]:
+        out = torch.full_like(want[i], float("nan"))
+        reader = ArtifactReader(expect_fingerprint=chain.fingerprint, expect_key=chain.keys[i], out=out)
+        stats = await t.fetch_into(chain.spec(i), reader, timeout=TIMEOUT)
+        reader.finish()
+        return out, stats.via
+
+    async def main() -> None:
+        cfg = edge_config(node_id="bulk-ahead").model_copy(update={"shm": True})
+        async with EdgeServer(cfg) as srv:
+            t = GrpcEdgeTransport(srv.address, shm=True)
+            try:
+                for key, blob in zip(chain.keys, chain.blobs):
+                    assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
+                for _round in range(3):
+                    for i in range(2):
+                        out, via = await fetch_kv(t, i)
+                        assert via == "shm" and torch.equal(out, want[i])
+                assert t.read_ahead == 4  # the first fetch of each key maps, the next ones read ahead
+                assert srv.shm is not None and srv.shm.created == 2 and srv.shm.reused == 4  # all 6 asked
+
+                # the bulk socket breaks before the edge's answer: confirmed over gRPC instead
+                bulk = t._bulk
+                assert bulk is not None
+                real = bulk.fetch
+
+                async def broken(*_a: object, **_kw: object) -> Any:
+                    raise ConnectionResetError("bulk socket gone")
+
+                bulk.fetch = broken  # type: ignore[method-assign]
+                try:
+                    out, via = await fetch_kv(t, 1)
+                finally:
+                    bulk.fetch = real  # type: ignore[method-assign]
+                assert via == "shm" and torch.equal(out, want[1]) and t.read_ahead == 5
+                assert t._bulk is None and srv.shm.reused == 5  # the edge was asked over gRPC
+                t._bulk_rest_until = 0.0
+
+                # a flipped bit in the mapping the client reads ahead from: refused, and again after
+                seg = srv.shm._segments[("default", bytes(chain.keys[0]))].name
+                with open(f"{srv.shm.dir}/{seg}", "r+b") as f:
+                    f.seek(len(chain.blobs[0]) - 100)
+                    b = f.read(1)
+                    f.seek(-1, 1)
+                    f.write(bytes([b[0] ^ 0x01]))
+                for _ in range(2):
+                    with pytest.raises(e.ArtifactCorrupt):
+                        await fetch_kv(t, 0)
+
+                # the edge no longer holds key 1 (its segment is still mapped here): NotFound
+                assert srv.node is not None and srv.node.store.delete(chain.keys[1], tenant="default")
+                srv.shm.forget("default", chain.keys[1])
+                ahead = t.read_ahead
+                with pytest.raises(e.NotFound):
+                    await fetch_kv(t, 1)
+                assert t.read_ahead == ahead
+            finally:
+                await t.close()
+
+    asyncio.run(main())
