@@ -6,7 +6,8 @@ Every figure is a ratio against a peer measured in the same round, reported as t
 - 32 MiB object GET: KDN edge Fetch (every checksum verified, decoded into a reused buffer) vs
   LMCache 0.5.6's ``LMCServerConnector`` GET from ``lmcache_server`` vs redis-py GET from
   ``redis-server`` vs raw TCP ``recv_into`` one reused buffer (goals: >= 1.0x LMCache, >= 0.8x TCP);
-- 32 MiB PUT, acknowledged: KDN vs LMCache's connector (goal >= 1.0x);
+- 32 MiB PUT, acknowledged, of a key the server holds and of a new key: KDN vs LMCache's connector
+  (goal >= 1.0x);
 - 4,000 x 1 MiB GETs, 8 in flight, one client: requests/s and p50/p99, KDN vs LMCache (goal >= 1.0x);
 - scaling: 1, 2, 4, 8 client processes fetching 1 MiB objects, aggregate requests/s, KDN and LMCache;
 - same-host shared memory on the inference client's path (``shm=True``, every checksum verified,
@@ -313,6 +314,8 @@ def run(args: argparse.Namespace) -> dict:
         chains = {
             "big": (make_chain(4, shape=BIG_SHAPE, seed=1), BIG_SHAPE),
             "small": (make_chain(64, shape=SMALL_SHAPE, seed=2), SMALL_SHAPE),
+            # 32 MiB objects each PUT once over the run: keys the servers have never held
+            "fresh": (make_chain(plan.rounds * plan.big_puts, shape=BIG_SHAPE, seed=3), BIG_SHAPE),
         }
         write_data(data, chains)
         res["big_bytes"] = len(chains["big"][0].blobs[0])
@@ -327,8 +330,9 @@ def run(args: argparse.Namespace) -> dict:
             progress.advance(setup)
             # one client per system, then for the scaling run a group of forked clients (1 MiB set only)
             for name, peer in peers.items():
-                if peer.up:
-                    peer.workers.append(Worker(peer.python, name, data, peer.address, tmp / f"{name}-w0.log"))
+                if peer.up:  # only KDN and LMCache PUT the fresh set
+                    sets = () if name in ("kdn", "lmcache") else ("--sets", "big,small")
+                    peer.workers.append(Worker(peer.python, name, data, peer.address, tmp / f"{name}-w0.log", *sets))
             for name in ("kdn", "lmcache"):
                 peer = peers[name]
                 if peer.up:
@@ -389,6 +393,7 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
     big = res["big_bytes"]
     get_gbps: dict[str, list[float]] = {n: [] for n in up}
     put_gbps: dict[str, list[float]] = {n: [] for n in pair}
+    new_put_gbps: dict[str, list[float]] = {n: [] for n in pair}
     burst: dict[str, list[dict]] = {n: [] for n in pair}
     scale: dict[str, dict[int, list[float]]] = {n: {k: [] for k in SCALING} for n in pair}
     shm: dict[str, list[float]] = {"shm": [], "memcpy": []}
@@ -401,6 +406,8 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
             get_gbps.setdefault(n, []).append(plan.big_gets * big / s / 1e9)
         for n, s in one_at_a_time(peers, pair, "put", plan.big_puts, r).items():
             put_gbps[n].append(plan.big_puts * big / s / 1e9)
+        for n, s in one_at_a_time(peers, pair, "put", plan.big_puts, r, objects="fresh").items():
+            new_put_gbps[n].append(plan.big_puts * big / s / 1e9)
         for n in rotated(pair, r):  # 1 MiB, 8 in flight
             out = peers[n].workers[0].ask("burst", set="small", n=plan.burst, inflight=plan.inflight, start_at=0)
             burst[n].append({"rps": plan.burst / (out["t1"] - out["t0"]), "p50_ms": _pct(out["lat"], 0.5) * 1e3,
@@ -417,11 +424,12 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
             shm[n.split()[1]].append(plan.shm_gets * big / s / 1e9)
         vias = peers["kdn"].workers[0].ask("get", set="big", n=0)["via"]
         progress.advance(task)
-    res.update({"get_gbps": get_gbps, "put_gbps": put_gbps, "burst": burst,
+    res.update({"get_gbps": get_gbps, "put_gbps": put_gbps, "new_put_gbps": new_put_gbps, "burst": burst,
                 "scale": {n: {str(k): v for k, v in d.items()} for n, d in scale.items()}, "shm": shm, "via": vias})
 
 
-def one_at_a_time(peers: dict[str, Peer], names: list[str], op: str, count: int, r: int) -> dict[str, float]:
+def one_at_a_time(peers: dict[str, Peer], names: list[str], op: str, count: int, r: int,
+                  objects: str = "big") -> dict[str, float]:
     """Seconds each system spent on ``count`` 32 MiB operations, taken one object per system in
     turn (order rotated per object and round) so a slow moment of the shared machine hits all
     alike. ``"kdn unread"`` names KDN's client with the ``unread`` op, ``"kdn shm"`` the ``shm`` op."""
@@ -429,7 +437,7 @@ def one_at_a_time(peers: dict[str, Peer], names: list[str], op: str, count: int,
     for j in range(count):
         for n in rotated(names, r + j):
             system, _, variant = n.partition(" ")
-            spent[n] += peers[system].workers[0].ask(variant or op, set="big", n=1)["s"]
+            spent[n] += peers[system].workers[0].ask(variant or op, set=objects, n=1)["s"]
     return spent
 
 
@@ -486,6 +494,8 @@ def report(res: dict, command: str) -> str:
 
     r_lmc, r_tcp, r_redis = vs(kdn_get, g, "lmcache"), vs(kdn_get, g, "tcp"), vs(kdn_get, g, "redis")
     r_put = vs(pu["kdn"], pu, "lmcache")
+    npu = res.get("new_put_gbps", {})
+    r_new_put = vs(npu.get("kdn", []), npu, "lmcache")
     rps = {n: [x["rps"] for x in v] for n, v in b.items()}
     r_burst = vs(rps["kdn"], rps, "lmcache")
     r_shm = ratios(shm["shm"], shm["memcpy"])
@@ -501,8 +511,10 @@ def report(res: dict, command: str) -> str:
         f"containers (fp16 KV, raw codec, shapes (L,H,T,D) {BIG_SHAPE} and {SMALL_SHAPE}); LMCache stores exactly the "
         "KV bytes (32 / 1 MiB, no checksums). Every KDN GET verifies every checksum into a reused destination "
         "(ArtifactReader(out=...) through the transport's fetch_into, as kdn.client does: over the bulk path the raw "
-        "KV is received in place and hashed there). The PUTs re-put objects the edge already holds (it verifies "
-        "every checksum and keeps its copy). Each server and each client in its own process; clients time themselves.",
+        "KV is received in place and hashed there). Two PUT rows: re-puts of objects the servers already hold (the edge "
+        "verifies every checksum and keeps its copy; LMCache's server stores the bytes again), and PUTs of keys "
+        "neither server has held (each object once per run, so both keep new memory). Each server and each client "
+        "in its own process; clients time themselves.",
         f"KDN transport: {res.get('client_info', {}).get('kdn', {})}; pieces received by path over the run "
         f"(main KDN client): {res['via']}. How each peer is installed and driven: `benchmarks/peers/README.md`.",
         "",
@@ -523,7 +535,11 @@ def report(res: dict, command: str) -> str:
     if "kdn unread" in g:  # diagnostic: where a KDN GET's time goes
         lines.append(f"| (diagnostic) KDN byte path alone, pieces dropped unread, vs raw TCP | {spread(g['kdn unread'])} GB/s "
                      f"| {spread(g.get('tcp', []))} GB/s | {spread(vs(g['kdn unread'], g, 'tcp'))}x | |")
-    row("32 MiB PUT (acknowledged) vs LMCache connector PUT", pu["kdn"], "lmcache", pu.get("lmcache"), r_put, ">= 1.0x")
+    row("32 MiB PUT of a held key (acknowledged) vs LMCache connector PUT", pu["kdn"], "lmcache", pu.get("lmcache"),
+        r_put, ">= 1.0x")
+    if npu:
+        row("32 MiB PUT of a new key (acknowledged) vs LMCache connector PUT", npu["kdn"], "lmcache", npu.get("lmcache"),
+            r_new_put, ">= 1.0x")
     row(f"{p['burst']} x 1 MiB GET, {p['inflight']} in flight, vs LMCache", rps["kdn"], "lmcache", rps.get("lmcache"),
         r_burst, ">= 1.0x", unit="req/s")
     lines.append(f"| shm on the inference client path (verified) vs memcpy to a reused buffer | {spread(shm['shm'])} GB/s "
@@ -554,7 +570,8 @@ def report(res: dict, command: str) -> str:
     goals = [
         ("32 MiB GET >= 1.0x LMCache", med(r_lmc) >= 1.0 if r_lmc else None),
         ("32 MiB GET >= 0.8x raw TCP", med(r_tcp) >= 0.8 if r_tcp else None),
-        ("32 MiB PUT >= 1.0x LMCache", med(r_put) >= 1.0 if r_put else None),
+        ("32 MiB PUT of a held key >= 1.0x LMCache", med(r_put) >= 1.0 if r_put else None),
+        ("32 MiB PUT of a new key >= 1.0x LMCache", med(r_new_put) >= 1.0 if r_new_put else None),
         ("1 MiB x 8 in flight >= 1.0x LMCache", med(r_burst) >= 1.0 if r_burst else None),
         ("shm >= 0.6x memcpy", med(r_shm) >= 0.6 if r_shm else None),
     ]
@@ -584,8 +601,9 @@ def plot(res: dict, path: Path) -> None:
 
     bars(axes[0], res["get_gbps"], "GB/s", "32 MiB GET, one client")
     axes[0].tick_params(axis="x", rotation=20)
-    bars(axes[1], {**{f"{n} PUT": v for n, v in res["put_gbps"].items()}, **res["shm"]}, "GB/s",
-         "32 MiB: PUT; kdn shm GET vs memcpy")
+    bars(axes[1], {**{f"{n} PUT": v for n, v in res["put_gbps"].items()},
+                   **{f"{n} PUT new": v for n, v in res.get("new_put_gbps", {}).items()}, **res["shm"]}, "GB/s",
+         "32 MiB: PUT (held, new key); kdn shm GET vs memcpy")
     axes[1].tick_params(axis="x", rotation=20)
     bars(axes[2], {n: [x["rps"] for x in v] for n, v in res["burst"].items()}, "requests/s",
          f"{res['plan']['burst']} x 1 MiB, {res['plan']['inflight']} in flight")

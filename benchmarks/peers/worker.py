@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import IO, Any
 
 _LEN = struct.Struct("<Q")
+_LMCACHE_SOURCES = 4  # distinct source buffers per object set on LMCache's side
 
 
 class Objects:
@@ -299,7 +300,12 @@ class LMCacheClient(Client):
             L, H, T, D = objs.shape
             shape = torch.Size((2, L, T, H * D))
             mems = []
-            for blob in objs.blobs:
+            for i, blob in enumerate(objs.blobs):
+                if i >= _LMCACHE_SOURCES:
+                    # a set of many objects (the fresh keys, each PUT once): LMCache keeps no
+                    # checksums, so a new key's bytes may repeat another's; its pool stays small
+                    mems.append(mems[i % _LMCACHE_SOURCES])
+                    continue
                 mem = self.backend.allocate(shape, torch.float16, self._fmt)
                 if mem is None:
                     raise RuntimeError("LMCache's LocalCPUBackend could not allocate a put buffer")
