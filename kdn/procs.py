@@ -63,3 +63,23 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def start_local_ray(**init_kwargs: object) -> None:
+    """``ray.init`` of a new local node, started once more if it times out starting.
+
+    Ray gives a new node's raylet a fixed 30 s to register (not configurable); on a busy 2-core
+    host, with other Ray sessions starting beside it, that is not always enough, and the first
+    start fails with "The current node timed out during startup". The half-started node is shut
+    down and a second start gets the same 30 s again; any other error, or a second timeout, is
+    raised as Ray raised it.
+    """
+    import ray
+
+    try:
+        ray.init(**init_kwargs)  # type: ignore[arg-type]
+    except Exception as exc:
+        if "timed out during startup" not in str(exc):
+            raise
+        ray.shutdown()
+        ray.init(**init_kwargs)  # type: ignore[arg-type]

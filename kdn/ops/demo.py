@@ -30,6 +30,7 @@ from typing import Any
 
 from kdn.console import plain, report_error
 from kdn.errors import KdnError
+from kdn.procs import start_local_ray
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
 QUESTIONS = {
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
 
         progress.step(f"starting a local Ray cluster (roles kdn_origin, kdn_edge; work dir {work})")
         cpus = max(2, os.cpu_count() or 2)
-        ray.init(
+        start_local_ray(
             num_cpus=cpus,
             resources={RESOURCE_ORIGIN: 2, RESOURCE_EDGE: 1},
             include_dashboard=False,

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from kdn.origin.config import OriginConfig
+from kdn.procs import start_local_ray
 
 
 def ensure_ray(
@@ -26,7 +27,7 @@ def ensure_ray(
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
         return True
-    ray.init(
+    start_local_ray(
         num_cpus=num_cpus or max(os.cpu_count() or 1, int(origin_slots)),
         resources={"kdn_origin": origin_slots},
         include_dashboard=False,

@@ -22,6 +22,7 @@ from kdn.origin.config import OriginConfig
 from kdn.origin.ingest import RayExecutor, ingest
 from kdn.origin.store import OriginStore
 from kdn.origin.worker import spawn_workers
+from kdn.procs import start_local_ray
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +34,7 @@ def ray_cluster():
     import ray
 
     tmp = tempfile.mkdtemp(prefix="kdnray")  # short: Ray's socket paths must stay under 108 bytes
-    ray.init(
+    start_local_ray(
         num_cpus=3, resources={"kdn_origin": 4}, include_dashboard=False, log_to_driver=False,
         _temp_dir=tmp, configure_logging=False,
     )

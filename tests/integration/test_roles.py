@@ -14,8 +14,9 @@ def ray_local(tmp_path_factory):
     import ray
 
     from kdn.ops.registry import RAY_NAMESPACE, RESOURCE_EDGE, RESOURCE_HEAD
+    from kdn.procs import start_local_ray
 
-    ray.init(num_cpus=2, resources={RESOURCE_EDGE: 1, RESOURCE_HEAD: 1}, include_dashboard=False,
+    start_local_ray(num_cpus=2, resources={RESOURCE_EDGE: 1, RESOURCE_HEAD: 1}, include_dashboard=False,
              log_to_driver=False, logging_level="ERROR", namespace=RAY_NAMESPACE,
              _temp_dir=str(tmp_path_factory.mktemp("ray")))
     yield ray
