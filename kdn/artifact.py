@@ -25,9 +25,11 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Literal
 
@@ -63,7 +65,11 @@ DTYPE_TO_PB = {torch.float32: pb.FLOAT32, torch.float16: pb.FLOAT16, torch.bfloa
 PB_TO_DTYPE = {v: k for k, v in DTYPE_TO_PB.items()}
 
 RAW_RUN_BYTES = 1 << 20
-"""Raw layers verified and copied together by ``feed`` (see ``_parse_raw_run``): about what stays in cache."""
+"""Raw layers copied and then verified together by ``feed`` (see ``_parse_raw_run``): about what stays in cache."""
+SPLIT_RUN_BYTES = 4 << 20
+"""Whole raw layers fed at once from this size on are copied and verified by two threads, each
+its own half (both the copy and the hash release the GIL): a 32 MiB chunk read from a shared-
+memory mapping, say."""
 LAND_MIN_SECTION = 64 << 10
 """A raw section's payload is received in place (``landing``) from this size on; a smaller one
 lands in the scratch buffer with its length and check (one receive instead of three, and a copy
@@ -184,6 +190,32 @@ class _Direct:
     info: SectionInfo
     length: int
     views: list[memoryview]
+
+
+def _digest_from(seed: "xxhash.xxh3_64", section: np.ndarray) -> int:
+    """xxh3_64 of ``seed``'s bytes followed by ``section``'s, read where it lies: whole when it
+    is contiguous, else run by run (a token range of a longer prefix: one run per head)."""
+    h = seed.copy()
+    if section.flags.c_contiguous:
+        h.update(section)
+    else:
+        for run in section:
+            h.update(run if run.flags.c_contiguous else np.ascontiguousarray(run))
+    return h.intdigest()
+
+
+_helper: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _split_helper() -> ThreadPoolExecutor | None:
+    """The one thread that takes half of a large raw run, made per process (a forked child
+    has the executor but not its thread); None on a single CPU."""
+    global _helper
+    if (os.cpu_count() or 1) < 2:
+        return None
+    if _helper is None or _helper[0] != os.getpid():
+        _helper = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="kdn-verify"))
+    return _helper[1]
 
 
 class ArtifactReader:
@@ -422,36 +454,58 @@ class ArtifactReader:
         return out
 
     def _parse_raw_run(self) -> list[Section]:
-        """Raw KV into a destination, when whole layers lie in ``_view``: up to ``RAW_RUN_BYTES`` of
-        layers at a time, every section's checksum is verified first, then all of them are copied
-        into ``kv`` with one strided copy (the bytes are still in cache from the hash). Same checks
-        and errors as section by section, a fraction of the per-section overhead (a 1 MiB
-        artifact has 16 sections). ``[]`` when the run does not apply (the slow path then parses
-        the next section, and says what is wrong with it)."""
+        """Raw KV into a destination, for every whole layer that lies in ``_view``: each step of
+        up to ``RAW_RUN_BYTES`` of layers is copied into ``kv`` with one strided copy and then
+        hashed where it landed, still in cache (one read of the source, as a plain copy makes;
+        and what is verified is what the caller gets, even if the source changed meanwhile).
+        From ``SPLIT_RUN_BYTES`` on, a helper thread takes the second half of the steps. Same
+        checks and errors as section by section (the first bad section in order is the error);
+        nothing is handed out before every checksum matched, and a refused run leaves bytes in
+        ``kv`` that the caller never uses. ``[]`` when the run does not apply (the slow path then
+        parses the next section, and says what is wrong with it)."""
         assert self._codec is not None
         if not (self._assemble and self._codec.stores_raw):
             return []
         info = self._infos[self._next]
         size = info.raw_bytes
         stride = 4 + size + 8
-        layers = min((len(self._infos) - self._next) // 2, max(1, RAW_RUN_BYTES // (2 * stride)),
-                     self._avail() // (2 * stride))
+        layers = min((len(self._infos) - self._next) // 2, self._avail() // (2 * stride))
         if layers < 1 or size % info.dtype.itemsize:
             return []
         rows = 2 * layers
         region = np.frombuffer(self._view, dtype=np.uint8, count=rows * stride, offset=self._pos).reshape(rows, stride)
         if not bool((region[:, :4].copy().view("<u4") == size).all()):
             return []  # a length that is not the raw size: the slow path refuses it
-        checks = region[:, 4 + size :].copy().view("<u8").ravel()
-        view, pos = self._view, self._pos
-        for j in range(rows):
-            if xxhash.xxh3_64_intdigest(view[pos + j * stride : pos + j * stride + 4 + size]) != int(checks[j]):
-                bad = self._infos[self._next + j]
-                raise ArtifactCorrupt(f"layer {bad.layer} {bad.kind.upper()} section checksum mismatch")
+        checks = [int(c) for c in region[:, 4 + size :].copy().view("<u8").ravel()]
         first = info.layer
         dst = self._kv_array_for(info)[first : first + layers]  # (layers, 2, H, T, D), same-width ints
         src = region[:, 4 : 4 + size].view(dst.dtype).reshape(dst.shape)
-        np.copyto(dst, src, casting="no")
+        seed = xxhash.xxh3_64(_U32.pack(size))  # every section's check starts with its length
+        per = max(1, RAW_RUN_BYTES // (2 * stride))
+        steps = [(a, min(a + per, layers)) for a in range(0, layers, per)]
+
+        def run(lo: int, hi: int) -> int | None:
+            """Copy and verify steps ``lo:hi``; the first bad row, or None."""
+            for a, b in steps[lo:hi]:
+                np.copyto(dst[a:b], src[a:b], casting="no")
+                for j in range(2 * a, 2 * b):
+                    if _digest_from(seed, dst[j // 2, j % 2]) != checks[j]:
+                        return j
+            return None
+
+        helper = _split_helper() if rows * stride >= SPLIT_RUN_BYTES and len(steps) > 1 else None
+        if helper is None:
+            bad = run(0, len(steps))
+        else:
+            half = helper.submit(run, len(steps) // 2, len(steps))
+            try:
+                bad = run(0, len(steps) // 2)
+            finally:
+                later = half.result()  # the helper writes into kv: never leave it running
+            bad = bad if bad is not None else later
+        if bad is not None:
+            b = self._infos[self._next + bad]
+            raise ArtifactCorrupt(f"layer {b.layer} {b.kind.upper()} section checksum mismatch")
         self._tree.update(region[:, 4 + size :].tobytes())  # the checks, in order
         self._pos += rows * stride
         self._next += rows

@@ -336,43 +336,48 @@ class GrpcEdgeTransport(EdgeTransport):
         if name is None or self._maps is None or not self._bulk_shm:
             return None
         bulk = await self._bulk_client(timeout)
-        try:
-            art = self._maps.peek(name) if bulk is not None else None
-        except KdnError:
-            art = None  # a mapping that does not read: the usual path says what is wrong
-        if art is None:
+        view = self._maps.peek(name) if bulk is not None else None
+        if view is None:
             self._segment_of.pop(spec, None)
             return None
         assert bulk is not None
-        n = len(art)
-        request = spec.to_proto(next_keys, shm=True).SerializeToString()
-        answer = asyncio.ensure_future(bulk.fetch(request, self.buffers, shm=True))
-        try:
-            await asyncio.sleep(0)  # the request is sent before the copy starts
+        n, spent, fed = len(view), 0.0, False
+        refused: BaseException | None = None  # what the reader raised: the fetch's error as it is
+
+        def read() -> None:
+            nonlocal spent, fed, refused
             t0 = time.perf_counter()
             try:
-                reader.feed(art.data)
+                reader.feed(view)
+            except BaseException as exc:
+                refused = exc
+                raise
             finally:
-                art.close()
-            spent = time.perf_counter() - t0
+                view.release()
+            spent, fed = time.perf_counter() - t0, True
+
+        request = spec.to_proto(next_keys, shm=True).SerializeToString()
+        try:
             try:
                 async with asyncio.timeout(timeout):
-                    buf, size, text = await answer
+                    buf, _size, text = await bulk.fetch_shm_ahead(request, self.buffers, read)
             except TimeoutError as exc:
                 raise Unavailable(f"Fetch from {self.address}: deadline of {timeout}s exceeded") from exc
             except (OSError, BulkProtocolError, InvalidInput) as exc:
+                if exc is refused:
+                    raise
                 if isinstance(exc, InvalidInput):
                     self._bulk_shm = False  # an edge that refuses the SHM op: named over gRPC from now on
                 self._bulk_broke(exc)
+                if not fed:
+                    view.release()
+                    return None  # nothing read yet: the usual path asks over gRPC
                 await self._confirm(spec, timeout=timeout, next_keys=next_keys)
                 self.read_ahead += 1
                 return FetchStats("shm", n, spent)
         except BaseException:
+            view.release()
             self._segment_of.pop(spec, None)
-            if not answer.done():
-                answer.cancel()
-            with contextlib.suppress(BaseException):
-                await answer  # its connection is closed (half-read), never reused
             raise
         if buf is not None:  # the edge sent the bytes this time: they are not needed
             self.buffers.give(buf)

@@ -57,7 +57,7 @@ import struct
 import threading
 import time
 from collections import defaultdict
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from kdn.errors import ArtifactCorrupt, InvalidInput, KdnError, MessageTooLarge
 from kdn.wire.errors import error_from_status
@@ -281,8 +281,11 @@ class BulkClient:
     async def _ask(self, lease: _Lease, op: int, body: bytes) -> tuple[int, str, int]:
         """Send one request; its answer's ``(flags, text, size)`` (a payload, if any, still in the
         socket). A refusal raises the edge's KdnError and leaves the connection clean."""
+        await asyncio.get_running_loop().sock_sendall(lease.sock, REQUEST.pack(op, len(body)) + body)
+        return await self._answer(lease)
+
+    async def _answer(self, lease: _Lease) -> tuple[int, str, int]:
         loop = asyncio.get_running_loop()
-        await loop.sock_sendall(lease.sock, REQUEST.pack(op, len(body)) + body)
         status, flags, text, size = await recv_answer_flags(loop, lease.sock, bytearray(ANSWER.size))
         if status:
             lease.clean = True  # the refusal was the whole answer
@@ -308,14 +311,38 @@ class BulkClient:
         Raises the edge's KdnError, or ``OSError``/``BulkProtocolError`` when the connection broke."""
         async with self._lease() as lease:
             flags, text, size = await self._ask(lease, SHM if shm else FETCH, request)
-            if flags & SHM_ANSWER:
-                if not shm:
-                    raise BulkProtocolError("edge answered a FETCH with a shared-memory segment")
-                lease.clean = True
-                return None, size, text
-            buf = await self._recv_pooled(lease.sock, size, pool)
+            return await self._fetched(lease, flags, text, size, pool, shm)
+
+    async def _fetched(self, lease: _Lease, flags: int, text: str, size: int, pool: BufferPool,
+                       shm: bool) -> tuple[bytearray | None, int, str]:
+        if flags & SHM_ANSWER:
+            if not shm:
+                raise BulkProtocolError("edge answered a FETCH with a shared-memory segment")
             lease.clean = True
-            return buf, size, text
+            return None, size, text
+        buf = await self._recv_pooled(lease.sock, size, pool)
+        lease.clean = True
+        return buf, size, text
+
+    async def fetch_shm_ahead(self, request: bytes, pool: BufferPool,
+                              meanwhile: Callable[[], None]) -> tuple[bytearray | None, int, str]:
+        """:meth:`fetch` with ``shm``, calling ``meanwhile()`` between sending the request and
+        reading its answer: the edge answers while this thread works. The request goes out in
+        one ``send`` when the socket takes it (a request is small), with no turn of the event
+        loop before ``meanwhile`` starts. An exception from ``meanwhile`` propagates and closes
+        the connection (its answer unread); a connection that fails before ``meanwhile`` ran
+        raises ``OSError`` with ``meanwhile`` not called."""
+        async with self._lease() as lease:
+            msg = REQUEST.pack(SHM, len(request)) + request
+            try:
+                sent = lease.sock.send(msg)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(msg):
+                await asyncio.get_running_loop().sock_sendall(lease.sock, memoryview(msg)[sent:])
+            meanwhile()
+            flags, text, size = await self._answer(lease)
+            return await self._fetched(lease, flags, text, size, pool, True)
 
     async def fetch_into(self, request: bytes, reader: Lander, pool: BufferPool,
                          land_min: int = LAND_MIN_BYTES) -> tuple[int, str, float]:

@@ -165,16 +165,16 @@ class SegmentCache:
             raise
         return ShmArtifact(mm, header, owns_map=False)
 
-    def peek(self, name: str) -> ShmArtifact | None:
-        """The segment if it is mapped already (no system call); None otherwise. Not verified:
-        the caller's reader checks every byte it uses."""
+    def peek(self, name: str) -> memoryview | None:
+        """The segment's bytes if it is mapped already (no system call, nothing parsed); None
+        otherwise. Not verified: the caller's reader checks every byte it uses, and releases
+        the view."""
         with self._lock:
             mm = self._maps.get(name)
             if mm is None:
                 return None
             self._maps.move_to_end(name)
-        return ShmArtifact(mm, _check(mm, verify=False, expect_key=None, expect_fingerprint=None,
-                                      require_lossless=False), owns_map=False)
+            return memoryview(mm)
 
     def __len__(self) -> int:
         return len(self._maps)

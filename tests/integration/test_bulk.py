@@ -523,21 +523,32 @@ def test_shared_memory_read_ahead_counts_only_once_the_edge_says_yes() -> None:
                 assert t.read_ahead == 4  # the first fetch of each key maps, the next ones read ahead
                 assert srv.shm is not None and srv.shm.created == 2 and srv.shm.reused == 4  # all 6 asked
 
-                # the bulk socket breaks before the edge's answer: confirmed over gRPC instead
+                # the bulk socket breaks after the request went out and the segment was read:
+                # the fetch is confirmed over gRPC instead
                 bulk = t._bulk
                 assert bulk is not None
-                real = bulk.fetch
 
                 async def broken(*_a: object, **_kw: object) -> Any:
                     raise ConnectionResetError("bulk socket gone")
 
-                bulk.fetch = broken  # type: ignore[method-assign]
-                try:
-                    out, via = await fetch_kv(t, 1)
-                finally:
-                    bulk.fetch = real  # type: ignore[method-assign]
+                bulk._answer = broken  # type: ignore[method-assign]
+                out, via = await fetch_kv(t, 1)
                 assert via == "shm" and torch.equal(out, want[1]) and t.read_ahead == 5
-                assert t._bulk is None and srv.shm.reused == 5  # the edge was asked over gRPC
+                # the edge got the request before the break, and the confirmation over gRPC
+                assert t._bulk is None and srv.shm.reused == 6
+                t._bulk_rest_until = 0.0
+
+                # it breaks before anything was read (a refused connection): the usual path
+                bulk = await t._bulk_client(TIMEOUT)
+                assert bulk is not None
+
+                async def unreachable(*_a: object, **_kw: object) -> Any:
+                    raise ConnectionRefusedError("no bulk listener")
+
+                bulk.fetch_shm_ahead = unreachable  # type: ignore[method-assign]
+                out, via = await fetch_kv(t, 1)
+                assert via == "shm" and torch.equal(out, want[1]) and t.read_ahead == 5
+                assert srv.shm.reused == 7
                 t._bulk_rest_until = 0.0
 
                 # a flipped bit in the mapping the client reads ahead from: refused, and again after

@@ -467,3 +467,58 @@ def test_sink_gets_verified_sections_borrowed_from_the_fed_bytes() -> None:
     with pytest.raises(kerr.ArtifactCorrupt):
         ArtifactReader(sink=lambda s: seen.append((s.layer, s.kind))).feed(bad)
     assert len(seen) < 6  # the corrupt section never reached the sink
+
+
+def _payload_offsets(blob: bytes) -> list[int]:
+    """Where each section's payload starts in a container (documented layout, no verification)."""
+    _, _, _, hlen = struct.unpack_from("<4sHHI", blob)
+    header = pb.ArtifactHeader.FromString(blob[12 : 12 + hlen])
+    pos, out = 12 + hlen + 8, []
+    for _ in range(2 * header.num_layers):
+        (n,) = struct.unpack_from("<I", blob, pos)
+        out.append(pos + 4)
+        pos += 4 + n + 8
+    return out
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "token range of a prefix"])
+def test_a_raw_run_split_over_two_threads_gives_the_same_kv_and_names_the_first_bad_section(
+    monkeypatch: pytest.MonkeyPatch, strided: bool
+) -> None:
+    """Whole raw layers fed at once are copied into ``out`` and verified there, the second half
+    by a helper thread: the KV is bit for bit the artifact's, and a flipped bit anywhere is the
+    error of its own section; with bad sections in both halves, the first one in order."""
+    import os
+
+    from kdn import artifact
+
+    monkeypatch.setattr(artifact, "RAW_RUN_BYTES", 1)  # a step per layer
+    monkeypatch.setattr(artifact, "SPLIT_RUN_BYTES", 0)  # every run of two steps or more is split
+    kv = _kv(layers=6, heads=2, tokens=8, dim=4)
+    blob = _encode(kv, "raw")
+    L, _, H, T, D = kv.shape
+
+    def read(data: bytes) -> torch.Tensor:
+        whole = torch.zeros((L, 2, H, 3 * T, D), dtype=kv.dtype)
+        out = whole[:, :, :, T : 2 * T] if strided else whole[:, :, :, :T].contiguous()
+        reader = ArtifactReader(expect_fingerprint=FP, out=out)
+        reader.feed(data)
+        reader.finish()
+        if strided:
+            assert not whole[:, :, :, :T].any() and not whole[:, :, :, 2 * T :].any()  # nothing else touched
+        return out
+
+    assert torch.equal(read(blob), kv)
+    assert artifact._helper is not None and artifact._helper[0] == os.getpid()  # the split ran
+
+    offsets = _payload_offsets(blob)
+    for j, at in enumerate(offsets):
+        bad = bytearray(blob)
+        bad[at + 5] ^= 0x10
+        with pytest.raises(kerr.ArtifactCorrupt, match=f"layer {j // 2} {'KV'[j % 2]} section checksum mismatch"):
+            read(bytes(bad))
+    bad = bytearray(blob)
+    bad[offsets[10] + 1] ^= 0x01  # layer 5 K: the helper's half
+    bad[offsets[3] + 2] ^= 0x80  # layer 1 V: this thread's half, and first in order
+    with pytest.raises(kerr.ArtifactCorrupt, match="layer 1 V section checksum mismatch"):
+        read(bytes(bad))
