@@ -26,7 +26,6 @@ an :class:`kdn.artifact.ArtifactReader` instead (what :mod:`kdn.client` uses): b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
