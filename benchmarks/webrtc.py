@@ -14,6 +14,14 @@ NAT lab of :mod:`kdn.simulator.natlab` twice:
 ``--relay`` adds a third lab: the shaped link with direct UDP between the sites blocked, both
 ends relay-only (TURN through coturn on the public segment); a connection that does not come up
 is reported as such.
+
+The artifact is a KV container (random fp16 KV, ``kdn.edge.testing.make_chain``, raw codec). In
+every lab site A fetches it twice over: as stored (the wire's own rate) and with the edges' link
+codec (``--link-codec``, default ``zstd:1``, the edge default ``rtc_link_codec``): site B
+transcodes each fetch on a worker thread as an edge does, site A verifies and restores the raw
+container; that row's MB/s is raw container bytes delivered per second, transcoding included,
+against plain TCP moving the raw container. Random KV is the conservative case (it compresses
+1.18x; a trained model's fp16 KV 1.27x, bf16 1.61x, ``benchmarks/codecs.py``).
 Each figure: median of ``--repeats`` runs with the range, load average before and after.
 Appends a section to BENCHMARKS.md and writes ``benchmarks/results/webrtc.png``.
 """
@@ -34,7 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SIZE = 16 << 20
+SIZE = 16 << 20  # KV bytes of the artifact: (L, H, T, D) = (16, 8, 256, 128) fp16 ...
+SHAPE = (16, 8, 256, 128)  # ... in a container a few hundred bytes longer
 SIGNAL_PORT = 50999
 TCP_PORT = 5201
 TURN_SECRET = "bench-turn-secret"
@@ -70,19 +79,31 @@ def _ice(relay: bool) -> list:
         [IceServer((f"stun:{PUBLIC_IP}:{TURN_PORT}",))]
 
 
-def child_serve(relay: str) -> None:
+def _container() -> bytes:
+    from kdn.edge.testing import make_chain
+
+    return make_chain(1, shape=SHAPE, seed=18).blobs[0]
+
+
+def child_serve(relay: str, link_codec: str) -> None:
+    from kdn.artifact import transcode
     from kdn.simulator.natlab import PUBLIC_IP
     from kdn.proto import kdn_pb2 as pb
     from kdn.wire.rtc import RtcEndpoint
     from kdn.wire.signal import SignalClient
 
-    blob = os.urandom(SIZE)
+    blob = _container()
+    codec = link_codec
 
     class Handler:
+        """What an edge's handler does with these requests (kdn.edge.rtc.EdgeRtcHandler)."""
+
         async def lookup(self, request, token):
             return pb.LookupResponse(available=0)
 
-        async def fetch(self, request, token, *, forwarded):
+        async def fetch(self, request, token, *, forwarded, link_codec=False):
+            if link_codec and codec:
+                return await asyncio.to_thread(transcode, blob, codec), "memory"
             return blob, "memory"
 
     async def main() -> None:
@@ -96,11 +117,14 @@ def child_serve(relay: str) -> None:
     asyncio.run(main())
 
 
-def child_dial(relay: str, repeats: str) -> None:
+def child_dial(relay: str, repeats: str, link: str) -> None:
+    from kdn.artifact import read_header, transcode
     from kdn.simulator.natlab import PUBLIC_IP
     from kdn.proto import kdn_pb2 as pb
     from kdn.wire.rtc import RtcEndpoint
     from kdn.wire.signal import SignalClient
+
+    size = len(_container())
 
     async def main() -> dict:
         sig = SignalClient(f"{PUBLIC_IP}:{SIGNAL_PORT}")
@@ -114,10 +138,13 @@ def child_dial(relay: str, repeats: str) -> None:
             setups.append(client.setup_s)
             paths.append(client.path)
             cpu0, t0 = time.process_time(), time.perf_counter()
-            data, _ = await client.fetch(req, token=None, timeout_s=120, limit=SIZE)
+            data, _ = await client.fetch(req, token=None, timeout_s=120, limit=2 * size, link_codec=link == "1")
+            wire = len(data)
+            if read_header(data).codec != "raw":  # what an edge does (RtcPeerUpstream.fetch)
+                data = await asyncio.to_thread(transcode, data, "raw")
             dt = time.perf_counter() - t0
-            assert len(data) == SIZE
-            rates.append({"MBps": SIZE / dt / 1e6, "cpu_s": time.process_time() - cpu0, "s": dt})
+            assert len(data) == size
+            rates.append({"MBps": size / dt / 1e6, "cpu_s": time.process_time() - cpu0, "s": dt, "wire": wire})
             await client.close()
         await ep.close()
         return {"setup_s": setups, "paths": paths, "fetch": rates}
@@ -126,7 +153,7 @@ def child_dial(relay: str, repeats: str) -> None:
 
 
 def child_tcpserve() -> None:
-    blob = os.urandom(SIZE)
+    blob = _container()
     srv = socket.create_server(("0.0.0.0", TCP_PORT))
     print(json.dumps({"event": "ready"}), flush=True)
     while True:
@@ -139,20 +166,21 @@ def child_tcpserve() -> None:
 def child_tcpget(repeats: str) -> None:
     from kdn.simulator.natlab import PUBLIC_IP
 
+    size = len(_container())
     out = []
     for _ in range(int(repeats)):
         t0 = time.perf_counter()
         with socket.create_connection((PUBLIC_IP, TCP_PORT)) as s:
             s.sendall(b"g" * 8)
             got = 0
-            while got < SIZE:
+            while got < size:
                 chunk = s.recv(1 << 20)
                 if not chunk:
                     break
                 got += len(chunk)
         dt = time.perf_counter() - t0
-        assert got == SIZE
-        out.append({"MBps": SIZE / dt / 1e6, "s": dt})
+        assert got == size
+        out.append({"MBps": size / dt / 1e6, "s": dt})
     print(json.dumps(out), flush=True)
 
 
@@ -173,26 +201,32 @@ def _run(lab, role: str, *args: str, timeout: float = 600) -> object:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run_lab(rate_mbit: float | None, repeats: int, relay: bool, workdir: Path) -> dict:
+def run_lab(rate_mbit: float | None, repeats: int, relay: bool, workdir: Path, link_codec: str) -> dict:
+    """One lab; site A dials as stored and, with ``link_codec``, in the link codec (same lab,
+    same serving process: the request's flag decides)."""
     from kdn.simulator.natlab import NatLab
 
     lab = NatLab(rate_mbit=rate_mbit, block_direct=relay, prefix=f"kb{os.getpid() % 10000}")
     try:
         lab.build()
         lab.start_turn(TURN_SECRET, workdir)
-        for role, args in (("pub", ["signal"]), ("pub", ["tcpserve"]), ("siteB", ["serve", "1" if relay else "0"])):
+        for role, args in (("pub", ["signal"]), ("pub", ["tcpserve"]),
+                           ("siteB", ["serve", "1" if relay else "0", link_codec])):
             p = lab.spawn(role, [sys.executable, __file__, "child", *args], log=workdir / f"{role}-{args[0]}.err")
             _wait_ready(p, f"{role} {args[0]}")
         sender = p  # `ip netns exec` execs: this pid is the answering (sending) Python process
         tcp = _run(lab, "siteA", "tcpget", str(repeats))
-        cpu0, t0 = _cpu_s(sender.pid), time.perf_counter()
-        try:
-            rtc = _run(lab, "siteA", "dial", "1" if relay else "0", str(repeats))
-            # the sender's CPU over the whole dial run (setups included) per second of it
-            rtc["sender_cpu"] = (_cpu_s(sender.pid) - cpu0) / (time.perf_counter() - t0)
-        except RuntimeError as exc:
-            rtc = {"error": str(exc).splitlines()[-1][:200]}
-        return {"tcp": tcp, "rtc": rtc}
+        out = {"tcp": tcp}
+        for name, link in (("rtc", "0"), ("rtc_link", "1"))[: 2 if link_codec else 1]:
+            cpu0, t0 = _cpu_s(sender.pid), time.perf_counter()
+            try:
+                rtc = _run(lab, "siteA", "dial", "1" if relay else "0", str(repeats), link)
+                # the sender's CPU over the whole dial run (setups included) per second of it
+                rtc["sender_cpu"] = (_cpu_s(sender.pid) - cpu0) / (time.perf_counter() - t0)
+            except RuntimeError as exc:
+                rtc = {"error": str(exc).splitlines()[-1][:200]}
+            out[name] = rtc
+        return out
     finally:
         lab.close()
 
@@ -203,11 +237,11 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _goal(res: dict | None) -> str:
+def _goal(res: dict | None, which: str = "rtc") -> str:
     """MET / NOT MET for one shaped link: the median WebRTC rate against 0.8x the median TCP rate."""
-    if not res or "error" in res["rtc"]:
+    if not res or which not in res or "error" in res[which]:
         return "not measured (see its row)"
-    ratio = statistics.median([x["MBps"] for x in res["rtc"]["fetch"]]) / statistics.median([x["MBps"] for x in res["tcp"]])
+    ratio = statistics.median([x["MBps"] for x in res[which]["fetch"]]) / statistics.median([x["MBps"] for x in res["tcp"]])
     return f"{ratio:.2f}x: {'MET' if ratio >= 0.8 else 'NOT MET'}"
 
 
@@ -220,6 +254,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rate-mbit", type=float, default=50.0)
     ap.add_argument("--relay", action="store_true", help="also try the relayed (TURN) path")
+    ap.add_argument("--link-codec", default="zstd:1",
+                    help="lossless codec for the second fetch in each lab ('' = as stored only)")
     ap.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
     args = ap.parse_args()
     from kdn.simulator.natlab import available
@@ -231,32 +267,39 @@ def main() -> int:
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"kdn-webrtc-bench-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     load0 = open("/proc/loadavg").read().split()[:3]
+    codec = args.link_codec
     results = {
-        "shaped": run_lab(args.rate_mbit, args.repeats, False, work),
-        "unshaped": run_lab(None, args.repeats, False, work),
+        "shaped": run_lab(args.rate_mbit, args.repeats, False, work, codec),
+        "unshaped": run_lab(None, args.repeats, False, work, codec),
     }
     if args.relay:
-        results["shaped relayed"] = run_lab(args.rate_mbit, args.repeats, True, work)
+        results["shaped relayed"] = run_lab(args.rate_mbit, args.repeats, True, work, codec)
     load1 = open("/proc/loadavg").read().split()[:3]
 
     rows = []
     for name, r in results.items():
         tcp = [x["MBps"] for x in r["tcp"]]
-        rtc = r["rtc"]
-        if "error" in rtc:
-            rows.append(f"| {name} | — | — | {_med(tcp)} | — | no connection: {rtc['error']} |")
-            continue
-        mbps = [x["MBps"] for x in rtc["fetch"]]
-        ratio = [a / statistics.median(tcp) for a in mbps]
-        cpu = [x["cpu_s"] / x["s"] for x in rtc["fetch"]]
-        rows.append(f"| {name} | {_med([s * 1000 for s in rtc['setup_s']])} | {_med(mbps)} | {_med(tcp)} | "
-                    f"{_med(ratio)} | {', '.join(sorted(set(rtc['paths'])))}; receiver CPU {_med(cpu)} cores, "
-                    f"sender {rtc['sender_cpu']:.2f} cores (whole run) |")
+        for which, label in (("rtc", name), ("rtc_link", f"{name}, {codec} on the link")):
+            if which not in r:
+                continue
+            rtc = r[which]
+            if "error" in rtc:
+                rows.append(f"| {label} | — | — | {_med(tcp)} | — | no connection: {rtc['error']} |")
+                continue
+            mbps = [x["MBps"] for x in rtc["fetch"]]
+            ratio = [a / statistics.median(tcp) for a in mbps]
+            cpu = [x["cpu_s"] / x["s"] for x in rtc["fetch"]]
+            wire = statistics.median(x["wire"] for x in rtc["fetch"])
+            rows.append(f"| {label} | {_med([s * 1000 for s in rtc['setup_s']])} | {_med(mbps)} | {_med(tcp)} | "
+                        f"{_med(ratio)} | {', '.join(sorted(set(rtc['paths'])))}; {wire / 2**20:.1f} MiB on the wire; "
+                        f"receiver CPU {_med(cpu)} cores, sender {rtc['sender_cpu']:.2f} cores (whole run) |")
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = "\n".join([
         f"\n## WebRTC between edges behind NAT ({stamp})\n",
         f"Command: `python benchmarks/webrtc.py{' --relay' if args.relay else ''}` (root; network namespaces)  ",
-        f"Two sites behind masquerading NATs (kdn.simulator.natlab), a {SIZE >> 20} MiB artifact per fetch, "
+        f"Two sites behind masquerading NATs (kdn.simulator.natlab), a {SIZE >> 20} MiB KV container (random fp16, raw) per fetch; "
+        f"rows 'on the link': site B transcodes it to {codec or '-'} per fetch, site A verifies and restores it raw, MB/s in "
+        "raw container bytes, transcoding included; "
         f"median (range) of {args.repeats}; shaped = natA's LAN side tbf {args.rate_mbit:g} Mbit/s, which every byte "
         f"into site A crosses (WebRTC from site B, TCP from the public segment). Load average {' '.join(load0)} "
         f"before, {' '.join(load1)} after, 2 CPUs shared.\n",
@@ -265,8 +308,10 @@ def main() -> int:
         *rows,
         "",
         f"goal (WebRTC >= 0.8x TCP on the {args.rate_mbit:g} Mbit/s link): "
-        + "; ".join(f"{label} {_goal(results.get(key))}" for label, key in (("direct", "shaped"), ("relayed", "shaped relayed"))
-                    if key in results),
+        + "; ".join(f"{label}{suffix} {_goal(results.get(key), which)}"
+                    for label, key in (("direct", "shaped"), ("relayed", "shaped relayed")) if key in results
+                    for which, suffix in (("rtc", ", as stored"), ("rtc_link", f", {codec} on the link"))
+                    if which in results[key]),
         "",
     ])
     print(text)
@@ -290,19 +335,20 @@ def _plot(results: dict, path: Path) -> None:
 
     names, rtc, tcp = [], [], []
     for name, r in results.items():
-        if "error" in r["rtc"]:
-            continue
-        names.append(name)
-        rtc.append(statistics.median([x["MBps"] for x in r["rtc"]["fetch"]]))
-        tcp.append(statistics.median([x["MBps"] for x in r["tcp"]]))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+        for which, label in (("rtc", name), ("rtc_link", f"{name}\n+link codec")):
+            if which not in r or "error" in r[which]:
+                continue
+            names.append(label)
+            rtc.append(statistics.median([x["MBps"] for x in r[which]["fetch"]]))
+            tcp.append(statistics.median([x["MBps"] for x in r["tcp"]]))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
     xs = range(len(names))
     ax.bar([x - 0.2 for x in xs], rtc, 0.4, label="WebRTC data channel")
     ax.bar([x + 0.2 for x in xs], tcp, 0.4, label="plain TCP")
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("MB/s (median)")
     ax.set_yscale("log")
-    ax.set_title("16 MiB across a NAT: WebRTC vs TCP")
+    ax.set_title("16 MiB of KV across a NAT: WebRTC (as stored, link codec) vs TCP")
     ax.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

@@ -688,6 +688,26 @@ def decode_artifact(data: bytes | memoryview, **reader_kw: object) -> Artifact:
     return Artifact(header, reader.kv)
 
 
+def transcode(data: bytes | memoryview, codec: Codec | str, **reader_kw: object) -> bytes:
+    """The same chunk framed in another codec: every checksum of ``data`` is verified, its KV
+    decoded and framed again with the same key, parent, fingerprint, chunk index and steered
+    variant. Only a lossless container is transcoded (KV that a lossy codec already changed must
+    not come out labelled lossless): a lossy one is ``LossyRefused``."""
+    art = decode_artifact(data, **reader_kw)
+    h = art.header
+    if h.lossy:
+        raise LossyRefused(f"artifact in {h.codec} is lossy: it is not transcoded")
+    return encode_artifact(
+        art.kv,  # (L, 2, H, T, D)
+        key=ChunkKey(bytes(h.key)),
+        parent_key=ChunkKey(bytes(h.parent_key)),
+        fingerprint=ModelFingerprint(bytes(h.fingerprint)),
+        codec=codec,
+        chunk_index=h.chunk_index,
+        steer=h.steer,
+    )
+
+
 def verify_artifact(data: bytes | memoryview, **reader_kw: object) -> pb.ArtifactHeader:
     """Check every checksum and bound without decoding payloads; return the header."""
     reader = ArtifactReader(decode=False, **reader_kw)  # type: ignore[arg-type]

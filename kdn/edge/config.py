@@ -159,6 +159,10 @@ class EdgeConfig(RoleConfig):
         True, description="connect to each newly announced peer in the background (probe, then WebRTC if needed), "
         "so the first request does not pay the setup (~0.5 s direct, ~5.5 s relayed)",
     )
+    rtc_link_codec: str = Field(
+        "zstd:1", description="lossless codec a raw artifact travels in over a WebRTC link (the asking edge stores "
+        "it raw again); '' = as stored. Asking edges ask for it, answering edges use their own setting",
+    )
 
     @field_validator("listen")
     @classmethod
@@ -174,6 +178,22 @@ class EdgeConfig(RoleConfig):
     @classmethod
     def _rtc_signal(cls, v: str | None) -> str | None:
         return None if v in (None, "") else _check_address(v, "rtc_signal")
+
+    @field_validator("rtc_link_codec")
+    @classmethod
+    def _rtc_link_codec(cls, v: str) -> str:
+        if v in ("", "raw"):
+            return ""
+        from kdn.codecs import get_codec
+        from kdn.errors import UnknownCodec
+
+        try:
+            codec = get_codec(v)
+        except UnknownCodec as exc:
+            raise ValueError(f"rtc_link_codec: {exc}") from exc
+        if codec.lossy:
+            raise ValueError(f"rtc_link_codec must be lossless, got {v!r}")
+        return codec.spec
 
     @field_validator("rtc_mode")
     @classmethod

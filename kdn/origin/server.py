@@ -49,7 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kdn.wire.auth import TokenAuth
-from kdn.artifact import decode_artifact, encode_artifact
+from kdn.artifact import transcode
 from kdn.codecs import get_codec
 from kdn.errors import (
     ConfigError, FingerprintMismatch, InvalidInput, KdnError, LossyRefused, MessageTooLarge, NotFound, Unavailable,
@@ -291,16 +291,7 @@ class OriginServer:
         sources = [v for v in variants if not v.lossy]
         if not sources:
             raise NotFound(f"not stored in {spec}, and no lossless copy to transcode from")
-        art = decode_artifact(self._get(sources[0], ns))
-        h = art.header
-        blob = encode_artifact(
-            art.kv,  # (L, 2, H, T, D)
-            key=ChunkKey(bytes(h.key)),
-            parent_key=ChunkKey(bytes(h.parent_key)),
-            fingerprint=ModelFingerprint(bytes(h.fingerprint)),
-            codec=spec,
-            chunk_index=h.chunk_index,
-        )
+        blob = transcode(self._get(sources[0], ns), spec)  # a steered variant stays that variant
         self.store.put(blob, tenant=ns.tenant)  # cache the transcoded artifact too
         self.count("transcodes")
         return blob

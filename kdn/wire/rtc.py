@@ -13,6 +13,8 @@ One :class:`RtcEndpoint` per edge. It long-polls its mailbox on the signalling s
 Requests and answers on the channel (one message each; ``!BI`` = kind, request id)::
 
     LOOKUP / FETCH  u16 token length, token (utf-8), u8 flags, a LookupRequest / FetchRequest
+                    (flags: FORWARDED, a miss fetched on another edge's behalf; LINK_CODEC, a raw
+                    container may come in the answering edge's lossless link codec)
     LOOKUP_OK       a LookupResponse
     HEAD            u64 total size, source (utf-8)      then DATA pieces, then END
     DATA            up to PIECE bytes of the artifact container
@@ -48,6 +50,7 @@ from kdn.wire.signal import SignalClient
 
 __all__ = [
     "IceServer", "RtcClient", "RtcEndpoint", "RtcHandler", "PIECE", "HIGH_WATER", "require_aiortc", "FLAG_FORWARDED",
+    "FLAG_LINK_CODEC",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ HIGH_WATER = 1 << 20  # bytes queued on a channel before the sender waits
 LOW_WATER = 256 << 10
 MAX_REQUEST = 256 << 10  # a Lookup of 4096 keys is ~140 KiB
 FLAG_FORWARDED = 1
+FLAG_LINK_CODEC = 2
 CHANNEL_LABEL = "kdn/1"
 
 
@@ -98,7 +102,9 @@ class RtcHandler(Protocol):
 
     async def lookup(self, request: pb.LookupRequest, token: str | None) -> pb.LookupResponse: ...
 
-    async def fetch(self, request: pb.FetchRequest, token: str | None, *, forwarded: bool) -> tuple[bytes, str]: ...
+    async def fetch(
+        self, request: pb.FetchRequest, token: str | None, *, forwarded: bool, link_codec: bool = False
+    ) -> tuple[bytes, str]: ...
 
 
 def _request(kind: int, rid: int, token: str | None, flags: int, body: bytes) -> bytes:
@@ -217,10 +223,13 @@ class RtcClient:
         return pb.LookupResponse.FromString(payload)
 
     async def fetch(
-        self, request: pb.FetchRequest, *, token: str | None, timeout_s: float, limit: int, forwarded: bool = False
+        self, request: pb.FetchRequest, *, token: str | None, timeout_s: float, limit: int, forwarded: bool = False,
+        link_codec: bool = False,
     ) -> tuple[bytes, str]:
-        """The artifact's container bytes (unverified: the caller verifies) and the peer's source."""
-        rid, q = await self._call(FETCH, token, FLAG_FORWARDED if forwarded else 0, request.SerializeToString())
+        """The artifact's container bytes (unverified: the caller verifies) and the peer's source.
+        ``link_codec``: a raw container may come in the peer's lossless link codec instead."""
+        flags = (FLAG_FORWARDED if forwarded else 0) | (FLAG_LINK_CODEC if link_codec else 0)
+        rid, q = await self._call(FETCH, token, flags, request.SerializeToString())
         deadline = time.monotonic() + timeout_s
         buf: bytearray | None = None
         source = ""
@@ -496,7 +505,8 @@ class RtcEndpoint:
                 await sender.send(_HDR.pack(LOOKUP_OK, rid) + resp.SerializeToString())
             elif kind == FETCH:
                 data, source = await self.handler.fetch(
-                    pb.FetchRequest.FromString(body), token, forwarded=bool(flags & FLAG_FORWARDED)
+                    pb.FetchRequest.FromString(body), token, forwarded=bool(flags & FLAG_FORWARDED),
+                    link_codec=bool(flags & FLAG_LINK_CODEC),
                 )
                 await sender.send(_HDR.pack(HEAD, rid) + struct.pack("!Q", len(data)) + source.encode())
                 view = memoryview(data)

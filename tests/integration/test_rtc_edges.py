@@ -94,6 +94,10 @@ def test_kv_held_only_by_edge_b_reaches_a_client_at_edge_a_over_webrtc(tmp_path)
         assert float(line.split()[-1]) > 0
         b_text = edges["b"].node.metrics.exposition().decode()
         assert 'kdn_edge_bytes_out_total{path="rtc"}' in b_text
+        # the chain crossed the link in the lossless link codec (fewer bytes) and A keeps it raw
+        held = edges["a"].node.store.entries(tenant="t1")
+        assert held and {e.meta.codec for e in held} == {"raw"}
+        assert 0 < float(line.split()[-1]) < sum(e.meta.size for e in held)
 
         # a client with a wrong token gets nothing from B through A (A forwards the caller's token
         # only when it has no upstream token of its own; here B checks A's upstream token, so ask B's

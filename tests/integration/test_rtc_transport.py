@@ -51,7 +51,9 @@ class Handler:
             n += 1
         return pb.LookupResponse(available=n, node_id="b")
 
-    async def fetch(self, request: pb.FetchRequest, token: str | None, *, forwarded: bool) -> tuple[bytes, str]:
+    async def fetch(
+        self, request: pb.FetchRequest, token: str | None, *, forwarded: bool, link_codec: bool = False
+    ) -> tuple[bytes, str]:
         self.auth.check(token, request.namespace.tenant)
         self.forwarded.append(forwarded)
         data = self.artifacts.get((request.namespace.tenant, bytes(request.key)))

@@ -522,3 +522,25 @@ def test_a_raw_run_split_over_two_threads_gives_the_same_kv_and_names_the_first_
     bad[offsets[3] + 2] ^= 0x80  # layer 1 V: this thread's half, and first in order
     with pytest.raises(kerr.ArtifactCorrupt, match="layer 1 V section checksum mismatch"):
         read(bytes(bad))
+
+
+def test_transcode_keeps_the_chunk_and_its_variant_and_refuses_lossy_input() -> None:
+    from kdn.artifact import transcode
+
+    kv = _kv(layers=3, seed=7)
+    blob = encode_artifact(kv, key=KEY, parent_key=ChunkKey(bytes(range(32))), fingerprint=FP, codec="raw",
+                           chunk_index=4, steer='{"method":"key-edit"}')
+    z = transcode(blob, "zstd:1")
+    zh = read_header(z)
+    h = read_header(blob)
+    assert (zh.codec, zh.codec_level, zh.lossy) == ("zstd", "1", False)
+    for field in ("key", "parent_key", "fingerprint", "chunk_index", "steer", "num_layers", "token_count"):
+        assert getattr(zh, field) == getattr(h, field), field
+    assert torch.equal(decode_artifact(z).kv, kv)  # lossless: bit for bit
+    assert decode_artifact(transcode(z, "raw")).kv.equal(kv)
+    bad = bytearray(blob)
+    bad[len(bad) // 2] ^= 1
+    with pytest.raises(kerr.ArtifactCorrupt):
+        transcode(bytes(bad), "zstd")  # every checksum is verified first
+    with pytest.raises(kerr.LossyRefused):
+        transcode(_encode(kv, "int8"), "raw")

@@ -58,6 +58,13 @@ def test_bad_rtc_settings_are_refused():
         EdgeConfig.build({"rtc_mode": "sometimes"})
     with pytest.raises(ConfigError, match="rtc_signal"):
         EdgeConfig.build({"rtc_signal": "no-port"})
+    with pytest.raises(ConfigError, match="rtc_link_codec must be lossless"):
+        EdgeConfig.build({"rtc_link_codec": "int8"})
+    with pytest.raises(ConfigError, match="rtc_link_codec"):
+        EdgeConfig.build({"rtc_link_codec": "brotli"})
+    assert EdgeConfig.build({"rtc_link_codec": "raw"}).rtc_link_codec == ""  # raw: as stored
+    assert EdgeConfig.build({"rtc_link_codec": "zstd"}).rtc_link_codec == "zstd:3"  # the spec, level named
+    assert EdgeConfig.build({}).rtc_link_codec == "zstd:1"
 
 
 def test_webrtc_without_aiortc_says_what_to_install(monkeypatch):
