@@ -117,3 +117,56 @@ def test_kv_held_only_by_edge_b_reaches_a_client_at_edge_a_over_webrtc(tmp_path)
             loop.run(e.stop())
         loop.close()
         origin.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_that_cannot_be_reached_in_time_sends_the_miss_to_the_origin(tmp_path):
+    """A member announced through the cluster that never answers an offer (its process gone, a
+    NAT nothing gets through): edge A's dial gives up after rtc_connect_timeout_s, the peer is
+    marked down, and the client at A still reuses the document, fetched from the origin."""
+    from kdn.edge.config import EdgeConfig
+    from kdn.edge.server import EdgeServer
+    from kdn.keys import Namespace
+    from kdn.origin.config import OriginConfig
+    from kdn.origin.server import OriginServer
+    from kdn.wire.signal import SignalClient
+
+    lm = load_model("tiny", chunk_size=CHUNK)
+    origin = OriginServer(OriginConfig(store_dir=str(tmp_path / "origin"), models=["tiny"], listen="127.0.0.1:0",
+                                       codecs=["raw"], chunk_size=CHUNK, verify_on_start="none", fsync=False,
+                                       tokens={TOKEN: ["*"]}))
+    origin.start()
+    loop = LoopThread()
+    edge = None
+    try:
+        assert origin.ingest_text(DOC, namespace=Namespace("t1"), doc_id="lease")
+
+        async def ghost() -> None:  # announced, never answers
+            sig = SignalClient(origin.address, token=TOKEN)
+            await sig.announce("edge-ghost", "192.0.2.77:1", ttl_s=600)
+            await sig.close()
+
+        loop.run(ghost())
+        cfg = EdgeConfig(node_id="edge-a", listen="127.0.0.1:0", origin=origin.address, memory_bytes=64 << 20,
+                         disk_dir=str(tmp_path / "a"), tokens={TOKEN: ["t1"]}, upstream_token=TOKEN,
+                         rtc_signal=origin.address, rtc_mode="always", rtc_announce_s=0.3, rtc_connect_timeout_s=2.0,
+                         membership_refresh_s=0.2, shm=False, bulk=False, replicas=2)
+        edge = EdgeServer(cfg)
+        loop.run(edge.start())
+        deadline = time.monotonic() + 10
+        while len(edge.node.overlay.members) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert set(edge.node.overlay.members) == {"edge-a", "edge-ghost"}
+
+        ccfg = dict(token=TOKEN, tenant="t1", lookup_timeout_s=30.0, fetch_timeout_s=30.0, shm="off", bulk=False)
+        with KdnClient(ClientConfig(edge=edge.address, **ccfg)) as client:
+            got = generate(lm, PROMPT, client=client, max_new_tokens=6)
+        base = generate(lm, PROMPT, max_new_tokens=6)
+        assert got.reused_tokens >= CHUNK and got.tokens == base.tokens
+        assert "edge-ghost" in edge.rtc.endpoint._failed  # it was dialled, and gave up in time
+        assert edge.node.store.entries(tenant="t1")  # what the origin sent is kept at A
+    finally:
+        if edge is not None:
+            loop.run(edge.stop())
+        loop.close()
+        origin.stop()
