@@ -154,10 +154,14 @@ class EdgeConfig(RoleConfig):
         "peer counts as down and the miss goes to the next owner or the origin",
     )
     rtc_relay_only: bool = Field(False, description="use TURN relay candidates only (ICE transport policy relay)")
+    rtc_relay_after_s: float = Field(
+        1.5, gt=0, le=60, description="with a TURN server configured, a relay-only attempt starts beside the first "
+        "when no path is up after this long; the first channel to open wins",
+    )
     rtc_announce_s: float = Field(5.0, gt=0, le=300, description="how often this edge re-announces itself")
     rtc_prewarm: bool = Field(
         True, description="connect to each newly announced peer in the background (probe, then WebRTC if needed), "
-        "so the first request does not pay the setup (~0.5 s direct, ~5.5 s relayed)",
+        "so the first request does not pay the setup",
     )
     rtc_link_codec: str = Field(
         "zstd:1", description="lossless codec a raw artifact travels in over a WebRTC link (the asking edge stores "

@@ -254,7 +254,7 @@ class EdgeRtc:
         self.endpoint = RtcEndpoint(
             config.node_id, self.signal, ice_servers=ice_servers(config),
             connect_timeout_s=config.rtc_connect_timeout_s, relay_only=config.rtc_relay_only,
-            on_connect=self._connected, on_served=self._served,
+            relay_after_s=config.rtc_relay_after_s, on_connect=self._connected, on_served=self._served,
         )
         self.address = ""
         self._tasks: list[asyncio.Task[None]] = []

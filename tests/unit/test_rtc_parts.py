@@ -165,3 +165,85 @@ def test_the_path_is_rechecked_in_the_background_and_at_once_after_a_failure():
         await up.close()
 
     asyncio.run(main())
+
+
+class _FakePc:
+    connectionState = "connected"
+
+    def __init__(self, relay: bool) -> None:
+        self.relay = relay
+        self.closed = False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class _FakeChannel:
+    readyState = "open"
+
+    def on(self, *_a: object) -> None:
+        pass
+
+
+def _racing_endpoint(monkeypatch, outcomes: dict[bool, tuple[float, object]]):
+    """An RtcEndpoint with a TURN server whose attempts (relay-only or not) finish after the given
+    delay with the given result: "up", or an exception to raise. Records starts and cancels."""
+    pytest.importorskip("aiortc")
+    log: list[str] = []
+    ep = rtc.RtcEndpoint("a", signal=None, ice_servers=[rtc.IceServer(("turn:203.0.113.10:3478",), "u", "c")],
+                         connect_timeout_s=2.0, relay_after_s=0.2)
+
+    async def attempt(peer: str, relay: bool, timeout_s: float):
+        name = "relay" if relay else "all"
+        log.append(f"start {name}")
+        delay, result = outcomes[relay]
+        try:
+            await asyncio.sleep(min(delay, timeout_s))
+        except asyncio.CancelledError:
+            log.append(f"cancel {name}")
+            raise
+        if delay > timeout_s:
+            raise asyncio.TimeoutError
+        if isinstance(result, BaseException):
+            raise result
+        return _FakePc(relay), _FakeChannel()
+
+    monkeypatch.setattr(ep, "_attempt", attempt)
+    return ep, log
+
+
+def test_a_direct_path_wins_before_the_relay_attempt_starts(monkeypatch):
+    ep, log = _racing_endpoint(monkeypatch, {False: (0.05, "up"), True: (0.05, "up")})
+    client = asyncio.run(ep._dial("b"))
+    assert not client.pc.relay and log == ["start all"]  # the relay attempt was still waiting its turn
+
+
+def test_no_direct_path_the_relay_attempt_beside_it_wins_and_the_first_is_closed(monkeypatch):
+    ep, log = _racing_endpoint(monkeypatch, {False: (60.0, "up"), True: (0.05, "up")})
+    client, took = asyncio.run(asyncio.wait_for(_timed_dial(ep), 5))
+    assert client.pc.relay and took < 1.0  # relay_after_s + the relayed setup, not the direct attempt's timeout
+    assert log == ["start all", "start relay", "cancel all"]
+
+
+async def _timed_dial(ep):
+    import time
+
+    t0 = time.monotonic()
+    client = await ep._dial("b")
+    return client, time.monotonic() - t0
+
+
+def test_both_attempts_failing_is_unavailable_with_the_reason_and_not_retried_at_once(monkeypatch):
+    ep, log = _racing_endpoint(monkeypatch, {False: (60.0, "up"), True: (60.0, "up")})
+    with pytest.raises(rtc.Unavailable, match="no connection"):
+        asyncio.run(ep._dial("b"))
+    assert "b" in ep._failed
+    with pytest.raises(rtc.Unavailable, match="failed .* ago"):
+        asyncio.run(ep.connect("b"))
+
+
+def test_a_peer_nobody_knows_stops_both_attempts(monkeypatch):
+    ep, log = _racing_endpoint(monkeypatch, {False: (0.3, NotFound("no such node")), True: (60.0, "up")})
+    with pytest.raises(rtc.Unavailable, match="no such node"):
+        asyncio.run(asyncio.wait_for(ep._dial("b"), 2.0))
+    assert log == ["start all", "start relay", "cancel relay"]
