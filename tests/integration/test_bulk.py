@@ -46,6 +46,21 @@ async def served(config: EdgeConfig) -> AsyncIterator[tuple[EdgeServer, GrpcEdge
             await t.close()
 
 
+@contextlib.asynccontextmanager
+async def shm_edge(node_id: str, chain: Chain) -> AsyncIterator[tuple[EdgeServer, GrpcEdgeTransport]]:
+    """An edge with a shared-memory pool holding ``chain``, and a same-host transport to it (the
+    client maps from the default directory, so the edge publishes there and unlinks on close)."""
+    cfg = edge_config(node_id=node_id).model_copy(update={"shm": True})
+    async with EdgeServer(cfg) as srv:
+        t = GrpcEdgeTransport(srv.address, shm=True)
+        try:
+            for key, blob in zip(chain.keys, chain.blobs):
+                assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
+            yield srv, t
+        finally:
+            await t.close()
+
+
 async def fetch_verified(t: GrpcEdgeTransport, chain: Chain, i: int) -> tuple[bytes, str]:
     reader = ArtifactReader(expect_fingerprint=chain.fingerprint, expect_key=chain.keys[i], decode=False)
     got, via = bytearray(), ""
@@ -320,38 +335,31 @@ def test_same_host_segment_named_over_the_bulk_socket_is_verified_and_falls_back
     chain = big_chain(2, seed=9)
 
     async def main() -> None:
-        # the client maps from the default directory, so the edge publishes there (and unlinks on close)
         cfg = edge_config(node_id="bulk-shm").model_copy(update={"shm": True})
-        async with EdgeServer(cfg) as srv:
-            t = GrpcEdgeTransport(srv.address, shm=True)
-            try:
-                for key, blob in zip(chain.keys, chain.blobs):
-                    assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
-                for _round in range(2):
-                    for i, blob in enumerate(chain.blobs):
-                        assert await fetch_verified(t, chain, i) == (blob, "shm")
-                assert srv.shm is not None and srv.shm.created == 2 and srv.shm.reused == 2
-                # named over one bulk socket (a failed bulk call would have dropped it for gRPC)
-                assert t._bulk is not None and t._bulk.connections == 1
-                assert t._maps is not None and len(t._maps) == 2  # and mapped once each
-                # a flipped bit in the published segment: the cached mapping sees it, the reader refuses
-                name = srv.shm._segments[("default", bytes(chain.keys[0]))].name
-                path = f"{srv.shm.dir}/{name}"
-                with open(path, "r+b") as f:
-                    f.seek(len(chain.blobs[0]) // 2)
-                    b = f.read(1)
-                    f.seek(-1, 1)
-                    f.write(bytes([b[0] ^ 0x08]))
-                with pytest.raises(e.ArtifactCorrupt):
-                    await fetch_verified(t, chain, 0)
-                # the segment is recycled (unlinked) after it was named: asked again, still right
-                srv.shm.forget("default", chain.keys[0])
-                assert await fetch_verified(t, chain, 0) == (chain.blobs[0], "shm")
-                # a miss is NotFound over this path too
-                with pytest.raises(e.NotFound):
-                    await fetch_verified(t, big_chain(1, seed=10), 0)
-            finally:
-                await t.close()
+        async with shm_edge("bulk-shm", chain) as (srv, t):
+            for _round in range(2):
+                for i, blob in enumerate(chain.blobs):
+                    assert await fetch_verified(t, chain, i) == (blob, "shm")
+            assert srv.shm is not None and srv.shm.created == 2 and srv.shm.reused == 2
+            # named over one bulk socket (a failed bulk call would have dropped it for gRPC)
+            assert t._bulk is not None and t._bulk.connections == 1
+            assert t._maps is not None and len(t._maps) == 2  # and mapped once each
+            # a flipped bit in the published segment: the cached mapping sees it, the reader refuses
+            name = srv.shm._segments[("default", bytes(chain.keys[0]))].name
+            path = f"{srv.shm.dir}/{name}"
+            with open(path, "r+b") as f:
+                f.seek(len(chain.blobs[0]) // 2)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x08]))
+            with pytest.raises(e.ArtifactCorrupt):
+                await fetch_verified(t, chain, 0)
+            # the segment is recycled (unlinked) after it was named: asked again, still right
+            srv.shm.forget("default", chain.keys[0])
+            assert await fetch_verified(t, chain, 0) == (chain.blobs[0], "shm")
+            # a miss is NotFound over this path too
+            with pytest.raises(e.NotFound):
+                await fetch_verified(t, big_chain(1, seed=10), 0)
         # an edge without a shared-memory pool answers the same request with the bytes
         async with served(edge_config()) as (srv, _t):
             t = GrpcEdgeTransport(srv.address, shm=True)
@@ -510,66 +518,59 @@ def test_shared_memory_read_ahead_counts_only_once_the_edge_says_yes() -> None:
         return out, stats.via
 
     async def main() -> None:
-        cfg = edge_config(node_id="bulk-ahead").model_copy(update={"shm": True})
-        async with EdgeServer(cfg) as srv:
-            t = GrpcEdgeTransport(srv.address, shm=True)
-            try:
-                for key, blob in zip(chain.keys, chain.blobs):
-                    assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
-                for _round in range(3):
-                    for i in range(2):
-                        out, via = await fetch_kv(t, i)
-                        assert via == "shm" and torch.equal(out, want[i])
-                assert t.read_ahead == 4  # the first fetch of each key maps, the next ones read ahead
-                assert srv.shm is not None and srv.shm.created == 2 and srv.shm.reused == 4  # all 6 asked
+        async with shm_edge("bulk-ahead", chain) as (srv, t):
+            for _round in range(3):
+                for i in range(2):
+                    out, via = await fetch_kv(t, i)
+                    assert via == "shm" and torch.equal(out, want[i])
+            assert t.read_ahead == 4  # the first fetch of each key maps, the next ones read ahead
+            assert srv.shm is not None and srv.shm.created == 2 and srv.shm.reused == 4  # all 6 asked
 
-                # the bulk socket breaks after the request went out and the segment was read:
-                # the fetch is confirmed over gRPC instead
-                bulk = t._bulk
-                assert bulk is not None
+            # the bulk socket breaks after the request went out and the segment was read:
+            # the fetch is confirmed over gRPC instead
+            bulk = t._bulk
+            assert bulk is not None
 
-                async def broken(*_a: object, **_kw: object) -> Any:
-                    raise ConnectionResetError("bulk socket gone")
+            async def broken(*_a: object, **_kw: object) -> Any:
+                raise ConnectionResetError("bulk socket gone")
 
-                bulk._answer = broken  # type: ignore[method-assign]
-                out, via = await fetch_kv(t, 1)
-                assert via == "shm" and torch.equal(out, want[1]) and t.read_ahead == 5
-                # the edge got the request before the break, and the confirmation over gRPC
-                assert t._bulk is None and srv.shm.reused == 6
-                t._bulk_rest_until = 0.0
+            bulk._answer = broken  # type: ignore[method-assign]
+            out, via = await fetch_kv(t, 1)
+            assert via == "shm" and torch.equal(out, want[1]) and t.read_ahead == 5
+            # the edge got the request before the break, and the confirmation over gRPC
+            assert t._bulk is None and srv.shm.reused == 6
+            t._bulk_rest_until = 0.0
 
-                # it breaks before anything was read (a refused connection): the usual path
-                bulk = await t._bulk_client(TIMEOUT)
-                assert bulk is not None
+            # it breaks before anything was read (a refused connection): the usual path
+            bulk = await t._bulk_client(TIMEOUT)
+            assert bulk is not None
 
-                async def unreachable(*_a: object, **_kw: object) -> Any:
-                    raise ConnectionRefusedError("no bulk listener")
+            async def unreachable(*_a: object, **_kw: object) -> Any:
+                raise ConnectionRefusedError("no bulk listener")
 
-                bulk.fetch_shm_ahead = unreachable  # type: ignore[method-assign]
-                out, via = await fetch_kv(t, 1)
-                assert via == "shm" and torch.equal(out, want[1]) and t.read_ahead == 5
-                assert srv.shm.reused == 7
-                t._bulk_rest_until = 0.0
+            bulk.fetch_shm_ahead = unreachable  # type: ignore[method-assign]
+            out, via = await fetch_kv(t, 1)
+            assert via == "shm" and torch.equal(out, want[1]) and t.read_ahead == 5
+            assert srv.shm.reused == 7
+            t._bulk_rest_until = 0.0
 
-                # a flipped bit in the mapping the client reads ahead from: refused, and again after
-                seg = srv.shm._segments[("default", bytes(chain.keys[0]))].name
-                with open(f"{srv.shm.dir}/{seg}", "r+b") as f:
-                    f.seek(len(chain.blobs[0]) - 100)
-                    b = f.read(1)
-                    f.seek(-1, 1)
-                    f.write(bytes([b[0] ^ 0x01]))
-                for _ in range(2):
-                    with pytest.raises(e.ArtifactCorrupt):
-                        await fetch_kv(t, 0)
+            # a flipped bit in the mapping the client reads ahead from: refused, and again after
+            seg = srv.shm._segments[("default", bytes(chain.keys[0]))].name
+            with open(f"{srv.shm.dir}/{seg}", "r+b") as f:
+                f.seek(len(chain.blobs[0]) - 100)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x01]))
+            for _ in range(2):
+                with pytest.raises(e.ArtifactCorrupt):
+                    await fetch_kv(t, 0)
 
-                # the edge no longer holds key 1 (its segment is still mapped here): NotFound
-                assert srv.node is not None and srv.node.store.delete(chain.keys[1], tenant="default")
-                srv.shm.forget("default", chain.keys[1])
-                ahead = t.read_ahead
-                with pytest.raises(e.NotFound):
-                    await fetch_kv(t, 1)
-                assert t.read_ahead == ahead
-            finally:
-                await t.close()
+            # the edge no longer holds key 1 (its segment is still mapped here): NotFound
+            assert srv.node is not None and srv.node.store.delete(chain.keys[1], tenant="default")
+            srv.shm.forget("default", chain.keys[1])
+            ahead = t.read_ahead
+            with pytest.raises(e.NotFound):
+                await fetch_kv(t, 1)
+            assert t.read_ahead == ahead
 
     asyncio.run(main())

@@ -33,6 +33,18 @@ def loopback_candidates(monkeypatch):
     monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda use_ipv4, use_ipv6: ["127.0.0.1"])
 
 
+def _origin(tmp_path):
+    """A started origin (the tiny model, raw codec) that serves signalling; every token granted everything."""
+    from kdn.origin.config import OriginConfig
+    from kdn.origin.server import OriginServer
+
+    origin = OriginServer(OriginConfig(store_dir=str(tmp_path / "origin"), models=["tiny"], listen="127.0.0.1:0",
+                                       codecs=["raw"], chunk_size=CHUNK, verify_on_start="none", fsync=False,
+                                       tokens={TOKEN: ["*"]}))
+    origin.start()
+    return origin
+
+
 class LoopThread:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -51,14 +63,9 @@ class LoopThread:
 def test_kv_held_only_by_edge_b_reaches_a_client_at_edge_a_over_webrtc(tmp_path):
     from kdn.edge.config import EdgeConfig
     from kdn.edge.server import EdgeServer
-    from kdn.origin.config import OriginConfig
-    from kdn.origin.server import OriginServer
 
     lm = load_model("tiny", chunk_size=CHUNK)
-    origin = OriginServer(OriginConfig(store_dir=str(tmp_path / "origin"), models=["tiny"], listen="127.0.0.1:0",
-                                       codecs=["raw"], chunk_size=CHUNK, verify_on_start="none", fsync=False,
-                                       tokens={TOKEN: ["*"]}))
-    origin.start()
+    origin = _origin(tmp_path)
     loop = LoopThread()
     edges = {}
     try:
@@ -127,15 +134,10 @@ def test_a_peer_that_cannot_be_reached_in_time_sends_the_miss_to_the_origin(tmp_
     from kdn.edge.config import EdgeConfig
     from kdn.edge.server import EdgeServer
     from kdn.keys import Namespace
-    from kdn.origin.config import OriginConfig
-    from kdn.origin.server import OriginServer
     from kdn.wire.signal import SignalClient
 
     lm = load_model("tiny", chunk_size=CHUNK)
-    origin = OriginServer(OriginConfig(store_dir=str(tmp_path / "origin"), models=["tiny"], listen="127.0.0.1:0",
-                                       codecs=["raw"], chunk_size=CHUNK, verify_on_start="none", fsync=False,
-                                       tokens={TOKEN: ["*"]}))
-    origin.start()
+    origin = _origin(tmp_path)
     loop = LoopThread()
     edge = None
     try:
