@@ -11,9 +11,11 @@ NAT lab of :mod:`kdn.simulator.natlab` twice:
    from a server on the public segment to site A, across the same shaped link, same bytes.
 2. **unshaped** (veth speed): the same, to find the CPU ceiling of the pure-Python data channel.
 
-``--relay`` adds a third lab: the shaped link with direct UDP between the sites blocked, both
-ends relay-only (TURN through coturn on the public segment); a connection that does not come up
-is reported as such.
+``--relay`` adds a third lab: the shaped link with direct UDP between the sites blocked and a
+TURN server (coturn on the public segment) in both ends' ICE configuration; site A dials as an
+edge does (every candidate, and a relay-only attempt beside it after ``rtc_relay_after_s``,
+1.5 s), so its setup time is what an edge meets; a connection that does not come up is reported
+as such.
 
 The artifact is a KV container (random fp16 KV, ``kdn.edge.testing.make_chain``, raw codec). In
 every lab site A fetches it twice over: as stored (the wire's own rate) and with the edges' link
@@ -109,7 +111,8 @@ def child_serve(relay: str, link_codec: str) -> None:
     async def main() -> None:
         sig = SignalClient(f"{PUBLIC_IP}:{SIGNAL_PORT}")
         await sig.announce("b", "b", ttl_s=600)
-        ep = RtcEndpoint("b", sig, ice_servers=_ice(relay == "1"), handler=Handler(), relay_only=relay == "1")
+        # as an edge: the session id says when the dialler wants relay candidates only
+        ep = RtcEndpoint("b", sig, ice_servers=_ice(relay == "1"), handler=Handler())
         ep.start()
         print(json.dumps({"event": "ready"}), flush=True)
         await asyncio.Event().wait()
@@ -129,7 +132,9 @@ def child_dial(relay: str, repeats: str, link: str) -> None:
     async def main() -> dict:
         sig = SignalClient(f"{PUBLIC_IP}:{SIGNAL_PORT}")
         await sig.announce("a", "a", ttl_s=600)
-        ep = RtcEndpoint("a", sig, ice_servers=_ice(relay == "1"), relay_only=relay == "1", connect_timeout_s=20)
+        # as an edge dials (kdn.wire.rtc.RtcEndpoint._dial): every candidate, and with TURN
+        # configured a relay-only attempt beside it after relay_after_s; the first channel wins
+        ep = RtcEndpoint("a", sig, ice_servers=_ice(relay == "1"), connect_timeout_s=20)
         ep.start()
         setups, paths, rates = [], [], []
         req = pb.FetchRequest(key=b"k", namespace=pb.Namespace(tenant="t"))
