@@ -114,6 +114,10 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory path")
     p.add_argument("--no-bulk", action="store_true", help="disable the bulk byte path (plain TCP beside gRPC; off with TLS)")
     p.add_argument("--bulk-port", type=int, help="port of the bulk byte path on the listen host (default: a free one)")
+    p.add_argument("--rtc-signal", help="origin host:port serving WebRTC signalling: reach edges behind NAT "
+                   "(STUN/TURN servers go in --config: a TURN credential stays out of the process list)")
+    p.add_argument("--rtc-mode", choices=["auto", "always"], help=about("rtc_mode"))
+    p.add_argument("--rtc-link-codec", help=about("rtc_link_codec"))
     p.add_argument("--json", action="store_true", help="accepted for uniformity: the ready/stopped events are always JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level on stderr")
     return p
@@ -132,6 +136,7 @@ def build_config(args: argparse.Namespace) -> EdgeConfig:
         "tokens": parse_tokens(args.token_grant) or None,
         "shm": False if args.no_shm else None,
         "bulk": False if args.no_bulk else None, "bulk_port": args.bulk_port,
+        "rtc_signal": args.rtc_signal, "rtc_mode": args.rtc_mode, "rtc_link_codec": args.rtc_link_codec,
     }
     if args.config:
         return EdgeConfig.from_file(args.config, **overrides)

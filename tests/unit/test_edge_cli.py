@@ -107,3 +107,19 @@ def test_a_missing_tls_file_is_one_line_naming_the_flag(tmp_path: Path, capsys: 
     assert main_stats(["--edge", "127.0.0.1:9", "--tls-ca", str(missing), "--json"]) != 0
     out = json.loads(capsys.readouterr().out)
     assert out["error"] == "ConfigError" and "--tls-ca" in out["message"]
+
+
+def test_webrtc_flags_reach_the_config_and_bad_ones_name_the_field(tmp_path: Path) -> None:
+    f = tmp_path / "edge.yaml"
+    f.write_text("node_id: nat-a\nrtc_ice_servers: [{urls: ['stun:203.0.113.10:3478']}]\n")
+    cfg = build_config(_run_parser().parse_args(["--config", str(f), "--rtc-signal", "203.0.113.10:50051",
+                                                  "--rtc-mode", "always", "--rtc-link-codec", "raw"]))
+    assert (cfg.rtc_signal, cfg.rtc_mode, cfg.rtc_link_codec) == ("203.0.113.10:50051", "always", "")
+    assert [s.urls for s in cfg.rtc_ice_servers] == [["stun:203.0.113.10:3478"]]  # the file's, kept
+    assert build_config(_run_parser().parse_args([])).rtc_link_codec == "zstd:1"
+    with pytest.raises(ConfigError, match="rtc_link_codec"):
+        build_config(_run_parser().parse_args(["--rtc-link-codec", "kvq:q5"]))  # lossy: refused
+    with pytest.raises(ConfigError, match="rtc_signal"):
+        build_config(_run_parser().parse_args(["--rtc-signal", "no-port"]))
+    with pytest.raises(SystemExit):
+        _run_parser().parse_args(["--rtc-mode", "sometimes"])
