@@ -9,9 +9,9 @@ site A reuses KV that only site B's edge holds, with output equal to recompute. 
 the path is what the NATs allow (edge metrics), that the TURN credential appears in no log line,
 and that with site B's edge gone site A still answers (origin, then recompute).
 Namespaces and processes are removed by the test (:meth:`NatLab.close`).
-In this lab relayed pairs complete only in relay-only ICE sessions, so an edge that finds no path
-with every candidate tries once more relay-only (kdn.wire.rtc.RtcEndpoint._dial): that retry is
-what carries the symmetric case.
+In this lab relayed pairs complete only in relay-only ICE sessions, so an edge with a TURN server
+starts a relay-only attempt beside the first when no path is up after ``rtc_relay_after_s``
+(kdn.wire.rtc.RtcEndpoint._dial): that attempt is what carries the symmetric case.
 """
 
 from __future__ import annotations
