@@ -185,10 +185,12 @@ def encode_artifact(
 
 @dataclass(slots=True)
 class _Direct:
-    """A raw section's payload being received in place: its views into ``kv``."""
+    """A raw section's payload being received in place: its place in ``kv`` and that place's
+    contiguous runs as bytes (one, or one per head)."""
 
     info: SectionInfo
     length: int
+    target: np.ndarray  # (H, T, D), same-width ints
     views: list[memoryview]
 
 
@@ -355,16 +357,13 @@ class ArtifactReader:
             return None
         if self._total + 4 + length + 8 > self._max_bytes:
             return None  # feed() refuses it with the usual error
-        return _Direct(info, length, [memoryview(r.reshape(-1).view(np.uint8)) for r in runs])
+        return _Direct(info, length, target, [memoryview(r.reshape(-1).view(np.uint8)) for r in runs])
 
     def _verify_landed(self, d: "_Direct") -> Section:
         check = bytes(self._scratch[4:12])
-        h = xxhash.xxh3_64()
-        h.update(memoryview(self._scratch)[:4])
-        for v in d.views:
-            h.update(v)
         info = d.info
-        if h.intdigest() != _U64.unpack(check)[0]:
+        # the length that arrived (it equals the raw size: _land_direct checked), then the payload
+        if _digest_from(xxhash.xxh3_64(bytes(self._scratch[:4])), d.target) != _U64.unpack(check)[0]:
             raise ArtifactCorrupt(f"layer {info.layer} {info.kind.upper()} section checksum mismatch")
         self._tree.update(check)
         self._total += 4 + d.length + 8
