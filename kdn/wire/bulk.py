@@ -281,10 +281,17 @@ class BulkClient:
     async def _ask(self, lease: _Lease, op: int, body: bytes) -> tuple[int, str, int]:
         """Send one request; its answer's ``(flags, text, size)`` (a payload, if any, still in the
         socket). A refusal raises the edge's KdnError and leaves the connection clean."""
-        await asyncio.get_running_loop().sock_sendall(lease.sock, REQUEST.pack(op, len(body)) + body)
+        await self._send(lease, op, body)
         return await self._answer(lease)
 
+    @staticmethod
+    async def _send(lease: _Lease, op: int, body: bytes) -> None:
+        # asyncio's sock_sendall sends at once and returns without a turn of the event loop when
+        # the socket takes the whole request (a request is small); it waits only when it cannot
+        await asyncio.get_running_loop().sock_sendall(lease.sock, REQUEST.pack(op, len(body)) + body)
+
     async def _answer(self, lease: _Lease) -> tuple[int, str, int]:
+        """The answer's ``(flags, text, size)``; a refusal raises and leaves the connection clean."""
         loop = asyncio.get_running_loop()
         status, flags, text, size = await recv_answer_flags(loop, lease.sock, bytearray(ANSWER.size))
         if status:
@@ -333,13 +340,7 @@ class BulkClient:
         the connection (its answer unread); a connection that fails before ``meanwhile`` ran
         raises ``OSError`` with ``meanwhile`` not called."""
         async with self._lease() as lease:
-            msg = REQUEST.pack(SHM, len(request)) + request
-            try:
-                sent = lease.sock.send(msg)
-            except BlockingIOError:
-                sent = 0
-            if sent < len(msg):
-                await asyncio.get_running_loop().sock_sendall(lease.sock, memoryview(msg)[sent:])
+            await self._send(lease, SHM, request)
             meanwhile()
             flags, text, size = await self._answer(lease)
             return await self._fetched(lease, flags, text, size, pool, True)
@@ -394,9 +395,8 @@ class BulkClient:
         async with self._lease() as lease:
             await self._ask(lease, PUT, header)  # the go-ahead, or the refusal of the header
             await loop.sock_sendall(lease.sock, memoryview(data))
-            status, text, _ = await recv_answer(loop, lease.sock, bytearray(ANSWER.size))
+            await self._answer(lease)  # stored, or refused (the answer is read whole either way)
             lease.clean = True
-            _raise_for(status, text, self.peer)
 
     def close(self) -> None:
         idle, self._idle = self._idle, []
