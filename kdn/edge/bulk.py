@@ -336,12 +336,7 @@ def _recv_into(sock: socket.socket, view: bytearray | memoryview) -> None:
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
+    """The next ``n`` bytes, in a new buffer; ``ConnectionError`` if the peer closes first."""
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise ConnectionResetError("peer closed the bulk connection")
-        got += k
+    _recv_into(sock, buf)
     return buf
