@@ -26,6 +26,7 @@ an :class:`kdn.artifact.ArtifactReader` instead (what :mod:`kdn.client` uses): b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -51,6 +52,16 @@ from kdn.wire.tls import TlsFiles
 log = logging.getLogger(__name__)
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 _SEGMENT_GUESSES = 4096  # specs whose last segment name a shared-memory client remembers
+
+
+@contextlib.asynccontextmanager
+async def _deadline(timeout: float, what: str) -> AsyncIterator[None]:
+    """``asyncio.timeout(timeout)`` whose expiry is ``Unavailable("<what>: deadline ... exceeded")``."""
+    try:
+        async with asyncio.timeout(timeout):
+            yield
+    except TimeoutError as exc:
+        raise Unavailable(f"{what}: deadline of {timeout}s exceeded") from exc
 
 
 class EdgeTransport(ABC):
@@ -199,6 +210,13 @@ class GrpcEdgeTransport(EdgeTransport):
             self._bulk.close()
             self._bulk = None
 
+    def _bulk_refused_shm(self, exc: BaseException) -> None:
+        """An edge from before the SHM request refuses it (and hangs up): segments are named over
+        gRPC from now on, bytes still take the bulk path."""
+        log.info("%s: no shared memory over the bulk path (%s); asking over gRPC", self.address, exc)
+        self._bulk_shm = False
+        self._bulk_broke(exc)
+
     async def fetch(
         self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
     ) -> AsyncIterator[tuple[bytes | memoryview, str]]:
@@ -207,20 +225,14 @@ class GrpcEdgeTransport(EdgeTransport):
         if bulk is not None:
             request = spec.to_proto(next_keys, shm=use_shm).SerializeToString()
             try:
-                async with asyncio.timeout(timeout):
+                async with _deadline(timeout, f"Fetch from {self.address}"):
                     buf, size, text = await bulk.fetch(request, self.buffers, shm=use_shm)
-            except TimeoutError as exc:
-                raise Unavailable(f"Fetch from {self.address}: deadline of {timeout}s exceeded") from exc
             except (OSError, BulkProtocolError) as exc:
                 self._bulk_broke(exc)  # nothing was yielded yet: this call goes over gRPC
             except InvalidInput as exc:
                 if not use_shm:
                     raise
-                # an edge from before the SHM request refuses it (and hangs up): segments are
-                # named over gRPC from now on, bytes still take the bulk path
-                log.info("%s: no shared memory over the bulk path (%s); asking over gRPC", self.address, exc)
-                self._bulk_shm = False
-                self._bulk_broke(exc)
+                self._bulk_refused_shm(exc)
             else:
                 if buf is None:  # a shared-memory segment on this host, named over the bulk socket
                     assert self._maps is not None
@@ -299,10 +311,8 @@ class GrpcEdgeTransport(EdgeTransport):
         request = spec.to_proto(next_keys, shm=False).SerializeToString()
         before = reader.received
         try:
-            async with asyncio.timeout(timeout):
+            async with _deadline(timeout, f"Fetch from {self.address}"):
                 size, _source, reader_s = await bulk.fetch_into(request, reader, self.buffers, self.land_min_bytes)
-        except TimeoutError as exc:
-            raise Unavailable(f"Fetch from {self.address}: deadline of {timeout}s exceeded") from exc
         except (OSError, BulkProtocolError) as exc:
             self._bulk_broke(exc)
             if reader.received != before:
@@ -358,16 +368,15 @@ class GrpcEdgeTransport(EdgeTransport):
         request = spec.to_proto(next_keys, shm=True).SerializeToString()
         try:
             try:
-                async with asyncio.timeout(timeout):
+                async with _deadline(timeout, f"Fetch from {self.address}"):
                     buf, _size, text = await bulk.fetch_shm_ahead(request, self.buffers, read)
-            except TimeoutError as exc:
-                raise Unavailable(f"Fetch from {self.address}: deadline of {timeout}s exceeded") from exc
             except (OSError, BulkProtocolError, InvalidInput) as exc:
                 if exc is refused:
                     raise
                 if isinstance(exc, InvalidInput):
-                    self._bulk_shm = False  # an edge that refuses the SHM op: named over gRPC from now on
-                self._bulk_broke(exc)
+                    self._bulk_refused_shm(exc)
+                else:
+                    self._bulk_broke(exc)
                 if not fed:
                     view.release()
                     return None  # nothing read yet: the usual path asks over gRPC
@@ -401,11 +410,9 @@ class GrpcEdgeTransport(EdgeTransport):
         if bulk is not None:
             header = put_header(data, key=key, fingerprint=fingerprint, namespace=namespace)
             try:
-                async with asyncio.timeout(timeout):
+                async with _deadline(timeout, f"Put to {self.address}"):
                     await bulk.put(header.SerializeToString(), data)
                 return True
-            except TimeoutError as exc:
-                raise Unavailable(f"Put to {self.address}: deadline of {timeout}s exceeded") from exc
             except (OSError, BulkProtocolError) as exc:
                 self._bulk_broke(exc)  # the Put did not land: send it over gRPC
         messages = put_messages(data, key=key, fingerprint=fingerprint, namespace=namespace, piece=STREAM_PIECE)
