@@ -59,11 +59,13 @@ def test_every_command_target_is_well_formed() -> None:
         assert module and func, c
 
 
-def test_missing_module_says_not_implemented(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    fake = cli.Command("ghost", "kdn._no_such_module_:main", "a command whose module does not exist")
-    monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + (fake,))
-    assert cli.main(["ghost"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+def test_every_command_target_resolves() -> None:
+    """Each listed command names a function that exists (the dispatcher imports it without a fallback)."""
+    import importlib
+
+    for c in cli.COMMANDS:
+        module, _, func = c.target.partition(":")
+        assert callable(getattr(importlib.import_module(module), func, None)), c
 
 
 def test_a_reader_that_left_ends_the_command_quietly(tmp_path) -> None:
