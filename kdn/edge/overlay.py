@@ -119,9 +119,6 @@ class Overlay:
         ids = self._placement.owners(bytes(key), r or self.replicas, exclude=self.down())
         return [self._members[i] for i in ids]
 
-    def is_owner(self, key: bytes) -> bool:
-        return any(m.node_id == self.self_id for m in self.owners(key))
-
     def peer_owners(self, key: bytes) -> list[Member]:
         return [m for m in self.owners(key) if m.node_id != self.self_id]
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -240,18 +239,3 @@ def kill_roles(node_ids: list[str]) -> list[str]:
         ray.get(registry.deregister.remote(role, node_id), timeout=10)
         killed.append(node_id)
     return killed
-
-
-def wait_for_edges(count: int, timeout_s: float = 60.0) -> list[dict]:
-    """Block until ``count`` edges are registered and fresh; returns them."""
-    import ray
-
-    registry = get_registry()
-    deadline = time.monotonic() + timeout_s
-    entries: list[dict] = []
-    while time.monotonic() < deadline:
-        entries = ray.get(registry.members.remote("edge"), timeout=10)
-        if len(entries) >= count:
-            return entries
-        time.sleep(0.5)
-    raise TimeoutError(f"only {len(entries)} of {count} edges registered within {timeout_s:.0f}s")

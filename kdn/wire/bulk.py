@@ -59,7 +59,7 @@ import time
 from collections import defaultdict
 from typing import AsyncIterator, Callable, Protocol
 
-from kdn.errors import ArtifactCorrupt, InvalidInput, KdnError, MessageTooLarge
+from kdn.errors import ArtifactCorrupt, InvalidInput, KdnError
 from kdn.wire.errors import error_from_status
 
 MAGIC = b"KDNB"
@@ -402,11 +402,6 @@ class BulkClient:
         idle, self._idle = self._idle, []
         for sock in idle:
             sock.close()
-
-
-def check_request_length(n: int) -> None:
-    if n > MAX_REQUEST:
-        raise MessageTooLarge(f"bulk request of {n} bytes exceeds {MAX_REQUEST}")
 
 
 def parse_hello(raw: bytes) -> bytes:
