@@ -162,17 +162,6 @@ def sweep_file_tmp(path: str | Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def adopt_legacy_name(path: str | Path, legacy: str | Path) -> None:
-    """A file renamed between releases: if ``path`` is absent and ``legacy`` exists, rename it to
-    ``path`` (durably), once. Its writers' temporaries are swept first."""
-    path, legacy = Path(path), Path(legacy)
-    sweep_file_tmp(legacy)
-    if path.exists() or not legacy.exists():
-        return
-    os.replace(legacy, path)
-    _fsync_dir(path.parent)
-
-
 def _file_tmp(path: Path, pid: str) -> Path:
     return path.with_name(f".{path.name.lstrip('.')}.{pid}{_TMP_SUFFIX}")
 

@@ -17,8 +17,7 @@ scheduler plus JSON parameters; named schedules are saved to a JSON file (with t
 atomic writer, :func:`kdn.blobstore.write_json_atomic`: temp file, fsync, rename, fsync the
 directory) when the scheduler has a ``path``, and restored — with their pending fire time, so a
 fire missed while the edge was down runs right after restart — when it is reopened. The edge keeps
-that file beside its disk tier as :data:`SCHEDULES_FILE`; a file of the old name
-(:data:`LEGACY_SCHEDULES_FILE`) is adopted once.
+that file beside its disk tier as :data:`SCHEDULES_FILE`.
 """
 
 from __future__ import annotations
@@ -34,20 +33,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kdn.blobstore import adopt_legacy_name, sweep_file_tmp, write_json_atomic
+from kdn.blobstore import sweep_file_tmp, write_json_atomic
 from kdn.edge.clock import Clock, MonotonicClock
 from kdn.edge.cron import CronSchedule, as_utc
 from kdn.errors import ConfigError, InvalidInput, KdnError
 
-__all__ = ["LEGACY_SCHEDULES_FILE", "SCHEDULES_FILE", "DueAction", "HintScheduler", "ScheduleInfo", "schedules_file"]
+__all__ = ["SCHEDULES_FILE", "DueAction", "HintScheduler", "ScheduleInfo", "schedules_file"]
 
 log = logging.getLogger(__name__)
 
 SCHEDULES_FILE = ".hint-schedules.json"
 """The edge's named hint schedules, beside its disk tier (a dot-file: no tenant may take the name)."""
-
-LEGACY_SCHEDULES_FILE = "hints.json"
-"""The file's name before 2026-11, adopted once when the scheduler opens."""
 
 
 Action = Callable[[], Any]
@@ -62,13 +58,8 @@ _MAX_PARAMS_BYTES = 64 * 1024
 
 
 def schedules_file(state_dir: str | Path) -> Path:
-    """The edge's schedules file in ``state_dir`` (its disk tier's root), adopting a file of the
-    old name once."""
-    path = Path(state_dir) / SCHEDULES_FILE
-    legacy = path.with_name(LEGACY_SCHEDULES_FILE)
-    if legacy.is_file() and not legacy.is_symlink():  # a directory of that name is a tenant's: never adopt it
-        adopt_legacy_name(path, legacy)
-    return path
+    """The edge's schedules file in ``state_dir`` (its disk tier's root)."""
+    return Path(state_dir) / SCHEDULES_FILE
 
 
 @dataclass(frozen=True, slots=True)

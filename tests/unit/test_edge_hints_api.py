@@ -9,7 +9,7 @@ import pytest
 
 from kdn.edge.clock import FakeClock
 from kdn.edge.operator_hints import HintService
-from kdn.edge.schedules import LEGACY_SCHEDULES_FILE, SCHEDULES_FILE
+from kdn.edge.schedules import SCHEDULES_FILE
 from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.errors import InvalidInput, NotFound
 from kdn.keys import Namespace
@@ -73,11 +73,7 @@ def test_scheduled_document_prefetch_fires_and_survives_restart(tmp_path: Path) 
             # restart: the schedule comes back from .hint-schedules.json
             again = HintService(node, disk_dir=str(tmp_path), clock=clock)
             assert [d["schedule_id"] for d in again.describe()] == [sid]
-            # an edge of the old layout kept them in hints.json: adopted once, under the new name
-            (tmp_path / SCHEDULES_FILE).rename(tmp_path / LEGACY_SCHEDULES_FILE)
-            older = HintService(node, disk_dir=str(tmp_path), clock=clock)
-            assert [d["schedule_id"] for d in older.describe()] == [sid]
-            assert (tmp_path / SCHEDULES_FILE).is_file() and not (tmp_path / LEGACY_SCHEDULES_FILE).exists()
+            assert (tmp_path / SCHEDULES_FILE).is_file()
             # another tenant cannot cancel it; its owner can
             with pytest.raises(NotFound):
                 await again.apply(pb.HintRequest(action=A.CANCEL_SCHEDULE, schedule_id=sid), Namespace("globex"), None, [])

@@ -674,21 +674,3 @@ def test_a_pinned_newcomer_is_never_the_victim_of_its_own_put() -> None:
     assert store.contains(CHAIN[5][0], tenant="acme")
     assert store.stats()["pinned"] == 1 and store.stats()["pinned_bytes_memory"] == SIZE
     check_invariants(store)
-
-
-def test_retention_file_of_an_older_edge_is_adopted_once(tmp_path: Path) -> None:
-    """Before 2026-11 the retention hints were saved as ``.entry-hints.json``: an edge that finds
-    only that name renames it and restores the hints from it."""
-    store = mem_disk(tmp_path, 1, 10)
-    put_all(store, CHAIN[:3])
-    assert store.pin([CHAIN[1][0]], tenant="acme") == 1
-    store.close()
-    disk = tmp_path / "disk"
-    (disk / RETENTION_FILE).rename(disk / ".entry-hints.json")
-    (disk / ".entry-hints.json.4242.tmp").write_text("{half")  # a writer of the old edge died here
-
-    again = mem_disk(tmp_path, 1, 10)
-    assert {s.meta.key for s in again.entries(tenant="acme") if s.pinned} == {CHAIN[1][0]}
-    assert (disk / RETENTION_FILE).is_file()
-    assert not (disk / ".entry-hints.json").exists() and not (disk / ".entry-hints.json.4242.tmp").exists()
-    again.close()

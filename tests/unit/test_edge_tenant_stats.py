@@ -108,23 +108,23 @@ def test_a_corrupt_schedules_file_does_not_stop_the_edge(tmp_path: Path, caplog:
 
 def test_a_tenant_named_like_a_state_file_cannot_touch_it(tmp_path: Path) -> None:
     """Tenant directories share the disk root with the edge's state files: a tenant can never take
-    a state file's name (they start with a dot), and a tenant named like the old schedules file
-    (``hints.json``) keeps its directory and entries across restarts while schedules work."""
-    from kdn.edge.schedules import LEGACY_SCHEDULES_FILE
+    a state file's name (they start with a dot), and a tenant named like a file (``hints.json``)
+    keeps its directory and entries across restarts while schedules work."""
+    TENANT = "hints.json"
     from kdn.edge.store import RETENTION_FILE, DiskTier, MemoryTier, TieredStore
     from kdn.errors import InvalidInput
 
     def store() -> TieredStore:
         return TieredStore([MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20, fsync=False)])
 
-    chain = make_chain(1, namespace=Namespace(LEGACY_SCHEDULES_FILE))
+    chain = make_chain(1, namespace=Namespace(TENANT))
     s = store()
     for name in (SCHEDULES_FILE, RETENTION_FILE, ".", ".."):
         with pytest.raises(InvalidInput):
             s.put(chain.blobs[0], tenant=name)
-    s.put(chain.blobs[0], tenant=LEGACY_SCHEDULES_FILE)
+    s.put(chain.blobs[0], tenant=TENANT)
     s.close()
-    assert (tmp_path / LEGACY_SCHEDULES_FILE).is_dir()
+    assert (tmp_path / TENANT).is_dir()
 
     async def main() -> None:
         async with InMemoryOverlay(1, origin=origin_with([])) as ov:
@@ -134,7 +134,7 @@ def test_a_tenant_named_like_a_state_file_cannot_touch_it(tmp_path: Path) -> Non
                 assert [d["schedule_id"] for d in hints.describe()] == ["s1"]
 
     asyncio.run(main())
-    assert (tmp_path / LEGACY_SCHEDULES_FILE).is_dir() and (tmp_path / SCHEDULES_FILE).is_file()
+    assert (tmp_path / TENANT).is_dir() and (tmp_path / SCHEDULES_FILE).is_file()
     again = store()
-    assert again.get(chain.keys[0], tenant=LEGACY_SCHEDULES_FILE) is not None  # the tenant's entry is intact
+    assert again.get(chain.keys[0], tenant=TENANT) is not None  # the tenant's entry is intact
     again.close()

@@ -7,9 +7,6 @@ the directory). A TTL is saved as a wall-clock deadline (``expires_unix``). On r
 are re-applied to the entries the disk brought back, and an entry whose TTL ran out while the edge
 was down is dropped. Hints of memory-only entries die with them.
 
-Until 2026-11 the file was called ``.entry-hints.json`` (:data:`LEGACY_RETENTION_FILE`); an edge
-that finds only the old name renames it once on start.
-
 A save never raises (hints are advice): a failure is logged and counted (``hint_save_failures``).
 Saves may race: each carries the sequence number of its snapshot, and one older than a snapshot
 already written is skipped.
@@ -24,22 +21,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kdn.blobstore import adopt_legacy_name, sweep_file_tmp, write_json_atomic
+from kdn.blobstore import sweep_file_tmp, write_json_atomic
 from kdn.edge.clock import Clock
 from kdn.edge.store.index import Entry, StoreIndex, check_priority
 from kdn.edge.store.tiers import EntryId
 from kdn.errors import KdnError
 from kdn.keys import ChunkKey
 
-__all__ = ["LEGACY_RETENTION_FILE", "RETENTION_FILE", "RetentionFile"]
+__all__ = ["RETENTION_FILE", "RetentionFile"]
 
 log = logging.getLogger(__name__)
 
 RETENTION_FILE = ".entry-retention.json"
 """Where pins, priorities and TTLs are saved: in the first tier with a state directory (the disk)."""
-
-LEGACY_RETENTION_FILE = ".entry-hints.json"
-"""The file's name before 2026-11, adopted once on start."""
 
 
 class RetentionFile:
@@ -114,10 +108,6 @@ class RetentionFile:
         path = self.path
         if path is None:
             return None
-        try:
-            adopt_legacy_name(path, path.with_name(LEGACY_RETENTION_FILE))
-        except OSError as exc:
-            log.warning("could not adopt %s: %s", LEGACY_RETENTION_FILE, exc)
         sweep_file_tmp(path)
         try:
             doc = json.loads(path.read_text(encoding="utf-8"))
