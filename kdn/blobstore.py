@@ -94,7 +94,7 @@ class BlobStore:
             return False
 
     def scan(self) -> Iterator[BlobInfo]:
-        """Every complete blob on disk (used to rebuild indexes on restart)."""
+        """Every complete blob on disk (indexes are rebuilt from it on restart)."""
         if not self.root.is_dir():
             return
         for prefix_dir in self.root.iterdir():

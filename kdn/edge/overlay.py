@@ -1,7 +1,7 @@
 """Overlay membership: who the members are, which are up, and who owns a key.
 
-Members come from a static list or from a provider callable (issue 7 plugs the Ray registry in
-here); :meth:`Overlay.refresh` re-reads the provider. Ownership is :class:`kdn.placement.Placement`
+Members come from a static list or from a provider callable (on a Ray cluster, the registry
+actor); :meth:`Overlay.refresh` re-reads the provider. Ownership is :class:`kdn.placement.Placement`
 (weighted, R distinct replicas). Health is local knowledge: a member that fails a call is marked
 down and skipped — its keys go to the next owners in preference order — until a backoff has
 passed; then it is offered again ("half-open"): success marks it up and its keys come back, a new

@@ -14,7 +14,7 @@ at the loop's current time), one registry (:data:`POLICIES`).
 A policy receives a :class:`~kdn.simulator.context.Context` (the clock, the cost model, the links,
 the origin, the GPU pools) and never the run itself. Serving a request is: find the leading run
 the edges hold, let :meth:`Context.choose` apply the fetch-or-recompute rule (the same for every
-policy), hand the frozen :class:`~kdn.simulator.tally.Plan` of what was used to
+policy), hand the frozen :class:`~kdn.simulator.tally.Plan` of what serves it to
 :meth:`Context.finish`, then update the caches and publish what was computed.
 
 The edge's own code under simulated time: ``popularity_push`` fires its pushes from the edge's

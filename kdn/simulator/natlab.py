@@ -1,4 +1,4 @@
-"""A lab of two sites behind NAT and a public segment, in network namespaces (issue 18).
+"""A lab of two sites behind NAT and a public segment, in network namespaces.
 
 Layout (``ip netns``, so it needs root; every name carries the lab's prefix)::
 

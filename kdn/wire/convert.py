@@ -10,8 +10,8 @@ Rules, stated once:
   ``MessageTooLarge`` *before* any key is parsed.
 - **Namespaces**: every request names its tenant. An empty tenant is not a wildcard and not a
   default: it fails :class:`kdn.keys.Namespace`'s validation (``InvalidInput``), at the edge and
-  at the origin alike — before the token is checked, so auth never sees an unnamed tenant. (The
-  origin used to read an empty tenant as ``"default"``; every KDN client always names one.)
+  at the origin alike — before the token is checked, so auth never sees an unnamed tenant. Every
+  KDN client always names one.
 - **Put** streams a header first, then data; the declared size bounds what is accepted.
 
 Nothing here does I/O or touches gRPC itself: the functions are pure and cheap, and the Fetch

@@ -136,7 +136,7 @@ class StorageTier(ABC):
 
     @abstractmethod
     def metas(self) -> Iterable[EntryMeta]:
-        """Metadata of every entry held, oldest first (used to rebuild the store's index)."""
+        """Metadata of every entry held, oldest first (the store rebuilds its index from it)."""
 
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release resources. The default does nothing."""
