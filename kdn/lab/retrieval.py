@@ -26,54 +26,19 @@ LM can be downloaded here. So KDN trains one, in minutes, on this task:
 ``kdn model train-reference --task retrieval [--preset default|tiny] [--out DIR]``; default
 location ``$KDN_CACHE/retrieval-model``.
 
-Status, measured on the shared 2-core machine (2026-11-30). First round: the model did **not** learn
-this task in the budget. Every configuration tried (4x16 and 2x32 heads, 512/128/100 keys, 1,500 steps of 16
-sequences, lr 3e-3..1e-2, with and without an induction warm-up) stays on the plateau where it
-predicts "some value word" (loss ~ ln(num_values)) and scores 0% with full prefill on held-out
-prompts; even a 1-layer model does not learn to copy *any* value from context within 200 steps,
-while the same model learns a fixed-offset copy in ~75. The retrieval circuit (an induction head)
-needs more optimisation than 15 CPU-minutes give here; the quality goal of blending is therefore
-not shown on a model that reads.
+Why the recipe has three phases (each is needed on 2 CPU cores within the training budget):
 
-A second round (same machine, one thread, ~50k tokens/s at hidden 64) at first did not change that. With
-one-word answers (``value_words=1``, so the answer is a pure induction copy), 2-layer models
-(hidden 64/128, 2-16 heads, tied and untied embeddings, init 0.02/0.1, lr 1e-3..1e-2) and a
-curriculum of mini-documents (8-16 words, 2-4 facts, 1-3 documents, 32-64 sequences a step):
-the loss falls in ~200 steps to the "copy some value of the context" level (ln of the number of
-candidates, down to ln 2 with two facts) and stays there for 700-2,500 steps; held-out accuracy at
-8 documents stays at chance. Pure induction on repeated random words (16 words, random gap, V=200,
-hidden 128) stays at ln V for 1,200 steps, also with an auxiliary ``a b a`` task that *does* train
-a previous-token head in ~300 steps, and with a previous-token head set at init (RoPE phases that
-peak at offset 1, shared embedding direction; 81% attention to the previous word at init): the
-matching head of layer 1 does not form within these budgets, while a fixed-offset copy of the same
-model is learned in 50 steps. Facts written value-first (``VAL KEY .``, so layer 1 matches the
-key word itself and reads the value the previous-token head put there), with and without that
-auxiliary task, and facts as one compound word per key-value pair (a 1-layer lookup) stayed on
-their plateaus too (1,100 and 400 steps). What is missing is the matching step of layer 1, not
-the previous-token head; how many more steps it needs was not measured (no run left the plateau).
+- **induction, in batches of 128**: the task needs an induction head (match the key, copy the
+  value after it). With 32 sequences a step the loss stays at ln(num_values) for 1,200 steps and
+  more; with 128 it leaves that plateau at about 400 (3 layers: about 500);
+- **induction at long range**: the first phase copies from 16-48 words back, while a question sits
+  up to ~1,000 words after its fact, and the task alone does not stretch the reach; a copy a random
+  distance up to 1,024 words back (one bound per step, 4,096-8,192 tokens a step) does;
+- **the task**, 2-10 documents, then learns fast (the last steps with a decaying rate).
 
-**What made the difference: batch size.** The same pure-induction warm-up (16 random words repeated
-after a gap of up to 32, hidden 128, 4 heads) leaves the plateau at ~400 steps with 128 sequences a
-step (loss 5.3 -> 0.3 by step 650), where 32 a step had not by 1,200. That warm-up (600 steps, batch
-128, ~5 min) followed by the task (batch 8, mostly 1-2 documents) gave 43.0% held-out accuracy at 8
-documents in 6.7 min, and the recipe was fragile (1,500 steps: 4.5%).
-
-**Third round: induction at long range.** The warm-up's induction does not reach far: right after it
-the model scores 0% at 2 documents as well as at 8 (its copies sat 16-48 words back; a question sits
-up to ~1,000 words after its fact), and the task alone does not extend it quickly: from the warm-up,
-200-350 task steps at 1e-3 or 2.5e-4, on 1-10 documents or a 1-2 -> 10 document ramp, stayed at
-loss ~4 and <= 12% (50 held-out prompts). A second warm-up phase, the same copy task with the copy a
-random distance up to 64/128/256/512/1024 words back (one bound per step, 4,096-8,192 tokens a
-step, lr 5e-4), reaches long range: then the task (batch 8, 2-10 documents, 32 questions, constant
-lr 3e-4) learns fast. From 300 long-range steps of 8,192 tokens: 82% at 8 documents after 50 task
-steps, 96% after 75; from 150 steps of 4,096 tokens: 78% after 125 task steps. With 600 warm-up +
-150 long-range (4,096 tokens) + 200 task steps (the last 40 decaying), 2 layers reach **98.5%
-held-out accuracy with full prefill** (200 prompts of 8 documents, chance 1/64) in 526 s on one
-thread (load average 3.3 at the start, 1.1 at the end), and 3 layers 98.5% in 667 s (load ~1.2;
-their warm-up leaves the plateau at ~500 steps instead of ~380). The default preset is the 3-layer
-one: with 2 layers, blend's check layer (1) makes its recompute exact by construction, so only a
-deeper model tests it. Its run with ``kdn model train-reference --task retrieval``: 98.5% in 661 s (11.0 min wall,
-one thread, load average 1.2 at the start and 1.0 at the end), the same weights as the run above.
+The default preset has 3 layers: with 2, blend's check layer (1) makes its recompute exact by
+construction, so only a deeper model tests it. What it reaches (held-out accuracy with full
+prefill, time on one thread) is written in ``kdn_reference.json`` and in ``docs/blend.md``.
 """
 
 from __future__ import annotations
