@@ -23,17 +23,9 @@ from the held-out set's), with the answer at random positions, never the held-ou
 Reported per variant and position: accuracy (every answer word right, greedy) with a 95% Wilson
 interval, the paired difference from plain on the same prompts with a 95% interval, the stored
 bytes (raw container; identical by construction: same shape and dtype), and the median time from
-cached KV to the answer's logits. Goal (issue 14): some variant with correct marks raises middle
-accuracy by >= 5 points and loses <= 1 point at the start and the end.
-
-Status, measured on the shared 2-core machine (2026-11-30, ``benchmarks/steer.py``, BENCHMARKS.md
-"Steered KV"): on the 2-layer retrieval model (43% held-out) key-edit with correct marks meets the
-goal on two seeds (middle +33.5 / +34.0 points, start +6.5 / +15.0, end +33.0 / +20.0; the
-calibration chose all four layer-1 heads at 8 nats both times); wrong marks cost 8.5-31 points;
-re-read, whole or marked, loses 4-28 points on this model. On retrieval-v2 (98.5% held-out) plain
-accuracy is 1.000 in the middle and at the end, so the goal cannot be shown there; key-edit does not
-lift its start (0.870 -> 0.875), and re-read loses again; on the 3-layer v2 (98.5%) key-edit costs
-5 points at the start (0.980 -> 0.930) with nothing to gain in the middle.
+cached KV to the answer's logits. Goal: some variant with correct marks raises middle accuracy
+by >= 5 points and loses <= 1 point at the start and the end. Figures: ``benchmarks/steer.py``
+(BENCHMARKS.md) and ``docs/steering.md``.
 """
 
 from __future__ import annotations
