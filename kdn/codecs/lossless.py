@@ -265,7 +265,13 @@ class ZstdCodec(_PlaneCodec):
         return self._contexts()[0].compress(plane)
 
     def _decompress(self, data: memoryview, size: int) -> bytes:
+        # zstandard allocates the size a frame header declares and ignores max_output_size when
+        # one is declared: a declared size is checked against the section's before anything is
+        # allocated (an undeclared one is bounded by max_output_size)
         try:
+            declared = zstandard.frame_content_size(data)
+            if declared > size:
+                raise ArtifactCorrupt(f"zstd plane declares {declared} bytes, the section holds {size}")
             out = self._contexts()[1].decompress(data, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise ArtifactCorrupt(f"zstd plane does not decode: {exc}") from exc
