@@ -1,0 +1,98 @@
+"""BENCHMARKS.md is generated: benchmarks/report.py from benchmarks/results/*.json, the same bytes
+every time, and what is on disk is what the results make."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def report():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("report")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def results(report):
+    return importlib.import_module("_results")
+
+
+def test_benchmarks_md_is_what_the_results_make(report) -> None:
+    text = report.render(report.load())
+    assert (REPO / "BENCHMARKS.md").read_text(encoding="utf-8") == text, \
+        "BENCHMARKS.md differs from the results: run python benchmarks/report.py"
+    assert report.render(report.load()) == text  # the same bytes again
+
+
+def test_report_script_is_byte_identical_when_rerun(tmp_path: Path) -> None:
+    """`python benchmarks/report.py` twice on the same results, in a copy of benchmarks/ (the
+    scripts, whose METHOD the report reads, and a link to the results)."""
+    (tmp_path / "benchmarks").mkdir()
+    for f in BENCH.glob("*.py"):
+        (tmp_path / "benchmarks" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "benchmarks" / "results").symlink_to(BENCH / "results")
+    outs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "benchmarks/report.py"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        outs.append((tmp_path / "BENCHMARKS.md").read_bytes())
+    assert outs[0] == outs[1] == (REPO / "BENCHMARKS.md").read_bytes()
+    check = subprocess.run([sys.executable, "benchmarks/report.py", "--check"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
+
+
+def test_every_record_names_its_script_and_plots(report) -> None:
+    records = report.load()
+    assert records
+    for doc in records:
+        assert (REPO / doc["script"]).is_file(), doc["name"]
+        for p in doc["plots"]:
+            assert (REPO / p).is_file(), (doc["name"], p)
+        for g in doc["goals"]:
+            assert g["met"] in (True, False, None), (doc["name"], g)
+
+
+def test_record_round_trip(tmp_path: Path, results, report) -> None:
+    rec = results.Record(BENCH / "overlay.py", "probe", "A probe", ["--quick"])
+    rec.goal("ratio", ">= 2x", [1.5, 2.5, 3.0], at_least=2)
+    rec.goal("latency", "<= 5 ms", [6.0], at_most=5, unit="ms")
+    rec.goal("diagnostic", "—", median=7.0)
+    rec.markdown(["Intro with figures:", "", "| a | b |", "|---|---|", "| 1 | 2 |", "", "### Part two", "- item"])
+    path = rec.save(report=False, load_end=1.5, results=tmp_path)
+    doc = json.loads(path.read_text())
+    assert doc["command"] == "python benchmarks/overlay.py --quick"
+    assert [g["met"] for g in doc["goals"]] == [True, False, None]
+    assert doc["goals"][0]["median"] == 2.5 and doc["goals"][0]["min"] == 1.5 and doc["goals"][0]["rounds"] == 3
+    assert [b["kind"] for b in doc["body"]] == ["table", "heading", "note"]
+    assert doc["body"][0]["title"] == "Intro with figures"
+    hist = (tmp_path / "history.jsonl").read_text().splitlines()
+    assert len(hist) == 1 and json.loads(hist[0])["name"] == "probe"
+    rec.save(report=False, results=tmp_path)
+    assert len((tmp_path / "history.jsonl").read_text().splitlines()) == 2  # history grows, the record is replaced
+    text = report.render(report.load(tmp_path))
+    assert "| ratio | >= 2x | 2.50x [1.50–3.00] | 3 | MET |" in text
+    assert "| latency | <= 5 ms | 6.00 ms | 1 | **NOT MET** |" in text
+    assert "### Part two" in text
+
+
+def test_a_bad_record_is_a_clear_error(tmp_path: Path, report) -> None:
+    (tmp_path / "bad.json").write_text(json.dumps({"schema": "kdn.benchmark/1", "name": "bad"}))
+    with pytest.raises(report.ResultsError, match=r"bad\.json: field 'title'"):
+        report.load(tmp_path)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(report.ResultsError, match=r"bad\.json: not JSON"):
+        report.load(tmp_path)
