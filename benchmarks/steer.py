@@ -2,9 +2,12 @@
 with wrong marks, on held-out prompts of a retrieval reference model; reuse time and bytes fetched.
 
     python benchmarks/steer.py --model /path/to/retrieval-model [--prompts 200] [--no-append]
+    python benchmarks/steer.py --render benchmarks/results/steer/<tag>.json   # record a saved run again
 
-Prints a table, writes ``benchmarks/results/steer-<model>.json`` and ``.png``, appends a section to
-BENCHMARKS.md ("Steered KV"). The harness is :mod:`kdn.lab.steer_eval` (``kdn eval-steer``).
+Prints a table, writes the harness's raw results to ``benchmarks/results/steer/<tag>.json`` and the
+plot to ``benchmarks/results/steer-<tag>.png``, and records the run as ``steer-<tag>`` (one record
+per model, document count and seed; ``benchmarks/_results.py``). The harness is
+:mod:`kdn.lab.steer_eval` (``kdn eval-steer``).
 """
 
 from __future__ import annotations
@@ -19,11 +22,22 @@ from typing import Any
 
 import torch
 
+from _results import Record
 from kdn.lab import steer_eval
 from kdn.lab.steer_eval import POSITIONS
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+RAW = RESULTS / "steer"
+
+METHOD = """Held-out prompts `R : doc_1 … doc_n ? KEY` of a retrieval reference model, with the answer's
+document at the start, in the middle or at the end of the context; the context is stored as chunks
+and reused, the partial last chunk and the question prefilled at reuse. Each variant (plain,
+key-edit with the calibrated heads and strength, re-read, re-read of the marked document, each also
+with wrong marks on a distractor) is scored on the same prompts: accuracy with a 95% Wilson
+interval, and the paired difference from plain with its 95% interval. Marks are the answer's
+document (an operator who knows where the answer is). Goal: a variant with correct marks raises
+middle accuracy by at least 5 points and loses at most 1 point at the start and the end."""
 
 
 def plot(res: dict[str, Any], path: Path) -> bool:
@@ -75,13 +89,10 @@ def plot(res: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def markdown(res: dict[str, Any]) -> str:
-    now = res.get("when") or dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def body(res: dict[str, Any]) -> list[str]:
+    """The run's description, its table and the bytes note, as Markdown lines."""
     c = res["calibration"]
-    lines = [f"## Steered KV ({now})", "",
-             f"Command: `{res['command']}` — 2 CPU cores shared with other work (load average at the end: "
-             f"{res['load_average'][0]:.2f} {res['load_average'][1]:.2f} {res['load_average'][2]:.2f}).", "",
-             f"Model `{res['model']}` ({res['layers']} layers, {res['heads']} KV heads); held-out prompts `R : doc_1 … "
+    lines = [f"Model `{res['model']}` ({res['layers']} layers, {res['heads']} KV heads); held-out prompts `R : doc_1 … "
              f"doc_{res['documents']} ? KEY` ({res['context_tokens']} context tokens, stored as chunks of "
              f"{res['chunk_size']}; the partial last chunk and the question are prefilled at reuse), "
              f"{res['prompts_per_position']} per position; the answer's document is the first (start), the "
@@ -106,13 +117,32 @@ def markdown(res: dict[str, Any]) -> str:
     lines += ["", f"Bytes fetched at reuse: the KV payload is identical for every variant (same shape and dtype); a "
               f"steered chunk's header also carries its spec, so its container is a little larger "
               f"({extra} over {plain_b:,} B plain). Reuse time is the same code path (load cached KV, prefill tail + question)."]
-    lines += ["", "Goal (issue 14): a variant with correct marks raises middle accuracy by ≥ 5 points and loses ≤ 1 point "
-              "at the start and the end."]
-    for line in steer_eval.goal_lines(res):
-        lines.append(f"- {line}")
-    if res.get("plot"):
-        lines += ["", f"![steered KV]({res['plot']})"]
+    return lines
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """What the terminal shows: the body and one line per goal."""
+    lines = [f"Steered KV, {res.get('when', '')}: `{res['command']}`", "", *body(res), ""]
+    lines += [f"- {line}" for line in steer_eval.goal_lines(res)]
     return "\n".join(lines) + "\n"
+
+
+def record(res: dict[str, Any], tag: str, argv: list[str], load_start: float | None) -> None:
+    docs = f", {res['documents']} documents" + (f", seed {res['seed']}" if res.get("seed") else "")
+    rec = Record(__file__, f"steer-{tag}", f"Steered KV: {Path(res['model']).name}{docs}", argv, method="steer",
+                 command=res["command"])
+    if res.get("when"):
+        rec.doc["utc"] = res["when"]
+    rec.doc["load"]["start"] = load_start
+    for name, g in res["goal"].items():
+        rec.goal(f"{name}, correct marks: middle Δ (95% CI); start {g['start_change'] * 100:+.1f}, "
+                 f"end {g['end_change'] * 100:+.1f}", "≥ +5 points in the middle, ≥ −1 elsewhere",
+                 median=g["middle_gain"] * 100, lo=g["middle_gain_ci95"][0] * 100, hi=g["middle_gain_ci95"][1] * 100,
+                 unit="points", digits=1, met=bool(g["met"]))
+    rec.markdown(body(res))
+    if res.get("plot"):
+        rec.plot(REPO / res["plot"])
+    rec.save(load_end=round(res["load_average"][0], 2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,39 +153,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", default="1,2,4", help="other key-edit strengths shown beside the calibrated one")
-    p.add_argument("--no-append", action="store_true")
+    p.add_argument("--no-append", action="store_true", help="print only; record nothing")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--render", type=Path, help="re-render the markdown of a saved results JSON (no run)")
+    p.add_argument("--render", type=Path, help="record a saved raw results JSON again (no run)")
     args = p.parse_args(argv)
     if args.render:
         res = json.loads(args.render.read_text())
         if res.get("plot"):
             plot(res, REPO / res["plot"])
-        md = markdown(res)
-        print(md)
+        print(markdown(res))
         if not args.no_append:
-            with open(REPO / "BENCHMARKS.md", "a") as fh:
-                fh.write("\n" + md)
+            record(res, args.render.stem, argv if argv is not None else sys.argv[1:], None)
         return 0
+    argv = list(argv if argv is not None else sys.argv[1:])
+    load_start = round(os.getloadavg()[0], 2)
     torch.set_num_threads(1)
     res = steer_eval.run(str(args.model), prompts=args.prompts, docs=args.docs, cal_prompts=args.cal_prompts,
                          seed=args.seed, sweep=[float(x) for x in args.sweep.split(",") if x], log=lambda s: print(s, file=sys.stderr))
     res.pop("_cal")
-    res["command"] = "PYTHONPATH=. python benchmarks/steer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    res["command"] = "python benchmarks/steer.py " + " ".join(argv)
+    res["seed"] = args.seed
     res["load_average"] = os.getloadavg()
     res["when"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    stem = (f"steer-{args.model.name}" + (f"-seed{args.seed}" if args.seed else "")
-            + (f"-docs{args.docs}" if args.docs != 8 else ""))
-    png = RESULTS / f"{stem}.png"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")  # kept if the plot fails
+    tag = (args.model.name + (f"-seed{args.seed}" if args.seed else "") + (f"-docs{args.docs}" if args.docs != 8 else ""))
+    png = RESULTS / f"steer-{tag}.png"
+    RAW.mkdir(parents=True, exist_ok=True)
+    (RAW / f"{tag}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")  # kept if the plot fails
     res["plot"] = str(png.relative_to(REPO)) if plot(res, png) else None
-    (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
-    md = markdown(res)
-    print(json.dumps(res, indent=2, default=str) if args.json else md)
+    (RAW / f"{tag}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    print(json.dumps(res, indent=2, default=str) if args.json else markdown(res))
     if not args.no_append:
-        with open(REPO / "BENCHMARKS.md", "a") as fh:
-            fh.write("\n" + md)
+        record(res, tag, argv, load_start)
     return 0
 
 
