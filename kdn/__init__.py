@@ -13,7 +13,8 @@ One import root, four floors. A request's path reads off the folder names::
 Floors (each may import only its own floor and the floors below it):
 
 0. **contracts** — what every part agrees on and nothing else: ``errors``, ``keys``, ``kv``,
-   ``models``, ``prefill``, ``artifact``, ``codecs``, ``placement``, ``config``, ``blobstore``,
+   ``models`` (and ``pretrained``: trained built-ins converted once), ``prompts`` (how a
+   request's text becomes the engine's tokens), ``prefill``, ``artifact``, ``codecs``, ``placement``, ``config``, ``blobstore``,
    ``procs``, ``console``, ``proto`` (generated stubs), ``segments`` (position-free document KV)
    ``blend`` (re-placing segments and recomputing a share of them, run by hosts and the lab) and
    ``steer`` (steered variants: their specs, chain roots and the methods the origin runs).

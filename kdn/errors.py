@@ -4,6 +4,7 @@
     ├── InvalidInput              a caller gave us something malformed (ValueError too)
     │   ├── UnknownCodec          codec name/id not in the registry
     │   ├── UnknownModel          model spec that is neither built in nor a model directory
+    │   │   └── ModelInstallError a trained built-in whose package is missing or whose files are unusable
     │   ├── UnsupportedModel      a model an operation cannot serve correctly (e.g. a RoPE variant blend can't move)
     │   └── MessageTooLarge       a declared or received size above the configured bound
     ├── ArtifactError             bytes of an artifact container are unusable
@@ -37,6 +38,11 @@ class UnknownCodec(InvalidInput):
 
 class UnknownModel(InvalidInput):
     """A model spec that is neither a built-in name nor a local model directory."""
+
+
+class ModelInstallError(UnknownModel):
+    """A trained built-in model whose package is not installed, or whose installed or converted
+    files are unusable (the message says how to install or repair it)."""
 
 
 class UnsupportedModel(InvalidInput):

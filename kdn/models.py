@@ -1,12 +1,17 @@
 """Model specs, loading, and the model fingerprint.
 
-A *model spec* is either the name of a built-in spec (seeded random init from a config, with an
-offline byte-level tokenizer) or the path of a local Hugging Face model directory (config +
-safetensors weights + tokenizer). Built-in specs:
+A *model spec* is the name of a built-in model or the path of a local Hugging Face model
+directory (config + safetensors weights + tokenizer). Built-in models:
 
-- ``tiny``       ~0.3M parameters, Llama-shaped with grouped-query attention (tests)
-- ``tiny-mha``   the same with plain multi-head attention (tests)
-- ``small-125m`` ~125M parameters, Llama-shaped with GQA (timing, the demo)
+- ``smollm2-135m`` SmolLM2-135M-Instruct, trained and instruction-tuned (:mod:`kdn.pretrained`:
+  installed from a registry package, converted once into a cached directory): what users meet
+  first and what every quality figure is measured on
+- ``tiny``         ~0.3M parameters, seeded random init, Llama-shaped with GQA (tests)
+- ``tiny-mha``     the same with plain multi-head attention (tests)
+- ``small-125m``   ~125M parameters, seeded random init, Llama-shaped with GQA (timing and
+  exactness: the cost of a real model of its size, with answers that are noise)
+
+Random-init specs have an offline byte-level tokenizer; the others bring their own.
 
 The fingerprint is a digest of everything that changes KV: architecture config, weights identity,
 dtype, KV layout version and chunk size. Origin and inference host compute it independently and
@@ -17,13 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Iterator
 
 import torch
 
 from kdn.errors import InvalidInput, UnknownModel
+from kdn.prompts import ByteTokenizer, HFTokenizer, Tokenizer
 from kdn.keys import DEFAULT_CHUNK_SIZE, KEY_BYTES, ModelFingerprint
 from kdn.kv import KV_LAYOUT_VERSION, KVShape
 
@@ -32,42 +39,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-
-
-class Tokenizer(Protocol):
-    """What KDN needs of a tokenizer."""
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 3..258; 0 = pad, 1 = bos, 2 = eos. Works offline, never fails."""
-
-    vocab_size = 259
-    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
-    _OFFSET = 3
-
-    def encode(self, text: str) -> list[int]:
-        return [b + self._OFFSET for b in text.encode("utf-8")]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        raw = bytes(i - self._OFFSET for i in ids if self._OFFSET <= i < 256 + self._OFFSET)
-        return raw.decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """Adapter for a ``transformers`` tokenizer loaded from a local directory."""
-
-    def __init__(self, tok: Any) -> None:
-        self._tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +102,20 @@ class LoadedModel:
     def max_positions(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
 
+    @property
+    def directory(self) -> Path | None:
+        """The model directory an engine loads (None for a random-init spec)."""
+        from kdn.pretrained import installed_dir, is_pretrained
+
+        if is_pretrained(self.spec):
+            return installed_dir(self.spec)
+        return Path(self.spec) if is_model_dir(self.spec) else None
+
+    @property
+    def untrained(self) -> bool:
+        """Random weights: the timings are real, the text is noise."""
+        return self.spec in BUILTIN_SPECS
+
 
 def resolve_dtype(dtype: str) -> torch.dtype:
     try:
@@ -142,6 +127,29 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 def is_model_dir(spec: str) -> bool:
     p = Path(spec)
     return p.is_dir() and (p / "config.json").is_file()
+
+
+def builtin_names() -> list[str]:
+    from kdn.pretrained import PRETRAINED
+
+    return [*PRETRAINED, *BUILTIN_SPECS]
+
+
+def check_spec(spec: str) -> None:
+    """Refuse a spec :func:`load_model` would refuse, without loading weights (a trained built-in
+    is converted here if this machine has no directory for it yet)."""
+    if spec in BUILTIN_SPECS:
+        return
+    if not is_model_dir(resolve_spec(spec)):
+        raise UnknownModel(f"unknown model spec {spec!r}: not a built-in ({', '.join(builtin_names())}) "
+                           "and not a directory with a config.json")
+
+
+def resolve_spec(spec: str) -> str:
+    """The directory a trained built-in name stands for (converting it on first use), or ``spec``."""
+    from kdn.pretrained import is_pretrained, model_dir
+
+    return str(model_dir(spec)) if is_pretrained(spec) else spec
 
 
 def load_model(
@@ -162,22 +170,54 @@ def load_model(
             model = LlamaForCausalLM(cfg)
         tokenizer: Tokenizer = ByteTokenizer()
         weights_id = f"builtin:{b.name}:seed={b.seed}:torch={torch.__version__.split('+')[0]}"
-    elif is_model_dir(spec):
-        path = Path(spec)
+        fp = model_fingerprint(cfg, weights_id=weights_id, dtype=dtype, chunk_size=chunk_size)
+    elif is_model_dir(resolved := resolve_spec(spec)):
+        path = Path(resolved)
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, config=cfg, local_files_only=True, attn_implementation=attn, dtype=torch.float32
-        )
+        with _quiet_progress():
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=cfg, local_files_only=True, attn_implementation=attn, dtype=torch.float32
+            )
         tokenizer = _load_dir_tokenizer(path)
-        weights_id = "sha:" + _weights_digest(path)
+        fp = dir_fingerprint(path, dtype=dtype, chunk_size=chunk_size)
     else:
         raise UnknownModel(
-            f"unknown model spec {spec!r}: not a built-in ({', '.join(BUILTIN_SPECS)}) "
+            f"unknown model spec {spec!r}: not a built-in ({', '.join(builtin_names())}) "
             "and not a directory with a config.json"
         )
     model = model.to(torch_dtype).eval()
-    fp = model_fingerprint(model.config, weights_id=weights_id, dtype=dtype, chunk_size=chunk_size)
     return LoadedModel(spec, model, tokenizer, fp, dtype, chunk_size)
+
+
+@contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """No progress bar for a load of a second or two (transformers draws one per load)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def dir_fingerprint(path: str | Path, *, dtype: str, chunk_size: int) -> ModelFingerprint:
+    """The fingerprint of a model directory: its ``config.json`` as written (not as one
+    transformers release re-reads it, so an origin and an engine on different releases agree),
+    the digest of its ``*.safetensors`` bytes, dtype and chunk size."""
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UnknownModel(f"{path / 'config.json'} is unreadable: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise UnknownModel(f"{path / 'config.json'} does not hold a mapping")
+    return model_fingerprint(cfg, weights_id="sha:" + _weights_digest(path), dtype=dtype, chunk_size=chunk_size)
 
 
 def model_fingerprint(config: Any, *, weights_id: str, dtype: str, chunk_size: int) -> ModelFingerprint:

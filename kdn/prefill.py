@@ -1,7 +1,8 @@
 """Prefill into chunks: the one way origin workers and inference hosts turn tokens into chunk KV.
 
 Both sides must agree on three things or their keys and KV differ: how text becomes tokens
-(:func:`document_tokens`), which chunks exist (:func:`plan_chunks`), and the forward pass that
+(:func:`document_tokens`: the engine's own tokens for a request that starts with the document, in
+its :mod:`kdn.prompts` layout), which chunks exist (:func:`plan_chunks`), and the forward pass that
 produces their KV (:func:`prefill_chunks`).
 
 Documents longer than the model window: a chunk's KV depends on every token before it, and a
@@ -25,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from kdn import prompts
 from kdn.errors import InvalidInput
 from kdn.kv import split_cache
 from kdn.models import LoadedModel
@@ -66,9 +68,10 @@ def plan_chunks(n_tokens: int, chunk_size: int, max_positions: int) -> ChunkPlan
     )
 
 
-def document_tokens(lm: LoadedModel, text: str) -> list[int]:
-    """Tokens of a document as both origin and inference host compute them (no special tokens)."""
-    return list(lm.tokenizer.encode(text))
+def document_tokens(lm: LoadedModel, text: str, layout: str = "text") -> list[int]:
+    """Tokens of a document as both origin and inference host compute them: the first tokens of
+    every request that carries ``text`` in ``layout`` (:func:`kdn.prompts.document_tokens`)."""
+    return prompts.document_tokens(lm.tokenizer, text, layout)
 
 
 CUT_MARGIN = 64  # tokens dropped before a cut in the text: they might differ from the whole text's
@@ -85,7 +88,9 @@ class WindowTokens:
     complete: bool
 
 
-def window_tokens(lm: LoadedModel, text: str, limit: int | None = None, *, text_complete: bool = True) -> WindowTokens:
+def window_tokens(
+    lm: LoadedModel, text: str, limit: int | None = None, *, text_complete: bool = True, layout: str = "text"
+) -> WindowTokens:
     """The first tokens of ``text`` up to ``limit`` (default: the model window; 0 = no bound),
     tokenizing growing prefixes so the tokenizer never sees much more than the window needs.
 
@@ -94,12 +99,12 @@ def window_tokens(lm: LoadedModel, text: str, limit: int | None = None, *, text_
     """
     limit = lm.max_positions if limit is None else limit
     if limit <= 0:
-        toks = document_tokens(lm, text)
+        toks = document_tokens(lm, text, layout)
         return WindowTokens(toks, len(toks), text_complete) if text_complete else _cut(toks, len(toks))
     want = limit + CUT_MARGIN
     n = min(len(text), 4 * want + 1024)
     while True:
-        toks = document_tokens(lm, text[:n])
+        toks = document_tokens(lm, text[:n], layout)
         if n >= len(text):
             if text_complete:
                 return WindowTokens(toks, len(toks), True)

@@ -18,7 +18,7 @@ KDN = Path(__file__).resolve().parents[2] / "kdn"
 CONTRACTS = {
     "kdn.errors", "kdn.keys", "kdn.kv", "kdn.models", "kdn.prefill", "kdn.artifact", "kdn.codecs",
     "kdn.placement", "kdn.config", "kdn.blobstore", "kdn.procs", "kdn.console", "kdn.proto", "kdn.segments",
-    "kdn.blend", "kdn.steer",
+    "kdn.blend", "kdn.steer", "kdn.pretrained", "kdn.prompts",
 }  # fmt: skip
 WIRE = {"kdn.wire"}
 CLIENT = {"kdn.client", "kdn.client_transport"}
