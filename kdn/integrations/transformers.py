@@ -42,8 +42,9 @@ from kdn.integrations.records import KdnModel, Result, Timings
 from kdn.errors import InvalidInput
 from kdn.keys import DEFAULT_CHUNK_SIZE, ModelFingerprint
 from kdn.prefill import greedy_tail
+from kdn.prompts import chat_tokens
 from kdn.kv import KVShape, cache_from_layers
-from kdn.models import DTYPES, HFTokenizer, LoadedModel, Tokenizer, _weights_digest, is_model_dir, model_fingerprint
+from kdn.models import DTYPES, HFTokenizer, LoadedModel, Tokenizer, _weights_digest, dir_fingerprint, is_model_dir, model_fingerprint
 
 if TYPE_CHECKING:
     from kdn.integrations.blend import BlendOptions
@@ -53,11 +54,16 @@ __all__ = ["KdnModel", "Result", "Timings", "prepare", "generate", "weights_iden
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
+def _model_dir(model: Any) -> Path | None:
+    path = str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
+    return Path(path) if path and is_model_dir(path) else None
+
+
 def weights_identity(model: Any) -> str:
     """Name a model's weights: safetensors digest of its local directory, else a parameter digest."""
-    path = str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
-    if path and is_model_dir(path):
-        return "sha:" + _weights_digest(Path(path))
+    path = _model_dir(model)
+    if path is not None:
+        return "sha:" + _weights_digest(path)
     h = hashlib.blake2b(digest_size=16)
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
@@ -87,9 +93,12 @@ def prepare(
     if dtype not in _DTYPE_NAMES:
         raise InvalidInput(f"unsupported model dtype {dtype}")
     if fingerprint is None:
-        fingerprint = model_fingerprint(
-            model.config, weights_id=weights_id or weights_identity(model), dtype=_DTYPE_NAMES[dtype], chunk_size=chunk_size
-        )
+        path = _model_dir(model)
+        if weights_id is None and path is not None:  # what the origin computes for that directory
+            fingerprint = dir_fingerprint(path, dtype=_DTYPE_NAMES[dtype], chunk_size=chunk_size)
+        else:
+            fingerprint = model_fingerprint(model.config, weights_id=weights_id or weights_identity(model),
+                                            dtype=_DTYPE_NAMES[dtype], chunk_size=chunk_size)
     return KdnModel(model, _as_tokenizer(tokenizer), fingerprint, chunk_size, KVShape.from_config(model.config, dtype))
 
 
@@ -102,10 +111,13 @@ def _as_tokenizer(tok: Any) -> Tokenizer | None:
 
 
 def _token_list(prompt: str | Sequence[int] | np.ndarray | torch.Tensor, tokenizer: Tokenizer | None) -> list[int]:
+    """A text prompt's tokens exactly as an engine's completion endpoint computes them (with the
+    tokenizer's BOS where it adds one: what the origin stores documents under); token ids as given."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidInput("a text prompt needs a tokenizer")
-        return list(tokenizer.encode(prompt))
+        encode = getattr(tokenizer, "encode_prompt", None) or tokenizer.encode
+        return list(encode(prompt))
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
@@ -117,8 +129,9 @@ def _token_list(prompt: str | Sequence[int] | np.ndarray | torch.Tensor, tokeniz
 
 def generate(
     model: Any,
-    prompt: str | Sequence[int] | np.ndarray | torch.Tensor,
+    prompt: str | Sequence[int] | np.ndarray | torch.Tensor | None = None,
     *,
+    messages: Sequence[dict[str, str]] | None = None,
     tokenizer: Any = None,
     client: KdnClient | None = None,
     max_new_tokens: int = 32,
@@ -129,6 +142,11 @@ def generate(
     blend: "BlendOptions | None" = None,
 ) -> Result:
     """Greedy generation that reuses the edge's KV for the prompt's longest cached prefix.
+
+    ``prompt``: text (tokenized as an engine's completion endpoint does it) or token ids; or
+    ``messages``: a chat (``[{"role": "system", "content": document}, {"role": "user", ...}]``),
+    rendered with the model's chat template as an engine's chat endpoint does it, so a document
+    ingested with ``--layout system`` is reused (:mod:`kdn.prompts`).
 
     ``documents``: the prompt is ``prefix + documents + prompt`` and every document is reused
     wherever it sits, as a segment re-placed and partly recomputed (:mod:`kdn.integrations.blend`),
@@ -141,6 +159,14 @@ def generate(
     """
     t_start = time.perf_counter()
     km = prepare(model, tokenizer)
+    if messages is not None:
+        if prompt is not None or documents is not None:
+            raise InvalidInput("give messages, or a prompt (with documents), not both")
+        if km.tokenizer is None:
+            raise InvalidInput("a chat needs a tokenizer")
+        prompt = chat_tokens(km.tokenizer, messages)
+    if prompt is None:
+        raise InvalidInput("give a prompt or messages")
     if documents is not None:
         from kdn.integrations.blend import BlendOptions, generate_with_documents
 

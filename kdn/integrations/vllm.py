@@ -69,7 +69,7 @@ from kdn.artifact import ArtifactReader, Section, encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig
 from kdn.errors import FingerprintMismatch, InvalidInput
 from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
-from kdn.models import DTYPES, _weights_digest, model_fingerprint
+from kdn.models import DTYPES, dir_fingerprint
 from kdn.wire.convert import FetchSpec
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -112,15 +112,11 @@ class KdnConnectorConfig(ClientConfig):
 
 
 def engine_fingerprint(model_dir: str | Path, dtype: torch.dtype, chunk_size: int) -> ModelFingerprint:
-    """The fingerprint :func:`kdn.models.load_model` gives ``model_dir`` in ``dtype``: the same
-    config, the same weights digest (the ``*.safetensors`` bytes), dtype and chunk size."""
-    from transformers import AutoConfig
-
+    """The fingerprint :func:`kdn.models.load_model` gives ``model_dir`` in ``dtype``
+    (:func:`kdn.models.dir_fingerprint`: its config file, weights digest, dtype, chunk size)."""
     if dtype not in _DTYPE_NAMES:
         raise InvalidInput(f"KDN stores KV as {sorted(DTYPES)}; the engine runs {dtype}")
-    cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    return model_fingerprint(cfg, weights_id="sha:" + _weights_digest(Path(model_dir)),
-                             dtype=_DTYPE_NAMES[dtype], chunk_size=chunk_size)
+    return dir_fingerprint(model_dir, dtype=_DTYPE_NAMES[dtype], chunk_size=chunk_size)
 
 
 def request_namespace(cache_salt: str | None, params: dict[str, Any] | None, default: Namespace) -> Namespace | None:

@@ -72,6 +72,10 @@ def main_ingest(argv: list[str]) -> int:
                    help="no progress on stderr (default: a bar on a terminal, else one line per stage and document)")
     p.add_argument("--local", action="store_true",
                    help="prefill in this process even when RAY_ADDRESS names a cluster (default: its kdn_origin nodes)")
+    p.add_argument("--layout", default="text", choices=["text", "system", "user"],
+                   help="where each document sits in the requests that reuse it: text (a completion prompt starts "
+                        "with it; default), system (the system message of a chat), user (the start of the first user "
+                        "message). Requests must carry the document the same way, first, with the question after it")
     p.add_argument("--emphasize", metavar="METHOD",
                    help="also store a steered variant of each document: key-edit (marked tokens get more attention; "
                         "needs marks and the model's calibration from `kdn eval-steer`) or re-read (the model reads "
@@ -150,7 +154,8 @@ def main_ingest(argv: list[str]) -> int:
     except KdnError as exc:
         return _fatal(args, exc)
     try:
-        summary = ingest(args.paths, config, executor=executor, progress=mode, found=found, emphasize=emphasize)
+        summary = ingest(args.paths, config, executor=executor, progress=mode, found=found, emphasize=emphasize,
+                         layout=args.layout)
         summary.where = where
     except KdnError as exc:
         return _fatal(args, exc)

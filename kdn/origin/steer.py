@@ -38,8 +38,10 @@ from kdn.steer.methods import KeyEditCalibration, load_calibration, steered_kv
 STEER_SUFFIX = "#steer"
 
 
-def resolve(em: Emphasis, lm: LoadedModel, text: str, n_stored: int, cal: KeyEditCalibration | None) -> SteerSpec:
-    """The spec of ``em`` for one document whose first ``n_stored`` tokens are stored as chunks."""
+def resolve(em: Emphasis, lm: LoadedModel, text: str, n_stored: int, cal: KeyEditCalibration | None, *,
+            layout: str = "text") -> SteerSpec:
+    """The spec of ``em`` for one document whose first ``n_stored`` tokens are stored as chunks
+    (in ``layout``: token spans count from the request's first token)."""
     if em.regex:
         # token index of a character offset: tokens of the text before it (exact for tokenizers whose
         # tokens never cross a line end; approximate by a token at a BPE merge across one)
@@ -49,7 +51,8 @@ def resolve(em: Emphasis, lm: LoadedModel, text: str, n_stored: int, cal: KeyEdi
                 lines[-1] = (lines[-1][0], ce)
             else:
                 lines.append((cs, ce))
-        marks = [(len(document_tokens(lm, text[:cs])), len(document_tokens(lm, text[:ce]))) for cs, ce in lines]
+        marks = [(len(document_tokens(lm, text[:cs], layout)), len(document_tokens(lm, text[:ce], layout)))
+                 for cs, ce in lines]
         marks = [(s, e) for s, e in marks if e > s]
     else:
         marks = list(em.spans)

@@ -29,6 +29,7 @@ from kdn.errors import InvalidInput
 from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys
 from kdn.models import LoadedModel, load_model
 from kdn.prefill import plan_chunks, prefill_chunks, window_tokens
+from kdn.prompts import check_chat_template
 from kdn.origin.config import OriginConfig
 from kdn.origin.store import DocumentRecord, OriginStore
 
@@ -47,6 +48,7 @@ class DocumentTask:
     attempt: int = 0
     complete: bool = True  # False: ``text`` is only the first part of the document (see ingest)
     emphasize: str = ""  # an operator's emphasis (kdn.origin.steer.Emphasis as JSON): also store a steered variant
+    layout: str = "text"  # where the document sits in the requests that reuse it (kdn.prompts.Layout)
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in DocumentTask.__dataclass_fields__}
@@ -95,6 +97,12 @@ class ChainResult:
     beyond_window_tokens: int
 
 
+def layout_doc_id(doc_id: str, layout: str) -> str:
+    """The id a document is recorded under: its path, with ``#system``/``#user`` for a chat layout
+    (the same file ingested in two layouts is two documents with different chunks)."""
+    return doc_id if layout == "text" else f"{doc_id}#{layout}"
+
+
 class PrefillWorker:
     """Holds one model and the store; prefill + encode + store, skipping keys already stored."""
 
@@ -128,7 +136,16 @@ class PrefillWorker:
             "chunk_size": self.lm.chunk_size,
             "max_positions": self.lm.max_positions,
             "codecs": list(self.codecs),
+            "chat_template": self._chat_template(),
         }
+
+    def _chat_template(self) -> bool:
+        """Whether documents can be stored as chat messages for this model (kdn.prompts layouts)."""
+        try:
+            check_chat_template(self.lm.tokenizer, self.lm.spec)
+        except InvalidInput:
+            return False
+        return True
 
     def pid(self) -> int:
         return os.getpid()
@@ -145,7 +162,7 @@ class PrefillWorker:
         t0 = time.perf_counter()
         ns = Namespace(t.tenant, t.salt)
         # bounded: the tokenizer sees about the window's worth of text, however long the document
-        wt = window_tokens(self.lm, t.text, text_complete=t.complete)
+        wt = window_tokens(self.lm, t.text, text_complete=t.complete, layout=t.layout)
         tokens = wt.tokens
         plan = plan_chunks(len(tokens), self.lm.chunk_size, self.lm.max_positions)
         n_tokens, beyond = len(tokens), plan.beyond_window_tokens
@@ -157,7 +174,7 @@ class PrefillWorker:
             DocumentRecord(
                 tenant=t.tenant,
                 fingerprint=self.lm.fingerprint,
-                doc_id=t.doc_id,
+                doc_id=layout_doc_id(t.doc_id, t.layout),
                 content_hash=t.content_hash,
                 n_tokens=n_tokens,
                 keys=tuple(keys),
@@ -196,7 +213,7 @@ class PrefillWorker:
                 status, message = "stored", "plain chunks were already stored; computed the steered variant"
             written += steer.pop("written", 0)
         return DocumentResult(
-            doc_id=t.doc_id,
+            doc_id=layout_doc_id(t.doc_id, t.layout),
             status=status,
             message=message,
             n_tokens=n_tokens,
@@ -221,10 +238,10 @@ class PrefillWorker:
         if not tokens:
             raise InvalidInput("the document holds no full chunk: nothing to steer")
         cal = calibration_for(self.lm) if em.method == "key-edit" else None
-        spec = resolve(em, self.lm, t.text, len(tokens), cal)
+        spec = resolve(em, self.lm, t.text, len(tokens), cal, layout=t.layout)
         keys, computed, written = store_steered_chain(self.lm, self.store, tokens, spec, ns, self.codecs, cal)
         self.store.record_document(DocumentRecord(
-            tenant=t.tenant, fingerprint=self.lm.fingerprint, doc_id=t.doc_id + STEER_SUFFIX,
+            tenant=t.tenant, fingerprint=self.lm.fingerprint, doc_id=layout_doc_id(t.doc_id, t.layout) + STEER_SUFFIX,
             content_hash=t.content_hash, n_tokens=len(tokens), keys=tuple(keys), beyond_window_tokens=0,
             updated=time.time()))
         return {"steer": spec.canonical(), "steer_variant": spec.variant_id,

@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from kdn.errors import Unavailable, UnknownModel
-from kdn.models import BUILTIN_SPECS, is_model_dir
+from kdn.errors import Unavailable
+from kdn.models import check_spec
 from kdn.origin.config import OriginConfig
 from kdn.origin.worker import DocumentResult, DocumentTask, PrefillWorker, spawn_workers
 
@@ -169,11 +169,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def check_model_spec(spec: str) -> None:
-    """Refuse an unknown model spec before any worker starts."""
-    if spec not in BUILTIN_SPECS and not is_model_dir(spec):
-        raise UnknownModel(
-            f"unknown model spec {spec!r}: not a built-in ({', '.join(BUILTIN_SPECS)}) and not a directory with a config.json"
-        )
+    """Refuse an unknown or uninstalled model spec before any worker starts (and convert a trained
+    built-in here, once, rather than in every worker)."""
+    check_spec(spec)
 
 
 def make_executor(config: OriginConfig, model: str | None = None, *, on_nodes: Sequence[str] = ()) -> Executor:

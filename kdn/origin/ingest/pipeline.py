@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterator, Sequence, TextIO
 
 from kdn.errors import InvalidInput
+from kdn.prompts import check_layout
 from kdn.origin.config import OriginConfig
 from kdn.origin.ingest.documents import Discovery, discover, read_text
 from kdn.origin.ingest.executors import Executor, OnResult, make_executor
@@ -30,11 +31,14 @@ def ingest(
     found: Discovery | None = None,
     progress_stream: TextIO | None = None,
     emphasize: str = "",
+    layout: str = "text",
 ) -> IngestSummary:
     """Ingest ``paths`` into ``config``'s store; never raises for a bad document (see summary).
 
     ``executor``: reuse one (tests, benchmarks); otherwise one is made from ``config`` and closed.
     ``emphasize``: an :class:`kdn.origin.steer.Emphasis` as JSON: also store that steered variant.
+    ``layout``: where each document sits in the requests that will reuse it (:mod:`kdn.prompts`):
+    ``text`` (a completion prompt starts with it), ``system`` or ``user`` (a chat message).
     ``found``: ``paths`` already discovered (the CLI checks there is something to do first).
     ``progress``: ``"bar"`` (or True), ``"lines"`` (one line per document and a heartbeat, on
     ``progress_stream``, default stderr) or ``"off"`` (or False); see :class:`Progress`.
@@ -47,10 +51,14 @@ def ingest(
         raise InvalidInput(found.nothing_to_ingest())
     if found.sources:
         OriginStore(config.store_path, fsync=config.fsync, verify=config.verify_on_start).close()  # self-check once
+    layout = check_layout(layout)
     own = executor is None
     ex = executor if executor is not None else make_executor(config)
     try:
         info = ex.info()
+        if layout != "text" and not info.get("chat_template"):
+            raise InvalidInput(f"layout {layout!r} places documents in chat messages, but {info['spec']} has no chat "
+                               "template that renders one; use --layout text")
         ns = config.default_namespace
         summary = IngestSummary(
             model=info["spec"],
@@ -60,6 +68,7 @@ def ingest(
             workers=int(info.get("workers", 0)),
             ignored=found.ignored,
             not_regular=found.not_regular,
+            layout=layout,
         )
         bar = Progress(len(found.sources) + len(found.problems), progress, stream=progress_stream)
         where = "in this process" if not summary.workers else f"on {summary.workers} Ray worker(s)"
@@ -90,7 +99,7 @@ def ingest(
                     continue
                 bar.started(s.doc_id)
                 yield DocumentTask(s.doc_id, doc.text, doc.digest, ns.tenant, ns.salt, complete=doc.complete,
-                                   emphasize=emphasize)
+                                   emphasize=emphasize, layout=layout)
 
         try:
             ex.run(tasks(), record)

@@ -29,6 +29,7 @@ class IngestSummary:
     seconds: float = 0.0
     worker_deaths: int = 0
     where: str = ""  # where it prefilled, as the CLI decided (kdn.origin.ingest.where)
+    layout: str = "text"  # where the documents sit in the requests that reuse them (kdn.prompts)
 
     def count(self, status: str) -> int:
         return sum(1 for r in self.results if r.status == status)
@@ -67,6 +68,7 @@ class IngestSummary:
             "model": self.model,
             "fingerprint": self.fingerprint,
             "namespace": self.namespace,
+            "layout": self.layout,
             "codecs": self.codecs,
             "workers": self.workers,
             "where": self.where or ("in this process" if not self.workers else f"on {self.workers} Ray worker(s)"),
@@ -90,7 +92,7 @@ class IngestSummary:
     def render(self) -> str:
         lines = [
             f"ingest: {len(self.results)} documents with {self.model} ({self.fingerprint[:16]}…) "
-            f"into namespace {self.namespace!r}, codecs {', '.join(self.codecs)}, "
+            f"into namespace {self.namespace!r}, layout {self.layout}, codecs {', '.join(self.codecs)}, "
             + (self.where or ('in-process' if not self.workers else f'{self.workers} Ray workers')),
             "  " + ", ".join(f"{self.count(s)} {s}" for s in ("stored", "skipped", "truncated", "short", "failed")),
             f"  {self.tokens} tokens, {self.chunks} chunks ({self.computed_chunks} computed), "
