@@ -1,11 +1,11 @@
-"""Every command in README.md and deploy/*.md, run as written, in a fresh directory (issue 17).
+"""Every command in README.md, docs/*.md and deploy/*.md, run as written, in a fresh directory.
 
 A reader copies the fenced ``bash`` blocks and the ``python`` snippets into a shell in an empty
-directory with the package installed. This test does the same, in document order: a fresh
-temporary directory as the working directory and as ``$HOME`` (so ``~/.kdn`` and ``~/.cache/kdn``
-start empty), the repository's installed venv first on ``PATH`` (no second ``pip install``), and
-a ``docs/`` folder holding one short ``docs/manual.md`` (the README's examples name
-``docs/manual.md``; a reader brings their own documents).
+directory with the package installed. This test does the same, one document at a time, in
+document order: a fresh temporary directory as the working directory and as ``$HOME`` (so
+``~/.kdn`` and ``~/.cache/kdn`` start empty), the repository's installed venv first on ``PATH``
+(no second ``pip install``), and a ``docs/`` folder holding one short ``docs/manual.md`` (the
+examples' ``docs/`` is the reader's own folder of documents, not the repository's).
 
 What is changed, and only this (``SUBSTITUTIONS``): the fixed ports of the examples become free
 ports picked now (other tests and other programs may hold 7070), ``--metrics-port 9100`` becomes
@@ -16,7 +16,7 @@ fingerprint ``kdn ingest --json`` prints; ``/models/my-llama`` is a built-in spe
 Commands that cannot run here are listed in ``NOT_HERE`` with the reason; the quick start's two
 commands are run by CI itself (``COVERED_ELSEWHERE``). Both lists must match a command in the
 documents (a stale entry fails), and a command matched by neither list is run. Long blocks (a
-Ray cluster, the simulator's full scenarios) run in ``test_long_blocks``. Running the documents takes
+Ray cluster, the simulator's full scenarios) run in ``test_long_blocks``, per document. Running the documents takes
 minutes, more than the default run affords, so those tests carry the marker ``docs``, which
 ``.ci/run`` runs as its own stage (``pytest -m docs tests/docs``); the checks of the lists
 themselves run by default. A ``kdn origin``/``kdn edge`` server, or a command ending
@@ -48,7 +48,9 @@ from tests.docs.mdcommands import SHELL, Block, Command, blocks, commands
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = [REPO / "README.md", *sorted((REPO / "deploy").glob("*.md"))]
+DOCS = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md")),
+        *sorted((REPO / "deploy").glob("*.md"))]
+README_MAX_LINES = 250
 VENV_BIN = Path(sys.executable).parent
 
 MANUAL = """\
@@ -76,7 +78,7 @@ COVERED_ELSEWHERE: list[tuple[str, str]] = [
     (r"^python3 -m venv \.venv && \.venv/bin/pip install -e '\.\[dev\]' && \.venv/bin/python -m pytest -q$",
      "quick start 2: the test command itself, run verbatim by .ci/run"),
     (r"^kdn edge emphasize --edge 127\.0\.0\.1:7070 --fingerprint \$FP --document docs/manual\.md --method re-read",
-     "by then the README's edge on 7070 is the standalone one (no origin to compute a variant); "
+     "docs/steering.md's session runs no edge with an origin to compute a variant; "
      "tests/integration/test_steer_remote.py runs `kdn edge emphasize` against an edge with an origin"),
 ]
 
@@ -343,16 +345,55 @@ def test_quick_start_test_command_is_what_ci_runs() -> None:
     assert quick[1] in ci
 
 
+def _runnable(path: Path, *, long: bool) -> list[str]:
+    """What ``_run_doc`` would run in ``path``: the commands and snippets neither list skips."""
+    out = []
+    for b in blocks(path):
+        if b.lang == "python" and not long and _skipped(_label(b)) is None:
+            out.append(_label(b))
+        elif b.lang in SHELL and _is_long(b) == long:
+            out += [c.text for c in commands(b) if _skipped(c.text) is None]
+    return out
+
+
+LONG_DOCS = [p for p in DOCS if _runnable(p, long=True)]
+
+
+def test_readme_is_short() -> None:
+    n = len((REPO / "README.md").read_text(encoding="utf-8").splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}): move detail into docs/"
+
+
+def test_readme_links_every_docs_page() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert f"(docs/{page.name}" in readme, f"README.md does not link docs/{page.name}"
+
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("path", [p for p in DOCS if p.parent.name != "deploy"], ids=lambda p: p.name)
+def test_relative_links_resolve(path: Path) -> None:
+    """Every link to a file of the repository points at one that exists (anchors are not checked)."""
+    for target in _LINK.findall(path.read_text(encoding="utf-8")):
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            continue
+        file = (path.parent / target.split("#", 1)[0]).resolve()
+        assert file.exists(), f"{path.name}: link {target!r} points at a missing file"
+
+
 @pytest.mark.docs
 @pytest.mark.timeout(1800)  # minutes of model loads and prefills on a shared 2-core machine
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
 def test_doc_commands_run_as_written(path: Path, tmp_path: Path) -> None:
     ran = _run_doc(path, tmp_path, long=False)
-    assert ran or not any(b.lang in SHELL | {"python"} for b in blocks(path))
+    assert len(ran) == len(_runnable(path, long=False)), (ran, _runnable(path, long=False))
 
 
 @pytest.mark.docs
 @pytest.mark.timeout(3600)
-def test_long_blocks(tmp_path: Path) -> None:
-    ran = _run_doc(REPO / "README.md", tmp_path, long=True)
+@pytest.mark.parametrize("path", LONG_DOCS, ids=lambda p: p.name)
+def test_long_blocks(path: Path, tmp_path: Path) -> None:
+    ran = _run_doc(path, tmp_path, long=True)
     assert ran
