@@ -15,12 +15,16 @@ Defaults live here and nowhere else. Example file::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from kdn.config import RoleConfig
 from kdn.wire.channel import MAX_MESSAGE, STREAM_PIECE
 from kdn.wire.tls import TlsFiles
+
+if TYPE_CHECKING:
+    from kdn.wire.auth import EdgeKey
 
 _ADDRESS_HELP = "host:port"
 _MAX_BYTES = 1 << 50  # 1 PiB: a byte budget above it is a typo (1e29), not a bound
@@ -96,7 +100,13 @@ class EdgeConfig(RoleConfig):
         description="bearer token -> tenants it may use ('*' = all). Empty = authentication off.",
     )
     upstream_token: str | None = Field(
-        None, description="token this edge presents to peers and origin; None = forward the caller's token"
+        None, description="token this edge presents to the origin, and to static peers when there is no "
+        "cluster_key; None = forward the caller's token",
+    )
+    cluster_key: SecretStr | None = Field(
+        None, description="the secret every edge and the origin of the cluster hold (kdn.wire.auth.EdgeKey): "
+        "requests to peers and to signalling carry one-use tokens signed with it instead of upstream_token, "
+        "and peers' tokens are checked with it. Needed for rtc_signal when auth is on",
     )
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -111,6 +121,10 @@ class EdgeConfig(RoleConfig):
     metrics_token: str | None = Field(
         None, description="when set, /metrics answers only scrapes that send 'Authorization: Bearer <token>'"
     )
+    metrics_max_connections: int = Field(
+        64, ge=1, le=4096, description="open /metrics connections at most; a new one past it closes the oldest"
+    )
+    metrics_timeout_s: float = Field(5.0, gt=0, le=300, description="a /metrics request must arrive whole within this")
     fetch_deadline_s: float = Field(30.0, gt=0, description="deadline of upstream fetches (peer or origin)")
     peer_deadline_s: float = Field(5.0, gt=0, description="deadline of peer lookups and fetches")
     admin_deadline_s: float = Field(10.0, gt=0)
@@ -130,6 +144,23 @@ class EdgeConfig(RoleConfig):
     max_chain_keys: int = Field(4096, ge=1, description="longest key chain accepted in Lookup/Prefetch/Hint")
     bulk: bool = Field(True, description="offer the bulk byte path (plain TCP beside gRPC; never with TLS)")
     bulk_port: int = Field(0, ge=0, le=65535, description="port of the bulk byte path on the listen host; 0 = a free one")
+    bulk_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="bulk connection: a hello, a request, a payload or an answer that makes no "
+        "progress for this long closes it (a payload must also arrive at 1 MiB/s or more)",
+    )
+    bulk_idle_s: float = Field(120.0, gt=0, le=86400, description="bulk connection with no request for this long is closed")
+    bulk_max_connections: int = Field(256, ge=1, le=65536, description="bulk connections served at once (a thread each)")
+    bulk_max_connections_per_token: int = Field(
+        64, ge=1, le=65536, description="bulk connections one bearer token may hold at once; past it: refused, the "
+        "client uses gRPC",
+    )
+    bulk_max_pending: int = Field(
+        256, ge=1, le=65536, description="bulk connections waiting for their hello at most; a new one past it closes "
+        "the oldest (a client sends its hello at once)",
+    )
+    bulk_tickets_per_token: int = Field(
+        64, ge=1, le=65536, description="bulk tickets outstanding per bearer token; the token's oldest goes first"
+    )
     shm: bool = Field(True, description="offer the same-host shared-memory path")
     shm_dir: str = Field("/dev/shm", description="where shared-memory segments live")
     shm_max_segments: int = Field(64, ge=1, description="bound on live shm segments; oldest unlinked first")
@@ -159,6 +190,12 @@ class EdgeConfig(RoleConfig):
         "when no path is up after this long; the first channel to open wins",
     )
     rtc_announce_s: float = Field(5.0, gt=0, le=300, description="how often this edge re-announces itself")
+    rtc_max_answers: int = Field(
+        64, ge=1, le=4096, description="WebRTC connections this edge answers at most (all peers); an offer past it is dropped",
+    )
+    rtc_max_answers_per_peer: int = Field(
+        4, ge=1, le=256, description="WebRTC connections answered per peer; a new offer past it closes that peer's oldest",
+    )
     rtc_prewarm: bool = Field(
         True, description="connect to each newly announced peer in the background (probe, then WebRTC if needed), "
         "so the first request does not pay the setup",
@@ -182,6 +219,13 @@ class EdgeConfig(RoleConfig):
     @classmethod
     def _rtc_signal(cls, v: str | None) -> str | None:
         return None if v in (None, "") else _check_address(v, "rtc_signal")
+
+    @field_validator("cluster_key")
+    @classmethod
+    def _cluster_key_long(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("cluster_key must be at least 16 characters")
+        return v
 
     @field_validator("rtc_link_codec")
     @classmethod
@@ -225,7 +269,16 @@ class EdgeConfig(RoleConfig):
 
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(sorted(POLICIES))}")
+        if self.rtc_signal and self.cluster_key is None and (self.tokens or self.upstream_token):
+            raise ValueError("rtc_signal with tokens needs cluster_key: signalling and the peers it announces "
+                             "take only edge tokens signed with it (the same key on the origin and every edge)")
         return self
+
+    def edge_key(self) -> "EdgeKey | None":
+        """This node's :class:`~kdn.wire.auth.EdgeKey` from ``cluster_key`` (None without one)."""
+        from kdn.wire.auth import EdgeKey
+
+        return None if self.cluster_key is None else EdgeKey(self.cluster_key.get_secret_value(), self.node_id)
 
     @property
     def server_tls(self) -> TlsFiles | None:

@@ -5,17 +5,32 @@ and outcome, coalesced requests, prefetches, refused requests) and a latency his
 and source; store-side figures (evictions, bytes per tier, ...) are read from
 ``TieredStore.stats()`` at scrape time by a collector, so they are never stale or double-counted.
 :meth:`EdgeMetrics.serve` exposes ``/metrics`` over HTTP on a port (0 = ephemeral).
+
+The HTTP side (:class:`MetricsHttp`) is one thread running one event loop, whatever the number of
+connections: requests are parsed by h11 (bounded to 16 KiB of head), a request must arrive whole
+within ``timeout_s`` of the connection, at most ``max_connections`` are open (a new one past it
+closes the oldest: a scraper sends its request at once, an idle connection is the first to go),
+and every answer closes its connection. So idle or half-sent connections hold one file
+descriptor each, for at most ``timeout_s``, and no thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import re
+import threading
+from collections import OrderedDict
 from typing import Callable, Mapping
+
+import h11
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _METRIC_NAME = re.compile(r"[^a-zA-Z0-9_]")
@@ -69,12 +84,15 @@ class EdgeMetrics:
             "kdn_edge_rtc_connections", "WebRTC connections up, by path (direct/relayed) and role (dial/answer)",
             ["path", "role"], registry=r,
         )
+        self.rtc_offers = Counter(
+            "kdn_edge_rtc_offers", "WebRTC offers to this edge, answered or dropped (past its bounds)", ["outcome"],
+            registry=r,
+        )
         self.peer_bytes = Counter(
             "kdn_edge_peer_bytes", "artifact bytes exchanged with peer edges, by direction and path (grpc/direct/relayed)",
             ["direction", "path"], registry=r,
         )
-        self._http = None
-        self._thread = None
+        self._http: MetricsHttp | None = None
         self.port: int | None = None
 
     def attach_store(self, stats: Callable[[], Mapping[str, float]]) -> None:
@@ -83,56 +101,23 @@ class EdgeMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None) -> int:
+    def serve(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
+              max_connections: int = 64, timeout_s: float = 5.0) -> int:
         """Serve ``/metrics`` over HTTP; returns the bound port.
 
         The figures are the node's, all tenants together (see ``EdgeNode.stats``), so the endpoint
         binds to loopback by default (``EdgeConfig.metrics_host``); with ``token`` every scrape
-        must send ``Authorization: Bearer <token>`` (else 401), for a scraper on another host."""
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        metrics = self
-        expected = f"Bearer {token}".encode() if token else None
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                if expected is not None:
-                    got = (self.headers.get("Authorization") or "").encode()
-                    if not hmac.compare_digest(got, expected):
-                        self.send_response(401)
-                        self.send_header("WWW-Authenticate", "Bearer")
-                        self.end_headers()
-                        return
-                body = metrics.exposition()
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - quiet
-                pass
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-        self._http = Server((host, port), Handler)
-        self._thread = threading.Thread(target=self._http.serve_forever, name=f"metrics-{self.node_id}", daemon=True)
-        self._thread.start()
-        self.port = int(self._http.server_address[1])
+        must send ``Authorization: Bearer <token>`` (else 401), for a scraper on another host.
+        Bounds: see :class:`MetricsHttp`."""
+        self._http = MetricsHttp(self.exposition, token=token, max_connections=max_connections, timeout_s=timeout_s,
+                                 name=f"metrics-{self.node_id}")
+        self.port = self._http.start(host, port)
         return self.port
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-            self._thread = None
 
     def counters(self) -> dict[str, float]:
         """Flat view for the Stats RPC: ``name{label=value}`` -> value."""
@@ -146,3 +131,118 @@ class EdgeMetrics:
                 labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
         return out
+
+
+class MetricsHttp:
+    """``GET`` -> ``body()`` as Prometheus text, on one thread's event loop (see the module docstring)."""
+
+    MAX_HEAD = 16 << 10
+
+    def __init__(self, body: Callable[[], bytes], *, token: str | None, max_connections: int, timeout_s: float,
+                 name: str = "metrics") -> None:
+        self._body = body
+        self._expected = f"Bearer {token}".encode() if token else None
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
+        self._name = name
+        self._open: OrderedDict[asyncio.StreamWriter, None] = OrderedDict()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._thread: threading.Thread | None = None
+        self.evicted = 0
+
+    def start(self, host: str, port: int) -> int:
+        """Bind and serve from a thread of its own; returns the port (OSError when it cannot bind)."""
+        loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name=self._name, daemon=True)
+        self._thread.start()
+        bound = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._serve, host, port, backlog=128, limit=self.MAX_HEAD), loop)
+        try:
+            self._server = bound.result(10)
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(5)
+            self._thread = None
+            loop.close()
+            raise
+        self._loop = loop
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def close(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+
+        async def shut() -> None:
+            assert self._server is not None
+            self._server.close()
+            for writer in list(self._open):
+                writer.transport.abort()
+            await self._server.wait_closed()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shut(), loop).result(5)
+        except Exception as exc:  # noqa: BLE001 - stopping: report, go on
+            log.debug("%s: closing /metrics: %s", self._name, exc)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+        if not loop.is_running():
+            loop.close()
+
+    @property
+    def connections(self) -> int:
+        return len(self._open)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open[writer] = None
+        while len(self._open) > self.max_connections:  # the oldest goes: a live scraper has sent by now
+            oldest = next(iter(self._open))
+            del self._open[oldest]
+            oldest.transport.abort()
+            self.evicted += 1
+        try:
+            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.MAX_HEAD)
+            async with asyncio.timeout(self.timeout_s):
+                request = await self._request(conn, reader)
+                if request is not None:
+                    await self._answer(conn, writer, request)
+        except (TimeoutError, ConnectionError, h11.ProtocolError):
+            pass
+        finally:
+            self._open.pop(writer, None)
+            writer.close()
+
+    @staticmethod
+    async def _request(conn: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | None:
+        while True:
+            event = conn.next_event()
+            if isinstance(event, h11.Request):
+                return event
+            if event is h11.ConnectionClosed:
+                return None
+            if event is h11.NEED_DATA:
+                conn.receive_data(await reader.read(4096))
+
+    async def _answer(self, conn: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request) -> None:
+        headers = dict(request.headers)
+        body = b""
+        extra: list[tuple[str, str]] = []
+        if self._expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self._expected):
+            status, extra = 401, [("WWW-Authenticate", "Bearer")]
+        elif request.method != b"GET":
+            status, extra = 405, [("Allow", "GET")]
+        else:
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            status, body = 200, self._body()
+            extra = [("Content-Type", CONTENT_TYPE_LATEST)]
+        out = conn.send(h11.Response(status_code=status, headers=[
+            *extra, ("Content-Length", str(len(body))), ("Connection", "close")]))
+        if body:
+            out += conn.send(h11.Data(data=body))
+        out += conn.send(h11.EndOfMessage())
+        writer.write(out)
+        await writer.drain()

@@ -5,7 +5,10 @@
 
 - announces this edge there every ``rtc_announce_s`` and turns the answer (every live edge) into
   overlay members (:meth:`EdgeRtc.members`, merged with the static ``peers``): edges behind NAT
-  discover each other through the cluster;
+  discover each other through the cluster. With ``cluster_key`` (needed when auth is on) every
+  signalling call and every request to a peer carries a one-use edge token
+  (:class:`kdn.wire.auth.EdgeKey`): only edges can announce, so every member learned here is an
+  edge, and no peer ever receives this edge's ``upstream_token``;
 - connects each member with an :class:`AutoPeerUpstream`: gRPC when the peer's health check
   answers within ``rtc_dial_probe_s`` (it is directly dialable), else a :class:`RtcPeerUpstream`
   over a WebRTC data channel (:mod:`kdn.wire.rtc`); ``rtc_mode: always`` skips the probe;
@@ -111,17 +114,22 @@ class RtcPeerUpstream(Upstream):
     def __init__(
         self, name: str, address: str, endpoint: RtcEndpoint, metrics: "EdgeMetrics", *, token: str | None,
         call_deadline_s: float, fetch_deadline_s: float, max_artifact: int, link_codec: bool = False,
+        credential: Callable[[str], str] | None = None,
     ) -> None:
+        """``credential``: ``tenant -> token`` minted per request (edge tokens); it wins over ``token``."""
         self.name, self.address = name, address
         self._link_codec = link_codec
         self._endpoint = endpoint
         self._metrics = metrics
         self._token = token
+        self._credential = credential
         self._call_deadline = call_deadline_s
         self._fetch_deadline = fetch_deadline_s
         self._max_artifact = max_artifact
 
-    def _tok(self, token: str | None) -> str | None:
+    def _tok(self, token: str | None, tenant: str) -> str | None:
+        if self._credential is not None:
+            return self._credential(tenant)
         return self._token if self._token is not None else token
 
     async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
@@ -130,7 +138,8 @@ class RtcPeerUpstream(Upstream):
         client = await self._endpoint.connect(self.name)
         link = self._link_codec and not spec.codec
         data, _source = await client.fetch(
-            spec.to_proto(), token=self._tok(token), timeout_s=self._fetch_deadline, limit=self._max_artifact,
+            spec.to_proto(), token=self._tok(token, spec.namespace.tenant), timeout_s=self._fetch_deadline,
+            limit=self._max_artifact,
             forwarded=not spec.local_only, link_codec=link,
         )
         self._metrics.peer_bytes.labels("in", client.path).inc(len(data))
@@ -146,7 +155,7 @@ class RtcPeerUpstream(Upstream):
     ) -> int:
         client = await self._endpoint.connect(self.name)
         req = lookup_request(keys, fingerprint=fingerprint, namespace=namespace, local_only=True)
-        resp = await client.lookup(req, token=self._tok(token), timeout_s=self._call_deadline)
+        resp = await client.lookup(req, token=self._tok(token, namespace.tenant), timeout_s=self._call_deadline)
         return min(int(resp.available), len(keys))
 
     async def healthy(self) -> bool:
@@ -249,12 +258,15 @@ class EdgeRtc:
         self.metrics = metrics
         self._static = static  # the config's peers, or another provider (peers file, registry)
         self._announced: list[Member] = []
+        self.edge_key = auth.edges  # signalling calls and peer requests carry one-use edge tokens
         self.signal = SignalClient(config.rtc_signal, token=config.upstream_token, tls=config.upstream_tls,
-                                   deadline_s=config.peer_deadline_s)
+                                   deadline_s=config.peer_deadline_s, edge=self.edge_key)
         self.endpoint = RtcEndpoint(
             config.node_id, self.signal, ice_servers=ice_servers(config),
             connect_timeout_s=config.rtc_connect_timeout_s, relay_only=config.rtc_relay_only,
             relay_after_s=config.rtc_relay_after_s, on_connect=self._connected, on_served=self._served,
+            max_answers=config.rtc_max_answers, max_answers_per_peer=config.rtc_max_answers_per_peer,
+            on_offer=lambda outcome: metrics.rtc_offers.labels(outcome).inc(),
         )
         self.address = ""
         self._tasks: list[asyncio.Task[None]] = []
@@ -327,13 +339,16 @@ class EdgeRtc:
 
     def connect(self, member: Member) -> Upstream:
         c = self.config
+        key = self.edge_key  # with a cluster key, a peer gets one-use edge tokens, never upstream_token
+        token = None if key is not None else c.upstream_token
+        credential = key.credential(member.node_id) if key is not None else None
         grpc_up = PeerUpstream(
-            member.node_id, member.address, tls=c.upstream_tls, token=c.upstream_token,
+            member.node_id, member.address, tls=c.upstream_tls, token=token, credential=credential,
             fetch_deadline_s=c.peer_deadline_s * 4, call_deadline_s=c.peer_deadline_s,
             max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
         )
         rtc_up = RtcPeerUpstream(
-            member.node_id, member.address, self.endpoint, self.metrics, token=c.upstream_token,
+            member.node_id, member.address, self.endpoint, self.metrics, token=token, credential=credential,
             call_deadline_s=c.peer_deadline_s, fetch_deadline_s=c.peer_deadline_s * 4, max_artifact=c.max_artifact_bytes,
             link_codec=bool(c.rtc_link_codec),
         )

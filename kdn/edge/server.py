@@ -316,7 +316,8 @@ class EdgeServer:
         clock: Clock | None = None,
     ) -> None:
         self.config = config
-        self.auth = TokenAuth.from_config(config.tokens)
+        self.edge_key = config.edge_key()  # the cluster key: peers' tokens checked, ours minted
+        self.auth = TokenAuth.from_config(config.tokens, self.edge_key)
         self.clock = clock or MonotonicClock()
         self._origin_override = origin
         self._connect_override = connect
@@ -342,10 +343,12 @@ class EdgeServer:
 
     def _connect(self, member: Member) -> Upstream:
         c = self.config
+        key = self.edge_key  # with a cluster key, peers get one-use edge tokens, never upstream_token
         return PeerUpstream(
-            member.node_id, member.address, tls=c.upstream_tls, token=c.upstream_token,
+            member.node_id, member.address, tls=c.upstream_tls, token=None if key else c.upstream_token,
             fetch_deadline_s=c.peer_deadline_s * 4, call_deadline_s=c.peer_deadline_s,
             max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
+            credential=key.credential(member.node_id) if key else None,
         )
 
     async def start(self) -> "EdgeServer":
@@ -417,7 +420,8 @@ class EdgeServer:
                 self.bulk = None
         await self._server.start()
         if c.metrics_port is not None:
-            self.metrics_port = metrics.serve(c.metrics_host, c.metrics_port, token=c.metrics_token)
+            self.metrics_port = metrics.serve(c.metrics_host, c.metrics_port, token=c.metrics_token,
+                                              max_connections=c.metrics_max_connections, timeout_s=c.metrics_timeout_s)
             if c.metrics_token is None and c.metrics_host not in ("127.0.0.1", "localhost", "::1"):
                 log.warning("%s: /metrics on %s answers anyone who can reach it (set metrics_token)",
                             c.node_id, c.metrics_host)

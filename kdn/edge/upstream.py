@@ -6,7 +6,17 @@
   (``EdgeService``) or the origin (``OriginService``) over gRPC: thin adapters over
   :mod:`kdn.wire` (requests from :mod:`kdn.wire.convert`, Fetch frames read by
   :mod:`kdn.wire.calls`, status codes turned into :mod:`kdn.errors` by
-  :func:`kdn.wire.errors.rpc_errors`), with a deadline on every call;
+  :func:`kdn.wire.errors.rpc_errors`), with a deadline on every call. A peer built with a
+  ``credential`` (the cluster key's one-use edge tokens, :class:`kdn.wire.auth.EdgeKey`) sends a
+  fresh token per call, bound to that peer and the request's tenant, and never a bearer token of
+  this edge's own: what a peer receives is good for nothing else.
+
+Trust in what a peer returns: peers are edges the cluster vouches for (configured by the operator,
+or announced through signalling, which only edges can do: :mod:`kdn.wire.signal`) and every
+request to them is authenticated with the cluster key; what they return is verified like any
+upstream's bytes (:meth:`kdn.edge.node.EdgeNode._admit`). A tenant can put KV only under its own
+namespace, which no other tenant's keys reach, so a peer's store holds for a tenant only what
+that tenant or the origin put there.
 - :class:`InMemoryUpstream` — a dict of artifacts with a fetch counter, latency and an on/off
   switch: the fake origin of unit tests (httpx ``MockTransport`` style);
 - :class:`NodeUpstream` — another in-process :class:`kdn.edge.node.EdgeNode` called directly: the
@@ -146,12 +156,15 @@ class GrpcUpstream(Upstream):
         max_message: int = MAX_MESSAGE,
         max_artifact: int = 512 << 20,
         channel: Any = None,
+        credential: Callable[[str], str] | None = None,
     ) -> None:
-        """``channel`` replaces the socket to ``address`` (an in-process channel in unit tests)."""
+        """``channel`` replaces the socket to ``address`` (an in-process channel in unit tests).
+        ``credential``: ``tenant -> token`` minted per call (edge tokens); it wins over ``token``."""
         if kind not in ("peer", "origin"):
             raise InvalidInput(f"upstream kind must be peer or origin, got {kind!r}")
         self.name, self.address, self.kind = name, address, kind
         self._token = token
+        self._credential = credential
         self._fetch_deadline = fetch_deadline_s
         self._call_deadline = call_deadline_s
         self._max_artifact = max_artifact
@@ -163,11 +176,13 @@ class GrpcUpstream(Upstream):
         # Fetch answers are read as frames (kdn.wire.calls): zero-copy views, joined once
         self._fetch = fetch_method(self._channel, "EdgeService" if kind == "peer" else "OriginService")
 
-    def _md(self, token: str | None) -> tuple[tuple[str, str], ...]:
+    def _md(self, token: str | None, tenant: str) -> tuple[tuple[str, str], ...]:
+        if self._credential is not None:
+            return auth_metadata(self._credential(tenant))
         return auth_metadata(self._token if self._token is not None else token)
 
     async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
-        md = self._md(token)
+        md = self._md(token, spec.namespace.tenant)
         if self.kind == "peer" and not spec.local_only:
             md = (*md, (FORWARDED_HEADER, "1"))
         with rpc_errors(self._peer):
@@ -180,7 +195,7 @@ class GrpcUpstream(Upstream):
     ) -> int:
         req = lookup_request(keys, fingerprint=fingerprint, namespace=namespace, local_only=True)
         with rpc_errors(self._peer):
-            resp = await self._stub.Lookup(req, timeout=self._call_deadline, metadata=self._md(token))
+            resp = await self._stub.Lookup(req, timeout=self._call_deadline, metadata=self._md(token, namespace.tenant))
         return min(int(resp.available), len(keys))
 
     async def document(
@@ -190,7 +205,8 @@ class GrpcUpstream(Upstream):
             return await super().document(document, fingerprint=fingerprint, namespace=namespace, token=token)
         req = document_request(document, fingerprint=fingerprint, namespace=namespace)
         with rpc_errors(self._peer):
-            resp = await self._stub.Document(req, timeout=self._call_deadline, metadata=self._md(token))  # type: ignore[union-attr]
+            resp = await self._stub.Document(req, timeout=self._call_deadline,  # type: ignore[union-attr]
+                                             metadata=self._md(token, namespace.tenant))
         return chain_keys(resp.keys)
 
     async def emphasize(
@@ -201,7 +217,8 @@ class GrpcUpstream(Upstream):
             return await super().emphasize(document, emphasis, fingerprint=fingerprint, namespace=namespace, token=token)
         req = document_request(document, fingerprint=fingerprint, namespace=namespace, emphasis=emphasis)
         with rpc_errors(self._peer):  # the origin computes: the compute deadline, not a lookup's
-            resp = await self._stub.Document(req, timeout=self._fetch_deadline, metadata=self._md(token))  # type: ignore[union-attr]
+            resp = await self._stub.Document(req, timeout=self._fetch_deadline,  # type: ignore[union-attr]
+                                             metadata=self._md(token, namespace.tenant))
         return chain_keys(resp.keys), resp.steer_variant
 
     async def healthy(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from kdn.codecs import get_codec
 from kdn.config import RoleConfig
@@ -37,6 +37,11 @@ class OriginConfig(RoleConfig):
         default_factory=dict,
         description='bearer token -> tenants it may use ("*" = all), as on the edge; empty = no auth',
     )
+    cluster_key: SecretStr | None = Field(
+        None, description="the secret every edge of the cluster also holds (kdn.wire.auth.EdgeKey): "
+        "signalling (WebRTC discovery and mailboxes) answers only calls signed with it, never a tenant token; "
+        "None with tokens set = signalling refused",
+    )
     tls_cert: str | None = Field(None, description="PEM certificate: serve TLS")
     tls_key: str | None = Field(None, description="PEM private key for tls_cert")
     tls_ca: str | None = Field(None, description="PEM CA: require client certificates (mTLS)")
@@ -61,6 +66,13 @@ class OriginConfig(RoleConfig):
             raise ValueError("at least one codec is needed")
         for spec in v:
             get_codec(spec)  # UnknownCodec is a ValueError: pydantic reports it against the field
+        return v
+
+    @field_validator("cluster_key")
+    @classmethod
+    def _cluster_key_long(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 16:
+            raise ValueError("cluster_key must be at least 16 characters")
         return v
 
     @field_validator("models")

@@ -22,7 +22,8 @@ RPCs (kdn/proto/kdn.proto):
 - ``Document``: the chunk keys of an ingested document.
 - ``Stats``: counters.
 - ``SignalService`` (``Announce``/``Send``/``Receive``, :mod:`kdn.wire.signal`): discovery and
-  WebRTC offer/answer mailboxes for edges behind NAT, which can all dial the origin.
+  WebRTC offer/answer mailboxes for edges behind NAT, which can all dial the origin. Edges only:
+  calls are signed with ``OriginConfig.cluster_key``, and each edge acts only as itself.
 
 Auth: ``OriginConfig.tokens`` maps bearer tokens to tenants (same rule as the edge,
 :mod:`kdn.wire.auth`): with tokens configured, every call's namespace must be granted to its token,
@@ -48,7 +49,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from kdn.wire.auth import TokenAuth
+from kdn.wire.auth import SIGNAL_NODE, EdgeKey, TokenAuth
 from kdn.artifact import transcode
 from kdn.codecs import get_codec
 from kdn.errors import (
@@ -201,6 +202,8 @@ class OriginServer:
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
         self.signal_board = SignalBoard()  # edges behind NAT: announcements and WebRTC mailboxes
+        key = config.cluster_key
+        self.edge_key = EdgeKey(key.get_secret_value(), SIGNAL_NODE) if key is not None else None
 
     # -- in-process API ------------------------------------------------------------------------
 
@@ -322,7 +325,7 @@ class OriginServer:
         server = grpc.aio.server(options=grpc_options())
         add_servicer(server, OriginServicer(self), "OriginService")
         # WebRTC signalling for edges behind NAT (kdn.wire.signal): every edge can dial the origin
-        add_servicer(server, SignalServicer(self.signal_board, self.auth, "origin"), "SignalService")
+        add_servicer(server, SignalServicer(self.signal_board, self.auth, "origin", edges=self.edge_key), "SignalService")
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         listen = self.config.listen

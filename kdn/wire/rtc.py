@@ -10,6 +10,19 @@ One :class:`RtcEndpoint` per edge. It long-polls its mailbox on the signalling s
 - **answers** offers addressed to it, and serves the requests that arrive on the channel with
   an :class:`RtcHandler` (the edge's own Lookup/Fetch logic, :mod:`kdn.edge.rtc`).
 
+Who is on the other end: the signalling service lets each edge act only as itself (edge tokens,
+:mod:`kdn.wire.signal`), so an offer's sender is the node that sent it, and a dialer takes an
+answer only from the node it dialled (an answer naming another sender is dropped). The SDP
+carries each side's DTLS fingerprint, so the channel runs to that node and no other.
+
+Answering is bounded: at most ``max_answers`` connections answered at once (an offer past it is
+dropped) and ``max_answers_per_peer`` per peer (past it, an offer is dropped while that peer has
+connections still opening, and otherwise closes its oldest one: a restarted dialer gets
+through); a connection whose channel has not opened ``connect_timeout_s`` after the offer
+(half-open: the dialer went away, or never meant it) is closed. A dropped offer costs no socket.
+So a flood of offers holds at most ``max_answers`` connections, each for a bounded time unless
+its channel opens.
+
 Requests and answers on the channel (one message each; ``!BI`` = kind, request id)::
 
     LOOKUP / FETCH  u16 token length, token (utf-8), u8 flags, a LookupRequest / FetchRequest
@@ -269,6 +282,16 @@ class RtcClient:
         await self.pc.close()
 
 
+@dataclass(slots=True, eq=False)
+class _Answered:
+    """A peer connection this endpoint answered: whose, and whether its channel opened."""
+
+    peer: str
+    pc: Any
+    opened: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+
 class RtcEndpoint:
     """This edge's WebRTC side: dials peers, answers offers, serves requests with ``handler``.
 
@@ -287,6 +310,9 @@ class RtcEndpoint:
         relay_after_s: float = 1.5,
         on_connect: Callable[[str, str, float, str], None] | None = None,
         on_served: Callable[[str, int], None] | None = None,
+        max_answers: int = 64,
+        max_answers_per_peer: int = 4,
+        on_offer: Callable[[str], None] | None = None,
     ) -> None:
         require_aiortc()
         self.node_id = node_id
@@ -298,10 +324,13 @@ class RtcEndpoint:
         self.relay_after_s = relay_after_s
         self._on_connect = on_connect or (lambda *a: None)
         self._on_served = on_served or (lambda *a: None)
+        self._on_offer = on_offer or (lambda outcome: None)  # "answered" | "dropped"
+        self.max_answers = max_answers
+        self.max_answers_per_peer = max_answers_per_peer
         self._clients: dict[str, RtcClient] = {}
         self._dialing: dict[str, asyncio.Future[RtcClient]] = {}
-        self._answers: dict[str, asyncio.Future[str]] = {}
-        self._served: dict[str, Any] = {}  # session -> peer connection we answered
+        self._answers: dict[str, tuple[str, asyncio.Future[str]]] = {}  # session -> (peer dialled, its answer)
+        self._served: dict[str, _Answered] = {}  # session -> connection we answered, oldest first
         self._paths: dict[str, str] = {}  # session -> path of a connection we answered
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
@@ -329,7 +358,10 @@ class RtcEndpoint:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        pcs = [c.pc for c in self._clients.values()] + list(self._served.values())
+        for a in self._served.values():
+            if a.timer is not None:
+                a.timer.cancel()
+        pcs = [c.pc for c in self._clients.values()] + [a.pc for a in self._served.values()]
         self._clients.clear()
         self._served.clear()
         await asyncio.gather(*(pc.close() for pc in pcs), return_exceptions=True)
@@ -354,15 +386,15 @@ class RtcEndpoint:
                 continue
             for m in msgs:
                 if m.kind == "answer":
-                    fut = self._answers.get(m.session)
-                    if fut is not None and not fut.done():
-                        fut.set_result(m.sdp)
+                    waiting = self._answers.get(m.session)
+                    if waiting is not None and waiting[0] == m.sender and not waiting[1].done():
+                        waiting[1].set_result(m.sdp)  # only the node dialled answers its session
                 elif m.kind == "offer":
-                    self._spawn(self._answer(m))
+                    self._take_offer(m)
                 elif m.kind == "bye":
-                    pc = self._served.pop(m.session, None)
-                    if pc is not None:
-                        self._spawn(pc.close())
+                    served = self._served.get(m.session)
+                    if served is not None and served.peer == m.sender:
+                        self._forget(m.session, served)
 
     # -- dialling --------------------------------------------------------------------------------
 
@@ -452,7 +484,7 @@ class RtcEndpoint:
         channel = pc.createDataChannel(CHANNEL_LABEL, ordered=True)
         channel.on("open", lambda: opened.done() or opened.set_result(None))
         answer = asyncio.get_running_loop().create_future()
-        self._answers[session] = answer
+        self._answers[session] = (peer, answer)
 
         async def handshake() -> None:
             await pc.setLocalDescription(await pc.createOffer())  # gathers every candidate
@@ -476,17 +508,54 @@ class RtcEndpoint:
 
     # -- answering -------------------------------------------------------------------------------
 
-    async def _answer(self, offer: Any) -> None:
-        aiortc = require_aiortc()
+    def _take_offer(self, offer: Any) -> None:
+        """Answer ``offer`` within the bounds (module docstring), or drop it."""
         if self.handler is None:
             return
-        t0 = time.perf_counter()
-        peer, session = offer.sender, offer.session
-        pc = aiortc.RTCPeerConnection(configuration=self._config(self.relay_only or session.endswith("r")))
-        old = self._served.pop(session, None)
+        old = self._served.get(offer.session)
         if old is not None:
-            await old.close()
-        self._served[session] = pc
+            if old.peer != offer.sender:
+                self._on_offer("dropped")  # a session id another peer holds
+                return
+            self._forget(offer.session, old)  # the same dialer offering again
+        mine = [(s, a) for s, a in self._served.items() if a.peer == offer.sender]
+        if len(mine) >= self.max_answers_per_peer:
+            if not all(a.opened for _, a in mine):
+                self._on_offer("dropped")  # it has offers in the air already: a flood, not a redial
+                return
+            self._forget(*mine[0])  # a redial: that peer's oldest connection makes room
+        elif len(self._served) >= self.max_answers:
+            self._on_offer("dropped")
+            log.debug("%s: %d WebRTC connections answered already; dropped an offer from %s", self.node_id,
+                      len(self._served), offer.sender[:40])
+            return
+        aiortc = require_aiortc()
+        pc = aiortc.RTCPeerConnection(configuration=self._config(self.relay_only or offer.session.endswith("r")))
+        served = self._served[offer.session] = _Answered(offer.sender, pc)
+        self._on_offer("answered")
+        served.timer = asyncio.get_running_loop().call_later(
+            self.connect_timeout_s, self._half_open, offer.session, served)
+        self._spawn(self._answer(offer, served))
+
+    def _half_open(self, session: str, served: "_Answered") -> None:
+        if not served.opened and self._served.get(session) is served:
+            log.info("%s: WebRTC connection answered to %s did not open in %.3g s; closed", self.node_id,
+                     served.peer[:40], self.connect_timeout_s)
+            self._forget(session, served)
+
+    def _forget(self, session: str, served: "_Answered") -> None:
+        """Close an answered connection and stop counting it."""
+        if self._served.get(session) is served:
+            del self._served[session]
+            self._paths.pop(session, None)
+        if served.timer is not None:
+            served.timer.cancel()
+        self._spawn(served.pc.close())
+
+    async def _answer(self, offer: Any, served: "_Answered") -> None:
+        aiortc = require_aiortc()
+        t0 = time.perf_counter()
+        peer, session, pc = offer.sender, offer.session, served.pc
 
         @pc.on("datachannel")
         def on_channel(channel: Any) -> None:
@@ -498,6 +567,7 @@ class RtcEndpoint:
                     self._spawn(self._serve(peer, sender, msg, session))
 
             def opened() -> None:
+                served.opened = True
                 path = _path_of(pc)
                 self._paths[session] = path
                 self._on_connect(peer, path, time.perf_counter() - t0, "answer")
@@ -510,19 +580,16 @@ class RtcEndpoint:
         @pc.on("connectionstatechange")
         async def on_state() -> None:
             if pc.connectionState in ("failed", "closed"):
-                if self._served.get(session) is pc:
-                    del self._served[session]
-                    self._paths.pop(session, None)
-                await pc.close()
+                self._forget(session, served)
 
         try:
-            await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=offer.sdp, type="offer"))
-            await pc.setLocalDescription(await pc.createAnswer())
+            async with asyncio.timeout(self.connect_timeout_s):
+                await pc.setRemoteDescription(aiortc.RTCSessionDescription(sdp=offer.sdp, type="offer"))
+                await pc.setLocalDescription(await pc.createAnswer())
             await self.signal.send(peer, self.node_id, session, "answer", pc.localDescription.sdp)
-        except (KdnError, ValueError) as exc:
-            log.info("%s: cannot answer %s's offer: %s", self.node_id, peer, exc)
-            self._served.pop(session, None)
-            await pc.close()
+        except (KdnError, ValueError, TimeoutError) as exc:
+            log.info("%s: cannot answer %s's offer: %s", self.node_id, peer[:40], exc or "timed out")
+            self._forget(session, served)
 
     async def _serve(self, peer: str, sender: _Sender, msg: bytes, session: str) -> None:
         assert self.handler is not None

@@ -10,12 +10,18 @@ the WebRTC transport (:mod:`kdn.wire.rtc`), two small things and nothing else:
   box, ``Receive`` long-polls one's own box. An offer carries the whole SDP with every ICE
   candidate gathered (aiortc gathers before it answers), so no trickle messages are needed.
 
+Who may call (:class:`SignalServicer`): only edges. Every call carries an edge token minted with
+the cluster key (:class:`kdn.wire.auth.EdgeKey`, receiver :data:`~kdn.wire.auth.SIGNAL_NODE`);
+the node it names is the caller, and a caller may announce only itself, send only as itself and
+drain only its own mailbox. No tenant token, not even a ``*`` one, grants any of it: a tenant can
+neither announce an address (which edges would dial), nor overwrite another node's, nor read or
+fill a mailbox. So every member an edge learns here was announced by an edge, and the sender of
+every offer and answer is the node that sent it. A server without a cluster key but with tokens
+refuses every call; one with neither (a lab, a unit test) binds nothing.
+
 Bounds (every one a clear error, nothing kept past them): SDP size, messages waiting per box
 (the oldest is dropped), node id length, the long-poll wait, announcements alive. The sender of a
-message is the node the caller names and must be announced; a mailbox holds only session
-descriptions (the data channel then carries bearer tokens per request, checked by the answering
-edge, so a forged offer gains nothing the caller's own token would not grant). Calls need a valid
-token when the server has tokens (any tenant: signalling is node-wide, like Stats).
+message must be announced; a mailbox holds only session descriptions.
 """
 
 from __future__ import annotations
@@ -28,11 +34,11 @@ from typing import Callable
 
 import grpc
 
-from kdn.errors import InvalidInput, MessageTooLarge, NotFound
+from kdn.errors import InvalidInput, MessageTooLarge, NotFound, Unauthorized
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
-from kdn.wire.auth import TokenAuth
-from kdn.wire.channel import aio_channel, auth_metadata
+from kdn.wire.auth import SIGNAL_NODE, SIGNAL_SCOPE, EdgeKey, TokenAuth
+from kdn.wire.channel import aio_channel, auth_metadata, bearer_token
 from kdn.wire.errors import rpc_errors
 from kdn.wire.service import Servicer, rpc
 from kdn.wire.tls import TlsFiles
@@ -131,11 +137,17 @@ class SignalBoard:
 
 
 class SignalServicer(Servicer, pbg.SignalServiceServicer):
-    """``SignalService`` over a :class:`SignalBoard`; any valid token (node-wide, like Stats)."""
+    """``SignalService`` over a :class:`SignalBoard`, for edges only (see the module docstring).
 
-    def __init__(self, board: SignalBoard, auth: TokenAuth, label: str = "signal") -> None:
+    ``edges``: the server's cluster key, with receiver :data:`~kdn.wire.auth.SIGNAL_NODE`."""
+
+    def __init__(self, board: SignalBoard, auth: TokenAuth, label: str = "signal", *,
+                 edges: EdgeKey | None = None) -> None:
+        if edges is not None and edges.node_id != SIGNAL_NODE:
+            raise ValueError(f"the signalling service checks tokens sent to {SIGNAL_NODE!r}, not {edges.node_id!r}")
         self.board = board
         self._auth = auth
+        self._edges = edges
         self._label = label
 
     @property
@@ -146,36 +158,54 @@ class SignalServicer(Servicer, pbg.SignalServiceServicer):
     def label(self) -> str:
         return self._label
 
+    def _caller(self, context: grpc.aio.ServicerContext, claimed: str, what: str) -> None:
+        """Refuse unless the caller is an edge acting as ``claimed`` (``what`` names the field)."""
+        token = bearer_token(context.invocation_metadata())
+        if self._edges is not None:
+            node = self._edges.verify(token, SIGNAL_SCOPE)
+            if node != claimed:
+                raise Unauthorized(f"this edge token is node {node[:40]!r}'s; {what} {claimed[:40]!r} is another node")
+        elif self._auth.enabled:
+            raise Unauthorized("signalling is for edges: set cluster_key on the origin and on every edge")
+
     @rpc
     async def Announce(self, request: pb.Announcement, context: grpc.aio.ServicerContext) -> pb.Members:
-        self.authorize_admin(context)
+        self._caller(context, request.node_id, "node_id")
         return pb.Members(members=self.board.announce(request))
 
     @rpc
     async def Send(self, request: pb.SignalMessage, context: grpc.aio.ServicerContext) -> pb.SignalAck:
-        self.authorize_admin(context)
+        self._caller(context, request.sender, "sender")
         self.board.send(request)
         return pb.SignalAck()
 
     @rpc
     async def Receive(self, request: pb.SignalPoll, context: grpc.aio.ServicerContext) -> pb.SignalBatch:
-        self.authorize_admin(context)
+        self._caller(context, request.node_id, "node_id")
         return pb.SignalBatch(messages=await self.board.receive(request.node_id, request.wait_s))
 
 
 class SignalClient:
-    """The edge's side of ``SignalService``: one channel, a deadline on every call."""
+    """The edge's side of ``SignalService``: one channel, a deadline on every call. With ``edge``
+    (this node's cluster key) every call carries a fresh edge token; else ``token``, if any."""
 
     def __init__(
         self, address: str, *, token: str | None = None, tls: TlsFiles | None = None, deadline_s: float = 5.0,
-        channel: grpc.aio.Channel | None = None,
+        channel: grpc.aio.Channel | None = None, edge: EdgeKey | None = None,
     ) -> None:
         self.address = address
-        self._md = auth_metadata(token)
+        self._token = token
+        self._edge = edge
         self._deadline = deadline_s
         self._channel = channel if channel is not None else aio_channel(address, tls=tls)
         self._stub = pbg.SignalServiceStub(self._channel)
         self._peer = f"signal {address}"
+
+    @property
+    def _md(self) -> tuple[tuple[str, str], ...]:
+        if self._edge is not None:
+            return auth_metadata(self._edge.mint(SIGNAL_NODE, SIGNAL_SCOPE))
+        return auth_metadata(self._token)
 
     async def announce(self, node_id: str, address: str, *, weight: float = 1.0, ttl_s: float = 15.0) -> list[pb.Announcement]:
         with rpc_errors(self._peer):

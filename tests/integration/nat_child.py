@@ -16,6 +16,7 @@ import sys
 import urllib.request
 
 CHUNK = 64
+CLUSTER_KEY = "nat-lab-cluster-key-1"  # the origin's and every edge's (signalling takes edge tokens only)
 
 
 def _doc(seed: str) -> str:
@@ -27,7 +28,7 @@ def origin(store: str, listen: str, token: str) -> None:
     from kdn.origin.server import OriginServer
 
     cfg = OriginConfig(store_dir=store, models=["tiny"], listen=listen, codecs=["raw"], chunk_size=CHUNK,
-                       verify_on_start="none", fsync=False, tokens={token: ["*"]})
+                       verify_on_start="none", fsync=False, tokens={token: ["*"]}, cluster_key=CLUSTER_KEY)
     srv = OriginServer(cfg)
     srv.start()
     print(json.dumps({"event": "ready", "address": srv.address}), flush=True)

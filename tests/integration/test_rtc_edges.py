@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 
 CHUNK = 64
 TOKEN = "tok-rtc"
+CLUSTER_KEY = "rtc-test-cluster-key"  # the origin's and both edges': signalling takes edge tokens only
 DOC = "".join(f"Clause {i}: the tenant keeps the premises in good repair and pays rent monthly. " for i in range(10))
 PROMPT = DOC + " Question: who keeps the premises in repair? Answer:"
 
@@ -40,7 +41,7 @@ def _origin(tmp_path):
 
     origin = OriginServer(OriginConfig(store_dir=str(tmp_path / "origin"), models=["tiny"], listen="127.0.0.1:0",
                                        codecs=["raw"], chunk_size=CHUNK, verify_on_start="none", fsync=False,
-                                       tokens={TOKEN: ["*"]}))
+                                       tokens={TOKEN: ["*"]}, cluster_key=CLUSTER_KEY))
     origin.start()
     return origin
 
@@ -72,7 +73,7 @@ def test_kv_held_only_by_edge_b_reaches_a_client_at_edge_a_over_webrtc(tmp_path)
         for name in ("a", "b"):
             cfg = EdgeConfig(node_id=f"edge-{name}", listen="127.0.0.1:0", origin=None, memory_bytes=64 << 20,
                              disk_dir=str(tmp_path / name), tokens={TOKEN: ["t1"]}, upstream_token=TOKEN,
-                             rtc_signal=origin.address, rtc_mode="always", rtc_announce_s=0.3,
+                             cluster_key=CLUSTER_KEY, rtc_signal=origin.address, rtc_mode="always", rtc_announce_s=0.3,
                              membership_refresh_s=0.2, shm=False, bulk=False)
             edges[name] = EdgeServer(cfg)
             loop.run(edges[name].start())
@@ -134,6 +135,7 @@ def test_a_peer_that_cannot_be_reached_in_time_sends_the_miss_to_the_origin(tmp_
     from kdn.edge.config import EdgeConfig
     from kdn.edge.server import EdgeServer
     from kdn.keys import Namespace
+    from kdn.wire.auth import EdgeKey
     from kdn.wire.signal import SignalClient
 
     lm = load_model("tiny", chunk_size=CHUNK)
@@ -143,15 +145,16 @@ def test_a_peer_that_cannot_be_reached_in_time_sends_the_miss_to_the_origin(tmp_
     try:
         assert origin.ingest_text(DOC, namespace=Namespace("t1"), doc_id="lease")
 
-        async def ghost() -> None:  # announced, never answers
-            sig = SignalClient(origin.address, token=TOKEN)
+        async def ghost() -> None:  # an edge that announced itself and never answers
+            sig = SignalClient(origin.address, edge=EdgeKey(CLUSTER_KEY, "edge-ghost"))
             await sig.announce("edge-ghost", "192.0.2.77:1", ttl_s=600)
             await sig.close()
 
         loop.run(ghost())
         cfg = EdgeConfig(node_id="edge-a", listen="127.0.0.1:0", origin=origin.address, memory_bytes=64 << 20,
                          disk_dir=str(tmp_path / "a"), tokens={TOKEN: ["t1"]}, upstream_token=TOKEN,
-                         rtc_signal=origin.address, rtc_mode="always", rtc_announce_s=0.3, rtc_connect_timeout_s=2.0,
+                         cluster_key=CLUSTER_KEY, rtc_signal=origin.address, rtc_mode="always", rtc_announce_s=0.3,
+                         rtc_connect_timeout_s=2.0,
                          membership_refresh_s=0.2, shm=False, bulk=False, replicas=2)
         edge = EdgeServer(cfg)
         loop.run(edge.start())

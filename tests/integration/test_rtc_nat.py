@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from kdn.simulator import natlab
+from tests.integration import nat_child
 
 # ~80 s on the 2-core machine (six Python processes load torch): kept out of the default run
 pytestmark = [pytest.mark.integration, pytest.mark.netns, pytest.mark.slow]
@@ -77,7 +78,7 @@ def _edge_config(tmp: Path, site: str, origin: str, turn_secret: str) -> Path:
     cfg = {
         "node_id": f"edge-{site.lower()}", "listen": f"{natlab.SITE_IP[site]}:0", "origin": origin,
         "memory_bytes": 64 << 20, "disk_dir": str(tmp / f"edge-{site}"), "shm": False, "bulk": False,
-        "metrics_port": 0, "tokens": {TOKEN: ["*"]}, "upstream_token": TOKEN,
+        "metrics_port": 0, "tokens": {TOKEN: ["*"]}, "upstream_token": TOKEN, "cluster_key": nat_child.CLUSTER_KEY,
         "rtc_signal": origin, "rtc_announce_s": 1.0, "rtc_connect_timeout_s": 15.0, "membership_refresh_s": 0.5,
         "rtc_ice_servers": [
             {"urls": [f"stun:{turn}"]},
