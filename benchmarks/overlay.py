@@ -4,12 +4,13 @@ Baseline in the same run: uhashring's ketama ring (the de-facto standard consist
 the same node names and keys. Keys are 32-byte BLAKE2b digests, like KDN chunk keys.
 
     .venv/bin/python benchmarks/overlay.py [--quick] [--no-append]
+
+Records the run as ``overlay`` (``benchmarks/_results.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import os
 import sys
@@ -19,9 +20,17 @@ from pathlib import Path
 
 import numpy as np
 
+from _results import Record
 from kdn.placement import BoundedLoadPlacement, Node, Placement
 
 REPO = Path(__file__).resolve().parents[1]
+
+METHOD = """Keys are 32-byte BLAKE2b digests, like KDN chunk keys; the baseline is uhashring's ketama
+ring (the de-facto standard consistent-hash ring) on the same node names and keys. Balance is the
+most-loaded node's key count over the mean, for the plain ring and with bounded loads (c = 1.05);
+movement is the share of keys that change owner when one node joins, times N+1 (1.0 is the
+minimum any consistent hash can move); lookups per second are the best of 3 interleaved rounds on
+100 nodes, single-key and batched."""
 
 
 def rate(fn, n: int, repeat: int = 3) -> float:
@@ -42,8 +51,9 @@ def imbalance(owners) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="benchmarks/overlay.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="20k keys instead of 100k")
-    ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument("--no-append", action="store_true", help="print only; record nothing")
     args = ap.parse_args(argv)
+    rec = None if args.no_append else Record(__file__, "overlay", "Overlay hashing, kdn.placement", argv)
     try:
         import uhashring
     except ImportError:  # the reference is a dev dependency
@@ -62,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     out()
     out("| N | max/mean plain ring | max/mean bounded (c=1.05) | keys moved on join x (N+1) | uhashring moved x (N+1) | uhashring max/mean |")
     out("|---|---|---|---|---|---|")
+    worst_bounded = worst_moved = 0.0
     for n in (10, 50, 100):
         names = [f"edge-{i}" for i in range(n)]
         ring = Placement(Node(x) for x in names)
@@ -84,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         out(
             f"| {n} | {imbalance(plain):.3f} | {loads.max() / loads.mean():.3f} | {moved:.3f} | {uh_moved} | {uh_imb} |"
         )
+        worst_bounded = max(worst_bounded, float(loads.max() / loads.mean()))
+        worst_moved = max(worst_moved, moved)
 
     w = Placement([Node("big", 2.0)] + [Node(f"edge-{i}") for i in range(9)])
     counts = Counter(w.owners_batch(keys)[:, 0])
@@ -125,11 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"
     )
 
-    if not args.no_append:
-        cmd = "python benchmarks/overlay.py" + (" --quick" if args.quick else "")
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        with (REPO / "BENCHMARKS.md").open("a") as f:
-            f.write(f"\n## Overlay hashing, kdn.placement ({stamp})\n\nCommand: `{cmd}`\n\n" + "\n".join(lines) + "\n")
+    if rec is not None:
+        rec.set_rounds(3)
+        rec.goal("max/mean load with bounded load (c = 1.05), worst of 10/50/100 nodes", "≤ 1.05", median=worst_bounded,
+                 at_most=1.05, unit="", digits=3)
+        rec.goal("keys moved on join x (N+1), worst of 10/50/100 nodes", "≤ 1.1", median=worst_moved, at_most=1.1,
+                 unit="", digits=3)
+        rec.goal("lookups/s, owners_batch r=1, 100 nodes", "≥ 500k/s", median=batch1, at_least=500_000, unit="/s", digits=0)
+        rec.goal("lookups/s, owners(key) r=1 single key, 100 nodes", "—", median=single1, unit="/s", digits=0)
+        rec.markdown(lines[:-1])  # the last line is the goal line, recorded above
+        rec.save()
     return 0
 
 
