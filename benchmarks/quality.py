@@ -8,6 +8,8 @@ reference for agreement and KL. The lossless codecs and ``kvq`` are also run on 
 seeded random-init twin (same architecture and tokenizer), beside the trained KV.
 
     .venv/bin/python benchmarks/quality.py [--quick] [--model DIR] [--windows N] [--no-append] [--json]
+
+Records the run as ``quality`` (``benchmarks/_results.py``) and writes benchmarks/results/quality.png.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from _results import Record
 from kdn.codecs.kvq import DEFAULT_LEVEL, LEVELS
 from kdn.models import load_model
 from kdn.codecs import SectionInfo
@@ -42,6 +45,14 @@ from kdn.lab.quality import (
 from kdn.lab.reference import META_FILE, default_reference_dir
 
 REPO = Path(__file__).resolve().parents[1]
+
+METHOD = """The trained reference model (`kdn model train-reference`) over held-out standard-library text:
+windows of exact context are encoded with each codec into a container and decoded, then the next
+tokens are teacher-forced and compared with the run on exact fp32 KV (top-1 agreement, mean KL,
+perplexity change). Size is fp16 KV bytes over artifact bytes, measured in the same run; GB/s are
+fp16 KV bytes per second through encode and decode, checksums included. The lossless codecs and
+the default kvq level also run on a seeded random-init twin of the model. A stricter window scores
+only the tokens right after the context, where the decoded KV weighs most."""
 PLOT = REPO / "benchmarks" / "results" / "quality.png"
 KVQ = [f"kvq:{lvl}" for lvl in LEVELS]
 LOSSLESS = ["raw", "lz4", "zstd:3"]
@@ -152,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model dir (default: the trained reference model)")
     ap.add_argument("--quick", action="store_true", help="8 windows of 64 tokens")
     ap.add_argument("--windows", type=int, default=None)
-    ap.add_argument("--no-append", action="store_true", help="print only: no BENCHMARKS.md section, no plot")
+    ap.add_argument("--no-append", action="store_true", help="print only: record nothing, write no plot")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     spec = args.model or str(default_reference_dir())
@@ -160,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no model at {spec}: run `kdn model train-reference` first", file=sys.stderr)
         return 2
     torch.set_num_threads(2)
+    rec = None if args.no_append else Record(__file__, "quality", "KV codec quality on the trained reference model",
+                                             argv)
     setup = EvalSetup(windows=args.windows or (8 if args.quick else 32), continuation=64 if args.quick else 128)
     lm = load_model(spec)
     t0 = time.perf_counter()
@@ -191,10 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"trained": [r.as_dict() for r in results],
                           "random_init": {k: v.as_dict() for k, v in rand.items()}}, indent=1, default=str))
-    if not args.no_append:
+    if rec is not None:
         plot(results, PLOT)
-        with open(REPO / "BENCHMARKS.md", "a") as f:
-            f.write(text)
+        d = next(r for r in results if r.codec == DEFAULT_KVQ)
+        rec.goal(f"kvq default ({DEFAULT_KVQ}): size vs fp16", "≥ 4x", median=d.size_ratio, at_least=4.0)
+        rec.goal(f"kvq default ({DEFAULT_KVQ}): top-1 next-token agreement", "≥ 99%", median=100 * d.top1_agreement,
+                 unit="%", digits=2, at_least=99.0)
+        rec.markdown(line for line in text.splitlines()
+                     if not line.startswith(("## KV codec quality", "Command: ", "goal (kvq")))
+        rec.note(f"Perplexity of the exact-KV run: {d.ppl_exact:.2f}.")
+        rec.plot(PLOT)
+        rec.save()
     return 0
 
 
