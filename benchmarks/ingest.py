@@ -13,13 +13,13 @@ processes hits both sides alike), tokens/s are totals. Goal: ingest >= 0.8x plai
 
 Compute on demand: one ``Compute`` RPC over loopback for a chain nobody stored (cold: prefill +
 encode + store) and for the same chain again (warm: keys only), vs plain prefill of that chain.
-Figures are appended to BENCHMARKS.md; the plot goes to benchmarks/results/ingest.png.
+Records the run as ``ingest`` (``benchmarks/_results.py``); the plot goes to
+benchmarks/results/ingest.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import shutil
 import statistics
@@ -31,6 +31,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _results import Record  # noqa: E402
+
+METHOD = """Baseline, measured in the same run on the same model and documents (Python standard-library
+source): `prefill_chunks` alone, the forward pass any KV producer must pay. Ingest is the whole
+pipeline: read file, tokenise, chunk keys, store lookup, prefill, encode per codec, atomic fsynced
+writes, manifest rows. Timing is paired: per document, plain prefill then each ingest variant of
+that same document, back to back; the ratio is the median of the per-document ratios, tokens/s are
+totals. Compute on demand: one `Compute` RPC over loopback for a chain nobody stored (cold) and for
+the same chain again (already stored), against a plain prefill of that chain."""
 
 
 def corpus(n_docs: int, tokens: int) -> list[str]:
@@ -58,11 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compute-tokens", type=int, default=1024)
     ap.add_argument("--ray", action="store_true", help="also ingest through one Ray origin worker")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: fair on a shared box)")
-    ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument("--no-append", action="store_true", help="print only; record nothing")
     args = ap.parse_args(argv)
     model = args.model or ("tiny" if args.quick else "small-125m")
     rounds = args.rounds or (2 if args.quick else 3)
     codecs = [c for c in args.codecs.split(",") if c]
+    rec = None if args.no_append else Record(__file__, "ingest", "Origin ingest vs plain prefill, compute on demand", argv)
 
     import torch
 
@@ -203,15 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # plotting is a nicety
         print(f"(no plot: {exc})")
 
-    if not args.no_append:
-        cmd = "python benchmarks/ingest.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        lines = [
-            "",
-            f"## Origin ingest vs plain prefill, compute on demand ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)",
-            "",
-            f"Command: `{cmd.strip()}`  ",
-            f"model {model}, {len(texts)} documents (stdlib source), {covered} tokens in full chunks, chunk {lm.chunk_size}, "
-            f"{rounds} rounds, paired per document (ratio = median of per-document ratios), {args.threads} torch threads, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs",
+    if rec is not None:
+        rec.set_rounds(rounds)
+        rec.goal(f"ingest vs plain prefill tokens/s, {model} (worst of {', '.join(codecs)})", "≥ 0.8x", median=goal,
+                 at_least=0.8, rounds=rounds)
+        rec.markdown([
+            f"Model {model}, {len(texts)} documents (stdlib source), {covered} tokens in full chunks, chunk {lm.chunk_size}, "
+            f"{rounds} rounds, paired per document (ratio = median of per-document ratios), {args.threads} torch threads.",
             "",
             "| what | tokens/s | vs plain prefill | note |",
             "|---|---|---|---|",
@@ -219,13 +228,10 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"Compute on demand (one gRPC `Compute`, loopback), {n_ct}-token chain, {codecs[0]}: cold {cold_m * 1e3:.0f} ms "
             f"= {cold_m / base_m:.2f}x a plain prefill of the chain ({base_m * 1e3:.0f} ms); already stored: {warm_m * 1e3:.1f} ms.",
-            "",
-            f"goal (ingest >= 0.8x plain prefill tokens/s): {'MET' if goal >= 0.8 else 'NOT MET'} (worst {goal:.2f}x). "
-            f"Plot: `benchmarks/results/ingest.png`.",
-            "",
-        ]
-        with open(ROOT / "BENCHMARKS.md", "a") as fh:
-            fh.write("\n".join(lines))
+        ])
+        if png.is_file():
+            rec.plot(png)
+        rec.save()
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
