@@ -13,18 +13,23 @@ four small pieces of state, each with the only operations that change it:
   frozen :class:`~kdn.simulator.tally.Plan` and by :class:`Network` with committed transfers.
 
 Caches are the policy's own (:meth:`Context.make_caches` builds them from the scenario).
-Predictions are exact because nothing else is committed between a prediction and its commit
-(:mod:`kdn.simulator.links`; on a fair link a later transfer can still slow one already committed,
-which the link accounts for but the earlier request's figures do not).
+A prediction and the commit that follows it agree, because nothing else is committed in between
+(:mod:`kdn.simulator.links`). On a fair link a transfer committed later can still slow one already
+there; a request's reported figures (TTFT, fetch time) follow its flows to the end: they are put
+right once its flows have left their links (:meth:`Context.settle`). With ``gpu_replicas_per_edge``
+the GPU replica is booked at the predicted time; a request whose data comes later starts later,
+and the replica's booking is not moved (the next request's queueing is slightly under-counted).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from kdn.edge.eviction import make_policy
 from kdn.simulator.cache import BoundedCache
 from kdn.simulator.core import EventLoop
 from kdn.simulator.cost import CostModel
-from kdn.simulator.links import make_links
+from kdn.simulator.links import FairLinks, Flow, make_links
 from kdn.simulator.scenario import NetworkSpec, PolicyParams, Scenario
 from kdn.simulator.tcp import Connections, TcpModel
 from kdn.simulator.tally import GB, Plan, Tally
@@ -36,32 +41,45 @@ __all__ = ["Context", "GpuPool", "Network", "Origin"]
 
 class Network:
     """Every site's egress link and the connections between sites. ``fetch_ready`` predicts
-    (``commit=False``) or takes the link."""
+    (``commit=False``) or takes the link; each committed fetch's :class:`~kdn.simulator.links.Flow`
+    and the seconds from its last byte leaving to its data at the GPUs go into :attr:`taken`, for
+    the request being served to collect (:meth:`Context.finish`)."""
 
-    __slots__ = ("cost", "links", "conns", "_tally", "_bw")
+    __slots__ = ("cost", "links", "conns", "_tally", "_bw", "loop", "taken", "_advance", "_fair")
 
-    def __init__(self, cost: CostModel, topo: Topology, tally: Tally, spec: NetworkSpec | None = None) -> None:
+    def __init__(self, cost: CostModel, topo: Topology, tally: Tally, spec: NetworkSpec | None = None, loop: EventLoop | None = None) -> None:
         spec = spec if spec is not None else NetworkSpec()
-        tcp = TcpModel(iw_segments=spec.initial_window_segments, streams=spec.streams)
+        tcp = TcpModel(iw_segments=spec.initial_window_segments, streams=spec.streams, congestion_control=spec.congestion_control)
         self.cost = cost
         self.links = make_links(spec.link_sharing, topo.uplink_Bps, tcp)
         self.conns = Connections(tcp, spec.connections)
         self._bw = self.links.bw
         self._tally = tally
+        self.loop = loop if loop is not None else EventLoop()
+        self.taken: list[tuple[Flow, float]] = []
+        self._advance = self.links.advance
+        self._fair = isinstance(self.links, FairLinks)
 
     def fetch_ready(self, src: int, e: int, nblocks: int, now: float, commit: bool) -> float:
-        """When ``nblocks`` chunks from site ``src`` are decoded at edge ``e``'s GPUs: request
-        latency, (a handshake on a cold connection,) the link's queue or share and the
+        """When ``nblocks`` chunks from site ``src`` are decoded at edge ``e``'s GPUs, as predicted
+        now: request latency, (a handshake on a new connection,) the link's share and the
         connection's window rounds on ``src``'s link, propagation, decode."""
         lat, nbytes, decode_s = self.cost.transfer(e, src, nblocks)
         rtt = 2.0 * lat
-        cold, cwnd = self.conns.state(src, e, now + lat, rtt)
+        links = self.links
+        self._advance(src, self.loop.now)
         if commit:
-            sent = self.links.commit(src, now + lat, nbytes, rtt, cwnd, cold)
-            self.conns.done(src, e, nbytes, rtt, self._bw[src], cwnd, sent)
+            cold, cwnd, conn = self.conns.take(src, e, now + lat, rtt, now)
+            sent = links.commit(src, now + lat, nbytes, rtt, cwnd, cold)
+            flow = links.last
+            assert flow is not None
+            self.conns.hold(conn, nbytes, rtt, flow.rate, cwnd, flow)
+            if self._fair:
+                self.taken.append((flow, lat + decode_s))
             self._tally.moved(nbytes, self.cost.is_wan[e][src], now)
         else:
-            sent = self.links.finish(src, now + lat, nbytes, rtt, cwnd, cold)
+            cold, cwnd = self.conns.state(src, e, now + lat, rtt, now)
+            sent = links.finish(src, now + lat, nbytes, rtt, cwnd, cold)
         return sent + lat + decode_s
 
     def send(self, e: int, dst: int, nblocks: int, now: float) -> None:
@@ -70,10 +88,18 @@ class Network:
             return
         lat, nbytes, _ = self.cost.transfer(e, dst, nblocks)
         rtt = 2.0 * lat
-        cold, cwnd = self.conns.state(e, dst, now, rtt)
-        sent = self.links.commit(e, now, nbytes, rtt, cwnd, cold)
-        self.conns.done(e, dst, nbytes, rtt, self._bw[e], cwnd, sent)
+        links = self.links
+        self._advance(e, self.loop.now)
+        cold, cwnd, conn = self.conns.take(e, dst, now, rtt, now)
+        links.commit(e, now, nbytes, rtt, cwnd, cold)
+        flow = links.last
+        assert flow is not None
+        self.conns.hold(conn, nbytes, rtt, flow.rate, cwnd, flow)
         self._tally.moved(nbytes, self.cost.is_wan[e][dst], now)
+
+    def settle(self) -> None:
+        """Run every link until its last flow has left (every Flow's finish is then known)."""
+        self.links.settle()
 
 
 class Origin:
@@ -145,7 +171,7 @@ class Context:
 
     __slots__ = (
         "params", "topo", "reqs", "loop", "cost", "net", "origin", "gpus", "_tally", "decision",
-        "edge_of", "tokens_of", "key_off", "keys", "_cache_spec", "_capacity",
+        "edge_of", "tokens_of", "key_off", "keys", "_cache_spec", "_capacity", "_late", "_since_flush",
     )
 
     def __init__(self, sc: Scenario, topo: Topology, reqs: Requests, cost: CostModel, loop: EventLoop, tally: Tally) -> None:
@@ -155,7 +181,7 @@ class Context:
         self.loop = loop
         self.cost = cost
         self._tally = tally
-        self.net = Network(cost, topo, tally, sc.network)
+        self.net = Network(cost, topo, tally, sc.network, loop)
         self.origin = Origin(reqs, topo, self.net, publishing=sc.params.publish_to_origin)
         self.gpus = GpuPool(topo.n_edges, sc.gpu_replicas_per_edge)
         self.decision = sc.params.decision
@@ -166,6 +192,10 @@ class Context:
         self.keys = reqs.keys
         self._cache_spec = sc.cache
         self._capacity = int(sc.cache.edge_cache_gb * GB)
+        # requests whose figures wait for their flows to leave a fair link, in arrival order:
+        # (tally index, plan, edge-part flows, origin flow or None, serve_s, gpu free at commit, booked start)
+        self._late: deque[tuple] = deque()
+        self._since_flush = 0
 
     @property
     def capacity(self) -> int:
@@ -180,7 +210,9 @@ class Context:
         return [BoundedCache(self._capacity, make_policy(name, whole_chains=whole_chains)) for _ in range(self.topo.n_edges)]
 
     def request(self, i: int) -> tuple[float, int, int, list[int]]:
-        """Request ``i``, arriving now: ``(now, edge, input tokens, chunk keys in chain order)``."""
+        """Request ``i``, arriving now: ``(now, edge, input tokens, chunk keys in chain order)``.
+        Starts the request: the transfers it commits from here on are its own."""
+        self.net.taken.clear()
         return self.loop.now, self.edge_of[i], self.tokens_of[i], self.chain(i)
 
     def chain(self, i: int) -> list[int]:
@@ -212,22 +244,80 @@ class Context:
         return m >= 1 and h > 0, k2, k2 > 0 and m == len(sizes)
 
     def finish(self, plan: Plan) -> None:
-        """Commit the origin part of ``plan``, run its prefill on the edge's GPUs, count it."""
+        """Commit the origin part of ``plan``, run its prefill on the edge's GPUs, count it.
+
+        Its figures are counted as predicted now; on a fair link, flows that join later can still
+        slow its transfers, so a request with flows on one is kept (:attr:`_late`) and its TTFT
+        and fetch time are put right once they have left (:meth:`settle`)."""
         e = plan.edge
         ready = plan.edge_ready
         span = ready - plan.arrival
+        taken = self.net.taken
+        edge_flows = tuple(taken) if taken else ()
+        taken.clear()
+        origin_flow = None
         if plan.origin:
             src = self.origin.nearest[e]
             t2 = self.net.fetch_ready(src, e, plan.origin, plan.arrival, True)
+            if taken:
+                origin_flow = (taken[0][0], t2)
+                taken.clear()
             if t2 > ready:
                 ready, span = t2, self._origin_span(e, src, plan.arrival, t2)
         cost = self.cost
         serve_s = cost.serve_s(plan.local + plan.peer + plan.origin, plan.tokens)
         gpus = self.gpus
+        gpu_free = gpus.next_free(e)
+        fetch_s = ready - plan.arrival
         if cost.pipelined:  # prefill starts before the last layer is in (never before a GPU is free)
-            ready -= cost.overlap(span, serve_s - cost.first_token_s, ready, gpus.next_free(e))
+            ready -= cost.overlap(span, serve_s - cost.first_token_s, ready, gpu_free)
         start = ready if gpus.free is None else gpus.run(e, ready, serve_s)
-        self._tally.add(plan, start, serve_s, cost.serve_s(0, plan.tokens))
+        k = self._tally.add(plan, start, serve_s, cost.serve_s(0, plan.tokens), fetch_s)
+        if k >= 0 and (edge_flows or origin_flow is not None):
+            self._late.append((k, plan, edge_flows, origin_flow, serve_s, gpu_free, start if gpus.free is not None else None))
+        self._since_flush += 1
+        if self._since_flush >= 8192:
+            self._flush(self.loop.now)
+
+    def _flush(self, now: float, final: bool = False) -> None:
+        """Put right the figures of the late requests whose flows have all left (all of them
+        when ``final``), oldest first."""
+        self._since_flush = 0
+        late = self._late
+        if not late:
+            return
+        if not final:
+            advance = self.net.links.advance
+            for site in range(len(self.net.links.bw)):
+                advance(site, now)
+        cost = self.cost
+        fix = self._tally.fix
+        while late:
+            k, plan, edge_flows, origin_flow, serve_s, gpu_free, booked = late[0]
+            if not final and (any(f.finish is None for f, _ in edge_flows) or (origin_flow is not None and origin_flow[0].finish is None)):
+                break
+            late.popleft()
+            arrival = plan.arrival
+            edge_ready = plan.edge_ready
+            for f, to_gpus in edge_flows:
+                if f.finish is not None and f.finish + to_gpus > edge_ready:
+                    edge_ready = f.finish + to_gpus
+            ready, span = edge_ready, edge_ready - arrival
+            if origin_flow is not None:
+                f, t2 = origin_flow
+                t2 += f.delay
+                if t2 > ready:
+                    ready, span = t2, self._origin_span(plan.edge, self.origin.nearest[plan.edge], arrival, t2)
+            fetch_s = ready - arrival
+            if cost.pipelined:
+                ready -= cost.overlap(span, serve_s - cost.first_token_s, ready, gpu_free)
+            start = booked if booked is not None and booked > ready else ready
+            fix(k, start - arrival + serve_s, fetch_s)
+
+    def settle(self) -> None:
+        """The run is over: let every link run out and put every late request's figures right."""
+        self.net.settle()
+        self._flush(self.loop.now, final=True)
 
     def _origin_span(self, e: int, src: int, now: float, ready: float) -> float:
         """How long an origin fetch's data flows in: from its first bytes (a round trip after the

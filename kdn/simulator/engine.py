@@ -13,8 +13,10 @@ data is ready at ``e``. Using the first ``m`` segments costs ``max(ready) - now`
 the tokens after them; the rule picks the ``m`` with the smallest predicted TTFT
 (``decision: auto``, :meth:`CostModel.best_prefix`), so a fetch is used only when it is predicted
 to be faster than recomputing.
-Predictions are exact: links are FIFO (:mod:`kdn.simulator.links`) and nothing else is committed
-between the prediction and the commit.
+Predictions are what the links say given the transfers committed so far: on a fifo link they are
+final; on a fair link (the default) a transfer that joins later slows the ones already there, and
+the figures a request reports (TTFT, fetch time) are put right once its flows have left the link
+(:meth:`Context.settle`), so what is reported is what the shared link did.
 
 Simplifications, stated: a lookup's answer (who holds what) is known without a round trip (a
 directory or digest of each edge's keys); fetched segments arrive in parallel and prefill starts
@@ -65,6 +67,7 @@ class Simulation:
         t0 = time.perf_counter()
         self.policy.start()
         self.loop.run(self.reqs.t, self.policy.serve, progress=progress)
+        self.ctx.settle()
         wall = time.perf_counter() - t0
         sc = self.sc
         counted_s = self.reqs.duration_s - max(0.0, self.counted_from)  # edge storage over the counted time only

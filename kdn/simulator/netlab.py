@@ -1,5 +1,6 @@
-"""A real-TCP lab for checking the transfer model: two network namespaces joined by a link of
-chosen rate and round-trip time, and timed transfers across it.
+"""A real-TCP lab for checking what the simulator reports: two network namespaces joined by a
+link of chosen rate and round-trip time, timed transfers across it, and the same transfers run
+through the simulator's engine (:func:`reported`).
 
 Layout (built by :func:`main`, which must run as root of a private network namespace, e.g. under
 ``unshare -rn``; :func:`run_lab` starts it so)::
@@ -10,13 +11,18 @@ Layout (built by :func:`main`, which must run as root of a private network names
 ``kdnA`` / ``kdnB`` are TUN devices; the forwarder reads packets from one and writes them to the
 other after the one-way delay (netem is not available here, so the delay line is ours). The
 server's egress (the data direction) is shaped by a ``tbf`` qdisc to the link rate, with a queue of
-16 MB, so nothing is dropped (:func:`_tbf`). A transfer is: the client sends the size wanted (8 bytes), the server
-sends that many bytes; it is timed at the client from just before ``connect`` (cold) or the
-request (warm: a connection that has just carried a 20 MB transfer; two are warmed together) to
-the last byte received.
-Two at once: two connections started together, each timed from the common start.
+16 MB, so nothing is dropped (:func:`_tbf`). A transfer is: the client sends the size wanted (8
+bytes), the server sends that many bytes; ``parallel`` transfers start together, each on its own
+connection, each timed at the client from the common start (just before ``connect`` for a cold
+one, before the request for a pooled one) to its last byte. Pooled (``warm``): each connection
+first carries :data:`WARMUP_BYTES` (all of them together), then sits idle ``idle_s`` seconds.
 
-Only the standard library and ``ip``/``tc`` (iproute2); prints one JSON object.
+:func:`reported` builds the same case as a simulation (one origin, one edge at the same place,
+the link as the origin's uplink, the RTT as the two sites' access latency; every request fetches
+its chunks from the origin) and returns the per-request fetch times the engine reports, the
+figure ``kdn simulate`` prints and the tuner optimises.
+
+Only the standard library and ``ip``/``tc`` (iproute2) inside the namespaces; prints one JSON object.
 """
 
 from __future__ import annotations
@@ -40,32 +46,41 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["Case", "Measured", "available", "run_lab", "default_cases", "predict", "goodput_Bps"]
+__all__ = ["BLOCK_BYTES", "Case", "Measured", "available", "run_lab", "default_cases", "reported", "goodput_Bps"]
 
 TUNSETIFF = 0x400454CA
 IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
 CLONE_NEWNET = 0x40000000
 CLIENT_IP, SERVER_IP, PORT = "10.77.0.1", "10.77.0.2", 5001
-WARMUP_BYTES = 20_000_000
+BLOCK_TOKENS = 16  # tokens per chunk in the simulated case: 16 x 128 KiB of Llama-3.1-8B KV = 2 MiB
+BLOCK_BYTES = 2 * 1024 * 1024
+WARMUP_BYTES = 2 * BLOCK_BYTES  # what a pooled connection carries before the timed transfer
+MODEL = "llama-3.1-8b"
 
 
 @dataclass(frozen=True, slots=True)
 class Case:
-    nbytes: int
+    nbytes: int  # a whole number of BLOCK_BYTES
     rtt_s: float
-    warm: bool
-    parallel: int  # transfers started together (1 or 2)
+    warm: bool  # pooled connections that have carried WARMUP_BYTES (else: new connections)
+    parallel: int  # transfers started together, one connection each
+    idle_s: float = 0.0  # how long the pooled connections sat idle before the timed transfers
+
+    @property
+    def mode(self) -> str:
+        return "cold" if not self.warm else (f"after {self.idle_s:g} s idle" if self.idle_s > 0 else "warm")
 
     @property
     def label(self) -> str:
-        mb = self.nbytes / 1e6
-        return f"{mb:g} MB, RTT {self.rtt_s * 1000:g} ms, {'warm' if self.warm else 'cold'}, {self.parallel} at once"
+        mb = self.nbytes / 2**20
+        return f"{mb:g} MiB, RTT {self.rtt_s * 1000:g} ms, {self.mode}, {self.parallel} at once"
 
 
 @dataclass(frozen=True, slots=True)
 class Measured:
     case: Case
-    seconds: tuple[float, ...]  # each transfer's time, sorted
+    seconds: tuple[float, ...]  # each transfer's time, sorted: the median over the runs, rank by rank
+    runs: tuple[tuple[float, ...], ...] = ()  # every run's sorted times
 
 
 def goodput_Bps(rate_mbit: float, mss: int = 1448) -> float:
@@ -74,35 +89,72 @@ def goodput_Bps(rate_mbit: float, mss: int = 1448) -> float:
     return rate_mbit * 1e6 / 8 * mss / (mss + 52)
 
 
-def predict(case: Case, rate_mbit: float, mode: str = "fair") -> tuple[float, ...]:
-    """What the simulator's link and TCP models say each transfer of ``case`` takes (request to
-    last byte at the client), sorted. ``fair``: the link's processor-sharing departures (each
-    flow's final time, as the later flow made it) plus its window-limited time; ``fifo``: the
-    FIFO link's figures at commit."""
-    from kdn.simulator.links import FairLinks, Links
-    from kdn.simulator.tcp import TcpModel
+BASE_RTT_S = 0.0002  # the delay line's own round trip when set to 0 (a Python forwarder, two TUN hops)
 
-    tcp = TcpModel()
-    rate = goodput_Bps(rate_mbit)
-    rtt = case.rtt_s
-    lat = rtt / 2
-    cwnd = tcp.window_after(WARMUP_BYTES, rtt, rate) if case.warm else tcp.initial_window
-    if mode == "fifo":
-        links = Links([rate], tcp)
-        return tuple(sorted(links.commit(0, lat, case.nbytes, rtt, cwnd, not case.warm) + lat for _ in range(case.parallel)))
-    fair = FairLinks([rate], tcp, record=True)
-    ids = []
-    for _ in range(case.parallel):
-        fair.commit(0, lat, case.nbytes, rtt, cwnd, not case.warm)
-        ids.append(fair.last_id)
-    fair.settle(0)
-    assert fair.left_at is not None and fair.extra is not None
-    return tuple(sorted(fair.left_at[i] + fair.extra[i] + lat for i in ids))
+
+def simulate_fetches(requests: list[tuple[float, int]], rtt_s: float, rate_mbit: float, cc: str = "cubic") -> list[float]:
+    """The fetch times (arrival to data at the GPUs) the engine reports for ``requests``
+    (``(arrival s, chunks of BLOCK_BYTES)``, in arrival order), from a run of
+    :func:`kdn.simulator.engine.run_policy` on a one-origin, one-edge scenario: the origin's uplink
+    is a link of ``rate_mbit`` (its payload rate, :func:`goodput_Bps`), the two sites' RTT is
+    ``rtt_s`` (their access latencies), every request fetches all its chunks from the origin over
+    pooled connections under congestion control ``cc``."""
+    import numpy as np
+
+    from kdn.simulator.engine import run_policy
+    from kdn.simulator.geo import CityIndex
+    from kdn.simulator.presets import load_presets
+    from kdn.simulator.scenario import parse_scenario
+    from kdn.simulator.topology import build_topology
+    from kdn.simulator.workload import Requests
+
+    presets = load_presets()
+    if presets.models[MODEL].kv_bytes_per_token * BLOCK_TOKENS != BLOCK_BYTES:
+        raise ValueError(f"{MODEL}'s KV per chunk of {BLOCK_TOKENS} tokens is not {BLOCK_BYTES} bytes")
+    where = {"lat": 0.0, "lon": 0.0, "access_ms": rtt_s / 4 * 1000}  # one-way latency = access at each end
+    cities = CityIndex.default()
+    sc = parse_scenario({
+        "name": "netlab", "model": MODEL, "gpu": "h100-sxm", "block_tokens": BLOCK_TOKENS,
+        "topology": {"origins": [{**where, "name": "server", "uplink_gbps": goodput_Bps(rate_mbit) * 8 / 1e9}],
+                     "regions": [{**where, "name": "client", "uplink_gbps": 10.0}]},
+        "workload": {"kind": "synthetic", "requests": 1, "duration_s": 1.0},
+        "cache": {"edge_cache_gb": 0.0},
+        "codecs": {"metro": "raw", "regional": "raw", "long_haul": "raw"},
+        "policies": ["origin_only"],
+        "params": {"decision": "fetch", "publish_to_origin": False},
+        "network": {"link_sharing": "fair", "connections": "pooled", "congestion_control": cc},
+    }, source="netlab", cities=cities, presets=presets)
+    topo = build_topology(sc, cities)
+    t = np.asarray([r[0] for r in requests], dtype=float)
+    blocks = np.asarray([r[1] for r in requests], dtype=np.int64)
+    off = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum(blocks, out=off[1:])
+    keys = np.arange(1, int(off[-1]) + 1, dtype=np.int64)  # every chunk its own: nothing is cached
+    reqs = Requests(t, np.zeros(len(requests), dtype=np.int64), blocks * BLOCK_TOKENS, off, keys,
+                    np.zeros(0), np.zeros(0, dtype=np.int64), BLOCK_TOKENS, True, float(t[-1]))
+    return [float(x) for x in run_policy(sc, topo, reqs, presets, "origin_only").fetch]
+
+
+def reported(case: Case, rate_mbit: float, cc: str = "cubic", base_rtt_s: float = BASE_RTT_S) -> tuple[float, ...]:
+    """What the simulator reports for ``case`` (:func:`simulate_fetches`): each timed request's
+    fetch time, sorted. The RTT is ``case.rtt_s``, ``base_rtt_s`` at least (what the delay line
+    adds at 0). Warm cases: ``parallel`` requests of WARMUP_BYTES at t=0, the timed ones
+    ``idle_s`` after the last of them is in (found by a first run of the warm-ups alone)."""
+    if case.nbytes % BLOCK_BYTES:
+        raise ValueError(f"case size {case.nbytes} is not a whole number of {BLOCK_BYTES}-byte chunks")
+    rtt = max(case.rtt_s, base_rtt_s)
+    warm = [(0.0, WARMUP_BYTES // BLOCK_BYTES)] * case.parallel if case.warm else []
+    start = max(simulate_fetches(warm, rtt, rate_mbit, cc)) + case.idle_s if warm else 0.0
+    fetch = simulate_fetches(warm + [(start, case.nbytes // BLOCK_BYTES)] * case.parallel, rtt, rate_mbit, cc)
+    return tuple(sorted(fetch[len(warm):]))
 
 
 def default_cases() -> list[Case]:
-    """The issue's grid: 2 MB and 20 MB, ~0 and 100 ms RTT, cold and warm, one and two at once."""
-    return [Case(n, rtt, warm, par) for rtt in (0.0, 0.1) for n in (2_000_000, 20_000_000) for warm in (False, True) for par in (1, 2)]
+    """The grid: 2 and 20 MiB, ~0 and 100 ms RTT, two and four transfers at once on the link,
+    on new connections, on pooled warm ones, and on pooled ones after 1 s idle."""
+    modes = ((False, 0.0), (True, 0.0), (True, 1.0))
+    return [Case(n, rtt, warm, par, idle) for rtt in (0.0, 0.1) for n in (BLOCK_BYTES, 10 * BLOCK_BYTES)
+            for par in (2, 4) for warm, idle in modes]
 
 
 def available() -> str | None:
@@ -120,17 +172,26 @@ def available() -> str | None:
     return None
 
 
-def run_lab(cases: list[Case], *, rate_mbit: float = 100.0, repeats: int = 1, cc: str | None = None, timeout_s: float = 300.0) -> tuple[list[Measured], dict[str, str]]:
-    """Run ``cases`` in a fresh pair of namespaces; each case ``repeats`` times (the median run,
-    by its slowest transfer, is kept). ``cc``: the sender's congestion control (default: the
-    system's). Returns the measurements and facts about the lab (congestion control, kernel)."""
-    spec = json.dumps({"rate_mbit": rate_mbit, "repeats": repeats, "cc": cc, "cases": [asdict(c) for c in cases]})
+def run_lab(
+    cases: list[Case], *, rate_mbit: float = 100.0, repeats: int = 1, cc: str | None = None, queue: str = "deep", timeout_s: float = 300.0
+) -> tuple[list[Measured], dict[str, str]]:
+    """Run ``cases`` in a fresh pair of namespaces; each case ``repeats`` times (each transfer
+    rank's median is :attr:`Measured.seconds`, every run is kept). ``cc``: the sender's congestion control (default: the
+    system's); ``queue``: the shaper's queue (:func:`_tbf`). Returns the measurements and facts
+    about the lab (congestion control, kernel, queue)."""
+    if queue not in QUEUES:
+        raise ValueError(f"unknown queue {queue!r}; known: {', '.join(QUEUES)}")
+    spec = json.dumps({"rate_mbit": rate_mbit, "repeats": repeats, "cc": cc, "queue": queue, "cases": [asdict(c) for c in cases]})
     r = subprocess.run(["unshare", "-rn", sys.executable, "-m", "kdn.simulator.netlab", spec], capture_output=True, text=True, timeout=timeout_s,
                        cwd=str(Path(__file__).resolve().parents[2]))
     if r.returncode != 0:
         raise RuntimeError(f"netlab failed (rc {r.returncode}): {r.stderr.strip()[-2000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    measured = [Measured(Case(**m["case"]), tuple(m["seconds"])) for m in out["measured"]]
+    measured = []
+    for m in out["measured"]:
+        runs = tuple(tuple(r) for r in m["runs"])
+        median = tuple(sorted(r[k] for r in runs)[len(runs) // 2] for k in range(len(runs[0])))
+        measured.append(Measured(Case(**m["case"]), median, runs))
     return measured, out["facts"]
 
 
@@ -141,11 +202,20 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True)
 
 
-def _tbf(rate_mbit: float, rtt_s: float) -> list[str]:
-    """The shaper: ``rate_mbit``, a 32 KB burst, and a queue deep enough that nothing is dropped
-    (16 MB; a queue of 1.5 bandwidth-delay products made two BBR flows lose packets and share
-    the link unevenly, 0.60 s instead of 0.43 s for two warm 2 MB transfers at 100 ms)."""
-    limit = 16_000_000
+QUEUES = ("deep", "bdp")
+
+
+def _tbf(rate_mbit: float, rtt_s: float, queue: str = "deep") -> list[str]:
+    """The shaper: ``rate_mbit``, a 32 KB burst, and a queue of ``queue``: ``deep``, 16 MB, so
+    nothing is dropped (a queue of 1.5 bandwidth-delay products made two BBR flows lose packets
+    and share the link unevenly, 0.60 s instead of 0.43 s for two warm 2 MB transfers at 100 ms);
+    ``bdp``, two bandwidth-delay products and at least 256 KB, as a router's buffer is sized:
+    loss-based congestion control (cubic) converges to fair shares only through the losses a
+    finite queue causes; with 16 MB and no loss, two cubic flows kept unequal windows (3.1 s and
+    7.2 s for four warm 20 MiB transfers at 100 ms where fair sharing gives 7.1 s each)."""
+    if queue not in QUEUES:
+        raise ValueError(f"unknown queue {queue!r}; known: {', '.join(QUEUES)}")
+    limit = 16_000_000 if queue == "deep" else max(256_000, int(2 * rate_mbit * 1e6 / 8 * rtt_s))
     return ["tbf", "rate", f"{rate_mbit}mbit", "burst", "32kb", "limit", str(limit)]
 
 
@@ -193,7 +263,7 @@ def _forward(ta: int, tb: int, delay: mmap.mmap) -> None:
 
 def _serve(listener: socket.socket) -> None:
     """Each connection: read an 8-byte size, send that many bytes; repeat until closed."""
-    blob = memoryview(bytes(WARMUP_BYTES))
+    blob = memoryview(bytes(4 * BLOCK_BYTES))
 
     def one(conn: socket.socket) -> None:
         with conn:
@@ -278,7 +348,7 @@ def _timed_together(socks: list[socket.socket | None], n: int) -> list[float]:
 
 def _one_case(c: Case) -> tuple[float, ...]:
     socks: list[socket.socket | None] = [None] * c.parallel
-    if c.warm:  # warm the connections together, so none sits idle past its RTO (a restart)
+    if c.warm:  # warm the connections together, then leave them idle for c.idle_s
 
         def warm(k: int) -> None:
             s = _connect()
@@ -290,6 +360,8 @@ def _one_case(c: Case) -> tuple[float, ...]:
             t.start()
         for t in warmers:
             t.join()
+        if c.idle_s > 0:
+            time.sleep(c.idle_s)
     times = _timed_together(socks, c.nbytes)
     for s in socks:
         if s is not None:
@@ -352,11 +424,11 @@ def main(spec_json: str) -> int:
         for c in spec["cases"]:
             case = Case(**c)
             struct.pack_into("d", delay, 0, case.rtt_s / 2)
-            _sh("nsenter", "-t", str(ns_b.pid), "-n", "tc", "qdisc", "change", "dev", "kdnB", "root", *_tbf(rate, case.rtt_s))
+            _sh("nsenter", "-t", str(ns_b.pid), "-n", "tc", "qdisc", "change", "dev", "kdnB", "root", *_tbf(rate, case.rtt_s, spec.get("queue", "deep")))
             time.sleep(0.05 + case.rtt_s)
-            runs = sorted((_one_case(case) for _ in range(spec["repeats"])), key=lambda x: x[-1])
-            measured.append({"case": c, "seconds": list(runs[len(runs) // 2])})
-        facts = {"congestion_control": cc, "kernel": os.uname().release, "rate_mbit": str(rate)}
+            runs = [_one_case(case) for _ in range(spec["repeats"])]
+            measured.append({"case": c, "runs": [list(r) for r in runs]})
+        facts = {"congestion_control": cc, "kernel": os.uname().release, "rate_mbit": str(rate), "queue": spec.get("queue", "deep")}
         print(json.dumps({"measured": measured, "facts": facts}))
         return 0
     finally:
@@ -370,5 +442,5 @@ def main(spec_json: str) -> int:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="run inside `unshare -rn`: time real TCP transfers through a shaped, delayed link")
-    ap.add_argument("spec", help='JSON: {"rate_mbit": 100, "repeats": 1, "cases": [{"nbytes":..,"rtt_s":..,"warm":..,"parallel":..}]}')
+    ap.add_argument("spec", help='JSON: {"rate_mbit": 100, "repeats": 1, "cases": [{"nbytes":..,"rtt_s":..,"warm":..,"parallel":..,"idle_s":..}]}')
     sys.exit(main(ap.parse_args().spec))

@@ -232,6 +232,9 @@ class NetworkSpec(_Strict):
     )
     streams: int = Field(1, ge=1, description="parallel TCP connections per transfer (each brings its own initial window)")
     initial_window_segments: int = Field(10, ge=1, description="TCP initial congestion window, segments")
+    congestion_control: Literal["cubic", "bbr"] = Field(
+        "cubic", description="the senders' congestion control, for restart after idle: cubic halves the window per RTO idle (Linux), bbr keeps it"
+    )
 
 
 class Prices(_Strict):

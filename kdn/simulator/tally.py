@@ -78,6 +78,9 @@ class PolicyResult:
     recompute_chosen: int  # requests that had something to fetch and recomputed instead
     peak_rss_mb: float
     ttft: np.ndarray = field(repr=False)
+    fetch: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))  # seconds, per request: the wait for its reused data
+    fetch_p50_s: float = 0.0
+    fetch_p90_s: float = 0.0
 
     @property
     def events_per_s(self) -> float:
@@ -85,7 +88,7 @@ class PolicyResult:
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready figures (no per-request arrays)."""
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "ttft"}
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("ttft", "fetch")}
         out["events_per_s"] = self.events_per_s
         return out
 
@@ -96,23 +99,26 @@ class Tally:
     __slots__ = (
         "ttft", "blocks", "tokens", "lookup_local", "served_local", "served_peer", "served_origin",
         "recomputed", "wan_bytes", "net_bytes", "gpu_s", "gpu_s_saved", "fetch_chosen", "recompute_chosen",
-        "counted_from",
+        "counted_from", "fetch",
     )
 
     def __init__(self, counted_from: float = float("-inf")) -> None:
         self.counted_from = counted_from  # simulated time the statistics start (end of the warm-up)
         self.ttft: list[float] = []  # seconds, per request, in arrival order
+        self.fetch: list[float] = []  # seconds from arrival to the reused data at the GPUs, per request
         self.blocks = self.tokens = self.recomputed = 0  # chunks requested, input tokens, chunks recomputed
         self.lookup_local = self.served_local = self.served_peer = self.served_origin = 0  # chunks, by tier
         self.fetch_chosen = self.recompute_chosen = 0  # requests
         self.wan_bytes = self.net_bytes = 0.0
         self.gpu_s = self.gpu_s_saved = 0.0
 
-    def add(self, plan: Plan, start: float, serve_s: float, full_s: float) -> None:
-        """Count a served request: its prefill started at ``start`` and took ``serve_s`` GPU
-        seconds, where recomputing everything would have taken ``full_s``."""
+    def add(self, plan: Plan, start: float, serve_s: float, full_s: float, fetch_s: float = 0.0) -> int:
+        """Count a served request: its data was at the GPUs ``fetch_s`` after it arrived, its
+        prefill started at ``start`` and took ``serve_s`` GPU seconds, where recomputing
+        everything would have taken ``full_s``. Returns its index (for :meth:`fix`), -1 if it
+        is not counted (warm-up)."""
         if plan.arrival < self.counted_from:
-            return
+            return -1
         covered = plan.local + plan.peer + plan.origin
         self.lookup_local += plan.looked_up_local
         self.served_local += plan.local
@@ -121,6 +127,7 @@ class Tally:
         self.blocks += plan.blocks
         self.recomputed += plan.blocks - covered
         self.ttft.append(start - plan.arrival + serve_s)
+        self.fetch.append(fetch_s)
         self.gpu_s += serve_s
         self.gpu_s_saved += full_s - serve_s
         self.tokens += plan.tokens
@@ -129,6 +136,13 @@ class Tally:
                 self.fetch_chosen += 1
             else:
                 self.recompute_chosen += 1
+        return len(self.ttft) - 1
+
+    def fix(self, k: int, ttft_s: float, fetch_s: float) -> None:
+        """Request ``k``'s TTFT and fetch time as its transfers really went (flows that joined
+        its links later slowed them)."""
+        self.ttft[k] = ttft_s
+        self.fetch[k] = fetch_s
 
     def moved(self, nbytes: float, wan: bool, now: float) -> None:
         """Count a transfer committed at ``now``."""
@@ -143,6 +157,7 @@ class Tally:
         gpu_price: float, wan_per_gb: float, edge_storage_usd: float,
     ) -> PolicyResult:
         ttft = np.asarray(self.ttft)
+        fetch = np.asarray(self.fetch)
         n = len(ttft)
         blocks = max(self.blocks, 1)
         p50, p90, p99 = (float(x) for x in np.percentile(ttft, [50, 90, 99])) if n else (0.0, 0.0, 0.0)
@@ -178,4 +193,7 @@ class Tally:
             recompute_chosen=self.recompute_chosen,
             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
             ttft=ttft,
+            fetch=fetch,
+            fetch_p50_s=float(np.percentile(fetch, 50)) if n else 0.0,
+            fetch_p90_s=float(np.percentile(fetch, 90)) if n else 0.0,
         )

@@ -1,6 +1,8 @@
-"""Transfers (issue 15): per-connection TCP (initial window, slow start, restart after idle,
-pooled connections, parallel streams) and links that share fairly (processor sharing) or queue
-(FIFO). The real-TCP check of the same model is tests/integration/test_sim_netns.py."""
+"""Transfers: per-connection TCP (initial window, slow start, restart after idle as each
+congestion control does it, pooled connections, parallel streams) and links that share fairly
+(processor sharing, finish times recomputed as flows join and leave) or queue (FIFO), and the
+figures the engine reports for transfers that share a link. The real-TCP check of the same
+figures is tests/integration/test_sim_netns.py."""
 
 from __future__ import annotations
 
@@ -36,15 +38,51 @@ def test_pooled_connection_is_warm_until_idle() -> None:
     cold, w = pool.state(0, 1, 0.0, 0.1)
     assert cold and w == IW
     pool.done(0, 1, 20e6, 0.1, C, w, end=3.0)
+    full = tcp.window_after(20e6, 0.1, C)
     cold, w = pool.state(0, 1, 3.1, 0.1)  # 0.1 s idle: warm, full window
-    assert not cold and w >= C * 0.1
-    cold, w = pool.state(0, 1, 5.0, 0.1)  # 2 s idle > RTO: restart from the initial window
-    assert not cold and w == IW
+    assert not cold and w == full >= C * 0.1
     assert pool.state(1, 0, 3.1, 0.1) == (True, IW)  # the other direction is its own connection
     assert Connections(tcp, "cold").state(0, 1, 0.0, 0.1) == (True, IW)
     assert Connections(tcp, "warm").state(0, 1, 0.0, 0.1) == (False, float("inf"))
     with pytest.raises(ValueError, match="unknown connection mode"):
         Connections(tcp, "hot")
+
+
+@pytest.mark.parametrize("idle, halvings", [(0.25, 0), (0.31, 1), (0.61, 2), (1.0, 3), (2.0, 6)])
+def test_cubic_halves_the_window_per_rto_idle(idle: float, halvings: int) -> None:
+    # Linux tcp_cwnd_restart: RTO = RTT + 200 ms (0.3 s at 100 ms); once idle past it, the window
+    # is halved for each further RTO elapsed, never below the initial window
+    tcp = TcpModel(congestion_control="cubic")
+    assert tcp.rto_s(0.1) == pytest.approx(0.3)
+    w = 2e6
+    assert tcp.restart_window(w, idle, 0.1) == pytest.approx(max(w / 2**halvings, IW))
+    assert tcp.restart_window(w, 60.0, 0.1) == IW
+
+
+def test_bbr_keeps_its_window_after_idle() -> None:
+    tcp = TcpModel(congestion_control="bbr")
+    assert tcp.restart_window(2e6, 5.0, 0.1) == 2e6
+    with pytest.raises(ValueError, match="congestion control"):
+        TcpModel(congestion_control="vegas")
+
+
+def test_a_busy_or_opening_connection_is_not_handed_to_a_second_transfer() -> None:
+    tcp = TcpModel()
+    pool = Connections(tcp, "pooled")
+    links = FairLinks([C], tcp)
+    cold_a, w_a, conn_a = pool.take(0, 1, 0.05, 0.1, 0.0)  # opening: a handshake first
+    assert cold_a
+    links.commit(0, 0.05, 2e6, 0.1, w_a, cold_a)
+    pool.hold(conn_a, 2e6, 0.1, C, w_a, links.last)
+    cold_b, w_b, conn_b = pool.take(0, 1, 0.05, 0.1, 0.0)  # asked at the same moment: its own
+    assert cold_b and conn_b is not conn_a
+    links.commit(0, 0.05, 2e6, 0.1, w_b, cold_b)
+    pool.hold(conn_b, 2e6, 0.1, C, w_b, links.last)
+    links.settle(0)
+    assert links.last is not None and links.last.finish is not None
+    later = links.last.finish + 0.05 + 0.01  # both in at the client: either can be reused, warm
+    cold_c, w_c, conn_c = pool.take(0, 1, later + 0.05, 0.1, later)
+    assert not cold_c and conn_c in (conn_a, conn_b) and w_c > IW
 
 
 def test_fifo_link_with_tcp() -> None:
@@ -57,13 +95,16 @@ def test_fifo_link_with_tcp() -> None:
 
 
 def test_fair_link_two_at_once_share() -> None:
-    fair = FairLinks([C], record=True)
-    fair.commit(0, 0.0, 20e6)
-    a = fair.last_id
+    fair = FairLinks([C])
+    assert fair.commit(0, 0.0, 20e6) == pytest.approx(20e6 / C)  # alone so far
+    a = fair.last
     second = fair.commit(0, 0.0, 20e6)
-    assert second == pytest.approx(40e6 / C)  # the later flow's figure is exact PS
+    b = fair.last
+    assert second == pytest.approx(40e6 / C)  # the later flow's figure, given the first
     fair.settle(0)
-    assert fair.left_at == {a: pytest.approx(40e6 / C), a + 1: pytest.approx(40e6 / C)}  # both finish together
+    assert a is not None and b is not None
+    assert a.finish == pytest.approx(40e6 / C) and b.finish == pytest.approx(40e6 / C)  # the first was slowed
+    assert a.delay == pytest.approx(20e6 / C)
     fifo = Links([C])
     assert fifo.commit(0, 0.0, 20e6) == pytest.approx(20e6 / C)  # FIFO: one after the other
 
@@ -87,19 +128,19 @@ def _fluid(flows: list[tuple[float, float]], bw: float, dt: float = 1e-5) -> lis
 def test_fair_link_departures_match_a_fluid_model(seed: int) -> None:
     rng = random.Random(seed)
     flows = sorted((rng.uniform(0, 0.05), rng.uniform(0.001, 0.02) * 1000) for _ in range(6))
-    fair = FairLinks([1000.0], record=True)
-    ids = []
-    for start, n in flows:
+    fair = FairLinks([1000.0])
+    made = []
+    for start, n in sorted(flows, key=lambda f: -f[0]):  # committed out of time order
         fair.commit(0, start, n)
-        ids.append(fair.last_id)
+        made.append((start, n, fair.last))
     fair.settle(0)
-    assert fair.left_at is not None
     ref = _fluid(flows, 1000.0)
-    for i, fid in enumerate(ids):
-        assert fair.left_at[fid] == pytest.approx(ref[i], abs=2e-4)
+    got = {(start, n): f.finish for start, n, f in made}
+    for i, flow in enumerate(flows):
+        assert got[flow] == pytest.approx(ref[i], abs=2e-4)
 
 
-def test_prediction_equals_commit_and_last_flow_is_exact() -> None:
+def test_prediction_equals_commit() -> None:
     for mode in ("fifo", "fair"):
         links = make_links(mode, [C, C])
         links.commit(0, 0.0, 5e6, 0.05, IW, True)
@@ -112,14 +153,56 @@ def test_prediction_equals_commit_and_last_flow_is_exact() -> None:
 
 def test_fair_link_does_not_hold_an_earlier_transfer_behind_a_later_one() -> None:
     # requests reach an origin's link out of order (each from its own distance): one ready at
-    # 1.0 s is predicted and committed first, then one ready at 0.0 s. The second has the link to
-    # itself until 1.0 s and finishes at 1 MB / C, not after the first one's ready time.
+    # 1.0 s is committed first, then one ready at 0.0 s. The second has the link to itself
+    # until 1.0 s, then shares it.
     fair = FairLinks([C])
     fair.finish(0, 1.0, 1e6)  # a prediction changes nothing for what comes later
     fair.commit(0, 1.0, 1e6)
     assert fair.commit(0, 0.0, 1e6) == pytest.approx(1e6 / C)
-    # a transfer ready while an earlier-joined flow is still on the link shares with it
     busy = FairLinks([C])
     busy.commit(0, 0.0, 10e6)
-    busy.commit(0, 0.5, 1e6)  # moves the link's clock to 0.5 s
+    busy.advance(0, 0.2)
     assert busy.commit(0, 0.2, 1e6) == pytest.approx(0.2 + 2e6 / C, rel=1e-6)
+
+
+@pytest.mark.parametrize("rtt", [0.0, 0.1])
+@pytest.mark.parametrize("k", [2, 4])
+def test_transfers_sharing_a_link_conserve_its_capacity(rtt: float, k: int) -> None:
+    # k transfers on one 100 Mbit/s link, cold, together and then staggered: none finishes
+    # before k x its bytes could cross the link, and none joining later finishes first
+    rng = random.Random(k)
+    for gaps in ([0.0] * k, sorted(rng.uniform(0, 0.3) for _ in range(k))):
+        fair = FairLinks([C])
+        made = []
+        for start in gaps:
+            fair.commit(0, start, 2e6, rtt, IW, cold=True)
+            made.append((start, fair.last))
+        fair.settle(0)
+        ends = [f.finish for _, f in made]
+        assert all(e is not None for e in ends)
+        assert max(ends) >= gaps[0] + k * 2e6 / C * (1 - 1e-9)  # the link's payload rate, never 2x it
+        for (s1, f1), (s2, f2) in zip(made, made[1:]):
+            assert s2 >= s1 and f2.finish >= f1.finish - 1e-9, "a later transfer of equal size finished first"
+
+
+@pytest.mark.parametrize("rtt", [0.0002, 0.1])
+@pytest.mark.parametrize("cc", ["cubic", "bbr"])
+def test_reported_fetch_times_of_requests_sharing_a_link(rtt: float, cc: str) -> None:
+    # end to end through the engine (kdn simulate's own figures): two 20 MiB fetches from one
+    # origin over its 100 Mbit/s link, asked together on new connections, together on pooled
+    # warm ones, and one after the other. Each request's reported fetch time (arrival to data)
+    # must leave room for both payloads at the link's payload rate, and the later request must
+    # not be reported done before the earlier one.
+    from kdn.simulator import netlab
+
+    rate = netlab.goodput_Bps(100.0)
+    n = 10  # chunks of 2 MiB
+    nbytes = n * netlab.BLOCK_BYTES
+    both = netlab.simulate_fetches([(0.0, n), (0.0, n)], rtt, 100.0, cc)
+    assert min(both) >= 2 * nbytes / rate, f"two transfers at more than the link's rate: {both}"
+    warm = netlab.reported(netlab.Case(nbytes, rtt, True, 2), 100.0, cc)
+    assert min(warm) >= 2 * nbytes / rate, f"two pooled transfers at more than the link's rate: {warm}"
+    for gap in (0.0, 0.001, 0.05, 0.5):
+        a, b = netlab.simulate_fetches([(0.0, n), (gap, n)], rtt, 100.0, cc)
+        assert gap + b >= a - 1e-9, f"the later request (+{gap} s) was done first: {a} vs {gap + b}"
+        assert max(a, gap + b) >= 2 * nbytes / rate
