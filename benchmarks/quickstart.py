@@ -1,6 +1,6 @@
 """Time to the first line of output of the README quick start's first command, from a fresh clone.
 
-Issue 17's goal: a new user who pastes the first quick-start command sees a line within 10 s.
+Goal: a new user who pastes the first quick-start command sees a line within 10 s.
 This clones the repository (HEAD) into a temporary directory and runs, in it:
 
 - ``quick start``: the README's first quick-start command, verbatim;
@@ -9,7 +9,7 @@ This clones the repository (HEAD) into a temporary directory and runs, in it:
 
 Each is stopped (its whole process group) once it has printed ``--lines`` lines or after
 ``--limit`` seconds, so no run installs anything in full. Prints the times and the ratio to the
-baseline, with the load average, and appends them to BENCHMARKS.md.
+baseline, with the load average, and records them as ``quickstart`` (``benchmarks/_results.py``).
 
     python benchmarks/quickstart.py [--lines 2] [--limit 30] [--no-append]
 """
@@ -23,10 +23,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
+from _results import Record
+
 REPO = Path(__file__).resolve().parents[1]
+
+METHOD = """Each command runs in a fresh `git clone` of HEAD and is stopped (its whole process group) once
+it has printed its first lines or after a time limit, so nothing is installed in full. The quick
+start's first command, verbatim, is timed to its first line of output, against the same command
+without its leading `echo` (venv creation, then pip) as the baseline of the same run, and against
+that baseline with `pip install -q`."""
 
 
 def first_command(readme: str) -> str:
@@ -68,8 +75,10 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lines", type=int, default=2, help="stop each run after this many output lines")
     ap.add_argument("--limit", type=float, default=30.0, help="stop each run after this many seconds")
-    ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument("--no-append", action="store_true", help="print only; record nothing")
     args = ap.parse_args(argv)
+    rec = None if args.no_append else Record(__file__, "quickstart",
+                                             "Quick start: time to the first line of output, fresh clone", argv)
 
     cmd = first_command((REPO / "README.md").read_text(encoding="utf-8"))
     baseline = cmd.split(" && ", 1)[1] if cmd.startswith("echo ") else cmd
@@ -93,20 +102,17 @@ def main(argv: list[str]) -> int:
     def ratio(v: float | None) -> str:
         return f"{v / base:.2f}x" if v is not None and base else "-"
 
-    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    md = [f"\n## Quick start: time to the first line of output, fresh clone ({stamp})\n",
-          "Command: `python benchmarks/quickstart.py`  ",
-          f"Load average {load:.1f} (1 min) at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} CPUs. "
-          "Each run in a fresh `git clone` of HEAD, stopped after its first lines (nothing installed in full). "
-          "Goal: ≤ 10 s.\n",
-          "| command | first line | vs baseline |", "|---|---|---|"]
+    md = ["| command | first line | vs baseline |", "|---|---|---|"]
     md += [f"| {name} | {cell(v)} | {ratio(v)} |" for name, v, _ in rows]
-    md.append(f"\ngoal (quick start ≤ 10 s): {'MET' if rows[0][1] is not None and rows[0][1] <= 10 else 'NOT MET'}\n")
-    text = "\n".join(md)
-    print(text)
-    if not args.no_append:
-        with open(REPO / "BENCHMARKS.md", "a", encoding="utf-8") as f:
-            f.write(text)
+    print(f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    print("\n".join(md))
+    if rec is not None:
+        first = rows[0][1]
+        rec.goal("quick start command: first line of output", "≤ 10 s",
+                 median=first if first is not None else args.limit, unit="s", digits=1,
+                 met=first is not None and first <= 10)
+        rec.markdown(md)
+        rec.save()
     return 0
 
 
