@@ -1,17 +1,17 @@
-"""Edge memory under a Put flood (issue 19, item 1): RSS of a real edge process before, during and
+"""Edge memory under a Put flood: RSS of a real edge process before, during and
 after floods of refused Puts, with the default config (1 GiB memory tier, 512 MiB artifact bound,
 1 GiB ``put_buffer_bytes``).
 
 - **junk**: 4 concurrent streams x 300 MiB of random bytes, repeated: the edge refuses each at its
-  first message (bad magic) and never reads the rest (the issue measured 250 MB -> 10 GB RSS,
-  retained);
+  first message (bad magic) and never reads the rest;
 - **valid prefix, junk body**: the same with a real artifact header in front, so the prefix check
   passes and the body is buffered until the stream ends or the budget for in-flight Puts
   refuses it; memory is bounded by ``put_buffer_bytes``, and given back after.
 
     .venv/bin/python benchmarks/put_flood.py [--quick]
 
-Appends a dated section to BENCHMARKS.md (goal: RSS after each flood within 100 MB of before).
+Records the run as ``put_flood`` (``benchmarks/_results.py``; goal: RSS after each flood within
+100 MB of before).
 """
 
 from __future__ import annotations
@@ -25,18 +25,25 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import grpc  # noqa: E402
+from _results import Record  # noqa: E402
 
 from kdn.edge.testing import make_chain  # noqa: E402
 from kdn.proto import kdn_pb2 as pb  # noqa: E402
 from kdn.proto import kdn_pb2_grpc as pbg  # noqa: E402
 from kdn.wire.channel import grpc_options  # noqa: E402
+
+METHOD = """A real edge process (`kdn edge` with its defaults: 1 GiB memory tier, 512 MiB artifact bound,
+1 GiB `put_buffer_bytes`) receives rounds of 4 concurrent Put streams of 300 MiB each, every one of
+which it must refuse: random bytes (refused at the first message, bad magic), and a real artifact
+header followed by junk (the prefix check passes; the body is refused by its section lengths or
+checksums). The edge's RSS is sampled before, during and a second after each flood; the goal is
+RSS after within 100 MB of before."""
 
 MiB = 1 << 20
 
@@ -91,8 +98,9 @@ async def flood(address: str, *, streams: int, mib: int, prefix: bytes, key: byt
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--no-write", action="store_true", help="print only; record nothing")
     args = ap.parse_args()
+    rec = None if args.no_write else Record(__file__, "put_flood", "Edge memory under a Put flood, default config")
     rounds, mib = (2, 100) if args.quick else (5, 300)
     chain = make_chain(1)
     real = chain.blobs[0]
@@ -132,20 +140,17 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    if not args.no_write:
-        when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        lines = [f"\n## Edge memory under a Put flood, default config ({when})\n",
-                 "`benchmarks/put_flood.py`: a real edge process (`kdn edge`, defaults: 1 GiB memory tier, "
-                 "512 MiB artifact bound, 1 GiB `put_buffer_bytes`), 4 concurrent Put streams per round, "
-                 "each refused. Goal: RSS after within 100 MB of before (issue 19 measured 250 MB -> 10 GB, "
-                 "retained).\n",
-                 "| flood | rounds x streams x size | RSS before | peak | after | after - before | statuses |",
+    if rec is not None:
+        rec.set_rounds(rounds)
+        for name, r, m, b, p, a, took, codes in rows:
+            rec.goal(f"RSS after minus before, {name} flood", "≤ 100 MB", median=a - b, unit="MB", digits=0, at_most=100)
+        lines = ["| flood | rounds x streams x size | RSS before | peak | after | after - before | statuses |",
                  "|---|---|---|---|---|---|---|"]
         for name, r, m, b, p, a, took, codes in rows:
             lines.append(f"| {name} | {r} x 4 x {m} MiB | {b:.0f} MB | {p:.0f} MB | {a:.0f} MB | "
                          f"{a - b:+.0f} MB | {', '.join(f'{k} {v}' for k, v in sorted(codes.items()))} |")
-        with open(REPO / "BENCHMARKS.md", "a") as fh:
-            fh.write("\n".join(lines) + "\n")
+        rec.markdown(lines)
+        rec.save()
     worst = max(a - b for _, _, _, b, _, a, _, _ in rows)
     return 0 if worst <= 100 else 1
 
