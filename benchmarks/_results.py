@@ -250,7 +250,9 @@ def parse_markdown(lines: Iterable[str]) -> list[tuple[str, str | None, Any]]:
             if out and out[-1][0] == "note":
                 prev = out[-1][2]
                 if prev.endswith(":") or (prev.startswith("**") and prev.endswith("**") and prev.count("**") == 2):
-                    title = prev.strip("*").rstrip(":").strip().strip("*").strip()
+                    title = prev.rstrip(":").strip()
+                    if title.startswith("**") and title.endswith("**") and title.count("**") == 2:
+                        title = title[2:-2].rstrip(":").strip()
                     out.pop()
             out.append(("table", title, (cols, rows)))
             continue

@@ -15,12 +15,14 @@
    edge bytes stored vs the pool's segment bytes, and the reused-token fraction per 20 queries.
 
     .venv/bin/python benchmarks/blend.py [--quick] [--prompts N] [--repeat R] [--no-append] [--json]
+
+Records each part it measured as ``blend-retrieval``, ``blend-models``, ``blend-ttft`` and
+``blend-decay`` (``benchmarks/_results.py``); ``--skip`` leaves a skipped part's record as it was.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from _results import Record
 from kdn.blend import Deviation, Naive
 from kdn.client import ClientConfig, KdnClient
 from kdn.client_transport import MemoryEdgeTransport
@@ -43,6 +46,28 @@ from kdn.models import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+
+METHOD = {
+    "blend-retrieval": """Held-out prompts of the retrieval reference model (`kdn model train-reference --task
+retrieval`): 8 documents of 128 tokens, drawn from a pool of 50 in random subsets and orders, then a
+question whose answer sits in one of them. Each document's KV is computed alone and re-placed; the
+methods are full prefill, prefix-only reuse, naive concatenation, first-k recompute (EPIC) and
+blend at 5/10/15/30% recompute (CacheBlend's deviation rule). Accuracy is scored on the answer;
+top-1 agreement and KL compare each method's predictions with full prefill's. The goal is judged
+only on a model that reads (full-prefill accuracy at least 0.90).""",
+    "blend-models": """The same comparison on each model the project ships (seeded random-init `tiny`,
+`tiny-mha`, `small-125m`, the trained reference model and the retrieval model when present):
+agreement and KL with full prefill on the scored tokens (the answer for the retrieval model, the
+question's next-token predictions otherwise).""",
+    "blend-ttft": """TTFT on small-125m fp32, 8 documents of 512 tokens after a short prefix, through the host
+path (`generate(..., documents=...)` with the segments on an in-process edge, so fetch, verify and
+decode are included) against a full prefill through the same function; medians of repeated runs
+in alternating order.""",
+    "blend-decay": """200 RAG-style queries over a pool of 50 documents (8 per query, random subsets and orders)
+through `generate(..., documents=...)` with blend at 15%: the edge's stored bytes against the
+pool's segment bytes, and the reused-token fraction per 20 queries. Blended KV is never written
+back, so the edge should hold exactly the segments.""",
+}
 
 
 def quality(model: str, prompts: int, docs: int) -> dict[str, Any]:
@@ -166,13 +191,19 @@ def plot(q: dict[str, Any] | None, t: dict[str, Any] | None, path: Path) -> bool
     return True
 
 
-def markdown(res: dict[str, Any]) -> str:
-    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"## Blend: documents reused anywhere in the prompt ({now})", "",
-             f"Command: `{res['command']}` — 2 CPU cores shared with other work (load average at the end: "
-             f"{res['load_average'][0]:.1f}).", ""]
+PARTS = {  # record name, title, what res holds it under
+    "retrieval": ("blend-retrieval", "Blend: accuracy on the retrieval reference model"),
+    "models": ("blend-models", "Blend: agreement with full prefill, per model"),
+    "ttft": ("blend-ttft", "Blend: TTFT vs full prefill, small-125m"),
+    "no_decay": ("blend-decay", "Blend: reuse does not decay"),
+}
+
+
+def part_lines(res: dict[str, Any], part: str) -> list[str]:
+    """The Markdown of one measured part (empty when the run skipped it)."""
+    lines: list[str] = []
     q = res.get("retrieval")
-    if q:
+    if q and part == "retrieval":
         lines += [f"**Retrieval reference model** (`{q['model']}`, {q['layers']} layers): {q['prompts']} held-out prompts, "
                   f"{q['documents']} documents of {q['document_tokens'][0]} tokens in random subsets and orders "
                   f"({q['context_tokens']} context tokens), check layer {q['check_layer']}.", "",
@@ -192,12 +223,11 @@ def markdown(res: dict[str, Any]) -> str:
                       "distribution."]
         elif b15 and full:
             kept = b15["accuracy"] / full
-            lines += ["", f"Goal: blend at ≤ 15% recompute keeps ≥ 98% of full-prefill accuracy and ≥ 95% answer top-1 "
-                      f"agreement — blend@0.15 keeps {kept:.1%} ({b15['accuracy']:.3f} vs {full:.3f}), agreement "
-                      f"{b15['agreement']:.3f}: {'MET' if kept >= 0.98 and b15['agreement'] >= 0.95 else 'NOT MET'}. "
-                      f"Verdict: {'PASS' if q['verdict']['passed'] else 'FAIL'} ({q['verdict']['reason']})."]
+            lines += ["", f"blend@0.15 keeps {kept:.1%} of full prefill's accuracy ({b15['accuracy']:.3f} vs {full:.3f}), "
+                      f"agreement {b15['agreement']:.3f}. Verdict: {'PASS' if q['verdict']['passed'] else 'FAIL'} "
+                      f"({q['verdict']['reason']})."]
     models = res.get("models") or []
-    if models:
+    if models and part == "models":
         lines += ["", "**Agreement and KL with full prefill, per model** (scored tokens: the answer for the retrieval "
                   "model, the question's next-token predictions otherwise):", "",
                   "| model | layers | prompts | naive agree / KL | first-16 agree / KL | blend@0.15 agree / KL | blend@0.3 agree / KL |",
@@ -207,7 +237,7 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"| {m['model']} | {m['layers']} | {m['prompts']} | {cell('naive')} | {cell('first-16')} | "
                          f"{cell('blend@0.15')} | {cell('blend@0.3')} |")
     t = res.get("ttft")
-    if t:
+    if t and part == "ttft":
         med = t["median_s"]
         lines += ["", f"**TTFT, small-125m** fp32, {t['documents']} documents x {t['doc_tokens']} tokens + 16-token prefix + "
                   f"16-token question ({t['prompt_tokens']} tokens), segments on an in-process edge (fetch + verify + decode "
@@ -216,10 +246,9 @@ def markdown(res: dict[str, Any]) -> str:
                   f"| full prefill | {med['full'] * 1e3:.0f} | 1.00x |",
                   f"| blend @ {t['ratio']:.0%} | {med['blend'] * 1e3:.0f} | {t['speedup_blend']:.2f}x |",
                   f"| naive (no recompute) | {med['naive'] * 1e3:.0f} | {t['speedup_naive']:.2f}x |", "",
-                  f"Blend breakdown (ms): {', '.join(f'{k} {v:.1f}' if isinstance(v, float) else f'{k} {v}' for k, v in t['blend_breakdown'].items())}. "
-                  f"Goal ≥ 3x: {'MET' if t['speedup_blend'] >= 3 else 'NOT MET'} ({t['speedup_blend']:.2f}x)."]
+                  f"Blend breakdown (ms): {', '.join(f'{k} {v:.1f}' if isinstance(v, float) else f'{k} {v}' for k, v in t['blend_breakdown'].items())}."]
     d = res.get("no_decay")
-    if d:
+    if d and part == "no_decay":
         lines += ["", f"**Reuse does not decay** (`{d['model']}`): {d['queries']} queries over a pool of {d['pool_documents']} documents "
                   f"({d['per_query']} per query, random subsets and orders), blend @ {d['ratio']:.0%} through "
                   f"`generate(..., documents=...)`. Pool's segment KV: {d['pool_segment_kv_bytes'] / 1e6:.2f} MB.", "",
@@ -228,9 +257,47 @@ def markdown(res: dict[str, Any]) -> str:
         for w in d["windows"]:
             lines.append(f"| {w['queries']} | {w['edge_artifacts']} | {w['edge_bytes'] / 1e6:.2f} MB | "
                          f"{w['reused_fraction']:.3f} | — |")
-    if res.get("plot"):
-        lines += ["", f"![blend](benchmarks/results/{res['plot']})"]
+    return lines
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """What the terminal shows: every measured part."""
+    lines = [f"Blend: `{res['command']}` (load average at the end {res['load_average'][0]:.1f})"]
+    for part in PARTS:
+        lines += part_lines(res, part)
     return "\n".join(lines) + "\n"
+
+
+def record(res: dict[str, Any], argv: list[str], load_start: float) -> None:
+    """One record per part the run measured (a run that skips a part leaves its record as it was)."""
+    for part, (name, title) in PARTS.items():
+        if not res.get(part):
+            continue
+        rec = Record(__file__, name, title, argv, command=res["command"])
+        rec.doc["load"]["start"] = load_start
+        if part == "retrieval":
+            q = res["retrieval"]
+            full = q["methods"]["full"]["accuracy"] or 0.0
+            b15 = q["methods"].get("blend@0.15")
+            if full < 0.9:
+                rec.goal("full-prefill accuracy of the model (the task's bar; below it blending is not judged)",
+                         "≥ 0.90", median=full, unit="", digits=3, at_least=0.9)
+            elif b15:
+                rec.goal("blend @ 15%: share of full-prefill accuracy kept", "≥ 98%", median=100 * b15["accuracy"] / full,
+                         unit="%", digits=1, at_least=98)
+                rec.goal("blend @ 15%: answer top-1 agreement with full prefill", "≥ 95%",
+                         median=100 * b15["agreement"], unit="%", digits=1, at_least=95)
+        if part == "ttft":
+            t = res["ttft"]
+            rec.set_rounds(t["repeat"])
+            rec.goal(f"blend @ {t['ratio']:.0%} recompute vs full prefill, {t['documents']} x {t['doc_tokens']} tokens",
+                     "≥ 3x", median=t["speedup_blend"], at_least=3.0, rounds=t["repeat"])
+        rec.markdown(part_lines(res, part))
+        if res.get("plot") and part in ("retrieval", "ttft"):
+            rec.plot(RESULTS / res["plot"])
+        rec.save(load_end=round(res["load_average"][0], 2))
+
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,13 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retrieval", type=Path, default=default_retrieval_dir())
     p.add_argument("--reference", type=Path, default=default_reference_dir())
     p.add_argument("--skip", default="", help="comma list of sections to skip: retrieval,models,ttft,decay")
-    p.add_argument("--no-append", action="store_true")
+    p.add_argument("--no-append", action="store_true", help="print only; record nothing")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    argv = list(argv if argv is not None else sys.argv[1:])
+    load_start = round(os.getloadavg()[0], 2)
     torch.set_num_threads(1)
     skip = set(filter(None, args.skip.split(",")))
     prompts = 20 if args.quick else args.prompts
-    res: dict[str, Any] = {"command": "benchmarks/blend.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    res: dict[str, Any] = {"command": "python benchmarks/blend.py " + " ".join(argv)}
     have_retrieval = (args.retrieval / "config.json").is_file()
     if have_retrieval and "retrieval" not in skip:
         print("retrieval model quality ...", file=sys.stderr)
@@ -280,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(md)
     if not args.no_append:
-        with open(REPO / "BENCHMARKS.md", "a") as fh:
-            fh.write("\n" + md)
+        record(res, argv, load_start)
     return 0
 
 

@@ -205,8 +205,8 @@ def section(doc: dict[str, Any]) -> list[str]:
         elif b["kind"] == "note":
             out += [b["text"], ""]
         else:
-            if b.get("title"):
-                out += [f"**{b['title']}**", ""]
+            if b.get("title"):  # a title with its own emphasis is shown as written
+                out += [f"{b['title']}:" if "**" in b["title"] else f"**{b['title']}**", ""]
             out += _table(b["columns"], b["rows"])
             out.append("")
     for p in doc["plots"]:
