@@ -1,4 +1,4 @@
-"""WebRTC between edges behind NAT (issue 18): setup time, throughput vs plain TCP on one link.
+"""WebRTC between edges behind NAT: setup time, throughput vs plain TCP on one link.
 
 Run as root from the repo root: ``python benchmarks/webrtc.py`` (about 2 minutes). It builds the
 NAT lab of :mod:`kdn.simulator.natlab` twice:
@@ -25,7 +25,7 @@ container; that row's MB/s is raw container bytes delivered per second, transcod
 against plain TCP moving the raw container. Random KV is the conservative case (it compresses
 1.18x; a trained model's fp16 KV 1.27x, bf16 1.61x, ``benchmarks/codecs.py``).
 Each figure: median of ``--repeats`` runs with the range, load average before and after.
-Appends a section to BENCHMARKS.md and writes ``benchmarks/results/webrtc.png``.
+Records the run as ``webrtc`` (``benchmarks/_results.py``) and writes ``benchmarks/results/webrtc.png``.
 """
 
 from __future__ import annotations
@@ -49,6 +49,17 @@ SHAPE = (16, 8, 256, 128)  # ... in a container a few hundred bytes longer
 SIGNAL_PORT = 50999
 TCP_PORT = 5201
 TURN_SECRET = "bench-turn-secret"
+
+METHOD = """Two sites behind masquerading NATs in network namespaces (`kdn.simulator.natlab`). Site B
+answers WebRTC data-channel Fetches (`kdn.wire.rtc`, the edges' transport) of a 16 MiB KV container
+(random fp16, raw, the conservative case for compression); site A dials it through a
+`SignalService` on the public segment and times fresh connection setups and fetches, once as stored
+and once in the edges' lossless link codec (site B transcodes per fetch, site A verifies and
+restores the raw container; MB/s in raw bytes delivered, transcoding included). The baseline of
+the same run is plain TCP from the public segment to site A across the same link. Labs: natA's LAN
+side shaped to 50 Mbit/s by `tbf`; unshaped (the CPU ceiling of the pure-Python data channel);
+and with `--relay`, the shaped link with direct UDP between the sites blocked and a TURN server
+(coturn), dialled as an edge dials."""
 
 
 # -- children (run inside the namespaces) -------------------------------------------------------
@@ -261,8 +272,11 @@ def main() -> int:
     ap.add_argument("--relay", action="store_true", help="also try the relayed (TURN) path")
     ap.add_argument("--link-codec", default="zstd:1",
                     help="lossless codec for the second fetch in each lab ('' = as stored only)")
-    ap.add_argument("--no-record", action="store_true", help="print only; do not append to BENCHMARKS.md")
+    ap.add_argument("--no-record", action="store_true", help="print only; record nothing")
     args = ap.parse_args()
+    from _results import Record
+
+    rec = None if args.no_record else Record(__file__, "webrtc", "WebRTC between edges behind NAT")
     from kdn.simulator.natlab import available
 
     why = available()
@@ -326,9 +340,25 @@ def main() -> int:
         text += "Plot: `benchmarks/results/webrtc.png`.\n"
     except Exception as exc:  # noqa: BLE001 - a plot is a convenience
         print(f"no plot: {exc}", file=sys.stderr)
-    if not args.no_record:
-        with open(REPO / "BENCHMARKS.md", "a") as f:
-            f.write(text)
+    if rec is not None:
+        rec.set_rounds(args.repeats)
+        for label, key in (("direct", "shaped"), ("relayed (TURN)", "shaped relayed")):
+            for which, suffix in (("rtc", "as stored"), ("rtc_link", f"{codec} on the link")):
+                r = results.get(key)
+                what = f"WebRTC vs plain TCP, {args.rate_mbit:g} Mbit/s link, {label}, {suffix}"
+                if not r or which not in r:
+                    continue
+                if "error" in r[which]:
+                    rec.goal(what, "≥ 0.8x", median=0.0, met=False)
+                    rec.note(f"{what}: no connection ({r[which]['error']})")
+                    continue
+                tcp = statistics.median([x["MBps"] for x in r["tcp"]])
+                rec.goal(what, "≥ 0.8x", [x["MBps"] / tcp for x in r[which]["fetch"]], at_least=0.8, digits=3)
+        rec.markdown(line for line in text.splitlines()  # the goal line is recorded above
+                     if not line.startswith(("## WebRTC", "Command: ", "goal (", "Plot: ")))
+        if (REPO / "benchmarks" / "results" / "webrtc.png").is_file():
+            rec.plot(REPO / "benchmarks" / "results" / "webrtc.png")
+        rec.save()
     return 0
 
 
