@@ -113,9 +113,9 @@ class Record:
             if len(vals) > 1:
                 lo, hi = min(vals), max(vals)
             rounds = rounds if rounds is not None else len(vals)
-        if median is None:
-            raise ValueError(f"goal {what!r}: give values or median")
-        if met is None and (at_least is not None or at_most is not None):
+        if median is None and met is None:
+            raise ValueError(f"goal {what!r}: give values or median (or met=False for a goal that could not be measured)")
+        if met is None and median is not None and (at_least is not None or at_most is not None):
             met = (at_least is None or median >= at_least) and (at_most is None or median <= at_most)
         median, lo, hi = (None if v is None else _round(v) for v in (median, lo, hi))
         line = {"what": what, "goal": goal, "median": median, "min": lo, "max": hi, "unit": unit,

@@ -131,6 +131,8 @@ def num(v: float | int | None, digits: int | None = None) -> str:
 
 
 def measured(g: dict[str, Any]) -> str:
+    if g["median"] is None:
+        return "not measured"
     unit = g.get("unit") or ""
     sep = "" if unit in ("x", "%", "") or unit.startswith("/") else " "
     d = g.get("digits")

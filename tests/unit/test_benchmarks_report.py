@@ -71,11 +71,12 @@ def test_record_round_trip(tmp_path: Path, results, report) -> None:
     rec.goal("ratio", ">= 2x", [1.5, 2.5, 3.0], at_least=2)
     rec.goal("latency", "<= 5 ms", [6.0], at_most=5, unit="ms")
     rec.goal("diagnostic", "—", median=7.0)
+    rec.goal("peer missing", ">= 1x", met=False)
     rec.markdown(["Intro with figures:", "", "| a | b |", "|---|---|", "| 1 | 2 |", "", "### Part two", "- item"])
     path = rec.save(report=False, load_end=1.5, results=tmp_path)
     doc = json.loads(path.read_text())
     assert doc["command"] == "python benchmarks/overlay.py --quick"
-    assert [g["met"] for g in doc["goals"]] == [True, False, None]
+    assert [g["met"] for g in doc["goals"]] == [True, False, None, False]
     assert doc["goals"][0]["median"] == 2.5 and doc["goals"][0]["min"] == 1.5 and doc["goals"][0]["rounds"] == 3
     assert [b["kind"] for b in doc["body"]] == ["table", "heading", "note"]
     assert doc["body"][0]["title"] == "Intro with figures"
@@ -87,6 +88,9 @@ def test_record_round_trip(tmp_path: Path, results, report) -> None:
     assert "| ratio | >= 2x | 2.50x [1.50–3.00] | 3 | MET |" in text
     assert "| latency | <= 5 ms | 6.00 ms | 1 | **NOT MET** |" in text
     assert "### Part two" in text
+    assert "| peer missing | >= 1x | not measured | — | **NOT MET** |" in text
+    with pytest.raises(ValueError, match="give values or median"):
+        rec.goal("nothing", ">= 1x")
 
 
 def test_a_bad_record_is_a_clear_error(tmp_path: Path, report) -> None:
