@@ -17,8 +17,8 @@ on a CPU, and one process per engine keeps them from sharing threads):
   and says so. ``--native offloading`` forces the CPU-offloading connector (GPU hosts).
 
 TTFT is the wall time of ``LLM.generate`` for one request with ``max_tokens=1``. Medians over the
-rounds, with the range; the load average is reported. Appends a dated section to BENCHMARKS.md
-and saves ``benchmarks/results/vllm_ttft.png``.
+rounds, with the range; the load average is reported. Records the run as ``vllm_ttft``
+(``benchmarks/_results.py``) and saves ``benchmarks/results/vllm_ttft.png``.
 """
 
 from __future__ import annotations
@@ -33,11 +33,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+
+METHOD = """One model directory (a built-in spec saved with `kdn.integrations.model_dir`), one `kdn edge`
+process, and three vLLM engines, each in its own child process. TTFT is the wall time of
+`LLM.generate` for one request of `context` shared tokens plus 16 new ones with `max_tokens=1`.
+Per round and context: recompute (prefix cache reset, request opted out of KDN), prefix-cache hit
+(the same prompt again in the same engine: vLLM's floor), KDN hit over gRPC and by shared memory
+(prefix cache reset, KV from the edge), and vLLM's own connector hit after a prefix-cache reset
+(`OffloadingConnector` on CUDA; on the CPU backend, which it cannot run on, `ExampleConnector`
+with its files on /dev/shm). Medians over the rounds, with the range."""
 QUESTION = 16
 CHUNK = 256
 
@@ -133,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                          "kernels without AVX512-BF16 (use bfloat16 on a GPU)")
     ap.add_argument("--native", choices=["auto", "example", "offloading"], default="auto",
                     help="vLLM's own connector: auto = offloading on CUDA, example elsewhere")
-    ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument("--no-append", action="store_true", help="print only; record nothing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     # child mode
     ap.add_argument("--engine", help=argparse.SUPPRESS)
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     png = plot(rows, out_dir / "vllm_ttft.png", args.model)
     if not args.no_append:
-        append(rows, args, png, load, native, results)
+        record(rows, args, png, load, native, results)
     return 0
 
 
@@ -242,42 +250,44 @@ def plot(rows: list[dict[str, Any]], path: Path, model: str) -> Path:
     return path
 
 
-def append(rows: list[dict[str, Any]], args: argparse.Namespace, png: Path, load: tuple[float, float, float],
+def record(rows: list[dict[str, Any]], args: argparse.Namespace, png: Path, load: tuple[float, float, float],
            native: str, results: list[dict[str, Any]]) -> None:
-    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    from _results import Record  # benchmarks/ is on sys.path when this runs as a script
+
     starts = ", ".join(f"{r['engine']} {r['start_s']:.0f} s" for r in results)
+    cmd = (f".venv-vllm/bin/python benchmarks/vllm_ttft.py --rounds {args.rounds} --contexts "
+           f"{' '.join(map(str, args.contexts))} --dtype {args.dtype}")
+    rec = Record(__file__, "vllm_ttft", "vLLM TTFT with the KDN connector", command=cmd)
+    rec.doc["load"]["start"] = None  # the run's start is minutes of engine starts before this
+    rec.set_rounds(args.rounds)
     lines = [
-        "", f"## vLLM TTFT with the KDN connector ({when})", "",
-        f"Command: `.venv-vllm/bin/python benchmarks/vllm_ttft.py --rounds {args.rounds} --contexts "
-        f"{' '.join(map(str, args.contexts))} --dtype {args.dtype}` — model `{args.model}` saved as a {args.dtype} directory, vllm 0.32.0, "
+        f"Model `{args.model}` saved as a {args.dtype} directory, vllm 0.32.0, "
         f"chunk {CHUNK}, prompt = context + {QUESTION} new tokens, `max_tokens=1`; medians of {args.rounds} rounds "
         f"(range in brackets). Edge: a separate `kdn edge` process on loopback. vLLM's own connector: {native}. "
-        f"Load average at the end: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (2 cores shared with other work). "
         f"Engine starts: {starts}.", "",
         "| context | " + " | ".join(MODES) + " | KDN gRPC vs recompute | KDN shm vs recompute | KDN best vs native |",
         "|---|" + "---|" * (len(MODES) + 3),
     ]
     for r in rows:
         cells = [f"{r[m]['median_ms']:.0f} ms [{r[m]['min_ms']:.0f}–{r[m]['max_ms']:.0f}]" for m in MODES]
-        rec = r["recompute"]["median_ms"]
+        rc = r["recompute"]["median_ms"]
         g, s, nat = r["KDN hit, gRPC"]["median_ms"], r["KDN hit, shm"]["median_ms"], r["native connector hit"]["median_ms"]
         lines.append(f"| {r['context']} | " + " | ".join(cells) +
-                     f" | {rec / g:.1f}x | {rec / s:.1f}x | {nat / min(g, s):.2f}x |")
+                     f" | {rc / g:.1f}x | {rc / s:.1f}x | {nat / min(g, s):.2f}x |")
     at = next((r for r in rows if r["context"] == 4096), rows[-1])
-    rec = at["recompute"]["median_ms"]
+    rc = at["recompute"]["median_ms"]
     best = min(at["KDN hit, gRPC"]["median_ms"], at["KDN hit, shm"]["median_ms"])
     nat = at["native connector hit"]["median_ms"]
-    lines += [
-        "",
-        f"Cached tokens reported by vLLM for the KDN hits: {at['KDN hit, gRPC']['cached_tokens']:.0f} of "
-        f"{at['context'] + QUESTION} at {at['context']} (whole chunks; the rest is computed).",
-        f"Goals at {at['context']} tokens: KDN hit ≥ 10x faster than recompute — gRPC {rec / at['KDN hit, gRPC']['median_ms']:.1f}x, "
-        f"shm {rec / at['KDN hit, shm']['median_ms']:.1f}x ({'met' if rec / best >= 10 else 'NOT MET'}); "
-        f"KDN hit no slower than vLLM's own connector — {nat / best:.2f}x ({'met' if nat / best >= 1.0 else 'NOT MET'}).",
-        "", f"![vLLM TTFT]({png.relative_to(ROOT).as_posix()})", "",
-    ]
-    with open(ROOT / "BENCHMARKS.md", "a") as fh:
-        fh.write("\n".join(lines))
+    for label, key in (("gRPC", "KDN hit, gRPC"), ("shm", "KDN hit, shm")):
+        rec.goal(f"vLLM + KDN hit vs vLLM recompute, {at['context']} tokens, {label} (medians of the rounds)", "≥ 10x",
+                 median=rc / at[key]["median_ms"], at_least=10, rounds=args.rounds, digits=1)
+    rec.goal(f"vLLM + KDN hit vs vLLM's own connector hit ({native}), {at['context']} tokens", "≥ 1.0x",
+             median=nat / best, at_least=1.0, rounds=args.rounds)
+    lines += ["", f"Cached tokens reported by vLLM for the KDN hits: {at['KDN hit, gRPC']['cached_tokens']:.0f} of "
+              f"{at['context'] + QUESTION} at {at['context']} (whole chunks; the rest is computed)."]
+    rec.markdown(lines)
+    rec.plot(png)
+    rec.save(load_end=round(load[0], 2))
 
 
 if __name__ == "__main__":
