@@ -134,7 +134,9 @@ class GrpcEdgeTransport(EdgeTransport):
     its destination), else the bulk byte path (``bulk``, :mod:`kdn.wire.bulk`: received into a
     reused buffer from :attr:`buffers`), else the gRPC stream. An edge that does not offer the bulk
     path (TLS, switched off, an older edge) is asked once; a bulk connection that fails before its
-    first byte falls back to gRPC for that call and rests ``bulk_backoff_s``."""
+    first byte falls back to gRPC for that call and rests ``bulk_backoff_s``, and so does one whose
+    hello the edge refuses (a full listener, or a ticket it forgot and refused again after one
+    renewal: :class:`kdn.wire.bulk.HelloRefused`)."""
 
     def __init__(
         self,
@@ -199,7 +201,17 @@ class GrpcEdgeTransport(EdgeTransport):
         if self._bulk is not None:
             self._bulk.close()
         host = self.address.rsplit(":", 1)[0] if not self.address.startswith("unix:") else "127.0.0.1"
-        self._bulk = BulkClient(host, offer.port, offer.ticket, peer=self.address)
+
+        async def renew() -> bytes:
+            """A fresh ticket when the edge forgot ours: once, then the call falls back to gRPC."""
+            with rpc_errors(self.address):
+                again = await self._stub.OpenBulk(pb.BulkRequest(), timeout=timeout, metadata=self._metadata)
+            if again.port != offer.port:
+                raise Unavailable(f"{self.address}: the bulk listener moved")
+            self._bulk_expires = time.monotonic() + max(0.0, again.ttl_s - 30.0)
+            return again.ticket
+
+        self._bulk = BulkClient(host, offer.port, offer.ticket, peer=self.address, renew=renew)
         self._bulk_expires = time.monotonic() + max(0.0, offer.ttl_s - 30.0)
         return self._bulk
 

@@ -6,14 +6,29 @@ the container is already its own wire form (sections with their checksums), so n
 or encoded per fetch. An SHM request (a client on this host) is answered with the name of a
 shared-memory segment holding the container (:class:`kdn.edge.shm.ShmPool`, the same pool and the
 same checks as a gRPC Fetch with ``shm``); an edge without a pool, or with no room in it, sends
-the bytes as for a Fetch. A Put is received with ``recv_into`` a buffer of the declared size after the
-token, the size bound and the edge's Put budget said yes, then checked and stored like a gRPC Put
-(the store keeps that buffer itself: one copy per byte on the edge, the socket's).
+the bytes as for a Fetch. A Put's payload is received with ``recv_into`` a buffer of the declared
+size whose memory is not touched before the bytes land in it (so it costs what has arrived, not
+what was declared), after the token and the size bound said yes; it is received in steps, each
+reserved from the edge's Put budget before it is received (a step is at most as large as what
+arrived before it, and at least 1 MiB), then the whole is checked and stored like a gRPC Put (the
+store keeps that buffer itself: one copy per byte on the edge, the socket's). So a Put that
+declares much and sends little holds little, and only while it sends.
 
 Tickets: ``OpenBulk`` (gRPC, any valid token) grants a random 32-byte ticket that stands for the
 caller's token; a connection presents it once; every request on it is then checked against that
 token and the request's tenant (:meth:`kdn.wire.auth.TokenAuth.check`). Tickets are accepted for
-new connections for ``ttl_s``; at most ``max_tickets`` are outstanding (the oldest go first).
+new connections for ``ttl_s``; each token has its own table of at most
+``EdgeConfig.bulk_tickets_per_token`` (its oldest go first), so one tenant's ``OpenBulk`` calls
+never evict another's ticket (with auth off, one table of :data:`OPEN_TICKETS`).
+
+Bounds on every connection (``EdgeConfig.bulk_*``): a connection waits for its hello on the
+event loop, with no thread, for at most ``bulk_timeout_s``, and at most ``bulk_max_pending``
+wait at once (a new one past it closes the oldest: a client sends its hello as it connects);
+a hello that is accepted gets a thread of its own, at most ``bulk_max_connections`` in all and
+``bulk_max_connections_per_token`` per token (past them the hello is refused and the client
+uses gRPC). On a connection, a request must follow within ``bulk_idle_s`` (checked every
+``bulk_timeout_s``); every receive and send that makes no progress for ``bulk_timeout_s``
+closes it, and a request, a payload or an answer must also move at :data:`MIN_RATE` or faster.
 """
 
 from __future__ import annotations
@@ -25,12 +40,12 @@ import secrets
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Protocol
 
 import grpc
 
-from kdn.errors import InvalidInput, KdnError, Unauthorized, Unavailable
+from kdn.errors import InvalidInput, KdnError, StorageFull, Unauthorized, Unavailable
 from kdn.proto import kdn_pb2 as pb
 from kdn.wire import bulk as wb
 from kdn.wire.auth import TokenAuth
@@ -38,6 +53,13 @@ from kdn.wire.convert import FetchSpec, parse_keys, parse_namespace, parse_put_h
 from kdn.wire.errors import status_for, status_value
 
 log = logging.getLogger(__name__)
+
+OPEN_TICKETS = 4096
+"""Tickets outstanding with auth off (one table: there are no tokens to tell apart)."""
+MIN_RATE = 1 << 20
+"""Bytes per second a request, a payload or an answer must move at, at least."""
+_FIRST_STEP = 1 << 20  # a Put's first reserved and received step; each next one doubles ...
+_MAX_STEP = 16 << 20  # ... up to this
 
 
 class BulkHost(Protocol):
@@ -51,35 +73,46 @@ class BulkHost(Protocol):
 
 
 class BulkListener:
-    """Serves :mod:`kdn.wire.bulk` for one :class:`~kdn.edge.server.EdgeServer`."""
+    """Serves :mod:`kdn.wire.bulk` for one :class:`~kdn.edge.server.EdgeServer` (bounds: the
+    module docstring; their values come from the server's config)."""
 
-    def __init__(self, server: BulkHost, host: str, port: int = 0, *, ttl_s: float = 600.0,
-                 max_tickets: int = 4096, max_connections: int = 256) -> None:
+    def __init__(self, server: BulkHost, host: str, port: int = 0, *, ttl_s: float = 600.0) -> None:
+        c = server.config
         self._s = server
         self.host = host
         self.port = port
         self.ttl_s = ttl_s
-        self._max_tickets = max_tickets
-        self._tickets: OrderedDict[bytes, tuple[str | None, float]] = OrderedDict()
-        self.max_connections = max_connections
+        self.timeout_s = float(c.bulk_timeout_s)
+        self.idle_s = float(c.bulk_idle_s)
+        self.max_connections = int(c.bulk_max_connections)
+        self.max_per_token = int(c.bulk_max_connections_per_token)
+        self.max_pending = int(c.bulk_max_pending)
+        self._per_table = int(c.bulk_tickets_per_token)
+        self._tickets: dict[bytes, tuple[str | None, float]] = {}  # ticket -> (token, expires)
+        self._tables: dict[str | None, OrderedDict[bytes, None]] = {}  # token -> its tickets, oldest first
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accept: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
+        self._pending: OrderedDict[socket.socket, asyncio.Task[None]] = OrderedDict()  # waiting for a hello
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
-        self._put_buffers = wb.BufferPool(max_idle_bytes=256 << 20)  # for Puts of keys already held
+        self._of_token: Counter[str | None] = Counter()  # connections served, per token
+        self._put_buffers = wb.BufferPool(max_idle_bytes=256 << 20, allocate=_unfilled)  # Puts of keys already held
+        self.evicted = 0  # waiting connections closed to make room
 
     # -- tickets -------------------------------------------------------------------------------
 
     def grant(self, token: str | None) -> bytes:
+        """A new ticket for ``token``; the token's own oldest go past its table's bound."""
         now = time.monotonic()
         ticket = secrets.token_bytes(wb.TICKET_BYTES)
+        key, cap = (token, self._per_table) if self._s.auth.enabled else (None, OPEN_TICKETS)
         with self._lock:
-            while self._tickets and (
-                len(self._tickets) >= self._max_tickets or next(iter(self._tickets.values()))[1] < now
-            ):
-                self._tickets.popitem(last=False)
+            table = self._tables.setdefault(key, OrderedDict())
+            while table and (len(table) >= cap or self._tickets.get(next(iter(table)), (None, 0.0))[1] < now):
+                self._tickets.pop(table.popitem(last=False)[0], None)  # the oldest, or one gone already
+            table[ticket] = None
             self._tickets[ticket] = (token, now + self.ttl_s)
         return ticket
 
@@ -118,6 +151,10 @@ class BulkListener:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        waiting = list(self._pending.values())
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
         with self._lock:
             conns, threads = list(self._conns), list(self._threads)
         for conn in conns:  # wakes the threads blocked in recv/send
@@ -131,6 +168,16 @@ class BulkListener:
             while t.is_alive() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
 
+    @property
+    def connections(self) -> int:
+        """Connections served by a thread now."""
+        return len(self._threads)
+
+    @property
+    def waiting(self) -> int:
+        """Connections waiting for their hello now."""
+        return len(self._pending)
+
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._sock is not None
@@ -141,16 +188,67 @@ class BulkListener:
                 log.warning("%s: bulk accept failed: %s", self._s.config.node_id, exc)
                 await asyncio.sleep(0.1)
                 continue
+            task = loop.create_task(self._hello(conn))
+            self._pending[conn] = task
+            while len(self._pending) > self.max_pending:  # the oldest waiter goes: a client sends at once
+                _, oldest = self._pending.popitem(last=False)
+                oldest.cancel()
+                self.evicted += 1
+
+    async def _hello(self, conn: socket.socket) -> None:
+        """Read and check the hello on the loop; hand an accepted connection to a thread."""
+        loop = asyncio.get_running_loop()
+        handed = False
+        try:
+            head = bytearray(wb.HELLO.size)
+            async with asyncio.timeout(self.timeout_s):
+                await wb.recv_exactly(loop, conn, memoryview(head))
+                try:
+                    token = self._redeem(wb.parse_hello(bytes(head)))
+                    self._admit(token)
+                except KdnError as exc:
+                    self._count_refusal("OpenBulk", exc)
+                    await loop.sock_sendall(conn, _refusal(exc))
+                    conn.shutdown(socket.SHUT_WR)
+                    while await loop.sock_recv(conn, 65536):  # what the client still sends, until it closes
+                        pass
+                    return
+            conn.setblocking(True)
+            conn.settimeout(self.timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = threading.Thread(target=self._serve, args=(conn, token), name="kdn-bulk", daemon=True)
             with self._lock:
-                if len(self._threads) >= self.max_connections:
-                    conn.close()  # the client falls back to gRPC
-                    continue
-                conn.setblocking(True)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                t = threading.Thread(target=self._serve, args=(conn,), name="kdn-bulk", daemon=True)
                 self._conns.add(conn)
                 self._threads.add(t)
-            t.start()
+            handed = True
+            try:
+                t.start()
+            except RuntimeError:  # no thread to be had: as if full
+                handed = False
+                with self._lock:
+                    self._conns.discard(conn)
+                    self._threads.discard(t)
+                    self._of_token[token] -= 1
+        except (OSError, TimeoutError, asyncio.CancelledError):
+            pass  # gone, silent, or evicted: nothing to answer
+        finally:
+            if self._pending.get(conn) is asyncio.current_task():
+                del self._pending[conn]
+            if not handed:
+                conn.close()
+
+    def _admit(self, token: str | None) -> None:
+        """Count a connection for ``token``, or refuse it (the client then uses gRPC)."""
+        with self._lock:
+            if len(self._threads) >= self.max_connections:
+                raise Unavailable(f"bulk listener serves {self.max_connections} connections already; use gRPC")
+            if self._of_token[token] >= self.max_per_token:
+                raise StorageFull(f"this token holds {self.max_per_token} bulk connections already; use gRPC")
+            self._of_token[token] += 1
+
+    def _count_refusal(self, rpc: str, exc: BaseException) -> None:
+        if self._s.node is not None:
+            self._s.node.metrics.refused.labels(rpc, status_for(exc)[0].name).inc()
 
     # -- one connection, on its own thread ------------------------------------------------------
     #
@@ -162,44 +260,47 @@ class BulkListener:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, token: str | None) -> None:
         try:
-            hello = _recv_exactly(sock, wb.HELLO.size)
-            try:
-                token = self._redeem(wb.parse_hello(bytes(hello)))
-            except KdnError as exc:
-                self._refuse(sock, "OpenBulk", exc)
-                return
-            sock.sendall(wb.answer(0))
+            sock.sendall(wb.answer(0))  # the hello was accepted
             while True:
-                try:
-                    head = _recv_exactly(sock, wb.REQUEST.size)
-                except ConnectionError:
+                idle_since = time.monotonic()
+                while True:  # the next request may take up to idle_s to come (checked each timeout_s) ...
+                    try:
+                        first = sock.recv(wb.REQUEST.size)
+                        break
+                    except TimeoutError:
+                        if time.monotonic() - idle_since >= self.idle_s:
+                            return
+                if not first:
                     return  # the client closed between requests: the normal end
-                op, length = wb.REQUEST.unpack(head)
+                # ... but once it started, it must move
+                rest = _recv_exactly(sock, wb.REQUEST.size - len(first), _deadline(wb.REQUEST.size, self.timeout_s))
+                op, length = wb.REQUEST.unpack(first + rest)
                 if op not in (wb.FETCH, wb.PUT, wb.SHM) or length > wb.MAX_REQUEST:
                     self._refuse(sock, "bulk", InvalidInput(f"bad bulk request (op {op}, {length} bytes)"))
                     return
-                body = bytes(_recv_exactly(sock, length))
+                body = bytes(_recv_exactly(sock, length, _deadline(length, self.timeout_s)))
                 if op != wb.PUT:
                     self._fetch(sock, body, token, shm=op == wb.SHM)
                 elif not self._put(sock, body, token):
-                    return  # the payload was not read: the stream cannot go on
+                    return  # the payload was not read whole: the stream cannot go on
         except (OSError, RuntimeError, concurrent.futures.CancelledError):
-            return  # connection reset, or the edge is stopping (its loop gone)
+            return  # connection reset or too slow (TimeoutError), or the edge is stopping (its loop gone)
         finally:
             _close_gently(sock)
             with self._lock:
                 self._conns.discard(sock)
                 self._threads.discard(threading.current_thread())
+                self._of_token[token] -= 1
+                if self._of_token[token] <= 0:
+                    del self._of_token[token]
 
     def _refuse(self, sock: socket.socket, rpc: str, exc: BaseException) -> None:
-        code, message = status_for(exc)
         if not isinstance(exc, KdnError):
             log.error("%s: bulk %s crashed", self._s.config.node_id, rpc, exc_info=exc)
-        if self._s.node is not None:
-            self._s.node.metrics.refused.labels(rpc, code.name).inc()
-        sock.sendall(wb.answer(status_value(code) or status_value(grpc.StatusCode.UNKNOWN), message))
+        self._count_refusal(rpc, exc)
+        sock.sendall(_refusal(exc))
 
     def _fetch(self, sock: socket.socket, body: bytes, token: str | None, *, shm: bool = False) -> None:
         t0 = time.perf_counter()
@@ -235,14 +336,14 @@ class BulkListener:
         view = memoryview(data)
         try:
             # the answer's head and the stored bytes themselves in one system call: no framing, no copy
-            _send_all(sock, [memoryview(wb.answer(0, source, len(view))), view])
+            _send_all(sock, [memoryview(wb.answer(0, source, len(view))), view], _deadline(len(view), self.timeout_s))
         finally:
             view.release()
         node.metrics.bytes_out.labels("bulk").inc(len(data))
         node.metrics.latency.labels("Fetch", source).observe(time.perf_counter() - t0)
 
     def _put(self, sock: socket.socket, body: bytes, token: str | None) -> bool:
-        """False when the payload was refused unread (the connection must close)."""
+        """False when the payload was not read whole (the connection must close)."""
         node = self._s.node
         assert node is not None
         c = self._s.config
@@ -257,34 +358,50 @@ class BulkListener:
             )
             if not header.total_size:
                 raise InvalidInput("a bulk Put must declare total_size")
-            self._on_loop(self._reserve(header.total_size))  # the edge's bound on bytes held by Puts
         except Exception as exc:
             self._refuse(sock, "Put", exc)
             return False
         n = header.total_size
         # A key the tenant already holds stores nothing new (the store verifies the bytes and keeps
-        # its copy): they land in a reused buffer, not in fresh memory, whose zeroing and page
-        # faults were half of the edge's work on a 32 MiB Put. A new key's buffer is kept by the
-        # store as it is (take): one copy per byte on the edge, the socket's.
+        # its copy): they land in a reused buffer, not in fresh memory, whose page faults were half
+        # of the edge's work on a 32 MiB Put. A new key's buffer is kept by the store as it is
+        # (take): one copy per byte on the edge, the socket's. Neither is written before the bytes
+        # land: its pages come as they do.
         held = node.store.contains(header.key, tenant=header.namespace.tenant)
-        buf = self._put_buffers.take(n) if held else bytearray(n)
+        pooled = self._put_buffers.take(n) if held else None
+        buf = pooled if pooled is not None else _unfilled(n)
+        reserved = 0
         try:
             sock.sendall(wb.answer(0))  # go ahead
-            data = memoryview(buf)[:n] if held else buf
-            _recv_into(sock, data)
+            deadline = _deadline(n, self.timeout_s)
+            got, step = 0, _FIRST_STEP
+            while got < n:
+                k = min(step, n - got)
+                try:
+                    self._on_loop(self._reserve(k))  # the edge's bound on bytes held by Puts
+                except StorageFull as exc:
+                    self._refuse(sock, "Put", exc)
+                    return False  # the rest of the payload is unread
+                reserved += k
+                with memoryview(buf) as whole, whole[got : got + k] as part:
+                    _recv_into(sock, part, deadline)
+                got += k
+                step = min(2 * step, _MAX_STEP, max(got, _FIRST_STEP))
+            data = memoryview(buf)[:n] if pooled is not None else buf
             try:  # the store verifies every checksum before it keeps a byte
                 self._on_loop(node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key,
-                                       take=not held))  # held: copied if it went in the meantime
+                                       take=pooled is None))  # a pooled buffer is copied if the key went meanwhile
             except Exception as exc:
                 self._refuse(sock, "Put", exc)
                 return True
             finally:
                 del data
         finally:
-            if held:
-                self._put_buffers.give(buf)
+            if pooled is not None:
+                self._put_buffers.give(pooled)
             del buf
-            self._on_loop(self._release(n))
+            if reserved:
+                self._on_loop(self._release(reserved))
         sock.sendall(wb.answer(0))
         return True
 
@@ -293,6 +410,39 @@ class BulkListener:
 
     async def _release(self, n: int) -> None:
         self._s.put_budget.give(n)
+
+
+def _unfilled(n: int) -> bytearray:
+    """A bytearray of ``n`` bytes whose contents are not written first (``bytearray(n)`` zeroes
+    them, which makes every page resident at once): the caller overwrites all of it before
+    anything reads it. Large buffers come from fresh mappings, resident only once written."""
+    buf = bytearray()
+    if n and _resize(buf, n):
+        raise MemoryError(f"cannot allocate a {n}-byte Put buffer")
+    return buf
+
+
+def _bytearray_resize() -> Any:
+    import ctypes
+
+    fn = ctypes.pythonapi.PyByteArray_Resize  # the C API's own resize: allocates, writes nothing
+    fn.argtypes = [ctypes.py_object, ctypes.c_ssize_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_resize = _bytearray_resize()
+
+
+def _refusal(exc: BaseException) -> bytes:
+    """The answer that carries ``exc`` as its gRPC status and message."""
+    code, message = status_for(exc)
+    return wb.answer(status_value(code) or status_value(grpc.StatusCode.UNKNOWN), message)
+
+
+def _deadline(n: int, timeout_s: float) -> float:
+    """When ``n`` bytes must have moved: ``timeout_s`` plus their time at :data:`MIN_RATE`."""
+    return time.monotonic() + timeout_s + n / MIN_RATE
 
 
 def _close_gently(sock: socket.socket, *, drain: int = 1 << 20, wait_s: float = 0.5) -> None:
@@ -311,8 +461,9 @@ def _close_gently(sock: socket.socket, *, drain: int = 1 << 20, wait_s: float = 
         sock.close()
 
 
-def _send_all(sock: socket.socket, parts: list[memoryview]) -> None:
-    """``sendall`` of several buffers with ``sendmsg`` (gathered: one call where the socket takes them)."""
+def _send_all(sock: socket.socket, parts: list[memoryview], deadline: float) -> None:
+    """``sendall`` of several buffers with ``sendmsg`` (gathered: one call where the socket takes
+    them); ``TimeoutError`` past ``deadline`` (each call is also bounded by the socket's timeout)."""
     parts = [p for p in parts if len(p)]
     while parts:
         n = sock.sendmsg(parts[:512])
@@ -322,21 +473,29 @@ def _send_all(sock: socket.socket, parts: list[memoryview]) -> None:
             else:
                 parts[0] = parts[0][n:]
                 n = 0
+        if parts and time.monotonic() > deadline:
+            raise TimeoutError("bulk answer not taken in time")
 
 
-def _recv_into(sock: socket.socket, view: bytearray | memoryview) -> None:
-    """Fill ``view`` from ``sock``; ``ConnectionError`` if the peer closes first."""
+def _recv_into(sock: socket.socket, view: bytearray | memoryview, deadline: float) -> None:
+    """Fill ``view`` from ``sock``; ``ConnectionError`` if the peer closes first, ``TimeoutError``
+    past ``deadline`` (each call is also bounded by the socket's timeout)."""
     target = memoryview(view)
     got, n = 0, len(target)
-    while got < n:
-        k = sock.recv_into(target[got:])
-        if not k:
-            raise ConnectionResetError("peer closed the bulk connection")
-        got += k
+    try:
+        while got < n:
+            k = sock.recv_into(target[got:])
+            if not k:
+                raise ConnectionResetError("peer closed the bulk connection")
+            got += k
+            if got < n and time.monotonic() > deadline:
+                raise TimeoutError("bulk bytes did not arrive in time")
+    finally:
+        target.release()
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytearray:
+def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytearray:
     """The next ``n`` bytes, in a new buffer; ``ConnectionError`` if the peer closes first."""
     buf = bytearray(n)
-    _recv_into(sock, buf)
+    _recv_into(sock, buf, deadline)
     return buf

@@ -43,6 +43,9 @@ gRPC status code and ``text`` the message that
 :func:`kdn.wire.errors.status_for` would put on the gRPC call, turned back into the same
 :mod:`kdn.errors` exception by :func:`kdn.wire.errors.error_from_status`. The hello and a PUT's
 header get an answer with size 0 first (the go-ahead). A malformed frame closes the connection.
+A refused hello is :class:`HelloRefused` at the client: a ticket the edge no longer knows is
+renewed once (``OpenBulk`` again), and a refusal after that, or of another kind (a full
+listener), sends the caller to gRPC.
 
 The listener is plain TCP: an edge that serves gRPC over TLS does not offer it (the client then
 streams over gRPC), so bytes never travel in the clear where the operator asked for TLS.
@@ -57,9 +60,9 @@ import struct
 import threading
 import time
 from collections import defaultdict
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
-from kdn.errors import ArtifactCorrupt, InvalidInput, KdnError
+from kdn.errors import ArtifactCorrupt, InvalidInput, KdnError, Unauthorized
 from kdn.wire.errors import error_from_status
 
 MAGIC = b"KDNB"
@@ -88,6 +91,16 @@ class Lander(Protocol):
 
 class BulkProtocolError(KdnError):
     """The other side broke the bulk framing (the connection is closed)."""
+
+
+class HelloRefused(BulkProtocolError):
+    """The edge refused a new connection's hello (``cause``: its error, e.g. an unknown ticket
+    that a renewed one did not cure, or a full listener). The path is unusable for now: callers
+    that fall back on ``BulkProtocolError`` fall back to gRPC."""
+
+    def __init__(self, cause: KdnError) -> None:
+        super().__init__(f"bulk connection refused: {cause}")
+        self.cause = cause
 
 
 def answer(status: int, text: str = "", size: int = 0, flags: int = 0) -> bytes:
@@ -168,9 +181,12 @@ class BufferPool:
     received into it and read where they lie, and it comes back. Pages are touched once, on the
     first use of a buffer, not on every fetch. At most ``max_idle_bytes`` wait idle."""
 
-    def __init__(self, max_idle_bytes: int = 512 << 20, min_size: int = 64 << 10) -> None:
+    def __init__(self, max_idle_bytes: int = 512 << 20, min_size: int = 64 << 10,
+                 allocate: Callable[[int], bytearray] = bytearray) -> None:
+        """``allocate(size)``: a new buffer when none is idle (default: zeroed)."""
         self.max_idle_bytes = max_idle_bytes
         self.min_size = min_size
+        self._allocate = allocate
         self._idle: dict[int, list[bytearray]] = defaultdict(list)
         self._idle_bytes = 0
         self._lock = threading.Lock()
@@ -192,7 +208,7 @@ class BufferPool:
                 self.reused += 1
                 return free.pop()
             self.allocated += 1
-        return bytearray(size)
+        return self._allocate(size)
 
     def give(self, buf: bytearray) -> None:
         size = len(buf)
@@ -229,16 +245,50 @@ class BulkClient:
     more (at most ``max_idle`` are kept when idle). A connection that fails mid-answer is closed,
     never reused. Answers that are errors (``NotFound``…) leave the connection usable."""
 
-    def __init__(self, host: str, port: int, ticket: bytes, *, peer: str = "", max_idle: int = 16) -> None:
+    def __init__(self, host: str, port: int, ticket: bytes, *, peer: str = "", max_idle: int = 16,
+                 renew: Callable[[], Awaitable[bytes]] | None = None) -> None:
+        """``renew()``: a fresh ticket (``OpenBulk`` again), asked once when the edge does not
+        know this one any more (it expired, or its table let it go)."""
         self.host = host.strip("[]")
         self.port = port
         self.ticket = ticket
         self.peer = peer or f"{host}:{port}"
         self.max_idle = max_idle
         self._idle: list[socket.socket] = []
+        self._renew = renew
+        self._renewing: asyncio.Lock | None = None
         self.connections = 0
+        self.renewed = 0
 
     async def _connect(self) -> socket.socket:
+        """A new connection whose hello was accepted. An unknown ticket is renewed once (one
+        renewal however many connections found it unknown at once); any other refusal, or a
+        renewed ticket refused again, is :class:`HelloRefused`."""
+        ticket = self.ticket
+        try:
+            return await self._hello(ticket)
+        except Unauthorized as exc:
+            if self._renew is None:
+                raise HelloRefused(exc) from exc
+            if self._renewing is None:
+                self._renewing = asyncio.Lock()
+            async with self._renewing:
+                if self.ticket == ticket:  # nobody renewed it meanwhile
+                    try:
+                        self.ticket = await self._renew()
+                    except KdnError as failed:
+                        raise HelloRefused(failed) from exc
+                    self.renewed += 1
+            try:
+                return await self._hello(self.ticket)
+            except KdnError as again:
+                raise HelloRefused(again) from exc
+        except KdnError as exc:
+            if isinstance(exc, BulkProtocolError):
+                raise
+            raise HelloRefused(exc) from exc
+
+    async def _hello(self, ticket: bytes) -> socket.socket:
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
@@ -247,7 +297,7 @@ class BulkClient:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await loop.sock_connect(sock, addr)
-            await loop.sock_sendall(sock, HELLO.pack(MAGIC, VERSION, self.ticket))
+            await loop.sock_sendall(sock, HELLO.pack(MAGIC, VERSION, ticket))
             status, text, _ = await recv_answer(loop, sock, bytearray(ANSWER.size))
             _raise_for(status, text, self.peer)
         except BaseException:
@@ -257,7 +307,17 @@ class BulkClient:
         return sock
 
     async def _take(self) -> socket.socket:
-        return self._idle.pop() if self._idle else await self._connect()
+        """An idle connection the edge has not closed (it closes idle ones), else a new one."""
+        while self._idle:
+            sock = self._idle.pop()
+            try:
+                sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # EOF, or bytes nobody asked for
+            except BlockingIOError:
+                return sock  # nothing to read: open and clean
+            except OSError:
+                pass
+            sock.close()
+        return await self._connect()
 
     def _give(self, sock: socket.socket) -> None:
         if len(self._idle) < self.max_idle:
