@@ -36,6 +36,20 @@ from kdn.simulator.runner import cache_sweep, prepare, simulate  # noqa: E402
 
 GOAL_S = 60.0
 
+METHOD = {
+    "simulator": (
+        "The scale scenario (kdn/simulator/scenarios/scale1000.yaml: 1,000 edges, 1M requests) run once per policy in one "
+        "process; CPU time per policy (process time), against the bare event loop over the same arrivals in the same run."
+    ),
+    "sim_netns": (
+        "Two network namespaces joined by TUN devices and a delay line, the server's egress shaped by tbf to 100 Mbit/s "
+        "(kdn.simulator.netlab); 2 or 4 transfers of 2 or 20 MiB start together, each on its own connection: new ones "
+        "(cold), pooled ones that just carried 4 MiB (warm), or pooled ones left idle 1 s; each timed at the client to its "
+        "last byte. The same requests run through the simulator's engine (one origin, one edge) give the reported fetch "
+        "times, compared rank by rank with the median of the runs."
+    ),
+}
+
 
 def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -113,9 +127,16 @@ def main() -> int:
             lines.append(f"| {pol} | {wall:.1f} | {cpu:.1f} | {eps:,.0f} | {ratio:.1f}x | {rss:.0f} | {p50:.3f}/{p90:.3f}/{p99:.3f} | {hit:.1%} |")
         lines.append(f"\nPeak RSS is the process high-water mark (monotone over the policies run in turn). Plot: `{plot.relative_to(ROOT)}`.\n")
         lines += tables
-        with (ROOT / "BENCHMARKS.md").open("a") as f:
-            f.write("\n".join(lines) + "\n")
-        print("appended to BENCHMARKS.md")
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from _results import Record
+
+        rec = Record(__file__, "simulator", "Simulator scale", sys.argv[1:], method="simulator")
+        worst = max(r[2] for r in rows)
+        rec.goal(f"CPU s per policy, {len(reqs):,} requests x {prep.topology.n_edges} edges (worst policy)", f"<= {GOAL_S:.0f} s",
+                 median=worst, at_most=GOAL_S, unit="s")
+        rec.markdown(lines[1:])
+        rec.plot(plot)
+        rec.save()
     return 0
 
 
@@ -156,49 +177,49 @@ def advice(path: Path, limit: int | None, append: bool = True) -> int:
 
 
 def netns_validation(append: bool = True, repeats: int = 3) -> int:
-    """Real TCP through a tbf-shaped 100 Mbit/s link with a delay line (kdn.simulator.netlab),
-    against the simulator's model (fair links + TCP) and the old one (FIFO, always warm)."""
-    import os
-
+    """The fetch times ``kdn simulate`` reports (kdn.simulator.netlab.reported: the engine on a
+    one-origin, one-edge scenario) against real TCP through a tbf-shaped 100 Mbit/s link with a
+    delay line (kdn.simulator.netlab), under cubic and bbr; records ``sim_netns``."""
     from kdn.simulator import netlab
 
     why = netlab.available()
     if why is not None:
-        print(f"network namespace lab unavailable: {why}")
+        print(f"netns lab unavailable: {why}")
         return 1
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _results import Record
+
+    rec = Record(__file__, "sim_netns", "Simulator's reported fetch times vs real TCP", ["--netns"], method="sim_netns")
+    queues = {"bbr": "deep", "cubic": "bdp"}
     cases = netlab.default_cases()
-    load = os.getloadavg()[0]
-    lines = [
-        f"\n## Simulator transfer model vs real TCP ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)\n",
-        "Command: `.venv/bin/python benchmarks/simulator.py --netns`. Two network namespaces, a TUN delay line "
-        "(kdn.simulator.netlab) and a tbf-shaped 100 Mbit/s link (16 MB queue); each transfer timed at the client "
-        f"(cold: from connect; warm: a pooled connection that just carried 20 MB); median of {repeats} runs. "
-        f"Load average at the start: {load:.1f} on 2 cores. Model = the simulator's fair link + TCP model "
-        "(`network: {link_sharing: fair, connections: pooled}`); old = FIFO links, always-warm connections.\n",
-    ]
-    worst = {}
-    for cc in ("bbr", "cubic"):
-        measured, facts = netlab.run_lab(cases, repeats=repeats, cc=cc)
-        lines += [f"\nSender congestion control **{facts['congestion_control']}** (kernel {facts['kernel']}):\n",
-                  "| case | measured s | model s | model / measured | old model s | old / measured |", "|---|---|---|---|---|---|"]
-        errs = []
+    worst_all: list[float] = []
+    data = {}
+    for cc, queue in queues.items():
+        measured, facts = netlab.run_lab(cases, repeats=repeats, cc=cc, queue=queue, timeout_s=1800)
+        rows = []
+        offs = []
         for m in measured:
-            pred = netlab.predict(m.case, 100.0)
-            old = netlab.predict(netlab.Case(m.case.nbytes, m.case.rtt_s, True, m.case.parallel), 100.0, mode="fifo")
-            r = [p / x for p, x in zip(pred, m.seconds)]
-            ro = [p / x for p, x in zip(old, m.seconds)]
-            errs += [abs(x - 1) for x in r]
-            f = lambda xs: " / ".join(f"{x:.3f}" for x in xs)  # noqa: E731
-            g = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-            lines.append(f"| {m.case.label} | {f(m.seconds)} | {f(pred)} | {g(r)} | {f(old)} | {g(ro)} |")
-            print(f"{cc:5s} {m.case.label:40s} measured {f(m.seconds):15s} model {f(pred):15s} ({g(r)})  old {f(old)} ({g(ro)})")
-        worst[cc] = max(errs)
-        inside = sum(e <= 0.10 for e in errs)
-        lines.append(f"\n{inside} of {len(errs)} transfers within 10% of the model (worst {max(errs):.0%}).")
+            rep = netlab.reported(m.case, 100.0, cc)
+            ratios = [r / x for r, x in zip(rep, m.seconds)]
+            off = max(abs(q - 1.0) for q in ratios)
+            offs.append(off)
+            lo = [min(run[k] for run in m.runs) for k in range(len(m.seconds))]
+            hi = [max(run[k] for run in m.runs) for k in range(len(m.seconds))]
+            rows.append([m.case.label, " / ".join(f"{x:.3f}" for x in m.seconds), " / ".join(f"{a:.2f}-{b:.2f}" for a, b in zip(lo, hi)),
+                         " / ".join(f"{x:.3f}" for x in rep), " / ".join(f"{q:.2f}" for q in ratios), "yes" if off <= 0.10 else "NO"])
+            data[f"{cc}: {m.case.label}"] = {"measured_runs": [list(r) for r in m.runs], "reported": list(rep)}
+        worst_all += offs
+        rec.table(["case", "measured s (median)", "measured range", "reported s", "reported / measured", "within 10%"], rows,
+                  title=f"Sender {cc}, queue {queue} (kernel {facts['kernel']}), {repeats} runs per case")
+        rec.goal(f"{cc}: transfers whose reported fetch time is within 10% of measured (of {sum(m.case.parallel for m in measured)})",
+                 "all", median=sum(1 for o, m in zip(offs, measured) if o <= 0.10) / len(offs), unit="share of cases",
+                 met=max(offs) <= 0.10, rounds=repeats)
+        print(f"{cc}: {sum(o <= 0.10 for o in offs)} of {len(offs)} cases within 10% (worst {max(offs):.0%})", flush=True)
+    rec.note(f"worst case over both: {max(worst_all):.0%} off")
+    rec.data(data)
+    rec.set_rounds(repeats)
     if append:
-        with (ROOT / "BENCHMARKS.md").open("a") as fh:
-            fh.write("\n".join(lines) + "\n")
-        print("appended to BENCHMARKS.md")
+        rec.save()
     return 0
 
 

@@ -85,7 +85,7 @@ class EdgeConfig(RoleConfig):
     )
     policy: str = Field(
         "adaptive",
-        description="eviction policy name (kdn.edge.eviction registry); adaptive: LRU or prefix-aware, whichever sampled miniature caches say wins",
+        description="eviction policy name (kdn.edge.eviction registry); adaptive: prefix-aware, leaves ordered by recency or by decayed frequency, whichever sampled miniature caches say wins",
     )
     replicas: int = Field(2, ge=1, le=16, description="owners per key in the overlay")
     bounded_load_c: float = Field(

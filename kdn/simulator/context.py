@@ -83,18 +83,14 @@ class Network:
         return sent + lat + decode_s
 
     def send(self, e: int, dst: int, nblocks: int, now: float) -> None:
-        """Edge ``e`` uploads ``nblocks`` chunks to site ``dst`` (publish / fill): takes ``e``'s link."""
+        """Edge ``e`` uploads ``nblocks`` chunks to site ``dst`` (publish / fill): its bytes take
+        their share of ``e``'s link from ``now``. No one waits on an upload, so its own window is
+        not modelled (nor its connection): only the capacity it takes from the fetches beside it."""
         if nblocks <= 0 or dst == e:
             return
-        lat, nbytes, _ = self.cost.transfer(e, dst, nblocks)
-        rtt = 2.0 * lat
-        links = self.links
+        _, nbytes, _ = self.cost.transfer(e, dst, nblocks)
         self._advance(e, self.loop.now)
-        cold, cwnd, conn = self.conns.take(e, dst, now, rtt, now)
-        links.commit(e, now, nbytes, rtt, cwnd, cold)
-        flow = links.last
-        assert flow is not None
-        self.conns.hold(conn, nbytes, rtt, flow.rate, cwnd, flow)
+        self.links.commit(e, now, nbytes, predict=False)
         self._tally.moved(nbytes, self.cost.is_wan[e][dst], now)
 
     def settle(self) -> None:

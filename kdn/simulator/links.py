@@ -94,9 +94,11 @@ class Links:
             return start + nbytes / self.bw[site]
         return start + self.tcp.rounds_s(nbytes, rtt, self.bw[site], cwnd)
 
-    def commit(self, site: int, ready: float, nbytes: float, rtt: float = 0.0, cwnd: float = INF, cold: bool = False) -> float:
+    def commit(
+        self, site: int, ready: float, nbytes: float, rtt: float = 0.0, cwnd: float = INF, cold: bool = False, predict: bool = True
+    ) -> float:
         """Queue the transfer on the link; returns when its last byte leaves (final: a FIFO link
-        never delays a transfer already queued)."""
+        never delays a transfer already queued; ``predict`` changes nothing here)."""
         if cold:
             ready += rtt
         b = self.busy[site]
@@ -195,6 +197,12 @@ class FairLinks:
         pending = self._pending[site]
         bw = self.bw[site]
         tcp = self.tcp
+        if not pending:
+            if new.rtt <= 0.0 or new.cwnd == INF:
+                return [(new.start, bw, new)]
+            rate = bw / (len(self._flows[site]) + 1)
+            t_ss, sent = tcp.slow_start(new.nbytes, new.rtt, rate, new.cwnd)
+            return [(new.start + t_ss - sent / rate, rate, new)]
         flows = [p[2] for p in pending]
         flows.append(new)
         rate = bw / (len(self._flows[site]) + len(flows))
@@ -243,21 +251,30 @@ class FairLinks:
         new = self._new(site, ready, nbytes, rtt, cwnd, cold)
         return self._predict(site, self._joins(site, new), new)
 
-    def commit(self, site: int, ready: float, nbytes: float, rtt: float = 0.0, cwnd: float = INF, cold: bool = False) -> float:
+    def commit(
+        self, site: int, ready: float, nbytes: float, rtt: float = 0.0, cwnd: float = INF, cold: bool = False, predict: bool = True
+    ) -> float:
         """Add the transfer to the link's flows; returns its predicted finish (what :meth:`finish`
-        said just before). Its record is :attr:`last`; later flows can still delay it."""
+        said just before; NaN with ``predict=False``, for a transfer no one waits on). Its record
+        is :attr:`last`; later flows can still delay it."""
         new = self._new(site, ready, nbytes, rtt, cwnd, cold)
         joins = self._joins(site, new)
-        new.predicted = self._predict(site, joins, new)
+        new.predicted = self._predict(site, joins, new) if predict else float("nan")
         self._seq += 1
         new.seq = self._seq
-        pending = []
-        for j, rate, f in joins:
+        if len(joins) == 1:
+            j, rate, f = joins[0]
             f.join = j
             f.rate = rate
-            pending.append((j, f.seq, f))
-        heapq.heapify(pending)
-        self._pending[site] = pending
+            self._pending[site] = [(j, f.seq, f)]
+        else:
+            pending = []
+            for j, rate, f in joins:
+                f.join = j
+                f.rate = rate
+                pending.append((j, f.seq, f))
+            heapq.heapify(pending)
+            self._pending[site] = pending
         self.sent_bytes[site] += nbytes
         self.last = new
         return new.predicted

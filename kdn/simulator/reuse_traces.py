@@ -10,6 +10,18 @@ request: input tokens and the chain of 512-token block ids it reads), for evicti
                    block; short and very frequent reuse.
 ``scans``          a hot set of small documents mixed with a cyclic scan over a large set of cold
                    documents (the loop is longer than any cache): recency alone keeps the scan.
+``coding``         coding assistants: a few repositories (20-60 blocks) shared by many sessions;
+                   each session branches off its repository at an edited file and grows quickly.
+``fewshot``        a few long prompt templates shared by all requests, each followed by a unique
+                   one-off question of 1-4 blocks: one-off tails pollute recency.
+``drift``          RAG whose popularity ranking moves: every 2,000 requests a fifth of the hot
+                   documents is replaced by unseen ones; yesterday's hot set is stale.
+``bursts``         news-like: each document is hot for a short burst after it appears, then
+                   never read again; recency is all that counts.
+``mixed``          two tenants interleaved: a chat service (``conversations``' shape) and a RAG
+                   service (``documents``' shape) on one cache.
+``longchat``       few, long conversations (10-40 turns, 1-3 blocks a turn, far apart):
+                   long chains, reuse distances longer than small caches reach.
 
 Each generator is deterministic in its seed. Block ids are ints, unique per distinct prefix.
 """
@@ -22,7 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TraceRequest", "TRACES", "documents", "conversations", "agents", "scans"]
+__all__ = [
+    "HELD_OUT", "TraceRequest", "TRACES", "agents", "bursts", "coding", "conversations", "documents", "drift", "fewshot",
+    "longchat", "mixed", "scans",
+]
 
 BLOCK = 512
 
@@ -119,9 +134,128 @@ def scans(n: int = 20_000, seed: int = 4) -> list[TraceRequest]:
     return out
 
 
+def coding(n: int = 20_000, seed: int = 5) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.new(2)
+    repos = [system + ids.new(int(rng.integers(20, 61))) for _ in range(12)]
+    live: list[list[tuple[int, ...] | int]] = []
+    out = []
+    while len(out) < n:
+        if not live or (len(live) < 60 and rng.random() < 0.15):
+            repo = repos[int(_zipf(rng, len(repos), 1.1, 1)[0])]
+            cut = int(rng.integers(len(repo) // 3, len(repo) + 1))  # the edited file: the rest differs
+            live.append([repo[:cut] + ids.new(int(rng.integers(1, 6))), int(rng.integers(4, 25))])
+        k = int(rng.integers(len(live)))
+        chain, left = live[k]
+        assert isinstance(chain, tuple) and isinstance(left, int)
+        out.append(_req(chain, 250))
+        if left <= 1:
+            live.pop(k)
+        else:
+            live[k] = [chain + ids.new(int(rng.integers(1, 3))), left - 1]
+    return out
+
+
+def fewshot(n: int = 20_000, seed: int = 6) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    templates = [ids.new(int(rng.integers(8, 25))) for _ in range(40)]
+    out = []
+    for t in _zipf(rng, len(templates), 1.2, n).tolist():
+        out.append(_req(templates[t] + ids.new(int(rng.integers(1, 5))), 150))
+    return out
+
+
+def drift(n: int = 20_000, seed: int = 7) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.new(2)
+
+    def doc() -> tuple[int, ...]:
+        return system + ids.new(int(np.clip(rng.lognormal(np.log(8), 0.6), 2, 30)))
+
+    hot = [doc() for _ in range(400)]
+    out = []
+    for i in range(n):
+        if i and i % 2_000 == 0:
+            for j in rng.choice(len(hot), size=len(hot) // 5, replace=False).tolist():
+                hot[j] = doc()
+        d = hot[int(_zipf(rng, len(hot), 0.9, 1)[0])]
+        out.append(_req(d + ids.new(1), 200))
+    return out
+
+
+def bursts(n: int = 20_000, seed: int = 8) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.new(1)
+    live: list[list[tuple[int, ...] | int]] = []
+    out = []
+    while len(out) < n:
+        if len(live) < 30 and (not live or rng.random() < 0.3):
+            live.append([system + ids.new(int(rng.integers(3, 16))), int(rng.integers(2, 40))])
+        k = int(rng.integers(len(live)))
+        chain, left = live[k]
+        assert isinstance(chain, tuple) and isinstance(left, int)
+        out.append(_req(chain + ids.new(1), 120))
+        if left <= 1:
+            live.pop(k)
+        else:
+            live[k][1] = left - 1
+    return out
+
+
+def mixed(n: int = 20_000, seed: int = 9) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    chat = conversations(n, seed + 100)
+    rag = documents(n, seed + 200)
+    offset = 1 << 30  # the two tenants' block ids never meet
+    out = []
+    ci = ri = 0
+    for take_chat in (rng.random(n) < 0.5).tolist():
+        if take_chat:
+            out.append(chat[ci])
+            ci += 1
+        else:
+            r = rag[ri]
+            ri += 1
+            out.append(TraceRequest(r.input_length, tuple(x + offset for x in r.hash_ids)))
+    return out
+
+
+def longchat(n: int = 20_000, seed: int = 10) -> list[TraceRequest]:
+    rng = np.random.default_rng(seed)
+    ids = _Ids()
+    system = ids.new(4)
+    live: list[list[tuple[int, ...] | int]] = []
+    out = []
+    while len(out) < n:
+        if not live or (len(live) < 80 and rng.random() < 0.04):
+            live.append([system + ids.new(int(rng.integers(2, 5))), int(rng.integers(10, 41))])
+        k = int(rng.integers(len(live)))
+        chain, left = live[k]
+        assert isinstance(chain, tuple) and isinstance(left, int)
+        out.append(_req(chain, 400))
+        if left <= 1:
+            live.pop(k)
+        else:
+            live[k] = [chain + ids.new(int(rng.integers(1, 4))), left - 1]
+    return out
+
+
 TRACES: dict[str, Callable[..., list[TraceRequest]]] = {
     "documents": documents,
     "conversations": conversations,
     "agents": agents,
     "scans": scans,
+    "coding": coding,
+    "fewshot": fewshot,
+    "drift": drift,
+    "bursts": bursts,
+    "mixed": mixed,
+    "longchat": longchat,
 }
+
+HELD_OUT = ("drift", "bursts", "mixed", "longchat")
+"""Traces kept out of tuning the default policy: its figures on them are reported apart."""

@@ -191,7 +191,9 @@ Workload = Annotated[SyntheticWorkload | TraceWorkload, Field(discriminator="kin
 
 class CacheSpec(_Strict):
     edge_cache_gb: float = Field(64.0, ge=0, description="cache capacity of each edge")
-    eviction: str = Field("lru", description="a kdn.edge.eviction policy name")
+    eviction: str = Field(
+        "adaptive", description="a kdn.edge.eviction policy name; adaptive (the edge's default): prefix-aware, leaves by recency or frequency, whichever measures better"
+    )
     storage_codec: str = Field("raw", description="codec KV is stored in at edges (scales capacity use)")
 
     @field_validator("eviction")

@@ -77,25 +77,16 @@ class TcpModel:
     def slow_start(self, nbytes: float, rtt: float, rate: float, cwnd: float | None = None) -> tuple[float, float]:
         """``(seconds, bytes)`` of the window-limited rounds before the flow can send at ``rate``:
         ``rounds_s = seconds + (nbytes - bytes) / rate``."""
-        return self._rounds(nbytes, rtt, rate, cwnd)[2:]
+        r = self._rounds(nbytes, rtt, rate, cwnd)
+        return r[2], r[3]
 
     def window_after(self, nbytes: float, rtt: float, rate: float, cwnd: float | None = None) -> float:
         """The congestion window after sending ``nbytes``."""
         return self._rounds(nbytes, rtt, rate, cwnd)[1]
 
-    @functools.lru_cache(maxsize=1 << 16)  # noqa: B019 (frozen, few instances): sizes, RTTs, rates repeat
     def _rounds(self, nbytes: float, rtt: float, rate: float, cwnd: float | None) -> tuple[float, float, float, float]:
-        w = self.initial_window if cwnd is None else max(float(cwnd), float(self.mss))
-        bdp = rate * rtt
-        t = 0.0
-        sent = 0.0
-        while w < bdp and sent + w < nbytes:
-            sent += w
-            t += rtt
-            w *= 2.0
-        if w >= bdp:  # the pipe is full: the rest at the link's rate
-            return t + (nbytes - sent) / rate, max(w, bdp), t, sent
-        return t + (nbytes - sent) / rate, w, t, sent  # the last, partial round
+        w = self.initial_window if cwnd is None else (cwnd if cwnd > self.mss else float(self.mss))
+        return _rounds(float(nbytes), rtt, rate, float(w))
 
     def rto_s(self, rtt: float) -> float:
         """The retransmission timeout of a connection that has settled at round-trip time ``rtt``."""
@@ -115,6 +106,22 @@ class TcpModel:
         if halvings > 60:
             return floor
         return max(cwnd / 2.0**halvings, floor)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _rounds(nbytes: float, rtt: float, rate: float, w: float) -> tuple[float, float, float, float]:
+    """``(seconds of the rounds, window after, seconds window-limited, bytes sent then)`` of
+    ``nbytes`` from window ``w`` (see the module docstring). Sizes, RTTs and rates repeat: cached."""
+    bdp = rate * rtt
+    t = 0.0
+    sent = 0.0
+    while w < bdp and sent + w < nbytes:
+        sent += w
+        t += rtt
+        w *= 2.0
+    if w >= bdp:  # the pipe is full: the rest at the link's rate
+        return t + (nbytes - sent) / rate, max(w, bdp), t, sent
+    return t + (nbytes - sent) / rate, w, t, sent  # the last, partial round
 
 
 class Connections:

@@ -121,7 +121,7 @@ def _replay_lru(reqs: Requests, n_edges: int, capacity: int, size: int) -> tuple
 
 @pytest.mark.parametrize("cache_gb", [6.0, 24.0])
 def test_lru_edge_hit_ratio_matches_exact_replay(cities: CityIndex, presets: Any, cache_gb: float) -> None:
-    p = make(cities, presets, cache__edge_cache_gb=cache_gb)
+    p = make(cities, presets, cache__edge_cache_gb=cache_gb, cache__eviction="lru")
     sim = Simulation(p.scenario, p.topology, p.requests, presets, "nearest_edge")
     res = sim.run()
     hits, total = _replay_lru(p.requests, p.topology.n_edges, sim.ctx.capacity, sim.cost.stored)

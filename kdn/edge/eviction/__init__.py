@@ -10,8 +10,9 @@ states the contract every policy keeps). Registry :data:`POLICIES`, factory :fun
 ``prefix``  prefix-aware, for chained KV chunks (:mod:`.prefix`): evicts only leaves of the
             cached prefix forest, by frequency with dynamic aging, so a chunk is never dropped while
             chunks that depend on it stay, and shared roots survive.
-``adaptive`` LRU or ``prefix``, whichever miniature simulations of both on 1 in 4 keys say wins
-            (:mod:`.adaptive`): starts as LRU, so at or above LRU where a fixed half-life is not.
+``adaptive`` ``prefix``'s leaves ordered by recency (LRU that never breaks a chain) or by decayed
+            frequency, whichever miniature simulations of both on 1 in 4 keys say wins, decided
+            once per two reuse distances (:mod:`.adaptive`); the default of edges and scenarios.
 
 A cache that holds only part of each chain says so through ``make_policy(name, whole_chains=False)``
 (:meth:`~kdn.edge.eviction.base.EvictionPolicy.for_tier`); no caller tests a policy's name.

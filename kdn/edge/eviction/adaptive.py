@@ -1,13 +1,14 @@
-"""``adaptive``: LRU or the prefix-aware policy, whichever miniature simulations of both say
-wins on the workload seen so far (see :class:`AdaptivePrefix`)."""
+"""``adaptive``: the prefix-aware policy's leaves, ordered by recency or by decayed frequency,
+whichever miniature simulations of both say wins on the workload seen so far (see
+:class:`AdaptivePrefix`)."""
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from typing import ClassVar
 
-from kdn.edge.eviction.base import EvictionPolicy, Key, SkipFn
-from kdn.edge.eviction.lru import LRU
+from kdn.edge.eviction.base import EvictionPolicy, Key
 from kdn.edge.eviction.prefix import PrefixAware
 from kdn.errors import InvalidInput
 from kdn.keys import ROOT_KEY
@@ -61,34 +62,36 @@ class _Mini:
 
 
 class AdaptivePrefix(PrefixAware):
-    """Evicts as LRU or as :class:`PrefixAware` (leaves first, decayed frequency, history,
-    superseded and dead chunks first), switching to whichever *miniature simulations* of the two
-    say wins on the accesses seen so far. Starts as LRU, so it is never below LRU for long.
+    """Prefix-aware eviction (:class:`PrefixAware`: leaves first, superseded and dead chunks
+    first, a ghost of evicted keys) whose order among the leaves is chosen from the workload:
+    ``recency`` (the least recently used leaf: LRU that never breaks a chain, at or above LRU on
+    every trace measured) or ``frequency`` (decayed frequency with a long half-life, which wins
+    where chunks come back after recency would have dropped them: 1.7x LRU at 1% on the Mooncake
+    trace) and loses where reuse is soon and one-off (0.8x on a chat-shaped trace).
 
-    A fixed prefix-aware policy is a bet on the workload: frequency over a long half-life wins
-    where chunks come back after recency would have dropped them (1.9x LRU at 1% on the Mooncake
-    trace) and loses where reuse is soon and one-off (0.75x on a chat-shaped trace). Comparing the
-    real cache against an LRU shadow and moving the half-life (this policy's first design) reacts
-    only after the damage: evictions cost hits one reuse distance later, and the transition from
-    the wrong setting left it 0.1% below LRU on conversations. So this policy measures *both*
-    choices on the side, as SHARDS-style miniature simulations do (Waldspurger et al., "Cache
-    Modeling and Optimization using Miniature Simulations", USENIX ATC '17):
+    Both orders are kept over the same forest all the time, so a switch changes only which leaf
+    goes next and never drops a chain. The choice is measured on the side, as SHARDS-style
+    miniature simulations do (Waldspurger et al., "Cache Modeling and Optimization using
+    Miniature Simulations", USENIX ATC '17):
 
-    * **sample**: 1 in ``sample`` keys, chosen by a process-independent hash of the key; a request's
+    * **sample**: 1 in ``sample`` keys, by a process-independent hash of the key; a request's
       sampled chunks form a *thinned chain* (each one's parent is the nearest sampled chunk before
-      it in the same read, followed along the access stream), so prefix structure survives
-      sampling, and a system-prompt root shared by every chain is not all-or-nothing;
-    * **two miniature caches**, an LRU and a :class:`PrefixAware` (half-life scaled by the sample
+      it in the same read), so prefix structure survives sampling;
+    * **two miniature caches**, one per order (the frequency one's half-life scaled by the sample
       rate, as it counts accesses), each with room for ``resident / sample`` keys, replay the
       sampled accesses and count their useful hits;
-    * **per epoch** of ``epoch`` accesses (default: half the resident count, at least 500) the
-      hit counts, decayed by half each epoch, decide the regime: prefix-aware once its miniature
-      beats LRU's by ``margin`` (and by 4 hits, against noise), back to LRU once it falls below.
+    * **decisions at the pace of reuse**: the miniatures' hits are compared once per *period*,
+      twice the median reuse distance of the sampled keys (in accesses; ``period`` fixes it), at
+      least ``min_period`` accesses: a choice shows in the hit rate only one reuse distance after
+      it is made, so deciding faster than that follows noise. Scores are decayed by half each
+      period;
+    * **a switch needs evidence**: the other order's decayed hits must beat the current one's by
+      ``margin`` and by ``z`` standard deviations of the difference of two Poisson counts
+      (``z * sqrt(a + b)``); the policy starts as ``recency``.
 
-    Both regimes keep their state all the time (the prefix forest and scores, and an LRU order of
-    the resident keys), so a switch only changes where :meth:`victim` looks. Costs per access: one
-    ordered-dict move, plus the two miniatures' work on 1 in ``sample`` accesses. ``history``
-    keeps the regime after each of the last 1,024 epochs (``"lru"`` / ``"prefix"``).
+    Costs per access: the two heaps' pushes, plus the two miniatures' work and a reuse-distance
+    record on 1 in ``sample`` accesses. ``history`` keeps the order after each of the last 1,024
+    periods.
     """
 
     name: ClassVar[str] = "adaptive"
@@ -98,50 +101,86 @@ class AdaptivePrefix(PrefixAware):
         *,
         half_life: float = 11_000.0,
         sample: int = 4,
-        margin: float = 0.05,
-        epoch: int | None = None,
+        margin: float = 0.02,
+        z: float = 2.0,
+        period: int | None = None,
+        min_period: int = 2_000,
         **kw: object,
     ) -> None:
-        super().__init__(half_life=half_life, **kw)  # type: ignore[arg-type]
-        if sample < 1 or margin < 0:
-            raise InvalidInput(f"adaptive policy: sample must be >= 1 and margin >= 0, got {sample}, {margin}")
+        kw.pop("order", None)
+        kw.pop("keep_both", None)
+        super().__init__(half_life=half_life, order="recency", keep_both=True, **kw)  # type: ignore[arg-type]
+        if sample < 1 or margin < 0 or z < 0 or min_period < 1 or (period is not None and period < 1):
+            raise InvalidInput(
+                f"adaptive policy: sample, min_period and period must be >= 1 and margin, z >= 0, got {sample}, {min_period}, {period}, {margin}, {z}"
+            )
         self._sample = sample
         self._margin = margin
-        self._epoch = epoch
-        mini_prefix = PrefixAware(half_life=half_life / sample, supersede=self._supersede)
-        self._minis = (_Mini(mini_prefix), _Mini(LRU()))
-        self._scores = [0.0, 0.0]  # decayed useful hits of the prefix and the LRU miniature
-        self._order: OrderedDict[Key, None] = OrderedDict()  # resident keys, least recent first
-        self._accesses = 0
+        self._z = z
+        self._period = period
+        self._min_period = min_period
+        supersede = self._supersede
+        self._minis = (
+            _Mini(PrefixAware(half_life=half_life / sample, supersede=supersede, order="score")),
+            _Mini(PrefixAware(half_life=half_life / sample, supersede=supersede, order="recency")),
+        )
+        self._scores = [0.0, 0.0]  # decayed useful hits of the frequency and the recency miniature
+        self._accesses = 0  # since the last decision
+        self._due = period if period is not None else min_period  # accesses between decisions now
+        self._seen_at: OrderedDict[Key, int] = OrderedDict()  # sampled key -> its last access number
+        self._distances: deque[int] = deque(maxlen=512)  # recent reuse distances of sampled keys
+        self._n = 0  # accesses so far
         self._prev: Key | None = None  # the previous access, and the nearest sampled key of its read
         self._run_sampled: Key | None = None
-        self.regime = "lru"
         self.history: deque[str] = deque(maxlen=1024)
+
+    @property
+    def regime(self) -> str:
+        """The order in force: ``recency`` or ``frequency``."""
+        return "recency" if self.order == "recency" else "frequency"
+
+    def period(self) -> int:
+        """Accesses between two decisions now."""
+        if self._period is not None:
+            return self._period
+        d = sorted(self._distances)
+        median = d[len(d) // 2] if d else 0
+        return max(self._min_period, 2 * median)
 
     def _seen(self, key: Key, parent: Key | None) -> None:
         if parent is None or parent == ROOT_KEY or parent != self._prev:
             self._run_sampled = None  # a new read starts (or the stream jumped): no sampled ancestor
+        self._n += 1
         if _sample_hash(key) % self._sample == 0:
             cap = max(4, len(self._nodes) // self._sample)
             for mini in self._minis:
                 mini.access(key, self._run_sampled, cap)
             self._run_sampled = key
+            seen = self._seen_at
+            last = seen.pop(key, None)
+            if last is not None:
+                self._distances.append(self._n - last)
+            seen[key] = self._n
+            if len(seen) > 4 * max(len(self._nodes), 256):
+                seen.popitem(last=False)  # keys not seen for that long have no reuse to measure here
         self._prev = key
         self._accesses += 1
-        if self._accesses >= (self._epoch or max(500, len(self._nodes) // 2)):
+        if self._accesses >= self._due:
             self._adapt()
 
     def _adapt(self) -> None:
-        prefix, lru = self._minis
-        self._scores = [0.5 * self._scores[0] + prefix.hits, 0.5 * self._scores[1] + lru.hits]
-        prefix.hits = lru.hits = 0
-        p, r = self._scores
-        if self.regime == "lru" and p > r * (1.0 + self._margin) + 4.0:
-            self.regime = "prefix"
-        elif self.regime == "prefix" and p < r:
-            self.regime = "lru"
+        freq, rec = self._minis
+        self._scores = [0.5 * self._scores[0] + freq.hits, 0.5 * self._scores[1] + rec.hits]
+        freq.hits = rec.hits = 0
+        f, r = self._scores
+        noise = self._z * math.sqrt(f + r)
+        if self.order == "recency" and f > r * (1.0 + self._margin) + noise:
+            self.order = "score"
+        elif self.order == "score" and r > f * (1.0 + self._margin) + noise:
+            self.order = "recency"
         self.history.append(self.regime)
         self._accesses = 0
+        self._due = self.period()
 
     def insert(self, key: Key, size: int, parent: Key | None = None) -> None:
         if key in self._nodes:
@@ -149,24 +188,10 @@ class AdaptivePrefix(PrefixAware):
             return
         self._seen(key, parent)
         super().insert(key, size, parent)
-        self._order[key] = None
 
     def touch(self, key: Key) -> None:
         node = self._nodes.get(key)
         if node is None:
             return
         self._seen(key, node.parent)
-        self._order.move_to_end(key)
         super().touch(key)
-
-    def remove(self, key: Key) -> None:
-        self._order.pop(key, None)
-        super().remove(key)
-
-    def victim(self, skip: SkipFn | None = None) -> Key | None:
-        if self.regime == "prefix":
-            return super().victim(skip)
-        for key in self._order:
-            if skip is None or not skip(key):
-                return key
-        return None

@@ -16,12 +16,13 @@ __all__ = ["PrefixAware"]
 class _Node:
     """Per-key state of :class:`PrefixAware`."""
 
-    __slots__ = ("parent", "score", "seq", "dead", "fresh")
+    __slots__ = ("parent", "score", "seq", "dead", "fresh", "last")
 
-    def __init__(self, parent: Key | None, score: float) -> None:
+    def __init__(self, parent: Key | None, score: float, last: int = 0) -> None:
         self.parent = parent
         self.fresh = True  # not touched since it was inserted
         self.score = score  # decayed access count, in units of 2**(virtual time at the epoch)
+        self.last = last  # the access count at its last access (-1: superseded, first to go by recency)
         self.seq = -1  # sequence number of this key's live heap entry; -1 = not in the heap
         self.dead = False  # an ancestor of this key is gone: the key can never be read as a prefix
 
@@ -60,6 +61,9 @@ class PrefixAware(EvictionPolicy):
       marked dead and evicted before any live key. Set ``track_orphans=False`` for a tier that holds
       only part of each chain (its parents live in another tier), where "parent not here" is normal.
     * **Admission** (``reject_orphans=True``): refuse a key whose parent is given but not resident.
+    * **Order among the leaves** (``order``): ``score`` (the decayed frequency above) or
+      ``recency`` (the least recently accessed leaf first: LRU that never breaks a chain).
+      :attr:`order` may change at any time when both are kept (``keep_both=True``).
 
     ``parent`` may be ``None`` or :data:`kdn.keys.ROOT_KEY` for a chain's first chunk. Scores count
     accesses, not bytes: chunks of one model are of similar size.
@@ -85,9 +89,18 @@ class PrefixAware(EvictionPolicy):
         track_orphans: bool = True,
         reject_orphans: bool = False,
         supersede: bool = True,
+        order: str = "score",
+        keep_both: bool = False,
     ) -> None:
         if half_life <= 0 or ghost < 0:
             raise InvalidInput(f"prefix policy: half_life must be > 0 and ghost >= 0, got {half_life}, {ghost}")
+        if order not in ("score", "recency"):
+            raise InvalidInput(f"prefix policy: order must be 'score' or 'recency', got {order!r}")
+        self.order = order
+        self._by_score = keep_both or order == "score"
+        self._by_recency = keep_both or order == "recency"
+        self._rheap: list[tuple[int, int, int, Key]] = []  # (alive, last access, seq, key), leaves only
+        self._count = 0  # accesses so far
         self.half_life = half_life
         self._rate = 1.0 / half_life  # half-lives per access
         self._supersede = supersede
@@ -107,6 +120,7 @@ class PrefixAware(EvictionPolicy):
 
     def _tick(self) -> float:
         """Advance the clock by one access; return the weight of an access now."""
+        self._count += 1
         self._vclock += self._rate
         if self._vclock > _RESCALE_AT:
             self._rescale()
@@ -124,14 +138,22 @@ class PrefixAware(EvictionPolicy):
     def _push(self, key: Key, node: _Node) -> None:
         self._seq += 1
         node.seq = self._seq
-        heapq.heappush(self._heap, (0 if node.dead else 1, node.score, self._seq, key))
-        if len(self._heap) > 4 * len(self._nodes) + 64:
+        alive = 0 if node.dead else 1
+        if self._by_score:
+            heapq.heappush(self._heap, (alive, node.score, self._seq, key))
+        if self._by_recency:
+            heapq.heappush(self._rheap, (alive, node.last, self._seq, key))
+        if len(self._heap) + len(self._rheap) > 8 * len(self._nodes) + 128:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        heap = [(0 if n.dead else 1, n.score, n.seq, k) for k, n in self._nodes.items() if n.seq >= 0]
+        leaves = [(k, n) for k, n in self._nodes.items() if n.seq >= 0]
+        heap = [(0 if n.dead else 1, n.score, n.seq, k) for k, n in leaves] if self._by_score else []
         heapq.heapify(heap)
         self._heap = heap
+        rheap = [(0 if n.dead else 1, n.last, n.seq, k) for k, n in leaves] if self._by_recency else []
+        heapq.heapify(rheap)
+        self._rheap = rheap
 
     def _supersede_sibling(self, parent: Key, key: Key) -> None:
         """``key`` is a new child of ``parent``: the previous newest child, if it is a leaf that was
@@ -143,6 +165,7 @@ class PrefixAware(EvictionPolicy):
         pn = self._nodes.get(prev) if prev is not None else None
         if pn is not None and pn.fresh and pn.seq >= 0:
             pn.score = 0.0
+            pn.last = -1
             self._push(prev, pn)
 
     def _set_dead(self, root: Key, dead: bool) -> None:
@@ -169,7 +192,7 @@ class PrefixAware(EvictionPolicy):
         if parent == ROOT_KEY:  # the fixed root of every chain is never stored: chunk 0 is a root
             parent = None
         w = self._tick()
-        node = _Node(parent, self._ghost.pop(key, 0.0) + w)
+        node = _Node(parent, self._ghost.pop(key, 0.0) + w, self._count)
         self._nodes[key] = node
         if parent is not None:
             kids = self._kids.get(parent)
@@ -199,6 +222,7 @@ class PrefixAware(EvictionPolicy):
         if node is None:
             return
         node.score += self._tick()
+        node.last = self._count
         node.fresh = False
         if node.seq >= 0:
             self._push(key, node)
@@ -228,14 +252,16 @@ class PrefixAware(EvictionPolicy):
 
     def victim(self, skip: SkipFn | None = None) -> Key | None:
         nodes = self._nodes
-        found = lazy_heap_victim(self._heap, lambda e: (n := nodes.get(e[3])) is not None and n.seq == e[2], skip)
+        by_recency = self.order == "recency"
+        heap = self._rheap if by_recency else self._heap
+        found = lazy_heap_victim(heap, lambda e: (n := nodes.get(e[3])) is not None and n.seq == e[2], skip)
         if found is None and nodes:
             # Every evictable leaf is pinned: fall back to the lowest-scored unpinned key anywhere
             # (O(n), only reached when pins cover all leaves).
             best = None
             for k, n in nodes.items():
                 if skip is None or not skip(k):
-                    rank = (not n.dead, n.score)
+                    rank = (not n.dead, n.last if by_recency else n.score)
                     if best is None or rank < best[0]:
                         best = (rank, k)
             found = None if best is None else best[1]
