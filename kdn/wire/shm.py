@@ -1,18 +1,29 @@
 """Reading a shared-memory segment an edge published: the one reader, for hosts, admin and benches.
 
 An edge (:class:`kdn.edge.shm.ShmPool`) writes an artifact once into a file under ``/dev/shm``
-(tmpfs: RAM, no disk) and names it in ``FetchChunk.shm_name``. The reader:
+(tmpfs: RAM, no disk) and names it in ``FetchChunk.shm_name`` with a *segment reference*
+``<file>:<inode>:<uid>``: the file name, and the inode and owner the edge created it with. The
+reader:
 
-- :func:`map_segment` maps it read-only after checking the name (an edge cannot make a reader open
-  an arbitrary path: only ``kdn-<node>-<pid>-<16 hex>`` in the segment directory) and the size the
-  edge announced; a segment already recycled is ``Unavailable`` (fetch again), a size that
-  disagrees is ``ArtifactCorrupt``. The host client (:mod:`kdn.client_transport`) maps with this and
-  verifies with its own ``ArtifactReader``.
+- :func:`map_segment` maps it read-only after checking the reference (an edge cannot make a
+  reader open an arbitrary path: only ``kdn-<node>-<pid>-<16 hex>`` in the segment directory),
+  opening the file without following a symbolic link or waiting on a FIFO, and checking that it
+  is a regular file with the inode and owner the edge named, writable by nobody but its owner,
+  of the size the edge announced. In a directory anyone may create files in (``/dev/shm`` is
+  1777), a file made under a recycled name by someone else is thereby refused, not mapped. A
+  segment already recycled, or another file in its place, is ``Unavailable`` (fetch again); a
+  link in its place, or a size that disagrees, is ``ArtifactCorrupt``. The host client (:mod:`kdn.client_transport`) maps with this and verifies
+  with its own ``ArtifactReader``.
 - :func:`open_segment` also verifies every checksum (and the expected key/fingerprint) and returns a
   :class:`ShmArtifact` whose ``data`` is a zero-copy memoryview; ``close()`` releases the mapping.
 - :class:`SegmentCache` keeps hot mappings open by name (a published segment never changes).
 
 Never unlinks: the edge owns segments' lifetime (a mapping outlives an unlink).
+
+Trust (``docs/security.md``): segments are the edge's uid's files, mode 0400; processes of other
+uids can open none of them. Processes running as the edge's uid are inside the edge's trust
+boundary (they could read the edge's memory itself): a tenant that must be kept from the others
+runs its clients under another uid, and gets its bytes over the bulk socket or gRPC.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -32,6 +44,21 @@ from kdn.proto import kdn_pb2 as pb
 DEFAULT_SHM_DIR = "/dev/shm"
 SEGMENT_NAME = re.compile(r"^kdn-[A-Za-z0-9_.\-]{1,64}-(\d+)-[0-9a-f]{16}$")
 """What an edge's segment is called: ``kdn-<node>-<pid>-<16 hex>`` (the pid lets a new edge sweep a dead one's)."""
+_REF = re.compile(r"^(kdn-[A-Za-z0-9_.\-]{1,64}-\d+-[0-9a-f]{16}):(\d{1,20}):(\d{1,10})$")
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def segment_ref(name: str, st: os.stat_result) -> str:
+    """The reference an edge hands out for segment file ``name`` as created (``st``)."""
+    return f"{name}:{st.st_ino}:{st.st_uid}"
+
+
+def parse_ref(ref: str) -> tuple[str, int, int]:
+    """``(file name, inode, owner uid)`` of a segment reference; ``InvalidInput`` otherwise."""
+    m = _REF.match(ref)
+    if not m:
+        raise InvalidInput(f"not a KDN shared-memory segment reference: {ref[:100]!r}")
+    return m.group(1), int(m.group(2)), int(m.group(3))
 
 
 class ShmArtifact:
@@ -59,16 +86,24 @@ class ShmArtifact:
 
 
 def map_segment(name: str, size: int | None = None, directory: str = DEFAULT_SHM_DIR) -> mmap.mmap:
-    """Map segment ``name`` read-only; ``size`` (when announced) must match the file exactly."""
-    if not SEGMENT_NAME.match(name):
-        raise InvalidInput(f"not a KDN shared-memory segment name: {name[:80]!r}")
-    path = Path(directory) / name
+    """Map the segment a reference ``name`` names, read-only, once the file is the one the edge
+    made (see the module docstring); ``size`` (when announced) must match it exactly."""
+    file, ino, uid = parse_ref(name)
+    path = Path(directory) / file
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError as exc:
-        raise Unavailable(f"shared-memory segment {name} is gone (edge recycled it); fetch again") from exc
+        raise Unavailable(f"shared-memory segment {file} is gone (edge recycled it); fetch again") from exc
+    except OSError as exc:  # ELOOP: a symbolic link in its place
+        raise ArtifactCorrupt(f"shared-memory segment {file} is not the edge's file ({exc.strerror})") from exc
     try:
-        actual = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != ino or st.st_uid != uid:
+            raise Unavailable(f"shared-memory segment {file} is not the file the edge made (recycled, and "
+                              f"made again by someone else); fetch again")
+        if st.st_mode & 0o022:
+            raise ArtifactCorrupt(f"shared-memory segment {file} is writable by others")
+        actual = st.st_size
         if size is not None and actual != size:
             raise ArtifactCorrupt(f"shared-memory segment holds {actual} bytes, edge announced {size}")
         if actual == 0:

@@ -344,16 +344,18 @@ def test_same_host_segment_named_over_the_bulk_socket_is_verified_and_falls_back
             # named over one bulk socket (a failed bulk call would have dropped it for gRPC)
             assert t._bulk is not None and t._bulk.connections == 1
             assert t._maps is not None and len(t._maps) == 2  # and mapped once each
-            # a flipped bit in the published segment: the cached mapping sees it, the reader refuses
-            name = srv.shm._segments[("default", bytes(chain.keys[0]))].name
-            path = f"{srv.shm.dir}/{name}"
+            # a flipped bit in the published segment: the cached mapping sees it and the reader
+            # refuses it; the edge sees the file changed and names a fresh segment with the bytes
+            seg = srv.shm._segments[("default", bytes(chain.keys[0]))]
+            path = f"{srv.shm.dir}/{seg.name}"
             with open(path, "r+b") as f:
                 f.seek(len(chain.blobs[0]) // 2)
                 b = f.read(1)
                 f.seek(-1, 1)
                 f.write(bytes([b[0] ^ 0x08]))
             with pytest.raises(e.ArtifactCorrupt):
-                await fetch_verified(t, chain, 0)
+                t._maps.open(seg.ref, expect_key=chain.keys[0])
+            assert await fetch_verified(t, chain, 0) == (chain.blobs[0], "shm") and srv.shm.changed == 1
             # the segment is recycled (unlinked) after it was named: asked again, still right
             srv.shm.forget("default", chain.keys[0])
             assert await fetch_verified(t, chain, 0) == (chain.blobs[0], "shm")
@@ -554,16 +556,18 @@ def test_shared_memory_read_ahead_counts_only_once_the_edge_says_yes() -> None:
             assert srv.shm.reused == 7
             t._bulk_rest_until = 0.0
 
-            # a flipped bit in the mapping the client reads ahead from: refused, and again after
+            # a flipped bit in the mapping the client reads ahead from: refused; then the edge,
+            # which sees the file changed, names a fresh segment holding the stored bytes
             seg = srv.shm._segments[("default", bytes(chain.keys[0]))].name
             with open(f"{srv.shm.dir}/{seg}", "r+b") as f:
                 f.seek(len(chain.blobs[0]) - 100)
                 b = f.read(1)
                 f.seek(-1, 1)
                 f.write(bytes([b[0] ^ 0x01]))
-            for _ in range(2):
-                with pytest.raises(e.ArtifactCorrupt):
-                    await fetch_kv(t, 0)
+            with pytest.raises(e.ArtifactCorrupt):
+                await fetch_kv(t, 0)
+            out, via = await fetch_kv(t, 0)
+            assert via == "shm" and torch.equal(out, want[0]) and srv.shm.changed == 1
 
             # the edge no longer holds key 1 (its segment is still mapped here): NotFound
             assert srv.node is not None and srv.node.store.delete(chain.keys[1], tenant="default")

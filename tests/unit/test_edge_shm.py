@@ -1,15 +1,32 @@
-"""The same-host shared-memory path: segments written once, verified by the reader, bounded, swept."""
+"""The same-host shared-memory path: segments written once, verified by the reader, bounded, swept;
+a segment changed after it was written is never handed out again, and a file someone else put
+under a segment's name is never mapped."""
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
 from kdn.edge.shm import ShmPool, open_segment
 from kdn.edge.testing import make_chain
-from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, Unavailable
+from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, KdnError, Unavailable
+from tests.reframe import frame, split
+
+
+def _file(tmp_path: Path, ref: str) -> Path:
+    """The file a segment reference (``<file>:<inode>:<uid>``) names."""
+    return tmp_path / ref.split(":", 1)[0]
+
+
+def _forgery(blob: bytes) -> bytes:
+    """``blob`` with its KV changed and every checksum recomputed: what a hostile process of the
+    edge's uid could write (checksums are not keyed)."""
+    (version, flags), header, payloads = split(blob)
+    payloads[0] = bytes(b ^ 0x5A for b in payloads[0])
+    return frame(header, payloads, version=version, flags=flags)
 
 
 def test_publish_open_verify_and_reuse(tmp_path: Path) -> None:
@@ -22,7 +39,7 @@ def test_publish_open_verify_and_reuse(tmp_path: Path) -> None:
                       expect_fingerprint=chain.fingerprint) as art:
         assert bytes(art.data) == chain.blobs[0]
         assert art.header.key == bytes(chain.keys[0])
-    assert oct((tmp_path / name).stat().st_mode & 0o777) == "0o600"
+    assert oct(_file(tmp_path, name).stat().st_mode & 0o777) == "0o400"  # nobody opens it to write
     pool.close()
     assert list(tmp_path.iterdir()) == []
 
@@ -33,9 +50,10 @@ def test_reader_detects_corruption_and_wrong_model(tmp_path: Path) -> None:
     name = pool.publish("default", chain.keys[0], chain.blobs[0])
     with pytest.raises(FingerprintMismatch):
         open_segment(name, directory=str(tmp_path), expect_fingerprint=bytes(32))  # type: ignore[arg-type]
-    path = tmp_path / name
+    path = _file(tmp_path, name)
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 1
+    path.chmod(0o600)
     path.write_bytes(bytes(raw))
     with pytest.raises(ArtifactCorrupt):
         open_segment(name, directory=str(tmp_path))
@@ -59,8 +77,9 @@ def test_bounded_count_and_gone_segment(tmp_path: Path) -> None:
 
 
 def test_names_cannot_escape_and_dead_writers_are_swept(tmp_path: Path) -> None:
-    with pytest.raises(InvalidInput):
-        open_segment("../../etc/passwd", directory=str(tmp_path))
+    for bad in ("../../etc/passwd", "../../etc/passwd:1:0", "kdn-e0-1-0123456789abcdef"):
+        with pytest.raises(InvalidInput):
+            open_segment(bad, directory=str(tmp_path))
     dead_pid = 2**22 + 12345  # above pid_max on common kernels
     stale = tmp_path / f"kdn-e0-{dead_pid}-0123456789abcdef"
     stale.write_bytes(b"x")
@@ -105,3 +124,92 @@ def test_segment_cache_bounds_the_bytes_it_keeps_mapped(tmp_path: Path) -> None:
     assert len(cache) == 2
     cache.close()
     pool.close()
+
+
+def test_a_segment_rewritten_in_place_is_not_handed_out_again(tmp_path: Path) -> None:
+    """A process of the edge's uid rewrites a published segment with a checksum-valid forgery of
+    the same size: the edge's next answer names a fresh segment holding the real bytes."""
+    chain = make_chain(1)
+    pool = ShmPool("e0", directory=str(tmp_path))
+    ref = pool.publish("default", chain.keys[0], chain.blobs[0])
+    path = _file(tmp_path, ref)
+    forged = _forgery(chain.blobs[0])
+    assert len(forged) == len(chain.blobs[0]) and forged != chain.blobs[0]
+    path.chmod(0o600)  # the mode is 0400: a writer has to change it first
+    with open(path, "r+b") as f:
+        f.write(forged)
+    path.chmod(0o400)
+    again = pool.publish("default", chain.keys[0], chain.blobs[0])
+    assert again != ref and pool.changed == 1
+    with open_segment(again, expect_key=chain.keys[0], directory=str(tmp_path)) as art:
+        assert bytes(art.data) == chain.blobs[0]
+    pool.close()
+
+
+@pytest.mark.parametrize("planted", ["symlink", "file", "fifo"])
+def test_the_reader_refuses_whatever_else_lies_under_a_recycled_name(tmp_path: Path, planted: str) -> None:
+    """The edge recycled a segment a client still names; someone then puts something under that
+    name in the shared directory (a link to a checksum-valid artifact, such a file itself, a FIFO
+    that would block an open): the reader refuses it and opens no other file."""
+    chain = make_chain(1)
+    pool = ShmPool("e0", directory=str(tmp_path))
+    ref = pool.publish("default", chain.keys[0], chain.blobs[0])
+    pool.forget("default", chain.keys[0])  # recycled: unlinked
+    path = _file(tmp_path, ref)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(_forgery(chain.blobs[0]))
+    if planted == "symlink":
+        path.symlink_to(elsewhere)
+    elif planted == "file":
+        path.write_bytes(_forgery(chain.blobs[0]))
+    else:
+        os.mkfifo(path)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            open_segment(ref, expect_key=chain.keys[0], directory=str(tmp_path)).close()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(exc)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(5)
+    assert outcome, "the reader blocked on what lies under the name"
+    assert isinstance(outcome[0], (Unavailable, ArtifactCorrupt)), outcome
+    pool.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another uid needs root")
+def test_the_sweep_leaves_other_users_files_and_links_alone(tmp_path: Path) -> None:
+    """A root edge's start-up sweep: another user's file with a segment's name, and a link with
+    one, stay; only a dead edge's own file goes."""
+    dead_pid = 2**22 + 12345
+    theirs = tmp_path / f"kdn-e0-{dead_pid}-0123456789abcdef"
+    theirs.write_bytes(b"x")
+    os.chown(theirs, 65534, 65534)
+    target = tmp_path / "target"
+    target.write_bytes(b"t")
+    link = tmp_path / f"kdn-e0-{dead_pid}-00000000000000ff"
+    link.symlink_to(target)
+    mine = tmp_path / f"kdn-e0-{dead_pid}-fedcba9876543210"
+    mine.write_bytes(b"y")
+    pool = ShmPool("e1", directory=str(tmp_path))
+    assert pool.swept == 1 and not mine.exists()
+    assert theirs.exists() and link.is_symlink() and target.exists()
+    pool.close()
+
+
+def test_a_changed_segment_is_not_unlinked_by_the_pool(tmp_path: Path) -> None:
+    """The pool removes only the file it made: one replaced under the name stays."""
+    chain = make_chain(1)
+    pool = ShmPool("e0", directory=str(tmp_path), max_segments=1)
+    ref = pool.publish("default", chain.keys[0], chain.blobs[0])
+    path = _file(tmp_path, ref)
+    path.unlink()
+    path.write_bytes(b"someone else's")
+    pool.close()
+    assert path.read_bytes() == b"someone else's"
+    with pytest.raises(KdnError):
+        open_segment(ref, directory=str(tmp_path))
