@@ -581,8 +581,14 @@ class _LoadJob:
         client = conn._clients_for(spec.tenant, spec.salt)
         key = ChunkKey(spec.keys[i])
         c = spec.first + i
+        fits = False
 
         def place(section: Section) -> None:
+            nonlocal fits
+            if not fits:  # before the first byte reaches a block: the whole geometry, not one section's
+                assert reader.header is not None
+                self._check_geometry(reader.header)
+                fits = True
             # a verified section, borrowed from the received bytes (raw codec: a view, no copy):
             # the scatter into the engine's blocks is the one copy out of the receive buffer
             self._place(spec, c, section)
@@ -599,6 +605,23 @@ class _LoadJob:
             async for piece, _via in stream:
                 reader.feed(piece)
         reader.finish()
+        with self.cond:
+            placed = self.progress[r][i]
+        if placed != conn.num_layers:  # every layer of the engine's came, or the chunk is not loaded
+            raise FingerprintMismatch(f"artifact placed {placed} of the engine's {conn.num_layers} layers")
+
+    def _check_geometry(self, h: Any) -> None:
+        """``FingerprintMismatch`` unless artifact header ``h`` holds exactly what the engine's
+        blocks of one chunk hold: every layer, its KV heads, ``chunk_size`` tokens, its head dim
+        and dtype (a shorter artifact would leave the other layers with another request's KV)."""
+        from kdn.artifact import PB_TO_DTYPE
+
+        conn = self.conn
+        got = (h.num_layers, h.num_kv_heads, h.token_count, h.head_dim, PB_TO_DTYPE.get(h.dtype))
+        want = (conn.num_layers, conn.num_kv_heads, conn.config.chunk_size, conn.head_dim, conn.dtype)
+        if got != want:
+            raise FingerprintMismatch(f"artifact holds (layers, KV heads, tokens, head dim, dtype) {got}, "
+                                      f"this engine loads {want}")
 
     def _place(self, spec: LoadSpec, c: int, section: Section) -> None:
         """Scatter one verified section ``(H, C, D)`` of chunk ``c`` into its blocks."""
