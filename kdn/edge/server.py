@@ -41,11 +41,11 @@ from kdn.edge.overlay import Member, MembershipProvider, Overlay, file_members, 
 from kdn.edge.shm import ShmPool
 from kdn.edge.store import TieredStore, build_store
 from kdn.edge.upstream import FORWARDED_HEADER, FetchSpec, OriginUpstream, PeerUpstream, Upstream
-from kdn.errors import ConfigError, StorageFull, Unavailable
+from kdn.errors import StorageFull, Unavailable
 from kdn.keys import ChunkKey, parse_fingerprint
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
-from kdn.wire.channel import bearer_token, grpc_options
+from kdn.wire.channel import bearer_token, check_bindable, grpc_options
 from kdn.wire.convert import parse_keys, receive_put
 from kdn.wire.frames import encode_chunk, encode_frames
 from kdn.wire.service import Servicer, add_servicer, rpc
@@ -53,42 +53,6 @@ from kdn.wire.service import Servicer, add_servicer, rpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kdn.v1.EdgeService"
-
-
-def _check_bindable(listen: str) -> None:
-    """Raise a one-line OSError when ``listen``'s fixed port is taken (port 0 always binds)."""
-    import socket
-
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]")
-    if not port.isdigit() or int(port) == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError:
-        return  # let gRPC say what it makes of the host
-    for family, kind, proto, _, addr in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(addr)
-            except OSError as exc:
-                raise OSError(f"cannot bind {listen}: {exc.strerror or exc}") from None
-
-
-def _check_tls_pair(tls: Any) -> None:
-    """Refuse unreadable TLS files, or a key that is not the certificate's, with a clear ConfigError."""
-    import ssl
-
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        ctx.load_cert_chain(str(tls.cert), str(tls.key))
-    except ssl.SSLError as exc:
-        reason = "the TLS key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else \
-            f"cannot load the TLS certificate/key: {exc.reason or exc}"
-        raise ConfigError(f"{reason} (tls_cert={tls.cert}, tls_key={tls.key})") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read the TLS certificate/key: {exc}") from None
 
 
 class PutBudget:
@@ -355,8 +319,8 @@ class EdgeServer:
         c = self.config
         tls = c.server_tls
         if tls is not None:
-            _check_tls_pair(tls)  # gRPC would only say "Failed to bind"
-        _check_bindable(c.listen)  # before gRPC, which logs its own multi-line complaint
+            tls.check_server_files()  # gRPC would only say "Failed to bind"
+        check_bindable(c.listen)  # before gRPC, which logs its own multi-line complaint
         store = self._store if self._store is not None else await asyncio.to_thread(build_store, c, clock=self.clock)
         self._server = grpc.aio.server(options=grpc_options(c.max_message_bytes))
         try:

@@ -59,7 +59,7 @@ from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, p
 from kdn.models import LoadedModel
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
-from kdn.wire.channel import STREAM_PIECE, grpc_options
+from kdn.wire.channel import STREAM_PIECE, check_bindable, grpc_options
 from kdn.wire.convert import key_bytes, parse_keys
 from kdn.wire.frames import encode_frames
 from kdn.wire.service import Servicer, add_servicer, rpc
@@ -187,6 +187,8 @@ class OriginServer:
         preloaded: tuple[LoadedModel, ...] = (),
     ) -> None:
         self.config = config
+        if config.server_tls is not None:
+            config.server_tls.check_server_files()  # before the store and the model: a clear line naming the file
         self.auth = TokenAuth.from_config(config.tokens)
         self.store = OriginStore(config.store_path, fsync=config.fsync, verify=config.verify_on_start)
         self.compute: ComputeBackend = compute or LocalCompute.from_config(config, preloaded=preloaded)
@@ -330,6 +332,10 @@ class OriginServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         listen = self.config.listen
         tls = self.config.server_tls
+        try:
+            check_bindable(listen)  # before gRPC, which logs its own complaint on stderr first
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {listen}: the port is in use ({exc})") from None
         try:
             if tls is not None:
                 port = server.add_secure_port(listen, tls.server_credentials())

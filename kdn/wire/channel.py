@@ -25,6 +25,26 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
+def check_bindable(listen: str) -> None:
+    """Raise a one-line OSError when ``listen``'s fixed port is taken (port 0 always binds):
+    before gRPC tries, which logs its own complaint on stderr first."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    if not port.isdigit() or int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return  # let gRPC say what it makes of the host
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                raise OSError(f"cannot bind {listen}: {exc.strerror or exc}") from None
+
+
 def grpc_options(max_message: int = MAX_MESSAGE) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message),

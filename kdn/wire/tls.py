@@ -49,6 +49,34 @@ class TlsFiles(BaseModel):
         files = cls(cert=cert or None, key=key or None, ca=ca or None)
         return files if files.ca is not None or files.cert is not None else None
 
+    def check_server_files(self) -> None:
+        """Refuse, with one ``ConfigError`` line that names the file, a certificate, key or CA
+        that cannot be read, or a key that is not the certificate's (gRPC would only say that
+        it failed to bind)."""
+        import ssl
+
+        from kdn.errors import ConfigError
+
+        assert self.cert and self.key, "a TLS server needs cert and key"
+        for what, path in (("tls_cert", self.cert), ("tls_key", self.key), ("tls_ca", self.ca)):
+            if path is None:
+                continue
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            ctx.load_cert_chain(str(self.cert), str(self.key))
+        except ssl.SSLError as exc:
+            reason = "the TLS key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc) else \
+                f"cannot load the TLS certificate/key: {exc.reason or exc}"
+            raise ConfigError(f"{reason} (tls_cert={self.cert}, tls_key={self.key})") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read the TLS certificate/key (tls_cert={self.cert}, tls_key={self.key}): "
+                              f"{exc.strerror or exc}") from None
+
     def server_credentials(self) -> grpc.ServerCredentials:
         assert self.cert and self.key, "a TLS server needs cert and key"
         pair = [(self.key.read_bytes(), self.cert.read_bytes())]

@@ -41,3 +41,9 @@ def test_tls_key_that_is_not_the_certificates_is_one_line(tmp_path: Path) -> Non
     err = _one_line(_edge("--listen", "127.0.0.1:0", "--tls-cert", str(tmp_path / "a.pem"),
                           "--tls-key", str(tmp_path / "b.key")))
     assert "does not match" in err
+
+
+def test_a_missing_tls_certificate_is_named(tmp_path: Path) -> None:
+    err = _one_line(_edge("--listen", "127.0.0.1:0", "--tls-cert", str(tmp_path / "gone.pem"),
+                          "--tls-key", str(tmp_path / "gone.key")))
+    assert str(tmp_path / "gone.pem") in err and "No such file" in err
