@@ -217,14 +217,14 @@ class MetricsHttp:
 
     @staticmethod
     async def _request(conn: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | None:
+        """The request, or None when the client closed first (or sent something else)."""
         while True:
             event = conn.next_event()
             if isinstance(event, h11.Request):
                 return event
-            if event is h11.ConnectionClosed:
+            if event is not h11.NEED_DATA or reader.at_eof():
                 return None
-            if event is h11.NEED_DATA:
-                conn.receive_data(await reader.read(4096))
+            conn.receive_data(await reader.read(4096))  # b"" at the end: h11 then says ConnectionClosed
 
     async def _answer(self, conn: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request) -> None:
         headers = dict(request.headers)

@@ -46,3 +46,37 @@ def test_metrics_require_the_token_when_one_is_set() -> None:
 def test_config_takes_a_metrics_token(host: str) -> None:
     cfg = EdgeConfig.build({"metrics_host": host, "metrics_token": "t", "metrics_port": 0})
     assert cfg.metrics_token == "t"
+
+
+def test_idle_connections_take_no_thread_and_go_and_scrapes_keep_working() -> None:
+    """400 connections that never send a request (or only part of one): no thread each, at most
+    ``max_connections`` kept (the oldest go), every one closed within ``timeout_s``; a scrape
+    with the token is answered all along, one without it is refused."""
+    import socket
+    import threading
+    import time
+
+    m = EdgeMetrics("m2")
+    port = m.serve("127.0.0.1", 0, token="scrape-secret", max_connections=32, timeout_s=1.0)
+    idle: list[socket.socket] = []
+    try:
+        threads0 = threading.active_count()
+        for i in range(400):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if i % 2:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # half a request, never finished
+            idle.append(s)
+        time.sleep(0.3)
+        assert threading.active_count() <= threads0 + 1, threading.active_count() - threads0
+        assert _get(port, "scrape-secret")[0] == 200
+        assert _get(port)[0] == 401
+        assert m._http is not None and m._http.connections <= 32
+        time.sleep(1.5)  # past timeout_s: the edge closed every idle one
+        assert m._http.connections == 0
+        for s in idle[-32:]:
+            s.settimeout(2)
+            assert s.recv(1) == b""
+    finally:
+        for s in idle:
+            s.close()
+        m.close()
