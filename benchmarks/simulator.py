@@ -12,7 +12,8 @@ CPU time (what the simulation itself used), and as a ratio against a baseline me
 run: the event loop alone, dispatching the same arrivals to a no-op callback (the floor any
 simulator in Python pays). Unless --quick or --no-tables, it then simulates the 10-region and the
 Mooncake-trace scenarios and records their policy tables (ratios against ``origin_only``, the
-baseline of the same run) and plots. Appends a dated section to BENCHMARKS.md; plots go to
+baseline of the same run) and plots. Records the run as ``simulator`` (``--advice``:
+``simulator-advice``, ``--netns``: ``sim_netns``; ``benchmarks/_results.py``); plots go to
 benchmarks/results/sim_*.png.
 """
 
@@ -48,6 +49,13 @@ METHOD = {
         "last byte. The same requests run through the simulator's engine (one origin, one edge) give the reported fetch "
         "times, compared rank by rank with the median of the runs."
     ),
+    "simulator-advice": (
+        "A scenario's requests (default global10) replayed under four transfer models: FIFO links with always-warm "
+        "connections, fair links with pooled connections (slow start on first use and after idle, the default), fair "
+        "links with a new connection per transfer, and the default with a client that prefills layer by layer behind "
+        "the fetch; for origin_only and nearest_edge, how often the fetch-or-recompute rule fetches what the origin "
+        "holds, and the TTFT that follows."
+    ),
 }
 
 
@@ -61,7 +69,7 @@ def main() -> int:
     ap.add_argument("--scenario", type=Path, default=ROOT / "kdn/simulator/scenarios/scale1000.yaml")
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--policy", action="append", default=None)
-    ap.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument("--no-append", action="store_true", help="print only; record nothing")
     ap.add_argument("--no-tables", action="store_true", help="skip the 10-region and Mooncake scenario tables")
     ap.add_argument("--netns", action="store_true", help="only the transfer model vs real TCP in network namespaces")
     ap.add_argument("--advice", action="store_true", help="only: fetch-or-recompute under the old and the new transfer model")
@@ -161,18 +169,20 @@ def advice(path: Path, limit: int | None, append: bool = True) -> int:
             print(f"{label:42s} {pol:13s} fetched {r.fetch_chosen:7,d} of {could:7,d} ({r.fetch_chosen / max(could, 1):.1%})  "
                   f"p50 {r.ttft_p50_s:.3f} p90 {r.ttft_p90_s:.3f} s  origin {r.origin_ratio:.1%}  edge hit {r.hit_ratio:.1%}", flush=True)
     if append:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        from _results import Record
+
+        rec = Record(__file__, "simulator-advice", "Simulator: fetch or recompute, per transfer model", sys.argv[1:])
         lines = [
-            f"\n## Fetch or recompute under the new transfer model ({dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC)\n",
-            f"Command: `.venv/bin/python benchmarks/simulator.py --advice --scenario {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
-            + (f" --requests {limit}" if limit else "") + f"` ({len(prep.requests):,} requests). "
+            f"{len(prep.requests):,} requests of `{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}`. "
             "'fetched' = requests whose origin-held chunks the rule chose to fetch, of those that had any.\n",
             "| transfer model | policy | fetched / could | TTFT p50 s | TTFT p90 s | chunks from origin | edge hit |",
             "|---|---|---|---|---|---|---|",
         ]
         for label, pol, f, could, p50, p90, orig, hit in rows:
             lines.append(f"| {label} | {pol} | {f:,} / {could:,} ({f / max(could, 1):.1%}) | {p50:.3f} | {p90:.3f} | {orig:.1%} | {hit:.1%} |")
-        with (ROOT / "BENCHMARKS.md").open("a") as fh:
-            fh.write("\n".join(lines) + "\n")
+        rec.markdown(lines)
+        rec.save()
     return 0
 
 
