@@ -4,6 +4,7 @@ every time, and what is on disk is what the results make."""
 from __future__ import annotations
 
 import importlib
+import re
 import json
 import subprocess
 import sys
@@ -100,3 +101,16 @@ def test_a_bad_record_is_a_clear_error(tmp_path: Path, report) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(report.ResultsError, match=r"bad\.json: not JSON"):
         report.load(tmp_path)
+
+
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name not in ("_results.py", "report.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_benchmark_records_through_the_helper(script: Path, report) -> None:
+    """A script states its method (METHOD) and records through _results; none appends to BENCHMARKS.md."""
+    source = script.read_text(encoding="utf-8")
+    assert report._methods(script.relative_to(REPO).as_posix()), f"{script.name} has no top-level METHOD"
+    assert "from _results import Record" in source, f"{script.name} does not record through benchmarks/_results.py"
+    assert not re.search(r"BENCHMARKS\.md[\"']?\)?\s*,\s*[\"']a[\"']|BENCHMARKS\.md[\"']?\)\.open\([\"']a", source), \
+        f"{script.name} appends to BENCHMARKS.md"
