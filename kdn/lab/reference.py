@@ -16,8 +16,8 @@ nothing in particular), and no trained LM can be downloaded on these machines. S
 Seeded: the same :class:`TrainConfig`, interpreter and thread count give the same weights.
 Default location: ``$KDN_CACHE/reference-model``, ``KDN_CACHE`` defaulting to ``~/.cache/kdn``.
 
-Commands: ``kdn model train-reference [--out DIR] [--steps N] [--preset default|tiny] [--json]``
-and ``kdn model info SPEC``.
+Command: ``kdn model train-reference [--out DIR] [--steps N] [--preset default|tiny] [--json]``
+(the rest of ``kdn model`` lives in :mod:`kdn.ops.model`).
 """
 
 from __future__ import annotations
@@ -347,33 +347,6 @@ def _save(model: Any, tok: Any, cfg: TrainConfig, result: TrainResult, split: Co
 # -- CLI ----------------------------------------------------------------------------------------
 
 
-def _info(spec: str) -> dict[str, Any]:
-    from kdn.models import load_model
-
-    lm = load_model(spec)
-    shape = lm.kv_shape
-    info: dict[str, Any] = {
-        "spec": spec,
-        "architecture": type(lm.model).__name__,
-        "parameters": sum(p.numel() for p in lm.model.parameters()),
-        "layers": shape.num_layers,
-        "attention_heads": lm.config.num_attention_heads,
-        "kv_heads": shape.num_kv_heads,
-        "head_dim": shape.head_dim,
-        "vocab_size": lm.config.vocab_size,
-        "max_positions": lm.max_positions,
-        "dtype": lm.dtype,
-        "kv_bytes_per_token": shape.bytes_per_token(),
-        "kv_bytes_per_chunk": shape.bytes_per_token() * lm.chunk_size,
-        "chunk_size": lm.chunk_size,
-        "fingerprint": bytes(lm.fingerprint).hex(),
-    }
-    meta_path = Path(spec) / META_FILE
-    if meta_path.is_file():
-        info["reference"] = json.loads(meta_path.read_text()).get("result", {})
-    return info
-
-
 def _already_trained(out: Path, args: argparse.Namespace) -> bool:
     """``out`` holds a model and ``--force`` was not given: say so (and how to retrain)."""
     if not (out / "config.json").is_file() or args.force:
@@ -421,19 +394,8 @@ def main(argv: list[str]) -> int:
     tr.add_argument("--threads", type=int, default=None, help="torch threads (part of what makes a run reproducible)")
     tr.add_argument("--force", action="store_true", help="retrain even if the output dir holds a model")
     tr.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
-    inf = sub.add_parser("info", help="shape, KV bytes per token and fingerprint of a model spec or dir")
-    inf.add_argument("spec", nargs="?", default=None, help="built-in spec or model dir (default: the reference model)")
-    inf.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     args = parser.parse_args(argv)
     try:
-        if args.cmd == "info":
-            info = _info(args.spec or str(default_reference_dir()))
-            if args.json:
-                print(json.dumps(info, indent=2))
-            else:
-                for k, v in info.items():
-                    print(f"{k:>20}: {v}")
-            return 0
         if args.task == "retrieval":
             return _train_retrieval(args)
         out = args.out or default_reference_dir()

@@ -39,7 +39,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("stats", "kdn.edge.cli:main_stats", "show an edge's or origin's counters"),
     Command("simulate", "kdn.simulator.cli:main_simulate", "run a WAN simulation scenario"),
     Command("tune", "kdn.simulator.cli:main_tune", "search placement settings; print the cost/TTFT Pareto front"),
-    Command("model", "kdn.lab.reference:main", "model tools: `kdn model train-reference`, `kdn model info`"),
+    Command("model", "kdn.ops.model:main", "models: `kdn model list`, `info`, `path`, `check-tokens`, `train-reference`"),
     Command("eval-codec", "kdn.lab.quality:main", "judge a codec by what the model does with decoded KV"),
     Command("eval-blend", "kdn.lab.blend_eval:main", "judge document blending (non-prefix reuse) against full prefill and baselines"),
     Command("eval-steer", "kdn.lab.steer_eval:main", "judge steered KV (key-edit, re-read) by fact position, with wrong marks"),

@@ -42,6 +42,7 @@ from kdn.blobstore import write_json_atomic
 from kdn.config import RoleConfig
 from kdn.console import report_error
 from kdn.errors import ConfigError, KdnError, Unavailable
+from kdn.pretrained import DEFAULT_MODEL
 from kdn.procs import pid_alive, session_members, stop_sessions
 from kdn.ops.registry import RAY_NAMESPACE, RESOURCE_EDGE, RESOURCE_HEAD, RESOURCE_ORIGIN
 from kdn.wire.channel import free_port
@@ -60,7 +61,7 @@ class ClusterConfig(RoleConfig):
     origin_nodes: int = Field(1, ge=0, le=16, description="local Ray nodes with the kdn_origin resource")
     edge_nodes: int = Field(3, ge=1, le=32, description="local Ray nodes with the kdn_edge resource (one edge each)")
     cpus_per_node: float = Field(1.0, gt=0, description="CPUs each local Ray node advertises")
-    model: str = Field("tiny", description="model spec the origin serves")
+    model: str = Field(DEFAULT_MODEL, description="model spec the origin serves")
     codec: str = Field("zstd", description="codec the origin stores")
     state_dir: Path = Field(default_factory=default_state_dir, description="pids, logs, stores")
     edge_memory_bytes: int = Field(256 << 20, gt=0)

@@ -1,17 +1,25 @@
-"""``kdn demo``: a whole KDN on this machine, and what it buys (2–3 minutes on an idle 2-core CPU, longer on a busy one).
+"""``kdn demo``: a whole KDN on this machine, and what it buys (a few minutes on an idle 2-core CPU, longer on a busy one).
 
-1. starts a local Ray cluster whose node carries both roles (``kdn_origin``, ``kdn_edge``);
+The model is the trained built-in ``smollm2-135m`` (SmolLM2-135M-Instruct, float32) unless
+``--model`` names another.
+
+1. loads the model on this host (converting it once per machine, :mod:`kdn.pretrained`) and
+   starts a local Ray cluster whose node carries both roles (``kdn_origin``, ``kdn_edge``);
 2. ingests the bundled sample documents (``kdn/ops/samples``) with the origin's Ray prefill workers
-   into an origin store, and serves that store with an origin server (a Ray actor);
+   into an origin store — as the system message of a chat when the model has a chat template
+   (:mod:`kdn.prompts`), else as the start of a plain prompt — and serves that store with an
+   origin server (a Ray actor);
 3. runs an edge (:class:`kdn.edge.server.EdgeServer` in a Ray actor placed by ``kdn_edge``) whose
    upstream is the origin;
-4. for each document asks a question that has the document as its prefix: once by full
-   recompute, once through the edge while it is still cold (it pulls the chunks from the origin),
-   once more now that the edge holds them — and checks that all three answers are the same;
-5. prints a table of time to first token, recompute vs KDN, and shuts everything down.
+4. for each document asks its question (``samples/questions.json``) in a request that carries the
+   document first: once by full recompute, once through the edge while it is still cold (it pulls
+   the chunks from the origin), once more now that the edge holds them — and checks that the three
+   answers are the same tokens, and that the answer states the fact the document gives;
+5. prints a table of time to first token, recompute vs KDN, the answers, and shuts everything down.
 
-``--json`` prints one JSON object (``queries``: ``ttft_recompute_s``, ``ttft_kdn_s`` (edge hit),
-``ttft_kdn_cold_s``, ``reused_tokens``, ``outputs_match`` ...); progress goes to stderr.
+``--json`` prints one JSON object (``queries``: ``question``, ``text``, ``correct``,
+``ttft_recompute_s``, ``ttft_kdn_s`` (edge hit), ``ttft_kdn_cold_s``, ``reused_tokens``,
+``outputs_match`` ...); progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -30,20 +38,51 @@ from typing import Any
 
 from kdn.console import plain, report_error
 from kdn.errors import KdnError
+from kdn.pretrained import DEFAULT_MODEL
 from kdn.procs import start_local_ray
 
 SAMPLES_DIR = Path(__file__).resolve().parent / "samples"
-QUESTIONS = {
-    "lease_policy.txt": "\n\nQuestion: within how many hours is an urgent repair attended? Answer:",
-    "night_trains.txt": "\n\nQuestion: how early should you arrive at the station? Answer:",
-    "ring_buffer.py.txt": "\n\n# Question: what does push() return when the buffer is full?\n# Answer:",
-}
-DEFAULT_QUESTION = "\n\nQuestion: summarise the text above in one sentence. Answer:"
+QUESTIONS_FILE = "questions.json"  # {document: {"question": ..., "expect": [words the answer must contain]}}
+DEFAULT_QUESTION = "Summarise the text above in one sentence."
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    text: str
+    expect: tuple[str, ...] = ()  # case-insensitive: the answer is correct when it contains every one
+
+    def judge(self, answer: str) -> bool | None:
+        """None when there is nothing to check against."""
+        if not self.expect:
+            return None
+        low = answer.lower()
+        return all(w.lower() in low for w in self.expect)
+
+
+def load_questions(samples: Path) -> dict[str, Question]:
+    path = samples / QUESTIONS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        return {name: Question(str(q["question"]), tuple(str(w) for w in q.get("expect", ())))
+                for name, q in raw.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise KdnError(f"{path} is not a questions file ({{document: {{question, expect}}}}): {exc}") from exc
+
+
+def request_for(layout: str, document: str, question: str) -> tuple[list[dict[str, str]] | None, str]:
+    """A request carrying ``document`` first, as ``layout`` stores it: chat messages, or a text prompt."""
+    if layout == "system":
+        return [{"role": "system", "content": document}, {"role": "user", "content": question}], ""
+    return None, f"{document}\n\nQuestion: {question}\nAnswer:"
 
 
 @dataclass(frozen=True, slots=True)
 class QueryRow:
     document: str
+    question: str
+    correct: bool | None  # the answer states the document's fact (None: no expected answer given)
     prompt_tokens: int
     reused_tokens: int
     ttft_recompute_s: float
@@ -75,9 +114,11 @@ class _Progress:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kdn demo", description=plain(__doc__.split("\n\n")[0]))
-    p.add_argument("--model", default="small-125m", help="model spec (default small-125m)")
-    p.add_argument("--samples", type=Path, default=SAMPLES_DIR, help="directory of *.txt documents")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens each answer generates (default 16)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model spec (default {DEFAULT_MODEL}, trained; small-125m: random weights, for timing)")
+    p.add_argument("--samples", type=Path, default=SAMPLES_DIR,
+                   help=f"directory of *.txt documents (and their questions in {QUESTIONS_FILE})")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens each answer generates at most (default 24)")
     p.add_argument("--keep", type=Path, default=None, help="keep stores and logs in this directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -88,16 +129,26 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
 
     from kdn.client import ClientConfig, KdnClient
     from kdn.integrations.transformers import generate
+    from kdn.errors import InvalidInput
     from kdn.models import load_model
     from kdn.origin.config import OriginConfig
     from kdn.origin.ingest import ingest
     from kdn.origin.ray_origin import start_origin_actor
+    from kdn.prompts import check_chat_template
 
     docs = sorted(p for p in args.samples.glob("*.txt") if p.is_file())
     if not docs:
         raise KdnError(f"no *.txt sample documents in {args.samples}")
+    questions = load_questions(args.samples)
     t_start = time.perf_counter()
     load_start = _load_1min()
+    progress.step(f"loading {args.model} on this host")
+    lm = load_model(args.model)
+    try:
+        check_chat_template(lm.tokenizer, args.model)
+        layout = "system"
+    except InvalidInput:  # a random-init spec: no chat template, the document starts a plain prompt
+        layout = "text"
     with ExitStack() as stack:
         work = args.keep or Path(tempfile.mkdtemp(prefix="kdn-demo-"))
         work.mkdir(parents=True, exist_ok=True)
@@ -119,10 +170,11 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
 
         ocfg = OriginConfig(store_dir=str(work / "origin"), models=[args.model], codecs=["raw"], workers=1, worker_threads=cpus,
                             listen="127.0.0.1:0", fsync=False, verify_on_start="size")
-        progress.step(f"ingesting {len(docs)} sample documents with {args.model} on a Ray prefill worker")
+        where = "as the system message of a chat" if layout == "system" else "as the start of a prompt"
+        progress.step(f"ingesting {len(docs)} sample documents with {args.model} on a Ray prefill worker ({where})")
         # progress on stderr: a bar on a terminal, else a line per document
         summary = ingest(docs, ocfg, progress=("bar" if sys.stderr.isatty() and not args.json else "lines")
-                         if progress.enabled else "off")
+                         if progress.enabled else "off", layout=layout)
         if summary.failed:
             raise KdnError(f"ingest failed for {summary.failed} document(s): {summary.to_json()}")
         progress.step(f"ingested {summary.tokens} tokens into {summary.chunks} chunks; starting origin + edge actors")
@@ -137,26 +189,30 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
             registered=False)
         edge_address = ray.get(edge_actor.address.remote(), timeout=120)
         stack.callback(lambda: _quietly(lambda: ray.get(edge_actor.stop.remote(), timeout=30)))
-        progress.step(f"origin at {origin_address}, edge at {edge_address}; loading {args.model} on this host")
+        progress.step(f"origin at {origin_address}, edge at {edge_address}")
 
-        lm = load_model(args.model)
         if bytes(lm.fingerprint).hex() != summary.fingerprint and summary.fingerprint:
             raise KdnError("the inference host and the origin disagree on the model fingerprint")
         client = stack.enter_context(KdnClient(ClientConfig(edge=edge_address)))
-        generate(lm, "warm-up", max_new_tokens=1)
+        warm_messages, warm_prompt = request_for(layout, "A short text.", "What is it?")
+        generate(lm, warm_prompt or None, messages=warm_messages, max_new_tokens=2)  # first-call costs, untimed
 
         rows: list[QueryRow] = []
         for doc in docs:
             text = doc.read_text(encoding="utf-8")
-            prompt = text + QUESTIONS.get(doc.name, DEFAULT_QUESTION)
-            progress.step(f"{doc.name}: full recompute of {len(lm.tokenizer.encode(prompt))} tokens")
-            base = generate(lm, prompt, max_new_tokens=args.max_new_tokens)
+            q = questions.get(doc.name, Question(DEFAULT_QUESTION))
+            messages, prompt = request_for(layout, text, q.text)
+            ask = dict(prompt=prompt or None, messages=messages, max_new_tokens=args.max_new_tokens)
+            progress.step(f"{doc.name}: {q.text!r} by full recompute")
+            base = generate(lm, **ask)
             progress.step(f"{doc.name}: through the edge (cold: it pulls from the origin), then again (edge hit)")
-            cold = generate(lm, prompt, client=client, max_new_tokens=args.max_new_tokens)
+            cold = generate(lm, client=client, **ask)
             client.flush(30)
-            hot = generate(lm, prompt, client=client, max_new_tokens=args.max_new_tokens)
+            hot = generate(lm, client=client, **ask)
             rows.append(QueryRow(
                 document=doc.name,
+                question=q.text,
+                correct=q.judge(base.text or ""),
                 prompt_tokens=base.prompt_tokens,
                 reused_tokens=hot.reused_tokens,
                 ttft_recompute_s=base.timings.ttft_s,
@@ -172,11 +228,11 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
             ))
         load_end = _load_1min()
         progress.step("shutting down edge, origin and Ray")
-    from kdn.models import BUILTIN_SPECS
-
     return {
         "model": args.model,
-        "untrained": args.model in BUILTIN_SPECS,  # built-in specs are seeded random weights
+        "dtype": lm.dtype,
+        "layout": layout,
+        "untrained": lm.untrained,  # random-init specs: the timings are real, the answers noise
         "fingerprint": bytes(lm.fingerprint).hex(),
         "origin": origin_address,
         "edge": edge_address,
@@ -225,8 +281,8 @@ def untrained_note(model: str, sample: str) -> str:
     seen = f" (e.g. {sample[:24]!r})" if sample else ""
     return (f"note: {model} has random, untrained weights: it has the shape and cost of a real model, so the "
             f"timings are real, but its answers{seen} are noise, not meant to be read. Reuse is shown correct by "
-            "'same': the edge's answer has exactly the tokens of a full recompute. For a trained model, "
-            "see `kdn model train-reference` and --model DIR.")
+            "'same': the edge's answer has exactly the tokens of a full recompute. The trained model is the "
+            "default: `kdn demo` without --model.")
 
 
 def render(out: dict[str, Any]) -> None:
@@ -236,25 +292,33 @@ def render(out: dict[str, Any]) -> None:
     from rich import box
 
     console = Console()
-    table = Table(title=f"KDN demo — time to first token, {out['model']} on CPU", box=box.SIMPLE_HEAD,
+    if not console.is_terminal:  # a log or a pipe: wide enough for the table's nine columns
+        console.width = 100
+    table = Table(title=f"KDN demo — time to first token, {out['model']} ({out['dtype']}) on CPU", box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True, caption=load_caption(out["load_average"]),
                   caption_justify="left")
     for col, just in (("document", "left"), ("tokens", "right"), ("reused", "right"),
                       ("recompute", "right"), ("KDN cold", "right"), ("KDN hit", "right"),
-                      ("speedup", "right"), ("same", "center")):
+                      ("speedup", "right"), ("same", "center"), ("correct", "center")):
         table.add_column(col, justify=just, min_width=len(col))  # type: ignore[arg-type]
     for q in out["queries"]:
         table.add_row(
             q["document"].removesuffix(".txt"), str(q["prompt_tokens"]), str(q["reused_tokens"]),
             _secs(q["ttft_recompute_s"]), _secs(q["ttft_kdn_cold_s"]), _secs(q["ttft_kdn_s"]), f"{q['speedup']:.1f}x",
             "[green]yes[/green]" if q["outputs_match"] else "[red]NO[/red]",
+            "–" if q["correct"] is None or out.get("untrained") else "[green]yes[/green]" if q["correct"] else "[red]no[/red]",
         )
     console.print(table)
     console.print(
         "recompute: full prefill; KDN cold: through the edge while it still pulls from the origin; "
-        "KDN hit: the edge holds the chunks; speedup = recompute / KDN hit; same: identical greedy output.",
+        "KDN hit: the edge holds the chunks; speedup = recompute / KDN hit; same: identical greedy output; "
+        "correct: the answer states the fact the document gives.",
         style="dim", highlight=False,
     )
+    if not out.get("untrained"):
+        for q in out["queries"]:
+            console.print(f"[bold]{q['document'].removesuffix('.txt')}[/bold]: {q['question']}", highlight=False)
+            console.print(f"  → {q['text'].strip()}", highlight=False, markup=False)
     if out.get("untrained"):
         console.print(untrained_note(out["model"], out["queries"][0]["text"] if out["queries"] else ""),
                       style="yellow", highlight=False, markup=False)
@@ -270,7 +334,7 @@ def render(out: dict[str, Any]) -> None:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     progress = _Progress(enabled=True)
-    progress.step(f"kdn demo: {len(list(args.samples.glob('*.txt')))} documents with {args.model}; about 2–3 minutes on an "
+    progress.step(f"kdn demo: {len(list(args.samples.glob('*.txt')))} documents with {args.model}; a few minutes on an "
                   "idle 2-core CPU, longer on a busy one; importing Ray and torch")
     try:
         out = run(args, progress)

@@ -6,7 +6,14 @@ Prints where the time to the first token went (chunk keys, lookup, fetch — of 
 cache assembly, remainder prefill, first token), how many prompt tokens were reused vs computed,
 and the generated text. If the cache failed (edge down, timeout, corrupt artifact, another
 model's artifact) the answer is still computed locally and the one warning says what happened.
-``--compare`` also runs a full recompute and reports whether the outputs match.
+``--compare`` also runs a full recompute and reports whether the outputs match (the model is
+warmed up first, so neither timing pays for the first call).
+
+``--layout system`` (or ``user``) sends a chat: ``--prompt-file``'s document as the system message
+(or the start of the first user message) and ``--prompt`` as the question, rendered with the
+model's chat template exactly as an engine's chat endpoint renders it — so a document ingested with
+``kdn ingest --layout system`` is reused. ``--layout text`` (the default) is a completion prompt:
+the file's text, then the prompt's.
 
 ``--documents a.md b.md c.md`` reuses each document wherever it sits in the prompt
 (``[--prompt-file][documents…][--prompt]``): each is fetched as a segment (or computed here and
@@ -27,6 +34,7 @@ from typing import Any
 from kdn.console import StageLines, plain, report_error
 from kdn.edge.cli import add_connection_flags
 from kdn.errors import InvalidInput, KdnError
+from kdn.pretrained import DEFAULT_MODEL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,11 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edge", help="host:port of the local edge (omit: recompute only)")
     p.add_argument("--fallback-edge", action="append", dest="fallback_edges", metavar="ADDR",
                    help="another edge to use while the ones before it are unavailable (repeatable)")
-    p.add_argument("--model", default="tiny", help="built-in spec or local HF model directory (default: tiny)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"built-in name or local HF model directory (default: {DEFAULT_MODEL}, trained)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default 256)")
     p.add_argument("--prompt", help="prompt text (after --prompt-file's text when both are given)")
     p.add_argument("--prompt-file", type=Path, help="file whose text starts the prompt (e.g. a document)")
+    p.add_argument("--layout", choices=["text", "system", "user"], default="text",
+                   help="text: one completion prompt (file, then prompt); system: a chat with the file as the system "
+                        "message and the prompt as the user's question; user: a chat whose user message is file + prompt "
+                        "(use the layout the document was ingested with)")
     p.add_argument("--documents", nargs="+", type=Path, metavar="FILE",
                    help="documents reused anywhere in the prompt (segments, blended): placed after --prompt-file, before --prompt")
     p.add_argument("--blend-ratio", type=float, default=None,
@@ -102,6 +115,20 @@ def _window_prompt(lm: Any, prompt: str, max_new_tokens: int, model: str) -> lis
     return wt.tokens
 
 
+def _chat_prompt(lm: Any, args: argparse.Namespace, max_new_tokens: int) -> list[int]:
+    """The tokens of ``--layout system|user``'s chat, refused when they and the answer do not fit."""
+    from kdn.prompts import request_tokens
+
+    document = _read(args.prompt_file, "--prompt-file") if args.prompt_file is not None else ""
+    if not args.prompt:
+        raise KdnError(f"--layout {args.layout} needs the question as --prompt TEXT")
+    tokens = request_tokens(lm.tokenizer, document, args.prompt, args.layout)
+    if lm.max_positions and len(tokens) + max_new_tokens > lm.max_positions:
+        raise InvalidInput(f"prompt too long: {len(tokens)} tokens and --max-new-tokens {max_new_tokens} do not fit the "
+                           f"{lm.max_positions} positions of {args.model}; shorten the document or ask for fewer tokens")
+    return tokens
+
+
 def run(args: argparse.Namespace, stages: StageLines | None = None) -> dict[str, Any]:
     stages = stages or StageLines(None, prog="query")
     from kdn.client import ClientConfig, KdnClient
@@ -109,6 +136,8 @@ def run(args: argparse.Namespace, stages: StageLines | None = None) -> dict[str,
     from kdn.keys import DEFAULT_CHUNK_SIZE
     from kdn.models import load_model
 
+    if args.layout != "text" and args.documents:
+        raise InvalidInput("--documents blends segments into a text prompt; use --layout text with it")
     if args.steer and args.documents:
         raise InvalidInput("--steer applies to stored prefix chains; --documents blends plain segments (steered "
                            "segments are not built)")
@@ -128,9 +157,13 @@ def run(args: argparse.Namespace, stages: StageLines | None = None) -> dict[str,
     stages.line(f"loading {args.model} in this process")
     lm = load_model(args.model, dtype=args.dtype, chunk_size=args.chunk_size or DEFAULT_CHUNK_SIZE)
     whole = prompt if documents is None else prefix + "".join(documents) + prompt
-    tokens = _window_prompt(lm, whole, args.max_new_tokens, args.model)
+    if args.layout == "text":
+        tokens = _window_prompt(lm, whole, args.max_new_tokens, args.model)
+    else:
+        tokens = _chat_prompt(lm, args, args.max_new_tokens)
     doing = (f"{len(tokens)} prompt tokens, " + (f"reusing what edge {cfg.edge} holds" if cfg.edge else "no edge: full prefill")
              + f", then {args.max_new_tokens} new tokens")
+    generate(lm, tokens[:8], max_new_tokens=2)  # first-call costs (kernels, allocator) stay out of every timing
     with stages.ongoing(doing), KdnClient(cfg) as client:
         if documents is not None:
             from kdn.blend import Deviation
@@ -143,12 +176,11 @@ def run(args: argparse.Namespace, stages: StageLines | None = None) -> dict[str,
             result = generate(lm, tokens, client=client, max_new_tokens=args.max_new_tokens)
         client.flush(cfg.put_timeout_s)
         written = int(client.counters["written_back"])
-    from kdn.models import BUILTIN_SPECS
-
     out: dict[str, Any] = {
         "edge": cfg.edge,
         "model": args.model,
-        "untrained": args.model in BUILTIN_SPECS,  # built-in specs are seeded random weights: the text is noise
+        "layout": args.layout,
+        "untrained": lm.untrained,  # random-init specs: the timings are real, the text is noise
         "dtype": args.dtype,
         "fingerprint": bytes(lm.fingerprint).hex(),
         "tenant": cfg.tenant,
@@ -213,7 +245,7 @@ def render(out: dict[str, Any]) -> None:
     if out.get("untrained"):
         console.print(f"note: {out['model']} has random, untrained weights (for timing): the generated text is noise, "
                       "not meant to be read. Whether reuse is right shows in --compare: the same tokens as a full "
-                      "recompute. A trained model: `kdn model train-reference`, then --model DIR.",
+                      "recompute. The trained model is the default (--model smollm2-135m).",
                       style="yellow", markup=False, highlight=False)
 
 

@@ -14,7 +14,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from kdn.codecs import get_codec
 from kdn.config import RoleConfig
 from kdn.keys import DEFAULT_CHUNK_SIZE, Namespace
-from kdn.models import DTYPES
+from kdn.models import DEFAULT_MODEL, DTYPES
 from kdn.wire.tls import TlsFiles
 
 
@@ -22,7 +22,7 @@ class OriginConfig(RoleConfig):
     node_id: str = Field("origin", description="name this origin reports in Stats and Lookup locations")
     store_dir: str = Field("~/.kdn/origin", description="root of the durable origin store (blobs + manifest)")
     models: list[str] = Field(
-        default_factory=lambda: ["tiny"],
+        default_factory=lambda: [DEFAULT_MODEL],
         description="model specs served: built-in names or local HF model directories; the first is the default",
     )
     dtype: str = Field("float32", description="KV dtype (part of the fingerprint)")

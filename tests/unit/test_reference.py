@@ -54,7 +54,9 @@ def test_trained_dir_is_a_standard_hf_model(trained, capsys: pytest.CaptureFixtu
     lm = load_model(str(out))
     cfg = lm.config
     assert cfg.num_key_value_heads < cfg.num_attention_heads  # grouped-query attention
-    assert main(["info", str(out), "--json"]) == 0
+    from kdn.ops.model import main as model_main
+
+    assert model_main(["info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["fingerprint"] == bytes(lm.fingerprint).hex() and info["kv_heads"] == 1
 
