@@ -44,7 +44,7 @@ from kdn.artifact import ArtifactReader, encode_artifact
 from kdn.client_transport import EdgeTransport, FailoverEdgeTransport, GrpcEdgeTransport, is_loopback
 from kdn.config import RoleConfig
 from kdn.errors import ArtifactCorrupt, Unavailable
-from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
+from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys, toggled_bos_key
 from kdn.kv import DestinationPool, KVShape
 from kdn.segments import SEGMENT_PARENT, SegmentKey
 from kdn.steer import SteerSpec, parse_variant, steer_root
@@ -161,8 +161,9 @@ class AsyncKdnClient:
         self._pending: set[asyncio.Task[int]] = set()
         self.counters: dict[str, float] = {
             "requests": 0, "reused_chunks": 0, "fetch_errors": 0, "edge_errors": 0,
-            "written_back": 0, "write_back_errors": 0, "write_back_dropped": 0,
+            "written_back": 0, "write_back_errors": 0, "write_back_dropped": 0, "tokenization_mismatch": 0,
         }
+        self._mismatch_logged_at = -1e9
 
     async def __aenter__(self) -> "AsyncKdnClient":
         return self
@@ -342,11 +343,17 @@ class AsyncKdnClient:
         kv_shape: KVShape,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         max_tokens: int | None = None,
+        bos_token_id: int | None = None,
     ) -> Reuse:
         """The longest prefix of ``tokens`` (at most ``max_tokens``) whose KV the edge can give.
 
         Chunks are fetched whole; when ``max_tokens`` ends inside a fetched chunk the KV is cut
         there (e.g. ``len(tokens) - 1``, so the last prompt token is computed and yields logits).
+
+        ``bos_token_id``: the model's BOS. When the edge holds no chunk of the request, one more
+        Lookup asks for its first chunk with the BOS toggled (:func:`kdn.keys.toggled_bos_key`);
+        a hit means the documents were stored under another tokenization than this request's (a
+        BOS added on one side only), which :meth:`tokenization_probe` reports loudly.
         """
         self.counters["requests"] += 1
         keys = self.keys_for(tokens, fingerprint, chunk_size)
@@ -365,7 +372,8 @@ class AsyncKdnClient:
             return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=time.perf_counter() - t0, warning=warning, edge_usable=False)
         t1 = time.perf_counter()
         if available == 0:
-            return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=t1 - t0)
+            warning = await self.tokenization_probe(tokens, fingerprint, chunk_size, bos_token_id)
+            return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=t1 - t0, warning=warning)
         kv, usable, error, tally = await self.fetch_prefix(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size)
         t2 = time.perf_counter()
         warning = None
@@ -386,6 +394,36 @@ class AsyncKdnClient:
             kv_out, n_tokens, usable, available, tuple(keys), lookup_s=t1 - t0, fetch_s=t2 - t1,
             decode_s=tally.decode_s, bytes=tally.bytes, via=tally.via, warning=warning,
         )
+
+    async def tokenization_probe(self, tokens: Sequence[int] | np.ndarray, fingerprint: ModelFingerprint,
+                                 chunk_size: int, bos_token_id: int | None) -> str | None:
+        """The warning when ``tokens``' first chunk is stored only with its BOS toggled, else None.
+
+        Counted here (``tokenization_mismatch``) and by the edge (``kdn stats``: the same name);
+        logged at WARNING the first time, then at most once a minute. Never raises."""
+        alt = toggled_bos_key(tokens, bos_token_id, fingerprint=fingerprint, namespace=self.config.namespace,
+                              chunk_size=chunk_size, root=parse_variant(self.config.steer))
+        if alt is None or self.transport is None:
+            return None
+        try:
+            hit = await _deadline(self.transport.lookup(fingerprint, self.config.namespace, [alt],
+                                                        timeout=self.config.lookup_timeout_s, probe=True),
+                                  self.config.lookup_timeout_s, "Lookup")
+        except Exception:  # a probe is advice: its failure changes nothing
+            return None
+        if not hit:
+            return None
+        self.counters["tokenization_mismatch"] += 1
+        stored = "without" if int(np.asarray(tokens[:1])[0]) == bos_token_id else "with"
+        warning = (f"KDN: none of this request's chunks are stored, but its first chunk is, {stored} a leading BOS "
+                   f"token (id {bos_token_id}): the documents were ingested under another tokenization than this "
+                   "request's, and no request tokenized like it will reuse them. Ingest them with this KDN (it "
+                   "tokenizes as engines do; `kdn model check-tokens` compares). Recomputing.")
+        now = time.monotonic()
+        if now - self._mismatch_logged_at >= 60.0:
+            self._mismatch_logged_at = now
+            LOG.warning(warning)
+        return warning
 
     async def write_back(
         self,

@@ -71,9 +71,11 @@ class EdgeTransport(ABC):
 
     @abstractmethod
     async def lookup(
-        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
+        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float,
+        probe: bool = False,
     ) -> int:
-        """How many leading keys of the chain ``keys`` the edge can serve."""
+        """How many leading keys of the chain ``keys`` the edge can serve (``probe``: a tokenization
+        probe, which the edge counts when it hits; see :meth:`kdn.client.AsyncKdnClient.reuse`)."""
 
     @abstractmethod
     def fetch(
@@ -172,9 +174,10 @@ class GrpcEdgeTransport(EdgeTransport):
         self.land_min_bytes = LAND_MIN_BYTES  # bulk answers this large are received in place
 
     async def lookup(
-        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
+        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float,
+        probe: bool = False,
     ) -> int:
-        req = lookup_request(keys, fingerprint=fingerprint, namespace=namespace)
+        req = lookup_request(keys, fingerprint=fingerprint, namespace=namespace, probe=probe)
         with rpc_errors(self.address):
             resp = await self._stub.Lookup(req, timeout=timeout, metadata=self._metadata)
         return min(int(resp.available), len(keys))
@@ -482,9 +485,10 @@ class FailoverEdgeTransport(EdgeTransport):
         raise last
 
     async def lookup(
-        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
+        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float,
+        probe: bool = False,
     ) -> int:
-        return await self._each(lambda t: t.lookup(fingerprint, namespace, keys, timeout=timeout))
+        return await self._each(lambda t: t.lookup(fingerprint, namespace, keys, timeout=timeout, probe=probe))
 
     async def fetch(
         self, spec: FetchSpec, *, timeout: float, next_keys: Sequence[ChunkKey] = ()
@@ -565,7 +569,8 @@ class MemoryEdgeTransport(EdgeTransport):
             raise FingerprintMismatch("memory edge serves another model")
 
     async def lookup(
-        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float
+        self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *, timeout: float,
+        probe: bool = False,
     ) -> int:
         await self._enter("lookup", fingerprint, timeout)
         n = 0

@@ -114,6 +114,26 @@ def chunk_keys(
     return keys
 
 
+def toggled_bos_key(
+    tokens: Sequence[int] | np.ndarray,
+    bos_token_id: int | None,
+    *,
+    fingerprint: ModelFingerprint,
+    namespace: Namespace,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    root: ChunkKey = ROOT_KEY,
+) -> ChunkKey | None:
+    """The first chunk's key of ``tokens`` with its leading BOS removed, or with one added when
+    it has none: what the chain would start with had the documents been tokenized the other way.
+    None without a BOS id, or when the toggled tokens hold no full chunk."""
+    if bos_token_id is None:
+        return None
+    toks = [int(t) for t in tokens[: chunk_size + 1]]
+    alt = toks[1:] if toks[:1] == [bos_token_id] else [bos_token_id, *toks]
+    keys = chunk_keys(alt[:chunk_size], fingerprint=fingerprint, namespace=namespace, chunk_size=chunk_size, root=root)
+    return keys[0] if keys else None
+
+
 def parse_key(value: bytes | str) -> ChunkKey:
     """A key from the wire (32 raw bytes) or from a human (64 hex digits)."""
     if isinstance(value, str):

@@ -72,6 +72,10 @@ class EdgeMetrics:
         self.prefetch = Counter("kdn_edge_prefetch", "background prefetches", ["outcome"], registry=r)
         self.refused = Counter("kdn_edge_refused", "requests refused", ["rpc", "reason"], registry=r)
         self.corrupt = Counter("kdn_edge_corrupt_upstream", "artifacts from upstream that failed verification", registry=r)
+        self.tokenization_mismatch = Counter(
+            "kdn_edge_tokenization_mismatch",
+            "requests none of whose chunks are stored, but whose first chunk is, with the BOS token toggled: "
+            "documents were ingested under another tokenization than the requests use", registry=r)
         self.latency = Histogram(
             "kdn_edge_rpc_seconds", "RPC latency", ["rpc", "source"], buckets=_LATENCY_BUCKETS, registry=r
         )

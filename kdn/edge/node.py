@@ -45,7 +45,7 @@ from kdn.edge.prefetch import Prefetcher, PrefetchJob
 from kdn.edge.store import EntryMeta, TieredStore
 from kdn.edge.tasks import cancel_and_wait
 from kdn.edge.upstream import FetchSpec, SingleFlight, Upstream
-from kdn.artifact import ArtifactReader, read_header
+from kdn.artifact import PB_TO_DTYPE, ArtifactReader, read_header
 from kdn.errors import (
     ArtifactCorrupt,
     ArtifactError,
@@ -61,6 +61,8 @@ from kdn.errors import (
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 
 log = logging.getLogger(__name__)
+DOCUMENT_TOKENS = 8192  # a long document: a full window of the built-in trained model
+FEW_DOCUMENTS = 4  # the memory tier should hold at least this many of them
 
 _DECODE_PIECE = 1 << 20  # bytes fed to the decode check at a time
 _MAX_LOOKUP_HOPS = 8  # peer Lookups per chain before the rest is asked of the origin
@@ -137,6 +139,7 @@ class EdgeNode:
         self.address = ""
         self._tasks: list[asyncio.Task[None]] = []
         self._started = time.time()
+        self._models_seen: set[bytes] = set()
 
     @property
     def node_id(self) -> str:
@@ -363,6 +366,22 @@ class EdgeNode:
             raise Unavailable(f"{bytes(spec.key).hex()[:16]}: no source could serve it ({'; '.join(errors)})")
         raise NotFound(f"{bytes(spec.key).hex()[:16]} not found ({'; '.join(errors)})")
 
+    def _note_model(self, header: Any) -> None:
+        """Once per model fingerprint: warn when the memory tier holds fewer than
+        :data:`FEW_DOCUMENTS` documents of :data:`DOCUMENT_TOKENS` tokens of that model's KV
+        (most hits would then come from disk or upstream)."""
+        fp = bytes(header.fingerprint)
+        if fp in self._models_seen:
+            return
+        self._models_seen.add(fp)
+        per_token = 2 * header.num_layers * header.num_kv_heads * header.head_dim * PB_TO_DTYPE[header.dtype].itemsize
+        tokens = self.config.memory_bytes // max(1, per_token)
+        if tokens < FEW_DOCUMENTS * DOCUMENT_TOKENS:
+            log.warning("%s: the memory tier (%.2f GiB) holds about %d tokens of KV of model %s… (%d KB per token): "
+                        "fewer than %d documents of %d tokens; raise --memory-bytes (memory_bytes) to keep more of "
+                        "them in memory", self.node_id, self.config.memory_bytes / 2**30, tokens, fp.hex()[:16],
+                        per_token // 1000, FEW_DOCUMENTS, DOCUMENT_TOKENS)
+
     async def _admit(self, data: bytes, spec: FetchSpec) -> None:
         """Verify bytes from upstream and keep them. Raises on bad bytes; a full store only logs."""
         if len(data) > self.config.max_artifact_bytes:
@@ -370,6 +389,7 @@ class EdgeNode:
         header = read_header(memoryview(data))
         if header.key != bytes(spec.key):
             raise FingerprintMismatch(f"upstream answered {header.key.hex()[:16]} for {bytes(spec.key).hex()[:16]}")
+        self._note_model(header)
         if self.config.decode_check:
             await asyncio.to_thread(check_decodes, data, bytes(spec.fingerprint))
         try:
@@ -438,6 +458,7 @@ class EdgeNode:
         header = read_header(memoryview(data))
         if header.key != bytes(key):
             raise InvalidInput(f"Put declared key {bytes(key).hex()[:16]} but the artifact holds {header.key.hex()[:16]}")
+        self._note_model(header)
         if self.config.decode_check:
             await asyncio.to_thread(check_decodes, data, bytes(fingerprint))
         meta = await asyncio.to_thread(self.store.put, data, tenant=namespace.tenant, expect_fingerprint=bytes(fingerprint),

@@ -199,6 +199,8 @@ class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
         fp = parse_fingerprint(request.fingerprint)
         keys = self._keys(request.keys)
         found = await self.node.lookup(keys, fingerprint=fp, namespace=ns, local_only=request.local_only, token=token)
+        if request.probe and found:
+            self.node.metrics.tokenization_mismatch.inc()
         self.node.metrics.latency.labels("Lookup", "").observe(time.perf_counter() - t0)
         return pb.LookupResponse(
             available=len(found),

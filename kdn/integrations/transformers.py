@@ -191,7 +191,7 @@ def generate(
     if client is not None:
         # at least the last prompt token is computed here: its logits choose the first new token
         reuse = client.reuse(tokens, fingerprint=km.fingerprint, kv_shape=km.kv_shape, chunk_size=km.chunk_size,
-                             max_tokens=len(tokens) - 1)
+                             max_tokens=len(tokens) - 1, bos_token_id=getattr(km.tokenizer, "bos_token_id", None))
     else:
         reuse = Reuse(None, 0, 0, 0, ())
     t1 = time.perf_counter()

@@ -77,6 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -183,6 +184,44 @@ class _ReqState:
     saved: int  # chunks below this index need no write-back
     load: tuple[int, int] | None = None  # token range to load, set once blocks are allocated
     block_ids: list[int] = field(default_factory=list)
+    looked_up: int = 0  # chunks asked about in the Lookup
+    engine_cached: int = 0  # tokens the engine's own prefix cache held when the request arrived
+    loading: int = 0  # tokens the connector told vLLM it loads
+    load_failed: bool = False  # a block of the load was reported failed (vLLM recomputed from there)
+    first_saved: int = 0  # saves scheduled from this chunk on
+
+
+class KdnConnectorStats(KVConnectorStats):
+    """The connector's counters over one stats interval, in vLLM's stats pipeline: summed over the
+    scheduler and every worker, printed in ``vllm serve``'s periodic "KV Transfer metrics" line."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KdnConnectorStats":
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _log_with_vllm() -> None:
+    """Send KDN's log lines where vLLM's go (``vllm serve``'s log), at INFO, unless the process
+    configured logging for ``kdn`` itself."""
+    kdn_log = logging.getLogger("kdn")
+    if kdn_log.handlers:
+        return
+    vllm_log = logging.getLogger("vllm")
+    for h in vllm_log.handlers:
+        kdn_log.addHandler(h)
+    if kdn_log.handlers:
+        kdn_log.setLevel(logging.INFO)
+        kdn_log.propagate = False
 
 
 def _fetch_stream(client: AsyncKdnClient, fingerprint: ModelFingerprint, key: ChunkKey, next_keys: list[ChunkKey],
@@ -268,6 +307,8 @@ class KdnConnector(KVConnectorBase_V1):
         model_dir = self.config.model_dir or mc.model
         self.fingerprint = engine_fingerprint(model_dir, self.dtype, C)
         hf = mc.hf_config
+        bos = getattr(hf, "bos_token_id", None)
+        self._bos: int | None = bos if isinstance(bos, int) else None
         self.num_layers = int(hf.num_hidden_layers)
         self.num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
         self.head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
@@ -284,9 +325,25 @@ class KdnConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
         self._puts: set[Any] = set()
         self.counters: dict[str, int] = {"lookups": 0, "lookup_errors": 0, "loaded_chunks": 0, "load_failures": 0,
-                                         "saved_chunks": 0, "save_errors": 0, "saves_dropped": 0}
+                                         "saved_chunks": 0, "save_errors": 0, "saves_dropped": 0,
+                                         "looked_up_tokens": 0, "edge_hit_tokens": 0, "matched_tokens": 0}
+        self._reported: dict[str, int] = {}  # counters as last handed to vLLM's stats
+        _log_with_vllm()
         LOG.info("KDN connector (%s): edge %s, chunk %d, fingerprint %s…", role.name, self.config.edge, C,
                  bytes(self.fingerprint).hex()[:16])
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def get_kv_connector_stats(self) -> KdnConnectorStats | None:
+        """What changed since vLLM last asked (each role reports its own counters)."""
+        delta = {k: v - self._reported.get(k, 0) for k, v in self.counters.items()}
+        self._reported = dict(self.counters)
+        return KdnConnectorStats(data=delta) if any(delta.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KdnConnectorStats:
+        return KdnConnectorStats(data=dict(data or {}))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -324,6 +381,7 @@ class KdnConnector(KVConnectorBase_V1):
             return 0, False
         C = self.config.chunk_size
         usable = min(st.on_edge, max(0, (st.n_prompt - 1) // C))  # vLLM computes the last prompt token
+        st.engine_cached = num_computed_tokens
         return max(0, usable * C - num_computed_tokens), False
 
     def _state(self, request: "Request") -> _ReqState | None:
@@ -342,15 +400,25 @@ class KdnConnector(KVConnectorBase_V1):
         on_edge = 0
         wanted = keys[: max(0, (len(tokens) - 1) // self.config.chunk_size)]
         if wanted and time.monotonic() >= self._lookup_off_until:
-            self.counters["lookups"] += 1
+            self._count("lookups")
+            self._count("looked_up_tokens", len(wanted) * self.config.chunk_size)
             client = self._client(ns)
             try:
                 on_edge = int(self._loop.submit(client.lookup(self.fingerprint, wanted)).result(self.config.lookup_timeout_s + 2))
             except Exception as exc:  # KdnError or a timeout: recompute, and leave the edge alone a while
-                self.counters["lookup_errors"] += 1
+                self._count("lookup_errors")
                 self._lookup_off_until = time.monotonic() + self.config.edge_backoff_s
                 LOG.warning("KDN edge %s unusable for Lookup (%s: %s); recomputing", self.config.edge, type(exc).__name__, exc)
-        st = self._reqs[request.request_id] = _ReqState(ns, keys, len(tokens), on_edge, saved=on_edge)
+        if wanted and on_edge == 0 and self._bos is not None and time.monotonic() >= self._lookup_off_until:
+            try:  # none held: were the documents stored under another tokenization? (a warning, a count)
+                if self._loop.submit(self._client(ns).tokenization_probe(
+                        tokens, self.fingerprint, self.config.chunk_size, self._bos)).result(self.config.lookup_timeout_s + 2):
+                    self._count("tokenization_mismatch")
+            except Exception as exc:  # advice only
+                LOG.debug("KDN tokenization probe failed: %s", exc)
+        self._count("edge_hit_tokens", on_edge * self.config.chunk_size)
+        st = self._reqs[request.request_id] = _ReqState(ns, keys, len(tokens), on_edge, saved=on_edge,
+                                                        looked_up=len(wanted) if wanted else 0, first_saved=on_edge)
         return st
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -360,6 +428,8 @@ class KdnConnector(KVConnectorBase_V1):
         C = self.config.chunk_size
         end = min(st.on_edge, (st.n_prompt - 1) // C) * C
         st.load = (end - num_external_tokens, end)
+        st.loading = num_external_tokens
+        self._count("matched_tokens", num_external_tokens)
         st.block_ids = list(blocks.get_block_ids()[0])
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -403,8 +473,26 @@ class KdnConnector(KVConnectorBase_V1):
             st.saved = max(st.saved, full)
         return meta
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Blocks the workers failed to load: their requests' lines say the load failed."""
+        bad = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not bad:
+            return
+        for st in self._reqs.values():
+            if st.loading and bad.intersection(st.block_ids):
+                st.load_failed = True
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            C = self.config.chunk_size
+            source = ("none" if not st.loading and not st.engine_cached
+                      else "engine prefix cache" if not st.loading
+                      else f"edge {self.config.edge}" + (" (load failed: recomputed)" if st.load_failed else ""))
+            LOG.info("KDN request %s (tenant %s): %d prompt tokens; looked up %d, edge held %d, loaded %d, engine "
+                     "cache %d; saving %d chunks; source: %s", request.request_id, st.ns.tenant, st.n_prompt,
+                     st.looked_up * C, st.on_edge * C, st.loading, st.engine_cached, max(0, st.saved - st.first_saved),
+                     source)
         return False, None  # saves copy their chunks out during the step: the blocks are free now
 
     # -- worker side ---------------------------------------------------------------------------
@@ -477,10 +565,10 @@ class KdnConnector(KVConnectorBase_V1):
             return
         for spec in meta.saves:
             if spec.req_id in failed_reqs:
-                self.counters["saves_dropped"] += 1
+                self._count("saves_dropped")
                 continue
             if len(self._puts) >= self.config.max_pending_puts:
-                self.counters["saves_dropped"] += 1
+                self._count("saves_dropped")
                 continue
             kv = self._gather(spec.block_ids)  # (L, 2, H, C, D) on the CPU
             fut = self._loop.submit(self._put(spec, kv))
@@ -506,9 +594,9 @@ class KdnConnector(KVConnectorBase_V1):
                 fingerprint=self.fingerprint, codec=self.config.put_codec, chunk_index=spec.index,
             )
             if await client.put(self.fingerprint, ChunkKey(spec.key), data):
-                self.counters["saved_chunks"] += 1
+                self._count("saved_chunks")
         except Exception as exc:  # a write-back is an optimisation, never part of the answer
-            self.counters["save_errors"] += 1
+            self._count("save_errors")
             LOG.debug("KDN write-back of chunk %d failed: %s", spec.index, exc)
 
     def _clients_for(self, tenant: str, salt: str) -> AsyncKdnClient:
@@ -567,7 +655,7 @@ class _LoadJob:
                     return self._done(r, i)  # an earlier chunk failed: this one will be recomputed anyway
                 try:
                     await asyncio.wait_for(self._load_chunk(r, i), self.conn.config.fetch_timeout_s + 0.5)
-                    self.conn.counters["loaded_chunks"] += 1
+                    self.conn._count("loaded_chunks")
                 except Exception as exc:  # KdnError, a deadline, a geometry refusal: recompute from here
                     self._fail(r, i, exc)
                 finally:
@@ -656,7 +744,7 @@ class _LoadJob:
 
     def _fail(self, r: int, i: int, exc: BaseException) -> None:
         spec = self.specs[r]
-        self.conn.counters["load_failures"] += 1
+        self.conn._count("load_failures")
         with self.cond:
             if i < self.first_failed[r]:
                 self.first_failed[r] = i

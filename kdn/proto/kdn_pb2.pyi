@@ -63,16 +63,18 @@ class Namespace(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., salt: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("fingerprint", "namespace", "keys", "local_only")
+    __slots__ = ("fingerprint", "namespace", "keys", "local_only", "probe")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     fingerprint: bytes
     namespace: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     local_only: bool
-    def __init__(self, fingerprint: _Optional[bytes] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., local_only: _Optional[bool] = ...) -> None: ...
+    probe: bool
+    def __init__(self, fingerprint: _Optional[bytes] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., local_only: _Optional[bool] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class Location(_message.Message):
     __slots__ = ("tier", "node_id", "address")

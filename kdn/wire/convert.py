@@ -58,10 +58,12 @@ def fetch_request(
 
 
 def lookup_request(
-    keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, local_only: bool = False
+    keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, local_only: bool = False,
+    probe: bool = False,
 ) -> pb.LookupRequest:
     return pb.LookupRequest(
-        fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), keys=key_bytes(keys), local_only=local_only
+        fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace), keys=key_bytes(keys), local_only=local_only,
+        probe=probe,
     )
 
 
