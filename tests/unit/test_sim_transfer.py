@@ -206,3 +206,33 @@ def test_reported_fetch_times_of_requests_sharing_a_link(rtt: float, cc: str) ->
         a, b = netlab.simulate_fetches([(0.0, n), (gap, n)], rtt, 100.0, cc)
         assert gap + b >= a - 1e-9, f"the later request (+{gap} s) was done first: {a} vs {gap + b}"
         assert max(a, gap + b) >= 2 * nbytes / rate
+
+
+def test_idle_restart_follows_the_scenarios_congestion_control() -> None:
+    # through the engine: a pooled connection that carried 4 MiB, then sat idle 1 s, fetches 2 MiB
+    # at 100 ms RTT. bbr keeps its window (as warm); cubic has halved it three times (RTO 0.3 s)
+    from kdn.simulator import netlab
+
+    def after(cc: str, idle: float) -> float:
+        return netlab.reported(netlab.Case(netlab.BLOCK_BYTES, 0.1, True, 1, idle), 100.0, cc)[0]
+
+    assert after("bbr", 1.0) == pytest.approx(after("bbr", 0.0))
+    assert after("cubic", 0.0) == pytest.approx(after("bbr", 0.0))
+    cubic = after("cubic", 1.0)
+    assert after("cubic", 0.0) + 0.1 < cubic < after("cubic", 30.0)  # a few rounds lost, not back to the initial window
+    cold = netlab.reported(netlab.Case(netlab.BLOCK_BYTES, 0.1, False, 1), 100.0, "cubic")[0]
+    assert cubic < cold - 0.1  # and no handshake
+
+
+def test_congestion_control_is_checked_in_the_scenario() -> None:
+    from kdn.errors import ConfigError
+    from kdn.simulator.scenario import NetworkSpec, parse_scenario
+
+    assert NetworkSpec().congestion_control == "cubic"
+    with pytest.raises(ConfigError, match="network.congestion_control"):
+        parse_scenario({
+            "name": "x", "model": "llama-3.1-8b", "gpu": "h100-sxm",
+            "topology": {"origins": [{"lat": 0.0, "lon": 0.0}], "regions": [{"name": "a", "lat": 0.0, "lon": 0.0}]},
+            "workload": {"kind": "synthetic", "requests": 1, "duration_s": 1.0},
+            "network": {"congestion_control": "vegas"},
+        })
