@@ -63,14 +63,16 @@ class Handler:
 
 
 async def _pair(artifacts, *, tokens=None, timeout_s: float = 10.0):
+    from kdn.wire.auth import SIGNAL_NODE, EdgeKey
+
     auth = TokenAuth.from_config(tokens or {})
     server = grpc.aio.server()
-    add_servicer(server, SignalServicer(SignalBoard(), auth), "SignalService")
+    key = "rtc-transport-cluster-key"  # signalling takes edge tokens only
+    add_servicer(server, SignalServicer(SignalBoard(), auth, edges=EdgeKey(key, SIGNAL_NODE)), "SignalService")
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     addr = f"127.0.0.1:{port}"
-    admin = next(iter(tokens)) if tokens else None
-    ca, cb = SignalClient(addr, token=admin), SignalClient(addr, token=admin)
+    ca, cb = SignalClient(addr, edge=EdgeKey(key, "a")), SignalClient(addr, edge=EdgeKey(key, "b"))
     await ca.announce("a", "10.0.0.1:1")
     await cb.announce("b", "10.0.0.2:1")
     handler = Handler(auth, artifacts)
