@@ -44,8 +44,11 @@ from kdn.artifact import ArtifactReader, encode_artifact
 from kdn.client_transport import EdgeTransport, FailoverEdgeTransport, GrpcEdgeTransport, is_loopback
 from kdn.config import RoleConfig
 from kdn.errors import ArtifactCorrupt, Unavailable
-from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys, toggled_bos_key
-from kdn.kv import DestinationPool, KVShape
+from kdn.keys import (
+    DEFAULT_CHUNK_SIZE, PIECE_TOKENS, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys, piece_keys,
+    pieces_enabled, toggled_bos_key,
+)
+from kdn.kv import DestinationPool, KVShape, layers_span
 from kdn.segments import SEGMENT_PARENT, SegmentKey
 from kdn.steer import SteerSpec, parse_variant, steer_root
 from kdn.wire.convert import FetchSpec
@@ -118,7 +121,8 @@ class Reuse:
 
     ``kv`` is the reused prefix ``(L, 2, H, tokens, D)`` (None when nothing was reused); ``keys``
     are the keys of every full chunk of the request's tokens (for write-back); ``available`` is
-    how many leading chunks the edge said it holds; ``chunks`` how many were fetched and used.
+    how many leading chunks the edge said it holds; ``chunks`` how many were fetched and used, and
+    ``pieces`` how many tail pieces after them (a document's last partial chunk).
     """
 
     kv: torch.Tensor | None
@@ -133,6 +137,7 @@ class Reuse:
     via: str = ""
     warning: str | None = None
     edge_usable: bool = True  # False when the edge failed as a whole (no write-back then)
+    pieces: int = 0  # tail pieces (kdn.keys.piece_keys) reused after the ``chunks`` full chunks
 
 
 @dataclass(slots=True)
@@ -162,6 +167,7 @@ class AsyncKdnClient:
         self.counters: dict[str, float] = {
             "requests": 0, "reused_chunks": 0, "fetch_errors": 0, "edge_errors": 0,
             "written_back": 0, "write_back_errors": 0, "write_back_dropped": 0, "tokenization_mismatch": 0,
+            "reused_pieces": 0, "written_back_pieces": 0,
         }
         self._mismatch_logged_at = -1e9
 
@@ -189,24 +195,30 @@ class AsyncKdnClient:
         kv_shape: KVShape,
         *,
         chunk_size: int,
+        pieces: Sequence[ChunkKey] = (),
     ) -> tuple[torch.Tensor, int, BaseException | None, _FetchTally]:
-        """Fetch ``keys`` (a chain from the start) into one ``(L, 2, H, n*chunk_size, D)`` tensor.
+        """Fetch ``keys`` (a chain from the start), then ``pieces`` (the tail pieces after it),
+        into one ``(L, 2, H, n*chunk_size + p*PIECE_TOKENS, D)`` tensor.
 
-        Returns ``(kv, usable, error, tally)``: ``usable`` leading chunks are verified and in
-        place; ``error`` is the first failure (None when all arrived).
+        Returns ``(kv, usable, error, tally)``: the ``usable`` leading artifacts (chunks, then
+        pieces) are verified and in place; ``error`` is the first failure (None when all arrived).
         """
         assert self.transport is not None
-        n = len(keys)
+        spans = [(lo, lo + chunk_size) for lo in range(0, len(keys) * chunk_size, chunk_size)]
+        base = len(keys) * chunk_size
+        spans += [(base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS) for j in range(len(pieces))]
+        chain = [*keys, *pieces]
+        n = len(chain)
         # the pages of an earlier request's destination, once nothing refers to it: no faults
-        out = self.destinations.empty(kv_shape.chunk_shape(n * chunk_size), kv_shape.dtype)  # (L, 2, H, n*T, D)
+        out = self.destinations.empty(kv_shape.chunk_shape(spans[-1][1] if spans else 0), kv_shape.dtype)  # (L, 2, H, N, D)
         tally = _FetchTally()
         sem = asyncio.Semaphore(self.config.fetch_concurrency)
 
         async def one(i: int) -> None:
             async with sem:
                 await _deadline(
-                    self._fetch_into(out, i, keys, fingerprint, chunk_size, tally),
-                    self.config.fetch_timeout_s, f"Fetch of chunk {i}",
+                    self._fetch_into(out, i, chain, spans[i], fingerprint, tally),
+                    self.config.fetch_timeout_s, f"Fetch of {'chunk' if i < len(keys) else 'piece'} {i}",
                 )
 
         results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
@@ -224,12 +236,12 @@ class AsyncKdnClient:
         out: torch.Tensor,
         i: int,
         keys: Sequence[ChunkKey],
+        span: tuple[int, int],
         fingerprint: ModelFingerprint,
-        chunk_size: int,
         tally: _FetchTally,
     ) -> None:
         assert self.transport is not None
-        lo, hi = i * chunk_size, (i + 1) * chunk_size
+        lo, hi = span
         # sections decode straight into chunk i's token range of the prefix KV: (L, 2, H, T, D) view
         steer = self.config.steer
         reader = ArtifactReader(
@@ -250,7 +262,7 @@ class AsyncKdnClient:
         tally.via = stats.via
         header = reader.finish()
         if steer and (not header.steer or bytes(steer_root(SteerSpec.from_canonical(header.steer))).hex() != steer):
-            raise ArtifactCorrupt(f"chunk {i} is not steered variant {steer[:16]}... (its header names "
+            raise ArtifactCorrupt(f"artifact {i} is not steered variant {steer[:16]}... (its header names "
                                   f"{header.steer[:120] or 'plain KV'!r})")
 
     async def put(self, fingerprint: ModelFingerprint, key: ChunkKey, data: bytes) -> bool:
@@ -359,7 +371,7 @@ class AsyncKdnClient:
         keys = self.keys_for(tokens, fingerprint, chunk_size)
         limit = len(tokens) if max_tokens is None else max(0, min(max_tokens, len(tokens)))
         wanted = keys[: -(-limit // chunk_size)] if limit else []
-        if self.transport is None or not wanted:
+        if self.transport is None or not limit:
             return Reuse(None, 0, 0, 0, tuple(keys), edge_usable=self.transport is not None)
         where = self.transport.name
         t0 = time.perf_counter()
@@ -370,30 +382,56 @@ class AsyncKdnClient:
             warning = f"KDN edge {where} unusable ({type(exc).__name__}: {exc}); recomputing all {len(tokens)} tokens locally"
             LOG.warning(warning)
             return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=time.perf_counter() - t0, warning=warning, edge_usable=False)
+        pkeys = self._piece_keys(tokens, keys, available, limit, fingerprint, chunk_size)
+        pieces = await self._lookup_pieces(fingerprint, pkeys)
         t1 = time.perf_counter()
-        if available == 0:
+        if available == 0 and pieces == 0:
             warning = await self.tokenization_probe(tokens, fingerprint, chunk_size, bos_token_id)
             return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=t1 - t0, warning=warning)
-        kv, usable, error, tally = await self.fetch_prefix(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size)
+        kv, usable, error, tally = await self.fetch_prefix(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size,
+                                                           pieces=pkeys[:pieces])
         t2 = time.perf_counter()
         warning = None
+        used_chunks, used_pieces = min(usable, available), max(0, usable - available)  # pieces count only after every chunk
         if error is not None:
             self.counters["fetch_errors"] += 1
+            what = f"chunk {usable} of {available}" if usable < available else f"tail piece {used_pieces} of {pieces}"
             warning = (
-                f"KDN fetch of chunk {usable} of {available} from kdn.edge {where} failed "
-                f"({type(error).__name__}: {error}); reusing {usable} verified chunk(s), recomputing the rest locally"
+                f"KDN fetch of {what} from kdn.edge {where} failed ({type(error).__name__}: {error}); reusing "
+                f"{used_chunks} verified chunk(s) and {used_pieces} piece(s), recomputing the rest locally"
             )
             LOG.warning(warning)
-        n_tokens = min(usable * chunk_size, limit)
-        self.counters["reused_chunks"] += usable
+        n_tokens = min(used_chunks * chunk_size + used_pieces * PIECE_TOKENS, limit)
+        self.counters["reused_chunks"] += used_chunks
+        self.counters["reused_pieces"] += used_pieces
         if n_tokens == 0:
             kv_out = None
         else:
             kv_out = kv[:, :, :, :n_tokens]  # (L, 2, H, n_tokens, D), a view
         return Reuse(
-            kv_out, n_tokens, usable, available, tuple(keys), lookup_s=t1 - t0, fetch_s=t2 - t1,
-            decode_s=tally.decode_s, bytes=tally.bytes, via=tally.via, warning=warning,
+            kv_out, n_tokens, used_chunks, available, tuple(keys), lookup_s=t1 - t0, fetch_s=t2 - t1,
+            decode_s=tally.decode_s, bytes=tally.bytes, via=tally.via, warning=warning, pieces=used_pieces,
         )
+
+    def _piece_keys(self, tokens: Sequence[int] | np.ndarray, keys: Sequence[ChunkKey], available: int, limit: int,
+                    fingerprint: ModelFingerprint, chunk_size: int) -> list[ChunkKey]:
+        """Keys of the tail pieces after the ``available`` leading chunks, within ``limit`` tokens."""
+        base = available * chunk_size
+        if base >= limit:
+            return []
+        after = keys[available - 1] if available else parse_variant(self.config.steer)
+        return piece_keys(tokens[base:limit], after=after, fingerprint=fingerprint, namespace=self.config.namespace,
+                          chunk_size=chunk_size)
+
+    async def _lookup_pieces(self, fingerprint: ModelFingerprint, pkeys: Sequence[ChunkKey]) -> int:
+        """How many leading tail pieces the edge holds; 0 when that Lookup fails (the chunks stand)."""
+        if not pkeys:
+            return 0
+        try:
+            return await self.lookup(fingerprint, pkeys)
+        except Exception as exc:
+            LOG.debug("KDN Lookup of tail pieces failed: %s", exc)
+            return 0
 
     async def tokenization_probe(self, tokens: Sequence[int] | np.ndarray, fingerprint: ModelFingerprint,
                                  chunk_size: int, bos_token_id: int | None) -> str | None:
@@ -433,29 +471,42 @@ class AsyncKdnClient:
         fingerprint: ModelFingerprint,
         chunk_size: int,
         start: int,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        piece_start: int = 0,
     ) -> int:
-        """Encode and Put chunks ``start ..`` of ``keys`` cut from per-layer ``(1, H, N, D)`` KV.
+        """Encode and Put chunks ``start ..`` of ``keys`` cut from per-layer ``(1, H, N, D)`` KV,
+        then, given the ``tokens`` that KV is of, the tail pieces after the last full chunk from
+        ``piece_start`` on (:func:`kdn.keys.piece_keys`).
 
-        Returns how many the edge stored. Failures are counted and logged at debug level: a
-        write-back is an optimisation, never part of the answer.
+        Returns how many chunks and pieces the edge stored. Failures are counted and logged at
+        debug level: a write-back is an optimisation, never part of the answer.
         """
         if self.transport is None or self.config.steer:  # locally computed KV is plain: never under a variant's keys
             return 0
-        stored = 0
         n_tokens = int(layers[0][0].shape[2]) if layers else 0
         stop = min(len(keys), n_tokens // chunk_size)
-        for c in range(start, stop):
+        spans = [(keys[c], keys[c - 1] if c else ROOT_KEY, c * chunk_size, (c + 1) * chunk_size, c)
+                 for c in range(start, stop)]
+        if tokens is not None:
+            base = stop * chunk_size
+            pkeys = piece_keys(tokens[base:n_tokens], after=keys[stop - 1] if stop else ROOT_KEY,
+                               fingerprint=fingerprint, namespace=self.config.namespace, chunk_size=chunk_size)
+            spans += [(k, pkeys[j - 1] if j else (keys[stop - 1] if stop else ROOT_KEY), base + j * PIECE_TOKENS,
+                       base + (j + 1) * PIECE_TOKENS, stop) for j, k in enumerate(pkeys) if j >= piece_start]
+        stored = pieces = 0
+        for key, parent, lo, hi, index in spans:
             try:
-                data = await asyncio.to_thread(
-                    _encode_chunk, layers, c, chunk_size, keys, fingerprint, self.config.put_codec
-                )
-                if await self.put(fingerprint, keys[c], data):
+                data = await asyncio.to_thread(_encode_span, layers, lo, hi, key, parent, fingerprint,
+                                               self.config.put_codec, index)
+                if await self.put(fingerprint, key, data):
                     stored += 1
+                    pieces += hi - lo != chunk_size
             except Exception as exc:  # KdnError by contract; a write-back never raises into the request
                 self.counters["write_back_errors"] += 1
-                LOG.debug("KDN write-back of chunk %d to %s failed: %s", c, self.transport.name, exc)
+                LOG.debug("KDN write-back of tokens %d..%d to %s failed: %s", lo, hi, self.transport.name, exc)
                 break
-        self.counters["written_back"] += stored
+        self.counters["written_back"] += stored - pieces
+        self.counters["written_back_pieces"] += pieces
         return stored
 
     def schedule_write_back(
@@ -466,15 +517,22 @@ class AsyncKdnClient:
         fingerprint: ModelFingerprint,
         chunk_size: int,
         start: int,
+        tokens: Sequence[int] | np.ndarray | None = None,
+        piece_start: int = 0,
     ) -> bool:
         """Start :meth:`write_back` in the background (call from the loop). False when dropped."""
-        if self.transport is None or not self.config.write_back or self.config.steer or start >= len(keys):
+        if self.transport is None or not self.config.write_back or self.config.steer:
             return False
+        n_pieces = 0 if tokens is None or not pieces_enabled(chunk_size) else \
+            (len(tokens) - len(keys) * chunk_size) // PIECE_TOKENS
+        if start >= len(keys) and piece_start >= n_pieces:
+            return False  # nothing new to store
         if len(self._pending) >= self.config.max_pending_puts:
             self.counters["write_back_dropped"] += 1
             return False
         task = asyncio.get_running_loop().create_task(
-            self.write_back(layers, keys, fingerprint=fingerprint, chunk_size=chunk_size, start=start)
+            self.write_back(layers, keys, fingerprint=fingerprint, chunk_size=chunk_size, start=start, tokens=tokens,
+                            piece_start=piece_start)
         )
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
@@ -566,20 +624,19 @@ class KdnClient:
                 self._loop.close()
 
 
-def _encode_chunk(
+def _encode_span(
     layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    c: int,
-    chunk_size: int,
-    keys: Sequence[ChunkKey],
+    s: int,
+    e: int,
+    key: ChunkKey,
+    parent: ChunkKey,
     fingerprint: ModelFingerprint,
     codec: str,
+    index: int,
 ) -> bytes:
-    s, e = c * chunk_size, (c + 1) * chunk_size
-    # per layer keys/values (1, H, N, D) -> (2, H, T, D); stacked -> (L, 2, H, T, D)
-    kv = torch.stack([torch.stack((k[0, :, s:e], v[0, :, s:e])) for k, v in layers])
-    return encode_artifact(
-        kv, key=keys[c], parent_key=keys[c - 1] if c else ROOT_KEY, fingerprint=fingerprint, codec=codec, chunk_index=c
-    )
+    """Tokens ``s..e`` (a chunk or a tail piece) of per-layer KV as one artifact."""
+    kv = layers_span(layers, s, e)  # (L, 2, H, e-s, D)
+    return encode_artifact(kv, key=key, parent_key=parent, fingerprint=fingerprint, codec=codec, chunk_index=index)
 
 
 async def _deadline(aw: Awaitable[T], seconds: float, what: str) -> T:

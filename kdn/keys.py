@@ -6,8 +6,17 @@ recomputed). Keys are chained over the prefix::
     key_0 = ROOT_KEY
     key_i = BLAKE2b-256(key_{i-1} ‖ fingerprint ‖ namespace ‖ tokens_i as little-endian u32)
 
+A document's tokens after its last full chunk (its tail) are keyed the same way in *pieces* of
+:data:`PIECE_TOKENS` tokens, chained from the last full chunk's key (:func:`piece_keys`), so a
+request whose prompt carries the whole document reuses all of it but a few tokens, and prefills
+little more than its question::
+
+    piece_1 = BLAKE2b-256("kdn/piece/v1" ‖ key_k ‖ fingerprint ‖ namespace ‖ tokens of piece 1)
+    piece_j = BLAKE2b-256("kdn/piece/v1" ‖ piece_{j-1} ‖ fingerprint ‖ namespace ‖ tokens of piece j)
+
 Invariants:
-- equal keys imply equal prefixes (same model, same namespace, same tokens up to that chunk);
+- equal keys imply equal prefixes (same model, same namespace, same tokens up to that chunk or
+  piece); a piece key never equals a chunk key (the domain tag, and a piece's shorter tokens);
 - changing one token, the model fingerprint, the namespace or the chunk size changes the key of
   that chunk and of every chunk after it;
 - the hash is cryptographic and seedless: never Python's ``hash()``, so ``PYTHONHASHSEED`` and the
@@ -110,6 +119,38 @@ def chunk_keys(
     parent = bytes(root)
     for start in range(0, len(arr) - chunk_size + 1, chunk_size):
         parent = _step(parent, fp, ns, arr[start : start + chunk_size].tobytes())
+        keys.append(parent)
+    return keys
+
+
+PIECE_TOKENS = 32  # tokens per tail piece; pieces exist where the chunk size is a larger multiple of it
+_PIECE_TAG = b"kdn/piece/v1"
+
+
+def pieces_enabled(chunk_size: int) -> bool:
+    return chunk_size > PIECE_TOKENS and chunk_size % PIECE_TOKENS == 0
+
+
+def piece_keys(
+    tokens: Sequence[int] | np.ndarray,
+    *,
+    after: ChunkKey,
+    fingerprint: ModelFingerprint,
+    namespace: Namespace,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> list[ChunkKey]:
+    """Keys of the full pieces of ``tokens``, the tokens that follow the chunk keyed ``after``
+    (:data:`ROOT_KEY`, or a steered variant's root, for a tail with no full chunk before it).
+    At most the pieces of one partial chunk: ``chunk_size // PIECE_TOKENS - 1`` of them; none
+    where the chunk size has no pieces (:func:`pieces_enabled`)."""
+    if not pieces_enabled(chunk_size):
+        return []
+    arr = _as_u32(tokens[: chunk_size - PIECE_TOKENS])
+    fp, ns = bytes(fingerprint), namespace.encode()
+    keys: list[ChunkKey] = []
+    parent = bytes(after)
+    for start in range(0, len(arr) - PIECE_TOKENS + 1, PIECE_TOKENS):
+        parent = _step(_PIECE_TAG + parent, fp, ns, arr[start : start + PIECE_TOKENS].tobytes())
         keys.append(parent)
     return keys
 

@@ -134,26 +134,26 @@ class KVShape:
         return (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
 
 
+def layers_span(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], s: int, e: int) -> torch.Tensor:
+    """Tokens ``s .. e-1`` of per-layer ``(keys, values)``, each ``(1, H, N, D)``, as one contiguous
+    ``(L, 2, H, e-s, D)`` copy (a chunk's or a tail piece's KV, independent of the source)."""
+    # per layer: keys/values (1, H, N, D) -> (H, T, D); stacked -> (L, 2, H, T, D)
+    return torch.stack([torch.stack((k[0, :, s:e], v[0, :, s:e])) for k, v in layers])
+
+
 def split_cache(cache: Any, chunk_size: int, *, start: int = 0, count: int | None = None) -> list[torch.Tensor]:
     """Cut full chunks out of a single-sequence ``DynamicCache``.
 
     Returns chunks ``start .. start+count-1`` (default: every full chunk from ``start``), each a
     contiguous ``(L, 2, H, chunk_size, D)`` copy, independent of the cache's storage.
     """
-    layers = cache.layers
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
     if not layers:
         return []
-    n_tokens = layers[0].keys.shape[2]
+    n_tokens = layers[0][0].shape[2]
     full = n_tokens // chunk_size
     stop = full if count is None else min(full, start + count)
-    out = []
-    for c in range(start, stop):
-        s, e = c * chunk_size, (c + 1) * chunk_size
-        # per layer: keys/values (1, H, N, D) -> (H, T, D); stacked -> (L, 2, H, T, D)
-        out.append(
-            torch.stack([torch.stack((layer.keys[0, :, s:e], layer.values[0, :, s:e])) for layer in layers])
-        )
-    return out
+    return [layers_span(layers, c * chunk_size, (c + 1) * chunk_size) for c in range(start, stop)]
 
 
 def build_cache(chunks: Sequence[torch.Tensor], config: Any) -> Any:

@@ -9,7 +9,9 @@ Documents longer than the model window: a chunk's KV depends on every token befo
 model cannot attend past ``max_position_embeddings`` positions, so only the chunks that end
 within the window exist. Chunks beyond ``max_positions // chunk_size`` are **not produced**;
 :class:`ChunkPlan` reports how many tokens that drops, and the origin's ingest summary says so.
-The trailing partial chunk (fewer than ``chunk_size`` tokens) never has a key: it is recomputed.
+The trailing partial chunk (fewer than ``chunk_size`` tokens) is stored in pieces of
+:data:`kdn.keys.PIECE_TOKENS` tokens (:func:`prefill_document`); what is left after the last full
+piece has no key and is recomputed.
 
 Bounded tokenization: since nothing past the window is ever used, :func:`window_tokens` tokenizes
 growing prefixes of a text and stops once it holds more than the window plus a margin, so a 200 MB
@@ -28,7 +30,8 @@ import torch
 
 from kdn import prompts
 from kdn.errors import InvalidInput
-from kdn.kv import split_cache
+from kdn.keys import PIECE_TOKENS, pieces_enabled
+from kdn.kv import layers_span
 from kdn.models import LoadedModel
 
 
@@ -129,17 +132,35 @@ def prefill_chunks(
     further (e.g. a client that only needs the first few). Chunks past the window are not
     produced (see the module docstring); use :func:`plan_chunks` to learn how many were dropped.
     """
-    plan = plan_chunks(len(tokens), lm.chunk_size, lm.max_positions)
+    return prefill_document(lm, tokens, max_chunks=max_chunks, pieces=False)[0]
+
+
+def prefill_document(
+    lm: LoadedModel, tokens: Sequence[int] | np.ndarray, *, max_chunks: int | None = None, pieces: bool = True
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """KV of the full chunks of ``tokens`` (as :func:`prefill_chunks`) and, with ``pieces`` and no
+    cap on the chunks, of the full tail pieces after them (:func:`kdn.keys.piece_keys`), each
+    ``(L, 2, H, PIECE_TOKENS, D)``: one forward pass over both."""
+    C = lm.chunk_size
+    plan = plan_chunks(len(tokens), C, lm.max_positions)
     n = plan.n_chunks if max_chunks is None else min(plan.n_chunks, max_chunks)
-    if n == 0:
-        return []
-    ids = torch.as_tensor(np.asarray(tokens[: n * lm.chunk_size], dtype=np.int64)).unsqueeze(0)  # (1, N)
+    n_pieces = 0
+    if pieces and n == plan.n_chunks and pieces_enabled(C):
+        n_pieces = min(plan.tail_tokens // PIECE_TOKENS, C // PIECE_TOKENS - 1)
+    total = n * C + n_pieces * PIECE_TOKENS
+    if total == 0:
+        return [], []
+    ids = torch.as_tensor(np.asarray(tokens[:total], dtype=np.int64)).unsqueeze(0)  # (1, N)
     with torch.inference_mode():
         # logits_to_keep=1: prefill needs the cache, not a (N, vocab) logits tensor
         out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
     # transformers < 5.20 (the release vLLM 0.32 pins) names the output cache past_key_values
     cache = out.cache if hasattr(out, "cache") else out.past_key_values
-    return split_cache(cache, lm.chunk_size)  # n × (L, 2, H, C, D)
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    chunks = [layers_span(layers, c * C, (c + 1) * C) for c in range(n)]  # n × (L, 2, H, C, D)
+    base = n * C
+    tail = [layers_span(layers, base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS) for j in range(n_pieces)]
+    return chunks, tail
 
 
 def logits_with_chunks(lm: LoadedModel, chunks: Sequence[torch.Tensor], rest: Sequence[int]) -> torch.Tensor:

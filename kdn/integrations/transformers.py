@@ -213,12 +213,15 @@ def generate(
         tf = time.perf_counter()
         nxt = int(torch.argmax(out.logits[0, -1]).item())
         t_first = time.perf_counter()
-        if client is not None and write_back and reuse.edge_usable and reuse.keys:
+        if client is not None and write_back and reuse.edge_usable:
             # the layers' tensors are replaced, not mutated, by later steps: safe to encode later
             layers = [(layer.keys, layer.values) for layer in cache.layers]
             start = reuse.chunks if reuse.warning else reuse.available
+            # the tail pieces reused were after the prompt's last full chunk only if no chunk was computed
+            piece_start = reuse.pieces if start >= len(reuse.keys) else 0
             written = client.schedule_write_back(layers, list(reuse.keys), fingerprint=km.fingerprint,
-                                                 chunk_size=km.chunk_size, start=start)
+                                                 chunk_size=km.chunk_size, start=start, tokens=tokens,
+                                                 piece_start=piece_start)
         generated = greedy_tail(km.model, cache, nxt, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     t_end = time.perf_counter()
     timings = Timings(

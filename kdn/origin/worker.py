@@ -26,9 +26,9 @@ import torch
 from kdn.artifact import encode_artifact
 from kdn.codecs import get_codec
 from kdn.errors import InvalidInput
-from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys
+from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys, piece_keys
 from kdn.models import LoadedModel, load_model
-from kdn.prefill import plan_chunks, prefill_chunks, window_tokens
+from kdn.prefill import plan_chunks, prefill_document, window_tokens
 from kdn.prompts import check_chat_template
 from kdn.origin.config import OriginConfig
 from kdn.origin.store import DocumentRecord, OriginStore
@@ -78,13 +78,15 @@ class DocumentResult:
     steer: str = ""  # the steered variant's canonical spec ("" when none was asked for or it failed)
     steer_variant: str = ""  # its id (hex): what a client names to reuse it
     steer_keys: tuple[str, ...] = ()
+    piece_keys: tuple[str, ...] = ()  # hex: the tail pieces stored after the chunks (kdn.keys.piece_keys)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DocumentResult":
-        return cls(**{**d, "keys": tuple(d.get("keys", ())), "steer_keys": tuple(d.get("steer_keys", ()))})
+        return cls(**{**d, "keys": tuple(d.get("keys", ())), "steer_keys": tuple(d.get("steer_keys", ())),
+                      "piece_keys": tuple(d.get("piece_keys", ()))})
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +171,10 @@ class PrefillWorker:
         if not wt.complete:  # longer than the window: ``counted`` is a lower bound of its tokens
             n_tokens = max(wt.counted, len(tokens))
             beyond = n_tokens - plan.covered_tokens - plan.tail_tokens
-        keys, computed, written = self._store_chain(np.asarray(tokens[: plan.covered_tokens], dtype=np.int64), ns, self.codecs)
+        # the chain of full chunks, then the document's tail in pieces (whole-document hits)
+        within = tokens[: plan.covered_tokens + plan.tail_tokens]
+        keys, computed, written, pieces = self._store_chain(np.asarray(within, dtype=np.int64), ns, self.codecs,
+                                                             pieces=True)
         self.store.record_document(
             DocumentRecord(
                 tenant=t.tenant,
@@ -177,7 +182,7 @@ class PrefillWorker:
                 doc_id=layout_doc_id(t.doc_id, t.layout),
                 content_hash=t.content_hash,
                 n_tokens=n_tokens,
-                keys=tuple(keys),
+                keys=tuple(keys) + tuple(pieces),
                 beyond_window_tokens=beyond,
                 updated=time.time(),
             )
@@ -224,6 +229,7 @@ class PrefillWorker:
             tail_tokens=plan.tail_tokens,
             beyond_window_tokens=beyond,
             keys=tuple(bytes(k).hex() for k in keys),
+            piece_keys=tuple(bytes(k).hex() for k in pieces),
             seconds=time.perf_counter() - t0,
             worker_pid=os.getpid(),
             attempts=t.attempt + 1,
@@ -261,26 +267,35 @@ class PrefillWorker:
         arr = np.asarray(tokens, dtype=np.int64)
         plan = plan_chunks(len(arr), self.lm.chunk_size, self.lm.max_positions)
         specs = [get_codec(c).spec for c in codecs] if codecs else self.codecs
-        keys, computed, _ = self._store_chain(arr[: plan.covered_tokens], ns, specs)
+        keys, computed, _, _ = self._store_chain(arr[: plan.covered_tokens], ns, specs)
         return ChainResult(tuple(keys), computed, len(keys) - computed, plan.beyond_window_tokens)
 
-    def _store_chain(self, tokens: np.ndarray, ns: Namespace, codecs: Sequence[str]) -> tuple[list[ChunkKey], int, int]:
-        """Keys of every full chunk of ``tokens`` (already cut to the window); prefill only when some
-        (key, codec) is missing, and only up to the last missing chunk. Returns keys, chunks
-        computed, bytes written."""
+    def _store_chain(self, tokens: np.ndarray, ns: Namespace, codecs: Sequence[str], *,
+                     pieces: bool = False) -> tuple[list[ChunkKey], int, int, list[ChunkKey]]:
+        """Keys of every full chunk of ``tokens`` (already cut to the window) and, with ``pieces``,
+        of the full tail pieces after them; prefill only when some (key, codec) is missing, and
+        only as far as the last missing one. Returns chunk keys, chunks computed, bytes written,
+        piece keys."""
         lm = self.lm
-        keys = chunk_keys(tokens, fingerprint=lm.fingerprint, namespace=ns, chunk_size=lm.chunk_size)
-        stored = self.store.stored_keys(keys, tenant=ns.tenant, codecs=codecs)
-        missing = [i for i, k in enumerate(keys) if k not in stored]
+        C = lm.chunk_size
+        keys = chunk_keys(tokens, fingerprint=lm.fingerprint, namespace=ns, chunk_size=C)
+        pkeys = piece_keys(tokens[len(keys) * C:], after=keys[-1] if keys else ROOT_KEY, fingerprint=lm.fingerprint,
+                           namespace=ns, chunk_size=C) if pieces else []
+        spans = [*keys, *pkeys]
+        stored = self.store.stored_keys(spans, tenant=ns.tenant, codecs=codecs)
+        missing = [i for i, k in enumerate(spans) if k not in stored]
         if not missing:
-            return keys, 0, 0
-        chunks = prefill_chunks(lm, tokens, max_chunks=missing[-1] + 1)  # each (L, 2, H, C, D)
+            return keys, 0, 0, pkeys
+        n = len(keys)
+        chunks, tail = prefill_document(lm, tokens, max_chunks=None if missing[-1] >= n else missing[-1] + 1,
+                                        pieces=missing[-1] >= n)
+        kv = [*chunks, *tail]  # each (L, 2, H, C or PIECE_TOKENS, D)
 
         def write(i: int, spec: str) -> int:
-            if self.store.artifact(keys[i], spec) is not None:
+            if self.store.artifact(spans[i], spec) is not None:
                 return 0
-            blob = encode_artifact(chunks[i], key=keys[i], parent_key=keys[i - 1] if i else ROOT_KEY,
-                                   fingerprint=lm.fingerprint, codec=spec, chunk_index=i)
+            blob = encode_artifact(kv[i], key=spans[i], parent_key=spans[i - 1] if i else ROOT_KEY,
+                                   fingerprint=lm.fingerprint, codec=spec, chunk_index=min(i, n))
             self.store.put(blob, tenant=ns.tenant)
             return len(blob)
 
@@ -288,7 +303,7 @@ class PrefillWorker:
         # durable, before this returns: a result never reports a chunk that is not stored
         jobs = [self._writers.submit(write, i, spec) for i in missing for spec in codecs]
         written = sum(j.result() for j in jobs)
-        return keys, len(missing), written
+        return keys, sum(1 for i in missing if i < n), written, pkeys
 
 
 # Ray Data actor pools vs plain actors: ingest is a handful of documents per worker with a

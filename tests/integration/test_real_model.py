@@ -57,24 +57,28 @@ def _serve(tmp: Path, model: str, chunk: int):
     return origin, loop, edge
 
 
-def _ingest(origin: OriginServer, text: str, layout: str, doc_id: str) -> list[str]:
+def _ingest(origin: OriginServer, text: str, layout: str, doc_id: str) -> tuple[list[str], list[str]]:
+    """The document's chunk keys and tail piece keys, all stored at the origin."""
     res = origin.compute.ingest(origin.default_fingerprint, DocumentTask(doc_id, text, "h", "default", layout=layout))
     assert res.status == "stored", res
-    return list(res.keys)
+    return list(res.keys), list(res.piece_keys)
 
 
 def test_a_chat_whose_system_message_was_ingested_is_reused_with_the_same_answer(tmp_path, capsys):
     document = (SAMPLES / "lease_policy.txt").read_text()
     origin, loop, edge = _serve(tmp_path, "smollm2-135m", 256)
     try:
-        keys = _ingest(origin, document, "system", str(SAMPLES / "lease_policy.txt"))
+        keys, pieces = _ingest(origin, document, "system", str(SAMPLES / "lease_policy.txt"))
         lm = origin.model()
-        assert len(keys) == len(document_tokens(lm.tokenizer, document, "system")) // 256 >= 4
+        stored = document_tokens(lm.tokenizer, document, "system")
+        assert len(keys) == len(stored) // 256 >= 4 and len(pieces) == len(stored) % 256 // 32
+        whole = 256 * len(keys) + 32 * len(pieces)  # the whole document but < 32 tokens
         messages = [{"role": "system", "content": document}, {"role": "user", "content": QUESTION}]
         base = generate(lm, messages=messages, max_new_tokens=16)
         with KdnClient(ClientConfig(edge=edge.address, write_back=False)) as client:
             hit = generate(lm, messages=messages, client=client, max_new_tokens=16)
-        assert hit.reused_tokens == 256 * len(keys) and not hit.warnings
+        assert hit.reused_tokens == whole and not hit.warnings
+        assert hit.prompt_tokens - hit.reused_tokens < 32 + 24  # left: under a piece, and the question
         assert hit.tokens == base.tokens and "tuesday" in (hit.text or "").lower()
 
         doc = tmp_path / "lease.txt"
@@ -82,7 +86,7 @@ def test_a_chat_whose_system_message_was_ingested_is_reused_with_the_same_answer
         rc = query_main(["--edge", edge.address, "--model", "smollm2-135m", "--layout", "system", "--prompt-file",
                          str(doc), "--prompt", QUESTION, "--max-new-tokens", "16", "--compare", "--json"])
         out = json.loads(capsys.readouterr().out)
-        assert rc == 0 and out["reused_tokens"] == 256 * len(keys) and out["outputs_match"], out
+        assert rc == 0 and out["reused_tokens"] == whole and out["outputs_match"], out
         assert out["tokens"] == base.tokens and out["layout"] == "system" and not out["untrained"]
     finally:
         loop.run(edge.stop())
@@ -95,7 +99,7 @@ def test_a_bos_adding_tokenizer_matches_and_a_mismatched_request_is_reported(tmp
     text = "".join(f"Clause {i}: the tenant keeps the premises in good repair. " for i in range(12))
     origin, loop, edge = _serve(tmp_path, model, 64)
     try:
-        keys = _ingest(origin, text, "text", "clauses.txt")
+        keys, _ = _ingest(origin, text, "text", "clauses.txt")
         lm = load_model(model, chunk_size=64)
         assert lm.tokenizer.encode_prompt(text)[0] == 1  # the engine's prompt starts with the BOS
         base = generate(lm, text + " Who repairs?", max_new_tokens=4)

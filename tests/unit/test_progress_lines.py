@@ -136,7 +136,7 @@ def test_demo_says_how_long_it_takes_before_importing_anything_slow(capsys, monk
     assert demo.main(["--model", "tiny"]) == 1
     err = capsys.readouterr().err
     first = err.splitlines()[0]
-    assert "about 2–3 minutes" in first and "3 documents with tiny" in first
+    assert "a few minutes on an idle 2-core CPU" in first and "3 documents with tiny" in first
     assert "about two minutes" not in demo.build_parser().format_help()
 
 
@@ -153,10 +153,11 @@ def test_quick_start_is_two_commands_that_print_as_they_go():
 
 
 def _demo_out(load: dict) -> dict:
-    q = dict(document="lease_policy.txt", prompt_tokens=4558, reused_tokens=4352, ttft_recompute_s=10.6,
+    q = dict(document="lease_policy.txt", question="On which days are bins emptied?", correct=True,
+             prompt_tokens=4558, reused_tokens=4352, ttft_recompute_s=10.6,
              ttft_kdn_cold_s=1.48, ttft_kdn_s=0.74, speedup=14.3, outputs_match=True, via="edge", text="cccc",
              warnings=[], kdn_timings={}, kdn_cold_timings={})
-    return {"model": "small-125m", "fingerprint": "ab" * 32, "origin": "127.0.0.1:1", "edge": "127.0.0.1:2",
+    return {"model": "small-125m", "dtype": "float32", "fingerprint": "ab" * 32, "origin": "127.0.0.1:1", "edge": "127.0.0.1:2",
             "edge_placement": "Ray actor", "ingest": {"documents": 1, "tokens": 4558, "chunks": 17, "seconds": 9.0},
             "queries": [q], "all_outputs_match": True, "seconds": 80.0, "load_average": load}
 
@@ -184,6 +185,17 @@ def test_demo_says_the_builtin_model_is_untrained_where_the_answers_appear(capsy
     assert "exactly the tokens of a full recompute" in text and "'cccc'" in text
     render({**out, "untrained": False})
     assert "untrained" not in capsys.readouterr().out
+
+
+def test_demo_with_a_trained_model_prints_each_question_and_its_answer(capsys):
+    from kdn.ops.demo import render
+
+    out = _demo_out({"start_1min": 1.0, "end_1min": 1.0, "cpus": 2})
+    q = {**out["queries"][0], "text": "The bins are emptied on Tuesday and Friday mornings."}
+    render({**out, "model": "smollm2-135m", "untrained": False, "queries": [q]})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "On which days are bins emptied?" in text and "Tuesday and Friday mornings" in text
+    assert "correct" in text and "the answer states the fact the document gives" in text
 
 
 def test_query_says_the_builtin_model_is_untrained_beside_its_answer(capsys, tmp_path):

@@ -42,6 +42,14 @@ def vllm_module(monkeypatch):
         for i in range(1, len(parts)):
             monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
         monkeypatch.setitem(sys.modules, base.__name__, base)
+        metrics = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
+
+        class KVConnectorStats:  # vLLM's is a dataclass holding one dict
+            def __init__(self, data=None):
+                self.data = dict(data or {})
+
+        metrics.KVConnectorStats = KVConnectorStats
+        monkeypatch.setitem(sys.modules, metrics.__name__, metrics)
     monkeypatch.delitem(sys.modules, "kdn.integrations.vllm", raising=False)
     import kdn.integrations.vllm as mod
 
@@ -62,6 +70,7 @@ def _engine(mod):
         _loop=mod._LoopThread("kdn-vllm-test"),
     )
     conn._kernel_blocks = types.MethodType(mod.KdnConnector._kernel_blocks, conn)
+    conn._count = types.MethodType(mod.KdnConnector._count, conn)
     client = SimpleNamespace(transport=edge, config=SimpleNamespace(namespace=NS))
     conn._clients_for = lambda tenant, salt: client
     return conn, edge, caches

@@ -67,7 +67,7 @@ def served(tmp_path_factory):
     summary = json.loads(ingest.stdout)
     assert summary["chunks"] >= 4 and summary["layout"] == "system"
     origin = subprocess.Popen([kdn_command(), "origin", "--store", str(store), "--model", "smollm2-135m",
-                               "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True, cwd=tmp)
+                               "--listen", "127.0.0.1:0", "--json"], stdout=subprocess.PIPE, text=True, cwd=tmp)
     serve = edge = None
     try:
         assert origin.stdout is not None

@@ -84,8 +84,9 @@ class IngestSummary:
             "worker_deaths": self.worker_deaths,
             "ignored": self.ignored,
             "not_regular": self.not_regular,
-            "results": [{k: v for k, v in r.to_dict().items() if k not in ("keys", "steer_keys")}
-                        | {"keys": len(r.keys), "steer_keys": len(r.steer_keys)} for r in self.results],
+            "results": [{k: v for k, v in r.to_dict().items() if k not in ("keys", "steer_keys", "piece_keys")}
+                        | {"keys": len(r.keys), "steer_keys": len(r.steer_keys), "pieces": len(r.piece_keys)}
+                        for r in self.results],
             "failed": self.failed,
         }
 
