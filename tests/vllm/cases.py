@@ -63,15 +63,21 @@ def main(argv: list[str]) -> int:
 
 
 def run_cases(args: Any, results: dict[str, Any], model_dir: Path, fp: Any, edge: Any, proxy: Any) -> int:
-    # The engine's processes inherit fd 2: the connector's warnings ("KDN load of chunk ... failed")
-    # land in this file, so each case can tell whether its loads failed. Copied to stdout at the end.
+    # The engine's processes inherit fds 1 and 2: the connector's lines (it logs where vLLM logs,
+    # "KDN load of chunk ... failed" among them) land in this file, so each case can tell whether
+    # its loads failed. Copied to stdout at the end.
     errlog = Path(tempfile.mkstemp(prefix="kdn-vllm-engine-", suffix=".log")[1])
-    saved_stderr = os.dup(2)
-    os.dup2(os.open(errlog, os.O_WRONLY | os.O_APPEND), 2)
+    sys.stdout.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(errlog, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
     try:
         return _run_cases(args, results, model_dir, fp, edge, proxy, errlog)
     finally:
-        os.dup2(saved_stderr, 2)
+        sys.stdout.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
         sys.stdout.write(errlog.read_text(errors="replace"))
         sys.stdout.flush()
 
