@@ -23,7 +23,6 @@ from kdn.errors import InvalidInput
 from kdn.keys import Namespace
 from kdn.models import LoadedModel
 from kdn.origin.store import DocumentRecord, OriginStore
-from kdn.prefill import document_tokens
 from kdn.segments import MAX_SEGMENT_TOKENS, Segment, SegmentKey, encode_segment, segment_key
 
 SEGMENT_SUFFIX = "#segment"
@@ -49,7 +48,7 @@ def ingest_segments(
     """Store every ``(doc_id, text)`` as a segment; already stored segments are not recomputed."""
     out = []
     for doc_id, text in documents:
-        tokens = document_tokens(lm, text)
+        tokens = lm.tokenizer.encode(text)  # a fragment placed anywhere in a prompt: no BOS of its own
         limit = min(MAX_SEGMENT_TOKENS, lm.max_positions or MAX_SEGMENT_TOKENS)
         if not tokens or len(tokens) > limit:
             raise InvalidInput(f"document {doc_id!r} has {len(tokens)} tokens; a segment holds 1..{limit}")
