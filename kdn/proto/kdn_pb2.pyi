@@ -307,6 +307,44 @@ class DocumentResponse(_message.Message):
     steer_variant: str
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., steer_variant: _Optional[str] = ...) -> None: ...
 
+class BlendRequest(_message.Message):
+    __slots__ = ("fingerprint", "namespace", "tokens", "documents", "codec")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: bytes
+    namespace: Namespace
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    documents: _containers.RepeatedScalarFieldContainer[int]
+    codec: str
+    def __init__(self, fingerprint: _Optional[bytes] = ..., namespace: _Optional[_Union[Namespace, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., documents: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ...) -> None: ...
+
+class BlendResponse(_message.Message):
+    __slots__ = ("keys", "covered_tokens", "variant", "documents", "document_tokens", "recomputed_tokens", "ratio", "refused", "reason", "cached")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    COVERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VARIANT_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    covered_tokens: int
+    variant: str
+    documents: int
+    document_tokens: int
+    recomputed_tokens: int
+    ratio: float
+    refused: str
+    reason: str
+    cached: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., covered_tokens: _Optional[int] = ..., variant: _Optional[str] = ..., documents: _Optional[int] = ..., document_tokens: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., ratio: _Optional[float] = ..., refused: _Optional[str] = ..., reason: _Optional[str] = ..., cached: _Optional[bool] = ...) -> None: ...
+
 class Announcement(_message.Message):
     __slots__ = ("node_id", "address", "weight", "ttl_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

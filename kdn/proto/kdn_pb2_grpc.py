@@ -395,6 +395,11 @@ class OriginServiceStub:
                 request_serializer=kdn_dot_proto_dot_kdn__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kdn_dot_proto_dot_kdn__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Blend = channel.unary_unary(
+                '/kdn.v1.OriginService/Blend',
+                request_serializer=kdn_dot_proto_dot_kdn__pb2.BlendRequest.SerializeToString,
+                response_deserializer=kdn_dot_proto_dot_kdn__pb2.BlendResponse.FromString,
+                _registered_method=True)
 
 
 class OriginServiceServicer:
@@ -430,6 +435,12 @@ class OriginServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Blend(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OriginServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -457,6 +468,11 @@ def add_OriginServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kdn_dot_proto_dot_kdn__pb2.StatsRequest.FromString,
                     response_serializer=kdn_dot_proto_dot_kdn__pb2.StatsResponse.SerializeToString,
+            ),
+            'Blend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Blend,
+                    request_deserializer=kdn_dot_proto_dot_kdn__pb2.BlendRequest.FromString,
+                    response_serializer=kdn_dot_proto_dot_kdn__pb2.BlendResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -594,6 +610,33 @@ class OriginService:
             '/kdn.v1.OriginService/Stats',
             kdn_dot_proto_dot_kdn__pb2.StatsRequest.SerializeToString,
             kdn_dot_proto_dot_kdn__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Blend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kdn.v1.OriginService/Blend',
+            kdn_dot_proto_dot_kdn__pb2.BlendRequest.SerializeToString,
+            kdn_dot_proto_dot_kdn__pb2.BlendResponse.FromString,
             options,
             channel_credentials,
             insecure,
