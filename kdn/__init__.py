@@ -22,8 +22,10 @@ Floors (each may import only its own floor and the floors below it):
    one servicer envelope), stream frames, the shm reader, auth, TLS, channels, in-process gRPC.
 2. **parts** — ``kdn.client`` and ``kdn.client_transport`` and ``kdn.integrations`` (the
    inference host), ``kdn.edge``, ``kdn.origin``, ``kdn.lab`` (reference models and quality
-   harnesses). Parts never import each other, with two stated exceptions: an integration uses
-   ``kdn.client``; ``kdn.simulator`` runs the edge's own policies (``kdn.edge``) under its clock.
+   harnesses), ``kdn.route`` (the KV-aware router in front of inference hosts). Parts never
+   import each other, with three stated exceptions: an integration uses ``kdn.client``;
+   ``kdn.route`` may use ``kdn.client``; ``kdn.simulator`` runs the edge's own policies
+   (``kdn.edge``) and the router's scorer (``kdn.route.score``) under its clock.
 3. **ops** — ``kdn.ops``: the ``kdn`` command, ``kdn up``/``down``, the Ray roles and registry,
    the demo. Only ops imports every part; nothing imports ops.
 

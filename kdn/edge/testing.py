@@ -223,7 +223,8 @@ class InProcessEdge:
     """One real :class:`EdgeNode` behind its real servicer, reachable through :meth:`channel`.
 
     Plays the part of :class:`kdn.edge.server.EdgeServer` for the servicer (config, auth, node,
-    hints; no shared memory, no metrics port), without binding anything::
+    hints; no shared memory, no metrics port), without binding anything. ``node``: serve that node
+    (one of an :class:`InMemoryOverlay`, with its peers) instead of a new node without peers::
 
         edge = InProcessEdge(origin=OriginUpstream("inproc", channel=origin_server.channel()))
         await edge.start()
@@ -232,7 +233,7 @@ class InProcessEdge:
 
     def __init__(
         self, *, origin: Upstream | None = None, clock: Clock | None = None, memory_bytes: int = 1 << 24,
-        **config: object,
+        node: EdgeNode | None = None, **config: object,
     ) -> None:
         from kdn.edge.operator_hints import HintService
         from kdn.edge.server import EdgeServicer, PutBudget
@@ -241,19 +242,23 @@ class InProcessEdge:
         from kdn.wire.inproc import InProcessServer
         from kdn.wire.service import add_servicer
 
-        self.clock = clock or FakeClock()
-        self.config = EdgeConfig.build({"node_id": "e0", "memory_bytes": memory_bytes, **config})
+        self.clock = clock or (node.clock if node is not None else FakeClock())
+        if node is not None:  # a node of an InMemoryOverlay: served here, its peers as it has them
+            self.config = node.config
+            self.node = node
+        else:
+            self.config = EdgeConfig.build({"node_id": "e0", "memory_bytes": memory_bytes, **config})
+            me = Member(self.config.node_id, f"inproc://{self.config.node_id}")
+            self.node = EdgeNode(
+                self.config,
+                store=build_store(self.config.model_copy(update={"disk_dir": None}), clock=self.clock),  # memory only
+                overlay=Overlay(me, [me], replicas=1, clock=self.clock),
+                connect=self._no_peers,
+                origin=origin,
+                clock=self.clock,
+            )
+            self.node.address = me.address
         self.auth = TokenAuth.from_config(self.config.tokens)
-        me = Member(self.config.node_id, f"inproc://{self.config.node_id}")
-        self.node = EdgeNode(
-            self.config,
-            store=build_store(self.config.model_copy(update={"disk_dir": None}), clock=self.clock),  # memory only
-            overlay=Overlay(me, [me], replicas=1, clock=self.clock),
-            connect=self._no_peers,
-            origin=origin,
-            clock=self.clock,
-        )
-        self.node.address = me.address
         self.hints = HintService(self.node, disk_dir=None, clock=self.clock)
         self.node.scheduler = self.hints
         self.shm = None

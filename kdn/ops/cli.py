@@ -36,6 +36,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("ingest", "kdn.origin.cli:main_ingest", "turn documents into KV artifacts in the origin store"),
     Command("edge", "kdn.edge.cli:main", "run an edge node, or send it hints (pin, ttl, schedule ...)"),
     Command("query", "kdn.ops.query:main", "run one request through an edge and print the TTFT breakdown"),
+    Command("route", "kdn.route.cli:main", "KV-aware router: send each request to the host where its KV is cheapest"),
     Command("stats", "kdn.edge.cli:main_stats", "show an edge's or origin's counters"),
     Command("simulate", "kdn.simulator.cli:main_simulate", "run a WAN simulation scenario"),
     Command("tune", "kdn.simulator.cli:main_tune", "search placement settings; print the cost/TTFT Pareto front"),

@@ -32,8 +32,9 @@ ALLOWED: dict[str, set[str]] = {
     "edge": {"contracts", "wire"},
     "origin": {"contracts", "wire"},
     "lab": {"contracts", "wire"},
-    "simulator": {"contracts", "wire", "edge"},
-    "ops": {"contracts", "wire", "client", "integrations", "edge", "origin", "lab", "simulator"},
+    "route": {"contracts", "wire", "client"},
+    "simulator": {"contracts", "wire", "edge", "route"},
+    "ops": {"contracts", "wire", "client", "integrations", "edge", "origin", "lab", "simulator", "route"},
 }
 
 
