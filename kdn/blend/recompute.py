@@ -18,25 +18,28 @@ KV, so the tokens whose KV depends most on the missing context get it:
 - ``FirstK(k)`` — EPIC's baseline: the first ``k`` tokens of each segment (the "attention sinks"
   each segment grew when it was computed alone), recomputed at every layer.
 - ``Naive()`` — nothing recomputed.
+- ``Random(ratio, check_layer, seed)`` — the control for ``Deviation``: the same passes and the
+  same number of tokens, chosen at random.
 
 The question is then prefilled over the blended KV as over any cache, and generation proceeds.
 
-Where each step runs, and why: all of it runs on the **inference host**. Fetching the segments is
-the edge's job (they are plain artifacts under segment keys, served and hinted like chunks), but
-re-positioning needs only the model's ``inv_freq`` and is a cheap elementwise rotation done while
-the bytes are already being copied into the host's cache, and the selective recompute needs the
-model's weights, the prefix's KV and every other segment of *this* prompt — all of which the host
-has and an edge does not. Running it on an edge would ship the whole blended context back per
-request (a new, unshareable artifact) and make the edge a GPU service; on the host it costs the
-recomputed share of one prefill, overlapped with nothing else. Blended KV is never written back
-(see :mod:`kdn.segments`): it is specific to one prompt and would only flood the cache.
+Tokens between segments that no segment holds (a separator, a chat template's markers) are
+:class:`Glue`: placed with placeholder KV and computed at every layer by every policy.
+
+Where it runs: on the inference host (:mod:`kdn.integrations.blend`: the host has the weights,
+the prefix and every other segment of this prompt) and in the store (:mod:`kdn.origin.blend`:
+the origin's prefill workers blend for engines that only load KV, such as vLLM, and serve the
+result as a blend variant). Either way the blended KV is specific to one prompt: it is never
+written back under a chain or segment key (see :mod:`kdn.segments`).
 
 The selective pass drives the model's own decoder layers (``model.model.layers``), embedding and
 rotary modules, with an explicit position list, an additive attention mask over the full mixed KV
 (query at absolute position ``p`` sees keys ``0..p``) and a small cache object whose ``update``
-scatters the fresh K/V of the recomputed positions into the mixed KV. Any HF model whose attention
-calls ``cache.update(k, v, layer_idx)`` after rotary and before attention (Llama, Mistral, Qwen2/3,
-StableLM …) works; :func:`check_model` refuses the rest.
+scatters the fresh K/V of the recomputed positions into the mixed KV. The attention
+implementation must apply that mask as given: ``eager`` and ``sdpa`` do (only a full causal pass
+under SDPA goes without one, as SDPA is causal by itself there); others are refused. Any HF
+model whose attention calls ``cache.update(k, v, layer_idx)`` after rotary and before attention
+(Llama, Mistral, Qwen2/3, StableLM …) works; :func:`check_model` refuses the rest.
 """
 
 from __future__ import annotations
@@ -86,23 +89,50 @@ class Deviation:
     name: str = "blend"
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.ratio <= 1.0:
-            raise InvalidInput(f"recompute ratio must be in [0, 1], got {self.ratio}")
-        if self.check_layer < 0:
-            raise InvalidInput(f"check_layer must be >= 0, got {self.check_layer}")
+        _check_ratio(self.ratio, self.check_layer)
 
 
-Policy = Naive | FirstK | Deviation
+@dataclass(frozen=True, slots=True)
+class Random:
+    """The control for :class:`Deviation`: the same passes and the same number of tokens, chosen
+    uniformly at random (seeded) instead of by deviation."""
+
+    ratio: float = 0.15
+    check_layer: int = 1
+    seed: int = 0
+    name: str = "random"
+
+    def __post_init__(self) -> None:
+        _check_ratio(self.ratio, self.check_layer)
+
+
+def _check_ratio(ratio: float, check_layer: int) -> None:
+    if not 0.0 <= ratio <= 1.0:
+        raise InvalidInput(f"recompute ratio must be in [0, 1], got {ratio}")
+    if check_layer < 0:
+        raise InvalidInput(f"check_layer must be >= 0, got {check_layer}")
+
+
+Policy = Naive | FirstK | Deviation | Random
 
 
 # -- layout ---------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Glue:
+    """Tokens between segments that no segment holds (a separator, a chat template's markers):
+    they have no cached KV, so every policy computes them at every layer."""
+
+    tokens: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class Layout:
-    """A context of ``N`` tokens: an exact prefix, then re-placed segments.
+    """A context of ``N`` tokens: an exact prefix, then re-placed segments (and glue).
 
-    ``keys``/``values``: per layer ``(1, H, N, D)``; ``spans``: each segment's ``[start, end)``.
+    ``keys``/``values``: per layer ``(1, H, N, D)``; ``spans``: each segment's ``[start, end)``;
+    ``forced``: positions of glue tokens, sorted (their KV is a placeholder until computed).
     """
 
     tokens: list[int]
@@ -110,6 +140,7 @@ class Layout:
     values: list[torch.Tensor]
     prefix_len: int
     spans: list[tuple[int, int]]
+    forced: list[int] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -118,21 +149,22 @@ class Layout:
 
 def place(
     model: Any,
-    segments: Sequence[Segment],
+    segments: Sequence[Segment | Glue],
     *,
     prefix_tokens: Sequence[int] = (),
     prefix_kv: torch.Tensor | None = None,
     rope: RopeSpec | None = None,
 ) -> Layout:
-    """Concatenate ``prefix_kv`` ``(L, 2, H, P, D)`` and every segment, each rotated to its place."""
+    """Concatenate ``prefix_kv`` ``(L, 2, H, P, D)`` and every segment, each rotated to its place;
+    :class:`Glue` gets placeholder KV and is marked for computing."""
     rope = rope or rope_spec(model)
     P = len(prefix_tokens)
     if (prefix_kv is None) != (P == 0) or (prefix_kv is not None and prefix_kv.shape[3] != P):
         raise InvalidInput("prefix_kv must hold exactly the prefix tokens")
-    ref = prefix_kv if prefix_kv is not None else (segments[0].kv if segments else None)
+    ref = prefix_kv if prefix_kv is not None else next((s.kv for s in segments if isinstance(s, Segment)), None)
     if ref is None:
         raise InvalidInput("nothing to place: no prefix and no segments")
-    L = ref.shape[0]
+    L, H, D = ref.shape[0], ref.shape[2], ref.shape[4]
     keys: list[list[torch.Tensor]] = [[] for _ in range(L)]
     values: list[list[torch.Tensor]] = [[] for _ in range(L)]
     if prefix_kv is not None:
@@ -140,10 +172,23 @@ def place(
             keys[l].append(prefix_kv[l, 0])  # (H, P, D)
             values[l].append(prefix_kv[l, 1])
     tokens = list(prefix_tokens)
-    spans = []
+    spans: list[tuple[int, int]] = []
+    forced: list[int] = []
     pos = P
     for seg in segments:
-        if seg.kv.shape[0] != L or seg.kv.shape[2] != ref.shape[2] or seg.kv.shape[4] != ref.shape[4]:
+        if isinstance(seg, Glue):
+            n = len(seg.tokens)
+            if not n:
+                continue
+            hole = torch.zeros((H, n, D), dtype=ref.dtype)  # (H, n, D), overwritten by the recompute
+            for l in range(L):
+                keys[l].append(hole)
+                values[l].append(hole)
+            tokens += seg.tokens
+            forced += range(pos, pos + n)
+            pos += n
+            continue
+        if seg.kv.shape[0] != L or seg.kv.shape[2] != H or seg.kv.shape[4] != D:
             raise InvalidInput(f"segment KV {tuple(seg.kv.shape)} does not match the context's {tuple(ref.shape)}")
         n = len(seg.tokens)
         for l in range(L):
@@ -155,7 +200,7 @@ def place(
     # per layer (H, N, D) -> (1, H, N, D), a fresh tensor the recompute may write into
     k_out = [torch.cat(ks, dim=1).unsqueeze(0) for ks in keys]
     v_out = [torch.cat(vs, dim=1).unsqueeze(0) for vs in values]
-    return Layout(tokens, k_out, v_out, P, spans)
+    return Layout(tokens, k_out, v_out, P, spans, forced)
 
 
 # -- the selective recompute ----------------------------------------------------------------------
@@ -164,8 +209,9 @@ def place(
 @dataclass(frozen=True, slots=True)
 class BlendStats:
     """What a blend cost. ``selected``: segment tokens recomputed through the last layer;
-    ``candidates``: segment tokens; ``layer_token_fraction``: (token, layer) pairs computed over
-    those a full recompute of the segments would compute (the compute share)."""
+    ``candidates``: segment tokens; ``layer_token_fraction``: (token, layer) pairs of segment
+    tokens computed over those a full recompute of the segments would compute (the compute
+    share); glue is computed in full and counted apart."""
 
     policy: str
     candidates: int
@@ -173,6 +219,7 @@ class BlendStats:
     layer_token_fraction: float
     seconds: float
     selected_positions: tuple[int, ...] = field(default_factory=tuple)
+    glue: int = 0  # glue tokens computed at every layer (not candidates)
 
     @property
     def recompute_fraction(self) -> float:
@@ -210,6 +257,16 @@ class _MixedKV:
         return int(self.keys[layer_idx].shape[2])
 
 
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that apply an explicit additive ``(1, 1, S, N)`` mask as given."""
+
+
+def attention_implementation(model: Any) -> str:
+    """The model's attention implementation (``sdpa`` when the config names none)."""
+    cfg = model.config
+    return str(getattr(cfg, "_attn_implementation", None) or getattr(cfg, "attn_implementation", None) or "sdpa")
+
+
 def check_model(model: Any) -> RopeSpec:
     """Refuse a model the selective pass cannot drive; return its verified :class:`RopeSpec`."""
     inner = getattr(model, "model", None)
@@ -219,6 +276,13 @@ def check_model(model: Any) -> RopeSpec:
                 f"{type(model).__name__} lacks model.{attr}: blending drives HF decoder layers "
                 "(model.model.embed_tokens/layers/rotary_emb) and cannot run this architecture"
             )
+    attn = attention_implementation(model)
+    if attn not in SUPPORTED_ATTENTION:
+        raise UnsupportedModel(
+            f"{type(model).__name__} runs attention {attn!r}; blending needs an implementation that applies an "
+            f"explicit mask over the mixed KV ({', '.join(SUPPORTED_ATTENTION)}): load it with "
+            "attn_implementation='sdpa'"
+        )
     return rope_spec(model)
 
 
@@ -230,25 +294,29 @@ def _mask(q_pos: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     return m.view(1, 1, *allowed.shape)
 
 
-def _run_layer(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV, inner: Any, n: int) -> torch.Tensor:
+def _run_layer(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV, inner: Any, n: int,
+               attn: str) -> torch.Tensor:
     """One decoder layer over the hidden states ``h`` ``(1, S, hidden)`` of positions ``q_pos`` ``(S,)``.
 
-    When ``q_pos`` is every position ``0..n-1`` the layer runs as a plain causal prefill (no
-    explicit mask, so the attention kernel never materialises the ``(S, N)`` scores)."""
+    The layer always gets the explicit mask of :func:`_mask`, except when ``q_pos`` is every
+    position ``0..n-1`` under SDPA: there ``attention_mask=None`` makes the kernel causal by
+    itself (``is_causal``) without materialising the ``(S, N)`` mask. Eager attention applies
+    exactly the mask it is given, so it always gets one."""
     pos_ids = q_pos.unsqueeze(0)  # (1, S)
     cos, sin = inner.rotary_emb(h, position_ids=pos_ids)  # (1, S, r) each
     mixed.idx = q_pos
     everything = q_pos.numel() == n  # q_pos is sorted and distinct: it is arange(n)
-    out = layer(h, attention_mask=None if everything else _mask(q_pos, n, h.dtype), position_ids=pos_ids,
-                cache=mixed, use_cache=True, position_embeddings=(cos, sin))
+    mask = None if everything and attn == "sdpa" else _mask(q_pos, n, h.dtype)
+    out = layer(h, attention_mask=mask, position_ids=pos_ids, cache=mixed, use_cache=True,
+                position_embeddings=(cos, sin))
     return out[0] if isinstance(out, tuple) else out  # (1, S, hidden)
 
 
-def _project(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV, inner: Any, n: int):
+def _project(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV, inner: Any, n: int, attn: str):
     """Fresh K/V ``(1, H, S, D)`` of one layer for ``h``: the layer runs up to its cache update."""
     mixed.capture = True
     try:
-        _run_layer(layer, h, q_pos, mixed, inner, n)
+        _run_layer(layer, h, q_pos, mixed, inner, n, attn)
     except _Captured:
         pass
     finally:
@@ -265,6 +333,7 @@ def blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats]:
     what it cost. ``layout``'s tensors are modified in place (they become the blended KV)."""
     t0 = time.perf_counter()
     check_model(model)
+    attn = attention_implementation(model)
     inner = model.model
     layers = list(inner.layers)
     L = len(layers)
@@ -273,48 +342,64 @@ def blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats]:
     if window and getattr(model.config, "use_sliding_window", True) and n > window:
         raise UnsupportedModel(f"context of {n} tokens exceeds the model's sliding window ({window}); blending "
                                "attends over the whole mixed KV and would not match this model")
-    cand = torch.arange(layout.prefix_len, n)  # (A,) absolute positions of segment tokens
+    is_glue = torch.zeros(n, dtype=torch.bool)
+    is_glue[torch.tensor(layout.forced, dtype=torch.long)] = True
+    glue = torch.tensor(layout.forced, dtype=torch.long)  # (G,) sorted positions without cached KV
+    is_cand = torch.zeros(n, dtype=torch.bool)
+    is_cand[layout.prefix_len:] = True
+    is_cand &= ~is_glue
+    cand = torch.nonzero(is_cand).flatten()  # (A,) absolute positions of segment tokens
     A = int(cand.numel())
     mixed = _MixedKV(layout.keys, layout.values)
     layer_tokens = 0
-    active = torch.empty(0, dtype=torch.long)  # positions still being recomputed
-    if A and not isinstance(policy, Naive):
+    active = glue  # positions being recomputed: glue at least, at every layer
+    checked = isinstance(policy, (Deviation, Random))
+    if A and isinstance(policy, FirstK):
+        first = torch.cat([torch.arange(s, min(e, s + policy.k)) for s, e in layout.spans])
+        active = torch.cat((first, glue)).unique(sorted=True)
+    elif A and checked and policy.check_layer > 0:
+        # layers before the check run in full; the (exact) prefix joins them so that the pass
+        # is a plain causal prefill over 0..n-1. Its fresh KV equals its cached KV.
+        active = torch.arange(n)
+    elif A and checked:
+        active = torch.cat((cand, glue)).unique(sorted=True)
+    if active.numel():
         ids = torch.tensor(layout.tokens, dtype=torch.long)
-        if isinstance(policy, FirstK):
-            active = torch.cat([torch.arange(s, min(e, s + policy.k)) for s, e in layout.spans]) if layout.spans else cand
-        elif policy.check_layer > 0:
-            # layers before the check run in full; the (exact) prefix joins them so that the pass
-            # is a plain causal prefill over 0..n-1. Its fresh KV equals its cached KV.
-            active = torch.arange(n)
-        else:
-            active = cand
-        if active.numel():
-            h = inner.embed_tokens(ids[active].unsqueeze(0))  # (1, S, hidden)
-            check = policy.check_layer if isinstance(policy, Deviation) else -1
-            for l, layer in enumerate(layers):
-                if l == check and active.numel():
-                    if active.numel() > A:  # drop the prefix: only document tokens are candidates
-                        h, active = h[:, -A:], active[-A:]
-                    k_new, v_new = _project(layer, h, active, mixed, inner, n)  # (1, H, S, D) each
-                    k_old = mixed.keys[l][:, :, active]  # (1, H, S, D)
+        h = inner.embed_tokens(ids[active].unsqueeze(0))  # (1, S, hidden)
+        check = policy.check_layer if checked and A else -1
+        for l, layer in enumerate(layers):
+            if l == check:
+                past = active >= layout.prefix_len  # drop the prefix: its KV is exact
+                h, active = h[:, past], active[past]
+                k_new, v_new = _project(layer, h, active, mixed, inner, n, attn)  # (1, H, S, D) each
+                seg = ~is_glue[active]  # (S,) segment tokens among the active
+                keep = min(A, math.ceil(policy.ratio * A - 1e-9))
+                if isinstance(policy, Random):
+                    pick = torch.randperm(A, generator=torch.Generator().manual_seed(policy.seed))[:keep]
+                elif keep:
+                    k_old = mixed.keys[l][:, :, active]  # (1, H, S, D): the re-placed cached KV
                     v_old = mixed.values[l][:, :, active]
                     dev = ((k_new.float() - k_old.float()) ** 2).sum(dim=(0, 1, 3)) + \
                         ((v_new.float() - v_old.float()) ** 2).sum(dim=(0, 1, 3))  # (S,)
-                    keep = min(int(active.numel()), math.ceil(policy.ratio * A - 1e-9))
-                    # every token with fresh K/V at this layer gets it; only the top `keep` go on
-                    mixed.keys[l][:, :, active] = k_new.to(mixed.keys[l].dtype)
-                    mixed.values[l][:, :, active] = v_new.to(mixed.values[l].dtype)
-                    top = torch.topk(dev, keep).indices.sort().values if keep else torch.empty(0, dtype=torch.long)
-                    h, active = h[:, top], active[top]
-                if not active.numel():
-                    break
-                h = _run_layer(layer, h, active, mixed, inner, n)
-                layer_tokens += min(A, int(active.numel()))  # document tokens only
+                    pick = torch.topk(dev[seg], keep).indices
+                else:
+                    pick = torch.empty(0, dtype=torch.long)
+                # every token with fresh K/V at this layer gets it; only the chosen go on
+                mixed.keys[l][:, :, active] = k_new.to(mixed.keys[l].dtype)
+                mixed.values[l][:, :, active] = v_new.to(mixed.values[l].dtype)
+                chosen = torch.nonzero(seg).flatten()[pick]  # indices into active
+                chosen = torch.cat((chosen, torch.nonzero(~seg).flatten())).unique(sorted=True)
+                h, active = h[:, chosen], active[chosen]
+            if not active.numel():
+                break
+            h = _run_layer(layer, h, active, mixed, inner, n, attn)
+            layer_tokens += int(is_cand[active].sum())
     cache = cache_from_layers(list(zip(mixed.keys, mixed.values)), model.config)
+    selected = active[is_cand[active]] if active.numel() else active
     stats = BlendStats(
-        policy=_describe(policy), candidates=A, selected=int(active.numel()),
+        policy=_describe(policy), candidates=A, selected=int(selected.numel()),
         layer_token_fraction=layer_tokens / (L * A) if A else 0.0, seconds=time.perf_counter() - t0,
-        selected_positions=tuple(int(p) for p in active.tolist()),
+        selected_positions=tuple(int(p) for p in selected.tolist()), glue=int(glue.numel()),
     )
     return cache, stats
 
@@ -322,6 +407,8 @@ def blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats]:
 def _describe(policy: Policy) -> str:
     if isinstance(policy, Deviation):
         return f"blend@{policy.ratio:g}"
+    if isinstance(policy, Random):
+        return f"random@{policy.ratio:g}"
     if isinstance(policy, FirstK):
         return f"first-{policy.k}"
     return "naive"

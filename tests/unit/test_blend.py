@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdn.blend import Deviation, FirstK, Naive, blend, place, prefill_segment, rope_spec
+from kdn.blend import Deviation, FirstK, Glue, Naive, Random, blend, place, prefill_segment, rope_spec
 from kdn.blend.verdict import Verdict, read_verdict, write_verdict
 from kdn.client import ClientConfig, KdnClient
 from kdn.client_transport import MemoryEdgeTransport
@@ -130,6 +130,58 @@ def test_recomputing_every_token_is_a_full_prefill(tiny_mha_model) -> None:
     _, stats = blend(model, layout, Deviation(0.15))
     assert stats.selected == 12 and len(set(stats.selected_positions)) == 12
     assert all(5 <= p < 80 for p in stats.selected_positions)  # only document tokens, never the prefix
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_recomputing_every_token_matches_full_prefill_for_every_attention_implementation(attn: str) -> None:
+    """At 100% recompute, with the check layer's full pass over every position (where SDPA needs no
+    mask but eager attention must be given the causal one), glue between documents and a random
+    control: the logits are a full prefill's (eager without the mask was off by ~1e-1)."""
+    model = _llama(attn_implementation=attn)
+    assert model.config._attn_implementation == attn
+    prefix, docs, q = _ids(5, 14), [_ids(30, 15), _ids(20, 16), _ids(25, 17)], _ids(7, 18)
+    glue = _ids(3, 19)
+    with torch.inference_mode():
+        ref = model(input_ids=torch.tensor([prefix + docs[0] + glue + docs[1] + docs[2] + q])).logits[0, -len(q):]
+    parts = [Segment(segment_key(d, fingerprint=bytes(32), namespace=DEFAULT_NAMESPACE), tuple(d), prefill_segment(model, d))
+             for d in docs]
+    for policy in (Deviation(1.0, check_layer=1), Deviation(1.0, check_layer=0), Random(1.0, check_layer=2), FirstK(99)):
+        layout = place(model, [parts[0], Glue(tuple(glue)), parts[1], parts[2]], prefix_tokens=prefix,
+                       prefix_kv=prefill_segment(model, prefix))
+        assert layout.forced == [35, 36, 37] and layout.spans == [(5, 35), (38, 58), (58, 83)]
+        cache, stats = blend(model, layout, policy)
+        assert stats.selected == stats.candidates == 75 and stats.glue == 3
+        with torch.inference_mode():
+            got = model(input_ids=torch.tensor([q]), cache=cache, use_cache=True).logits[0]
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_glue_is_computed_by_every_policy_and_random_picks_other_tokens_than_deviation() -> None:
+    model = _llama()
+    docs, glue = [_ids(40, 20), _ids(40, 21)], _ids(4, 22)
+    parts = [Segment(segment_key(d, fingerprint=bytes(32), namespace=DEFAULT_NAMESPACE), tuple(d), prefill_segment(model, d))
+             for d in docs]
+    picked = {}
+    for policy in (Naive(), FirstK(2), Deviation(0.25), Random(0.25, seed=3)):
+        layout = place(model, [parts[0], Glue(tuple(glue)), parts[1]])
+        _, stats = blend(model, layout, policy)
+        assert stats.glue == 4 and not set(stats.selected_positions) & {40, 41, 42, 43}
+        picked[type(policy).__name__] = set(stats.selected_positions)
+        # glue has real KV now: no placeholder zeros are left at its positions
+        assert all(float(k[0, :, 40:44].abs().sum()) > 0 for k in layout.keys)
+    assert len(picked["Deviation"]) == len(picked["Random"]) == 20 and picked["Deviation"] != picked["Random"]
+    assert picked["Naive"] == set() and picked["FirstK"] == {0, 1, 44, 45}
+
+
+def test_attention_without_an_explicit_mask_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from kdn.blend import check_model
+
+    inner = _llama().model
+    stand_in = SimpleNamespace(model=inner, config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    with pytest.raises(UnsupportedModel, match="flash_attention_2"):
+        check_model(stand_in)
 
 
 def _client(edge: MemoryEdgeTransport, **kw) -> KdnClient:
