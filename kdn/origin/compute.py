@@ -34,6 +34,10 @@ class ComputeBackend(Protocol):
     def ingest(self, fingerprint: ModelFingerprint, task: DocumentTask) -> DocumentResult:
         """Ingest one document; blocking."""
 
+    def blend(self, fingerprint: ModelFingerprint, tokens: np.ndarray, ns: Namespace, plan: dict[str, Any],
+              codec: str) -> dict[str, Any]:
+        """Compute a blend variant (:meth:`kdn.origin.worker.PrefillWorker.blend`); blocking."""
+
     def close(self) -> None: ...
 
 
@@ -78,6 +82,13 @@ class LocalCompute:
         w = self.worker(fingerprint)
         with self._locks[w.lm.fingerprint]:
             return DocumentResult.from_dict(w.process(task.to_dict()))
+
+    def blend(self, fingerprint: ModelFingerprint, tokens: np.ndarray, ns: Namespace, plan: dict[str, Any],
+              codec: str) -> dict[str, Any]:
+        w = self.worker(fingerprint)
+        _check_tokens(tokens, int(w.lm.config.vocab_size))
+        with self._locks[w.lm.fingerprint]:
+            return w.blend(tokens, ns.tenant, ns.salt, plan, codec)
 
     def close(self) -> None:
         for w in self._workers.values():
@@ -145,6 +156,11 @@ class RayCompute:
     def ingest(self, fingerprint: ModelFingerprint, task: DocumentTask) -> DocumentResult:
         out = self._call(fingerprint, "process", task.to_dict())
         return DocumentResult.from_dict(out)
+
+    def blend(self, fingerprint: ModelFingerprint, tokens: np.ndarray, ns: Namespace, plan: dict[str, Any],
+              codec: str) -> dict[str, Any]:
+        return self._call(fingerprint, "blend", np.ascontiguousarray(tokens, dtype=np.int64), ns.tenant, ns.salt,
+                          plan, codec)
 
     def close(self) -> None:
         import ray

@@ -58,6 +58,8 @@ class OriginConfig(RoleConfig):
     fsync: bool = Field(True, description="fsync blobs before they become visible")
     max_compute_tokens: int = Field(1 << 17, gt=0, description="largest chain a Compute request may ask for")
     compute_timeout_s: float = Field(300.0, gt=0, description="bound on one Compute call")
+    blend_cache_bytes: int = Field(1 << 30, ge=0, description="blend variants kept in memory to be fetched "
+                                   "(kdn.origin.blend); least recently used out first")
 
     @field_validator("codecs")
     @classmethod

@@ -20,6 +20,11 @@ RPCs (kdn/proto/kdn.proto):
 - ``Compute``: the whole chain's tokens + a fingerprint this origin serves -> every missing full
   chunk is prefilled and stored; returns all keys. Unknown fingerprint -> ``FAILED_PRECONDITION``.
 - ``Document``: the chunk keys of an ingested document.
+- ``Blend``: a prompt's tokens -> the keys of its *blend variant* (:mod:`kdn.origin.blend`): the
+  documents it holds as segments, found by content (or at the spans the request names), joined
+  and partly recomputed on a prefill worker; the variant's chunks are kept in memory and served
+  by ``Fetch`` under their own keys. A refusal (no passing verdict, no stored document, a bad
+  segment) is an answer with a code, counted as ``blend_refused_<code>``.
 - ``Stats``: counters.
 - ``SignalService`` (``Announce``/``Send``/``Receive``, :mod:`kdn.wire.signal`): discovery and
   WebRTC offer/answer mailboxes for edges behind NAT, which can all dial the origin. Edges only:
@@ -50,7 +55,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kdn.wire.auth import SIGNAL_NODE, EdgeKey, TokenAuth
-from kdn.artifact import transcode
+from kdn.artifact import read_header, transcode
 from kdn.codecs import get_codec
 from kdn.errors import (
     ConfigError, FingerprintMismatch, InvalidInput, KdnError, LossyRefused, MessageTooLarge, NotFound, Unavailable,
@@ -64,9 +69,11 @@ from kdn.wire.convert import key_bytes, parse_keys
 from kdn.wire.frames import encode_frames
 from kdn.wire.service import Servicer, add_servicer, rpc
 from kdn.wire.signal import SignalBoard, SignalServicer
+from kdn.origin.blend import BlendCache, BlendPlan, Refusal, check_spans, plan_blend
 from kdn.origin.compute import ComputeBackend, LocalCompute
 from kdn.origin.config import OriginConfig
 from kdn.origin.ingest.documents import document_matches, not_ingested
+from kdn.origin.segments import SegmentCatalog
 from kdn.origin.store import OriginStore, StoredArtifact
 from kdn.origin.worker import DocumentTask
 
@@ -171,6 +178,17 @@ class OriginServicer(Servicer, pbg.OriginServiceServicer):
         return pb.DocumentResponse(keys=key_bytes(rec.keys))
 
     @rpc
+    async def Blend(self, request: pb.BlendRequest, context: grpc.aio.ServicerContext) -> pb.BlendResponse:
+        ns, _ = self.authorize(context, request.namespace)
+        fp = parse_fingerprint(request.fingerprint)
+        if len(request.tokens) > self._s.config.max_compute_tokens:
+            raise MessageTooLarge(f"blend of {len(request.tokens)} tokens (limit {self._s.config.max_compute_tokens})")
+        tokens = np.asarray(request.tokens, dtype=np.int64)  # (N,)
+        spans = check_spans(request.documents)
+        return await asyncio.wait_for(self._run(self._s.blend, fp, tokens, ns, spans, request.codec),
+                                      timeout=self._s.config.compute_timeout_s)
+
+    @rpc
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         self.authorize_admin(context)
         return await self._run(self._s.stats)
@@ -203,6 +221,8 @@ class OriginServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
+        self.blends = BlendCache(config.blend_cache_bytes)  # blend variants, served from memory only
+        self.segment_catalog = SegmentCatalog(config.store_path)
         self.signal_board = SignalBoard()  # edges behind NAT: announcements and WebRTC mailboxes
         key = config.cluster_key
         self.edge_key = EdgeKey(key.get_secret_value(), SIGNAL_NODE) if key is not None else None
@@ -257,6 +277,47 @@ class OriginServer:
             raise InvalidInput(f"steered variant of {doc_id!r} not stored: {res.message}")
         return [ChunkKey(bytes.fromhex(k)) for k in res.steer_keys], res.steer_variant
 
+    def blend(self, fingerprint: ModelFingerprint, tokens: np.ndarray, ns: Namespace,
+              spans: list[tuple[int, int]] | None = None, codec: str = "") -> pb.BlendResponse:
+        """The blend variant of ``tokens`` (see :mod:`kdn.origin.blend`): computed unless every chunk
+        of it is still in memory; a refusal is a response with ``refused`` set, counted."""
+        t0 = time.perf_counter()
+        models = self.compute.models()
+        info = models.get(ModelFingerprint(bytes(fingerprint)))
+        if info is None:
+            raise FingerprintMismatch(f"this origin does not serve model {bytes(fingerprint).hex()[:16]}…; it serves "
+                                      + ", ".join(f"{i['spec']} ({bytes(fp).hex()[:16]}…)" for fp, i in models.items()))
+        codec = get_codec(codec).spec if codec else "raw"
+        plan = plan_blend(self.segment_catalog, self.store, tokens, fingerprint=fingerprint, namespace=ns,
+                          chunk_size=int(info["chunk_size"]), documents=spans or ())
+        if isinstance(plan, Refusal):
+            return self._refused(plan)
+        self.count("blends")
+        cached = self.blends.holds(ns.tenant, plan.keys)
+        stats: dict[str, Any] = {}
+        if not cached:
+            out = self.compute.blend(fingerprint, tokens, ns, plan.to_dict(), codec)
+            if out.get("refused"):
+                return self._refused(Refusal(out["refused"], out["reason"]))
+            for key, blob in zip(plan.keys, out["artifacts"]):
+                self.blends.put(ns.tenant, key, np.asarray(blob, dtype=np.uint8).tobytes())
+            stats = out
+            self.count("blend_computed")
+            self.count("blend_segments_computed", int(out.get("computed_segments", 0)))
+        else:
+            self.count("blend_cached")
+        self.count("blend_seconds", time.perf_counter() - t0)
+        return pb.BlendResponse(
+            keys=key_bytes(plan.keys), covered_tokens=plan.covered, variant=bytes(plan.root).hex(),
+            documents=len(plan.pieces), document_tokens=sum(p.end - p.start for p in plan.pieces),
+            recomputed_tokens=int(stats.get("recomputed", 0)), ratio=plan.ratio, cached=cached)
+
+    def _refused(self, r: Refusal) -> pb.BlendResponse:
+        self.count("blend_refused")
+        self.count(f"blend_refused_{r.code}")
+        log.warning("origin %s: blend refused (%s): %s", self.config.node_id, r.code, r.reason)
+        return pb.BlendResponse(refused=r.code, reason=r.reason)
+
     def codecs_for(self, requested: str) -> list[str]:
         specs = list(self.config.codecs)
         if requested:
@@ -268,7 +329,14 @@ class OriginServer:
     def artifact_bytes(
         self, key: ChunkKey, ns: Namespace, fingerprint: ModelFingerprint | None, codec: str, require_lossless: bool
     ) -> bytes:
-        """The container to serve for ``key``: stored as asked, or transcoded (then stored)."""
+        """The container to serve for ``key``: a blend variant's chunk held in memory, stored as
+        asked, or transcoded (then stored)."""
+        held = self.blends.get(ns.tenant, key)
+        if held is not None:
+            if fingerprint is not None and read_header(memoryview(held)).fingerprint != bytes(fingerprint):
+                raise FingerprintMismatch(f"artifact {bytes(key).hex()[:16]}… was made for another model")
+            self.count("blend_fetches")
+            return held
         variants = self.store.variants(key, tenant=ns.tenant)
         if not variants:
             raise NotFound(f"artifact {bytes(key).hex()[:16]}… is not stored here")
@@ -403,6 +471,7 @@ class OriginServer:
     def close(self) -> None:
         """Close the store and the compute backend (after ``astop``). Idempotent."""
         self.compute.close()
+        self.segment_catalog.close()
         self.store.close()
 
     def stop(self, grace_s: float = 1.0) -> None:

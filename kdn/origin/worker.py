@@ -5,7 +5,9 @@
 placed on nodes that carry the custom resource ``kdn_origin``.
 
 Workers write artifacts to the store themselves and return only plain data (document ids, key
-hex strings, counts): no tensor and no artifact byte crosses a process boundary. A worker that
+hex strings, counts): no tensor crosses a process boundary, and the only artifact bytes that do
+are a blend variant's (numpy byte arrays: the server serves them from memory, they are never
+stored). A worker that
 dies mid-document leaves at most complete blobs behind (atomic writes; rows only after blobs);
 the driver resubmits the document, and the store's key-based idempotence means the redo writes
 only what is still missing: nothing is lost, duplicated or partial.
@@ -49,6 +51,7 @@ class DocumentTask:
     complete: bool = True  # False: ``text`` is only the first part of the document (see ingest)
     emphasize: str = ""  # an operator's emphasis (kdn.origin.steer.Emphasis as JSON): also store a steered variant
     layout: str = "text"  # where the document sits in the requests that reuse it (kdn.prompts.Layout)
+    segment: bool = False  # also store it as a segment, reusable anywhere in a prompt (kdn.origin.segments)
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in DocumentTask.__dataclass_fields__}
@@ -79,6 +82,8 @@ class DocumentResult:
     steer_variant: str = ""  # its id (hex): what a client names to reuse it
     steer_keys: tuple[str, ...] = ()
     piece_keys: tuple[str, ...] = ()  # hex: the tail pieces stored after the chunks (kdn.keys.piece_keys)
+    segment_key: str = ""  # hex: the document's segment, when asked for and stored
+    segment_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -127,6 +132,7 @@ class PrefillWorker:
         self.store = OriginStore(config.store_path, fsync=config.fsync, verify="none")
         self.codecs = [get_codec(c).spec for c in config.codecs]
         self._writers = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="kdn-origin-write")
+        self._catalog: Any = None  # the segment catalogue (kdn.origin.segments), opened on first use
 
     # -- introspection (also Ray actor methods) -------------------------------------------------
 
@@ -154,6 +160,8 @@ class PrefillWorker:
 
     def close(self) -> None:
         self._writers.shutdown(wait=True)
+        if self._catalog is not None:
+            self._catalog.close()
         self.store.close()
 
     # -- work -----------------------------------------------------------------------------------
@@ -217,6 +225,15 @@ class PrefillWorker:
             if steer.pop("computed", 0) and status == "skipped":
                 status, message = "stored", "plain chunks were already stored; computed the steered variant"
             written += steer.pop("written", 0)
+        seg: dict[str, Any] = {}
+        if t.segment:
+            try:
+                seg = self._store_segment(t, ns)
+            except InvalidInput as exc:  # the plain chain is stored; the segment is not
+                status, message = "failed", f"segment not stored: {exc} (plain KV stored)"
+            if seg.pop("computed", False) and status == "skipped":
+                status, message = "stored", "plain chunks were already stored; computed the segment"
+            written += seg.pop("written", 0)
         return DocumentResult(
             doc_id=layout_doc_id(t.doc_id, t.layout),
             status=status,
@@ -234,7 +251,23 @@ class PrefillWorker:
             worker_pid=os.getpid(),
             attempts=t.attempt + 1,
             **steer,
+            **seg,
         ).to_dict()
+
+    def _store_segment(self, t: DocumentTask, ns: Namespace) -> dict[str, Any]:
+        """Store the document as a segment (see :mod:`kdn.origin.segments`); its result fields."""
+        from kdn.origin.segments import SegmentCatalog, record_segment_document, segment_tokens, store_segment
+
+        if not t.complete:
+            raise InvalidInput("the document is longer than the model window; a segment is a whole document")
+        tokens = segment_tokens(self.lm, t.text)
+        if self._catalog is None:
+            self._catalog = SegmentCatalog(self.store.root)
+        res = store_segment(self.lm, self.store, self._catalog, tokens, namespace=ns, doc_id=t.doc_id,
+                            codecs=self.codecs)
+        record_segment_document(self.store, self.lm, ns, t.doc_id, t.text, res)
+        return {"segment_key": bytes(res.key).hex(), "segment_tokens": res.tokens, "computed": res.computed,
+                "written": res.bytes if res.computed else 0}
 
     def _store_steered(self, t: DocumentTask, tokens: Sequence[int], ns: Namespace) -> dict[str, Any]:
         """Store the document's steered variant (see :mod:`kdn.origin.steer`); its result fields."""
@@ -252,6 +285,22 @@ class PrefillWorker:
             updated=time.time()))
         return {"steer": spec.canonical(), "steer_variant": spec.variant_id,
                 "steer_keys": tuple(bytes(k).hex() for k in keys), "computed": computed, "written": written}
+
+    def blend(self, tokens: np.ndarray, tenant: str, salt: str, plan: dict[str, Any], codec: str = "raw") -> dict[str, Any]:
+        """A blend variant of ``tokens`` (:mod:`kdn.origin.blend`): its chunk containers as numpy
+        byte arrays (the server keeps them in memory; they are never stored here), or a refusal."""
+        from kdn.origin.blend import BlendPlan, Refusal, compute_variant
+        from kdn.origin.segments import SegmentCatalog
+
+        if self._catalog is None:
+            self._catalog = SegmentCatalog(self.store.root)
+        out = compute_variant(self.lm, self.store, self._catalog, np.asarray(tokens, dtype=np.int64),
+                              BlendPlan.from_dict(plan), Namespace(tenant, salt), codec or "raw")
+        if isinstance(out, Refusal):
+            return {"refused": out.code, "reason": out.reason}
+        return {"artifacts": [np.frombuffer(b, dtype=np.uint8) for b in out.artifacts], "documents": out.documents,
+                "document_tokens": out.document_tokens, "recomputed": out.recomputed,
+                "computed_segments": out.computed_segments, "seconds": out.seconds}
 
     def compute(self, tokens: np.ndarray, tenant: str, salt: str = "", codecs: Sequence[str] | None = None) -> dict[str, Any]:
         """Compute on demand: store every missing full chunk of the chain ``tokens``."""

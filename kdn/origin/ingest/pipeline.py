@@ -32,11 +32,14 @@ def ingest(
     progress_stream: TextIO | None = None,
     emphasize: str = "",
     layout: str = "text",
+    segments: bool = False,
 ) -> IngestSummary:
     """Ingest ``paths`` into ``config``'s store; never raises for a bad document (see summary).
 
     ``executor``: reuse one (tests, benchmarks); otherwise one is made from ``config`` and closed.
     ``emphasize``: an :class:`kdn.origin.steer.Emphasis` as JSON: also store that steered variant.
+    ``segments``: also store each document as a segment, reusable anywhere in a prompt
+    (:mod:`kdn.origin.segments`), so the store can blend it (:mod:`kdn.origin.blend`).
     ``layout``: where each document sits in the requests that will reuse it (:mod:`kdn.prompts`):
     ``text`` (a completion prompt starts with it), ``system`` or ``user`` (a chat message).
     ``found``: ``paths`` already discovered (the CLI checks there is something to do first).
@@ -99,7 +102,7 @@ def ingest(
                     continue
                 bar.started(s.doc_id)
                 yield DocumentTask(s.doc_id, doc.text, doc.digest, ns.tenant, ns.salt, complete=doc.complete,
-                                   emphasize=emphasize, layout=layout)
+                                   emphasize=emphasize, layout=layout, segment=segments)
 
         try:
             ex.run(tasks(), record)

@@ -109,7 +109,8 @@ class IngestSummary:
         for r in shown[:DOCUMENTS_SHOWN]:
             if r.status in ("stored", "skipped"):
                 lines.append(f"    {r.status:9} {r.doc_id}  ({r.n_chunks} chunks)"
-                             + (f"; steered variant {r.steer_variant} (ClientConfig(steer=...))" if r.steer_variant else ""))
+                             + (f"; steered variant {r.steer_variant} (ClientConfig(steer=...))" if r.steer_variant else "")
+                             + (f"; segment {r.segment_key[:16]}… ({r.segment_tokens} tokens)" if r.segment_key else ""))
             else:  # a problem: upper case, with the reason
                 lines.append(f"    {r.status.upper():9} {r.doc_id}: {r.message}")
         if len(shown) > DOCUMENTS_SHOWN:
