@@ -28,6 +28,10 @@ How one request goes (vLLM's v1 connector API, ``vllm/distributed/kv_transfer/kv
   every chunk after it. vLLM (with ``kv_load_failure_policy: "recompute"``, which the connector
   requires) recomputes from the first failed block.
 
+Requests that opt in to blending (``kv_transfer_params: {"kdn_blend": true}`` and a blend
+``cache_salt``) get their documents' blend variant from the store and load it like a prefix:
+:mod:`kdn.integrations.vllm_blend`.
+
 Invariants:
 - a cache failure never changes an answer: a section is written into a block only after its
   checksum verified, a chunk that failed anywhere (edge gone, deadline, corrupt bytes, wrong model)
@@ -68,6 +72,7 @@ from pydantic import Field
 from kdn.artifact import ArtifactReader, Section, encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig
 from kdn.errors import FingerprintMismatch, InvalidInput
+from kdn.integrations.vllm_blend import BlendRequests
 from kdn.keys import DEFAULT_CHUNK_SIZE, PIECE_TOKENS, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys, piece_keys
 from kdn.models import DTYPES, dir_fingerprint
 from kdn.wire.convert import FetchSpec
@@ -104,6 +109,12 @@ class KdnConnectorConfig(ClientConfig):
     chunk_size: int = Field(DEFAULT_CHUNK_SIZE, gt=0, description="tokens per chunk; a multiple of vLLM's block size")
     lookup_timeout_s: float = Field(1.0, gt=0, description="deadline of the scheduler's Lookup (it holds up a scheduler step)")
     model_dir: str | None = Field(None, description="directory that names the weights (default: vLLM's model path)")
+    blend_origin: str | None = Field(None, description="host:port of the origin that blends documents for requests "
+                                     "that opt in (kdn.integrations.vllm_blend); None: no blending")
+    blend: bool = Field(False, description="every request opts in to blending (else kv_transfer_params kdn_blend)")
+    blend_timeout_s: float = Field(120.0, gt=0, description="how long a request waits for the store's blend before "
+                                   "it is served exact KV")
+    blend_poll_s: float = Field(0.02, gt=0, description="longest a scheduler step waits on a pending blend")
 
     def client_config(self, ns: Namespace) -> ClientConfig:
         """The client settings of one namespace's requests."""
@@ -156,6 +167,7 @@ class LoadSpec:
     write_from: int
     block_ids: list[int]  # the request's blocks covering tokens 0 .. the load's end
     pieces: list[bytes] = field(default_factory=list)
+    origin: bool = False  # a blend variant's chunks: fetched from the blend origin, not the edge
 
     def span(self, i: int, chunk_size: int) -> tuple[int, int]:
         """Token range of item ``i``: a chunk, or (from ``len(keys)`` on) a piece."""
@@ -210,6 +222,7 @@ class _ReqState:
     pieces: list[ChunkKey] = field(default_factory=list)  # tail pieces after the ``on_edge`` chunks the edge holds
     end: int = 0  # tokens the edge can give: whole chunks, then pieces, cut to vLLM's block size
     pieces_saved: bool = False
+    blend: bool = False  # the keys are a blend variant's, fetched from the blend origin (never saved)
 
 
 class KdnConnectorStats(KVConnectorStats):
@@ -339,6 +352,7 @@ class KdnConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._lookup_off_until = 0.0
+        self._blend = BlendRequests(self, _ReqState, request_namespace)  # requests that opted in to the store's blend
         # worker side
         self._kv: list[PagedKV] = []  # per layer: K and V views [kernel_blocks, H, kernel_block, D]
         self._layer_of: dict[str, int] = {}
@@ -387,6 +401,7 @@ class KdnConnector(KVConnectorBase_V1):
         async def close_all() -> None:
             for c in self._clients.values():
                 await c.close(flush_timeout=2.0)
+            await self._blend.close()
 
         try:
             self._loop.submit(close_all()).result(10)
@@ -397,6 +412,8 @@ class KdnConnector(KVConnectorBase_V1):
     # -- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._blend.pending(request):
+            return None, False  # the store is still blending: vLLM asks again next step
         st = self._state(request)
         if st is None:
             return 0, False
@@ -440,6 +457,7 @@ class KdnConnector(KVConnectorBase_V1):
                                                         tokens=tokens)
         self._match_pieces(st)
         self._count("edge_hit_tokens", st.end)
+        self._blend.never_save(request, st)
         return st
 
     def _match_pieces(self, st: _ReqState) -> None:
@@ -505,7 +523,7 @@ class KdnConnector(KVConnectorBase_V1):
                 chunks = [bytes(k) for k in st.keys[first : min(hi // C, st.on_edge)]]
                 pieces = [bytes(k) for k in st.pieces] if hi > st.on_edge * C else []
                 meta.loads.append(LoadSpec(rid, st.ns.tenant, st.ns.salt, first, chunks, lo,
-                                           st.block_ids[: -(-hi // bs)], pieces))
+                                           st.block_ids[: -(-hi // bs)], pieces, origin=st.blend))
                 st.load = None
             if not self.config.write_back:
                 continue
@@ -552,11 +570,13 @@ class KdnConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        self._blend.finished(request.request_id)
         if st is not None:
             C = self.config.chunk_size
             source = ("none" if not st.loading and not st.engine_cached
                       else "engine prefix cache" if not st.loading
-                      else f"edge {self.config.edge}" + (" (load failed: recomputed)" if st.load_failed else ""))
+                      else (f"blend variant from origin {self.config.blend_origin}" if st.blend
+                            else f"edge {self.config.edge}") + (" (load failed: recomputed)" if st.load_failed else ""))
             LOG.info("KDN request %s (tenant %s): %d prompt tokens; looked up %d, edge held %d, loaded %d, engine "
                      "cache %d; saving %d chunks; source: %s", request.request_id, st.ns.tenant, st.n_prompt,
                      st.looked_up * C, st.on_edge * C, st.loading, st.engine_cached, max(0, st.saved - st.first_saved),
@@ -759,8 +779,9 @@ class _LoadJob:
 
         reader = ArtifactReader(expect_fingerprint=conn.fingerprint, expect_key=key, require_lossless=True, sink=place,
                                 expect_steer="")  # plain keys: a steered artifact here is refused
-        stream = _fetch_stream(client, conn.fingerprint, key, [ChunkKey(k) for k in items[i + 1 : i + 1 + _PREFETCH_HINT]],
-                               conn.config.fetch_timeout_s)
+        stream = conn._blend.fetch_stream(spec.tenant, spec.salt, key) if spec.origin else _fetch_stream(
+            client, conn.fingerprint, key, [ChunkKey(k) for k in items[i + 1 : i + 1 + _PREFETCH_HINT]],
+            conn.config.fetch_timeout_s)
         async with aclosing(stream):
             async for piece, _via in stream:
                 reader.feed(piece)

@@ -69,7 +69,7 @@ from kdn.wire.convert import key_bytes, parse_keys
 from kdn.wire.frames import encode_frames
 from kdn.wire.service import Servicer, add_servicer, rpc
 from kdn.wire.signal import SignalBoard, SignalServicer
-from kdn.origin.blend import BlendCache, BlendPlan, Refusal, check_spans, plan_blend
+from kdn.origin.blend import BlendCache, Refusal, check_spans, plan_blend
 from kdn.origin.compute import ComputeBackend, LocalCompute
 from kdn.origin.config import OriginConfig
 from kdn.origin.ingest.documents import document_matches, not_ingested

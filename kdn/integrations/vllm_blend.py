@@ -1,0 +1,203 @@
+"""The vLLM connector's blend requests: a request that opts in gets its documents' *blend variant*
+from the store (:mod:`kdn.origin.blend`) and loads it like any prefix. Nothing in vLLM changes.
+
+A request opts in with ``kv_transfer_params`` ``{"kdn_blend": true}`` (or every request does, with
+``blend: true`` in ``kv_connector_extra_config``) and carries a ``cache_salt`` beginning with
+:data:`BLEND_SALT_PREFIX`. The salt is what keeps vLLM's own prefix cache apart: the engine hashes
+its cached blocks with the request's ``cache_salt``, so blended blocks can be found again only by
+requests with that salt, never by a plain request (no salt or another one). Optional
+``"kdn_documents": [[start, end], ...]`` names the documents' token spans (the store then makes
+any segment it lacks); without it the store recognises them by content.
+
+How one request goes:
+
+- scheduler, ``get_num_new_matched_tokens``: the first call sends ``Blend`` to the origin
+  (``blend_origin``) on the connector's loop thread and answers ``None`` ("not known yet"): vLLM
+  skips the request this step and asks again, so the scheduler keeps serving other requests while
+  the store computes. Each later call waits at most ``blend_poll_s`` for the answer. Once it
+  arrives, the request's state holds the variant's chunk keys; the match is its whole chunks
+  (ending before the prompt's last token, which vLLM computes) and the load is the ordinary
+  layer-by-layer one, fetched from the origin;
+- no write-back, ever: a request that opted in, or whose salt is a blend salt, saves nothing (its
+  KV, or the KV it attended to, is not what a prefill of its tokens produces);
+- a refusal (no passing verdict, no stored document, a bad segment: the origin's code), an error
+  or a timeout (``blend_timeout_s``) is logged once, counted (``blend_refused``,
+  ``blend_refused_<code>``, ``blend_errors``, ``blend_timeouts``, ``blend_no_salt``) and the
+  request goes on as a plain one: exact KV from the edge, or a prefill.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from kdn.errors import InvalidInput
+from kdn.keys import ChunkKey, Namespace
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from kdn.integrations.store_blend import StoreBlend
+
+LOG = logging.getLogger("kdn.vllm")
+BLEND_SALT_PREFIX = "kdn-blend"
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: concurrent.futures.Future
+    ns: Namespace
+    started: float
+
+
+class BlendRequests:
+    """The scheduler-side state of blend requests and the worker side's origin clients.
+
+    ``conn``: the connector (its config, loop thread, counters and request states); ``new_state``
+    builds a request state (the connector's ``_ReqState``); ``namespace_of`` is the connector's
+    ``request_namespace``."""
+
+    def __init__(self, conn: Any, new_state: Callable[..., Any], namespace_of: Callable[..., Namespace | None]) -> None:
+        self.conn = conn
+        self._new_state = new_state
+        self._namespace_of = namespace_of
+        self._pending: dict[str, _Pending] = {}
+        self._settled: set[str] = set()  # asked and answered (a variant or a refusal)
+        self._clients: dict[str, "StoreBlend"] = {}
+
+    # -- scheduler side ----------------------------------------------------------------------------
+
+    def wants(self, request: "Request") -> bool:
+        params = request.kv_transfer_params or {}
+        return params.get("kdn") is not False and bool(params.get("kdn_blend", self.conn.config.blend))
+
+    @staticmethod
+    def blend_salted(request: "Request") -> bool:
+        return bool(request.cache_salt) and str(request.cache_salt).startswith(BLEND_SALT_PREFIX)
+
+    def never_save(self, request: "Request", st: Any) -> None:
+        """A request that asked for blending, or carries a blend salt, writes nothing back."""
+        if self.wants(request) or self.blend_salted(request):
+            st.saved = st.first_saved = len(st.keys)
+            st.pieces_saved = True
+
+    def pending(self, request: "Request") -> bool:
+        """True while the store computes the request's variant (vLLM asks again later). When the
+        variant arrives the request's state is made here; on any failure the plain path runs."""
+        rid = request.request_id
+        if rid in self.conn._reqs or rid in self._settled or not self.wants(request):
+            return False
+        p = self._pending.get(rid)
+        if p is None:
+            p = self._start(request)
+            if p is None:
+                self._settled.add(rid)
+                return False
+            self._pending[rid] = p
+        try:
+            answer = p.future.result(self.conn.config.blend_poll_s)
+        except concurrent.futures.TimeoutError:
+            if time.monotonic() - p.started < self.conn.config.blend_timeout_s:
+                return True
+            p.future.cancel()
+            return self._give_up(rid, "blend_timeouts", f"the store did not answer within "
+                                 f"{self.conn.config.blend_timeout_s:g}s")
+        except Exception as exc:  # KdnError from the call, or the loop went away: plain path
+            return self._give_up(rid, "blend_errors", f"{type(exc).__name__}: {exc}")
+        del self._pending[rid]
+        self._settled.add(rid)
+        if answer.refused:
+            self.conn._count("blend_refused")
+            self.conn._count(f"blend_refused_{answer.refused}")
+            LOG.warning("KDN: blend refused for request %s (%s: %s); serving exact KV", rid, answer.refused,
+                        answer.reason)
+            return False
+        self._adopt(request, p.ns, answer)
+        return False
+
+    def _give_up(self, rid: str, counter: str, why: str) -> bool:
+        self._pending.pop(rid, None)
+        self._settled.add(rid)
+        self.conn._count(counter)
+        LOG.warning("KDN: blend for request %s failed (%s); serving exact KV", rid, why)
+        return False
+
+    def _start(self, request: "Request") -> _Pending | None:
+        conn = self.conn
+        rid = request.request_id
+        if not conn.config.blend_origin:
+            conn._count("blend_no_origin")
+            LOG.warning("KDN: request %s asks for a blend but the connector has no blend_origin; serving exact KV", rid)
+            return None
+        if not self.blend_salted(request):
+            conn._count("blend_no_salt")
+            LOG.warning("KDN: request %s asks for a blend without a cache_salt beginning with %r (vLLM's prefix cache "
+                        "would hand its blended blocks to plain requests); serving exact KV", rid, BLEND_SALT_PREFIX)
+            return None
+        params = request.kv_transfer_params or {}
+        try:  # the namespace of the documents: kv_transfer_params or the default, never the blend salt
+            ns = self._namespace_of(None, params, conn.config.namespace)
+            docs = [(int(s), int(e)) for s, e in params.get("kdn_documents") or ()]
+        except (InvalidInput, TypeError, ValueError) as exc:
+            conn._count("blend_errors")
+            LOG.warning("KDN: request %s has malformed blend parameters (%s); serving exact KV", rid, exc)
+            return None
+        if ns is None:
+            return None
+        tokens = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
+        conn._count("blend_requests")
+
+        async def ask() -> Any:
+            return await self._client(ns.tenant).blend(conn.fingerprint, ns, tokens.tolist(), docs)
+
+        return _Pending(conn._loop.submit(ask()), ns, time.monotonic())
+
+    def _adopt(self, request: "Request", ns: Namespace, answer: Any) -> None:
+        conn = self.conn
+        C, bs = conn.config.chunk_size, conn.block_size
+        tokens = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
+        keys = list(answer.keys)
+        st = self._new_state(ns, keys, len(tokens), len(keys), saved=len(keys), first_saved=len(keys), tokens=tokens,
+                             pieces_saved=True, blend=True)
+        st.end = min(len(keys) * C, (max(0, len(tokens) - 1) // C) * C) // bs * bs
+        conn._reqs[request.request_id] = st
+        conn._count("blend_variants")
+        conn._count("blend_variant_tokens", st.end)
+        LOG.info("KDN: request %s: blend variant %s… from %s: %d documents (%d tokens, %d recomputed at ratio %g)%s",
+                 request.request_id, answer.variant[:16], conn.config.blend_origin, answer.documents,
+                 answer.document_tokens, answer.recomputed, answer.ratio, " (held from before)" if answer.cached else "")
+
+    def finished(self, request_id: str) -> None:
+        p = self._pending.pop(request_id, None)
+        if p is not None:
+            p.future.cancel()
+        self._settled.discard(request_id)
+
+    # -- both sides --------------------------------------------------------------------------------
+
+    def _client(self, tenant: str) -> "StoreBlend":
+        """The origin client of ``tenant`` (built on the loop thread, where its channel lives)."""
+        from kdn.integrations.store_blend import StoreBlend
+
+        c = self._clients.get(tenant)
+        if c is None:
+            cfg = self.conn.config
+            c = self._clients[tenant] = StoreBlend(cfg.blend_origin or "", token=cfg.tokens.get(tenant, cfg.token),
+                                                   tls=cfg.tls(), blend_timeout_s=cfg.blend_timeout_s,
+                                                   fetch_timeout_s=cfg.fetch_timeout_s)
+        return c
+
+    def fetch_stream(self, tenant: str, salt: str, key: ChunkKey) -> Any:
+        """``(piece, via)`` of one chunk of a variant, from the origin (worker side, loop thread)."""
+        return self._client(tenant).fetch(self.conn.fingerprint, Namespace(tenant, salt), key,
+                                          self.conn.config.fetch_timeout_s)
+
+    async def close(self) -> None:
+        for c in self._clients.values():
+            await c.close()
+        self._clients.clear()
