@@ -138,15 +138,21 @@ def test_retraining_over_a_model_needs_force(tiny_retrieval: Path, capsys) -> No
 
 def test_eval_blend_scores_every_method_and_writes_a_verdict(tiny_retrieval: Path, tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("KDN_CACHE", str(tmp_path))
-    assert blend_eval.main(["--model", str(tiny_retrieval), "--prompts", "4", "--docs", "3", "--json"]) == 0
+    assert blend_eval.main(["--model", str(tiny_retrieval), "--prompts", "4", "--docs", "3", "--check-prompts", "2",
+                            "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["task"] == "retrieval" and out["prompts"] == 4
+    assert out["task"] == "retrieval" and out["prompts"] == out["prompts_done"] == 4
     names = set(out["methods"])
-    assert {"full", "prefix-only", "naive", "first-16", "blend@0.05", "blend@0.1", "blend@0.15", "blend@0.3"} == names
+    assert {"full", "prefix-only", "naive", "first-16", "blend@0.05", "blend@0.15", "blend@0.3", "random@0.15",
+            "blend@1"} == names
     full = out["methods"]["full"]
-    assert full["agreement"] == 1.0 and full["kl"] == 0.0
+    assert full["agreement"] == 1.0 and full["kl"] == 0.0 and full["prompts"] == 4
     assert out["methods"]["prefix-only"]["agreement"] == 1.0  # exact reuse is exact
+    check = out["methods"]["blend@1"]
+    assert check["prompts"] == 2 and check["max_logit_diff"] < 1e-3 and check["agreement"] == 1.0
     assert 0.14 <= out["methods"]["blend@0.15"]["recomputed"] <= 0.2
+    assert out["methods"]["random@0.15"]["recomputed"] == out["methods"]["blend@0.15"]["recomputed"]
+    assert out["methods"]["naive"]["vs_full"]["prompts"] == 4  # paired on the same prompts
     v = read_verdict(load_model(str(tiny_retrieval)).fingerprint)
     assert v is not None and v.passed == out["verdict"]["passed"]
 
@@ -156,4 +162,54 @@ def test_eval_blend_on_a_builtin_has_no_accuracy_but_agreement(monkeypatch, tmp_
     assert blend_eval.main(["--model", "tiny", "--prompts", "2", "--docs", "3", "--doc-tokens", "24", "--no-verdict",
                             "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["methods"]["naive"]["accuracy"] is None and out["verdict"]["path"] is None
+    assert out["task"] == "generic" and out["methods"]["naive"]["accuracy"] is None and out["verdict"]["path"] is None
+    assert out["claims"] == []  # nothing to claim without answers
+
+
+def test_a_run_cut_by_its_budget_resumes_from_the_cache_and_computes_nothing_twice(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path))
+    argv = ["--model", "tiny", "--prompts", "3", "--docs", "2", "--doc-tokens", "24", "--no-verdict", "--json",
+            "--cache", str(tmp_path / "c")]
+    assert blend_eval.main(argv + ["--budget-s", "0"]) == 0
+    cut = json.loads(capsys.readouterr().out)
+    assert cut["prompts_done"] == 1  # the budget is checked between prompts: the first always runs
+    rows = (tmp_path / "c" / "results-cl1-k16.jsonl").read_text().splitlines()
+    assert blend_eval.main(argv) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert done["prompts_done"] == 3 and done["methods"]["full"]["prompts"] == 3
+    after = (tmp_path / "c" / "results-cl1-k16.jsonl").read_text().splitlines()
+    assert after[: len(rows)] == rows and len({(json.loads(r)["case"], json.loads(r)["method"]) for r in after}) == len(after)
+    assert len(list((tmp_path / "c" / "full").glob("*.safetensors"))) == 3
+
+
+def test_paired_statistics() -> None:
+    from kdn.lab.paired import mcnemar, wilson
+
+    t = mcnemar([True] * 10 + [False] * 5, [False] * 10 + [False] * 5)
+    assert (t.a_only, t.b_only) == (10, 0) and abs(t.p_value - 2 / 1024) < 1e-12
+    assert mcnemar([True, False], [True, False]).p_value == 1.0
+    lo, hi = wilson(80, 100)
+    assert 0.71 < lo < 0.72 and 0.86 < hi < 0.87
+
+
+def test_needle_prompts_ask_a_unique_line_of_one_file_at_every_position(tiny_model) -> None:
+    from kdn.lab.blend_tasks import NeedleSpec, document_pool, needle_cases
+    from kdn.lab.reference import corpus_split
+
+    cs = corpus_split()
+    tok = tiny_model.tokenizer
+    pool = document_pool(tok, cs.heldout[:10], cs.root, doc_tokens=200, per_file=3)
+    assert len({d.name for d in pool}) >= 5 and all(len(d.tokens) == 200 for d in pool)
+    spec = NeedleSpec(n_docs=4, doc_tokens=200, cue_tokens=16, answer_tokens=4, min_cue_chars=8)  # byte tokens
+    cases = needle_cases(tok, pool, 8, spec, seed=1)
+    assert [c["needle"] for c in cases] == [0, 1, 2, 3, 0, 1, 2, 3]
+    for c in cases:
+        doc = c["docs"][c["needle"]]
+        cue = c["question"][-16:]
+        hay = sum(c["docs"], [])
+        at = [i for i in range(len(hay) - 15) if hay[i:i + 16] == cue]
+        assert len(at) == 1  # unambiguous
+        j = next(i for i in range(len(doc) - 15) if doc[i:i + 16] == cue)
+        assert doc[j + 16:j + 20] == c["answer"]
+        assert "\n" in tok.decode(doc[j - 1:j]) and tok.decode(doc[j:j + 1]).strip()  # the first code token of a line
+    assert needle_cases(tok, pool, 8, spec, seed=1) == cases  # seeded
