@@ -190,10 +190,12 @@ class BulkListener:
                 continue
             task = loop.create_task(self._hello(conn))
             self._pending[conn] = task
-            while len(self._pending) > self.max_pending:  # the oldest waiter goes: a client sends at once
-                _, oldest = self._pending.popitem(last=False)
-                oldest.cancel()
-                self.evicted += 1
+            if len(self._pending) > self.max_pending:  # the oldest waiter goes: a client sends at once
+                while len(self._pending) > self.max_pending:
+                    _, oldest = self._pending.popitem(last=False)
+                    oldest.cancel()
+                    self.evicted += 1
+                await asyncio.sleep(0)  # they close their sockets before the next one is taken
 
     async def _hello(self, conn: socket.socket) -> None:
         """Read and check the hello on the loop; hand an accepted connection to a thread."""

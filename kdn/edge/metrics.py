@@ -11,7 +11,8 @@ connections: requests are parsed by h11 (bounded to 16 KiB of head), a request m
 within ``timeout_s`` of the connection, at most ``max_connections`` are open (a new one past it
 closes the oldest: a scraper sends its request at once, an idle connection is the first to go),
 and every answer closes its connection. So idle or half-sent connections hold one file
-descriptor each, for at most ``timeout_s``, and no thread.
+descriptor each, for at most ``timeout_s``, and no thread: at most ``max_connections`` of them
+(an evicted connection's socket is closed before the next one is accepted).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import hmac
 import logging
 import re
+import socket
 import threading
 from collections import OrderedDict
 from typing import Callable, Mapping
@@ -149,29 +151,36 @@ class MetricsHttp:
         self.max_connections = max_connections
         self.timeout_s = timeout_s
         self._name = name
-        self._open: OrderedDict[asyncio.StreamWriter, None] = OrderedDict()
+        self._open: OrderedDict[asyncio.Task[None], None] = OrderedDict()  # one task per connection, oldest first
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.AbstractServer | None = None
+        self._sock: socket.socket | None = None
+        self._accept: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
         self.evicted = 0
 
     def start(self, host: str, port: int) -> int:
         """Bind and serve from a thread of its own; returns the port (OSError when it cannot bind)."""
-        loop = asyncio.new_event_loop()
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        loop = self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=loop.run_forever, name=self._name, daemon=True)
         self._thread.start()
-        bound = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, host, port, backlog=128, limit=self.MAX_HEAD), loop)
-        try:
-            self._server = bound.result(10)
-        except BaseException:
-            loop.call_soon_threadsafe(loop.stop)
-            self._thread.join(5)
-            self._thread = None
-            loop.close()
-            raise
-        self._loop = loop
-        return int(self._server.sockets[0].getsockname()[1])
+
+        async def begin() -> None:
+            self._accept = asyncio.get_running_loop().create_task(self._accept_loop(sock))
+
+        asyncio.run_coroutine_threadsafe(begin(), loop).result(10)
+        return int(sock.getsockname()[1])
 
     def close(self) -> None:
         loop, self._loop = self._loop, None
@@ -179,11 +188,10 @@ class MetricsHttp:
             return
 
         async def shut() -> None:
-            assert self._server is not None
-            self._server.close()
-            for writer in list(self._open):
-                writer.transport.abort()
-            await self._server.wait_closed()
+            tasks = [t for t in (self._accept, *self._open) if t is not None]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         try:
             asyncio.run_coroutine_threadsafe(shut(), loop).result(5)
@@ -193,6 +201,9 @@ class MetricsHttp:
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
         if not loop.is_running():
             loop.close()
 
@@ -200,37 +211,49 @@ class MetricsHttp:
     def connections(self) -> int:
         return len(self._open)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._open[writer] = None
-        while len(self._open) > self.max_connections:  # the oldest goes: a live scraper has sent by now
-            oldest = next(iter(self._open))
-            del self._open[oldest]
-            oldest.transport.abort()
-            self.evicted += 1
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:  # EMFILE and friends: say so, pause, go on
+                log.warning("%s: /metrics accept failed: %s", self._name, exc)
+                await asyncio.sleep(0.1)
+                continue
+            self._open[loop.create_task(self._serve(conn))] = None
+            if len(self._open) > self.max_connections:  # the oldest goes: a live scraper has sent by now
+                while len(self._open) > self.max_connections:
+                    oldest, _ = self._open.popitem(last=False)
+                    oldest.cancel()
+                    self.evicted += 1
+                await asyncio.sleep(0)  # they close their sockets before the next one is taken
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.MAX_HEAD)
+            http = h11.Connection(h11.SERVER, max_incomplete_event_size=self.MAX_HEAD)
             async with asyncio.timeout(self.timeout_s):
-                request = await self._request(conn, reader)
+                request = await self._request(http, loop, conn)
                 if request is not None:
-                    await self._answer(conn, writer, request)
-        except (TimeoutError, ConnectionError, h11.ProtocolError):
-            pass
+                    await loop.sock_sendall(conn, self._answer(http, request))
+        except (TimeoutError, OSError, h11.ProtocolError, asyncio.CancelledError):
+            pass  # slow, gone, not HTTP, or evicted: nothing more to say
         finally:
-            self._open.pop(writer, None)
-            writer.close()
+            self._open.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            conn.close()
 
     @staticmethod
-    async def _request(conn: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | None:
+    async def _request(http: h11.Connection, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> h11.Request | None:
         """The request, or None when the client closed first (or sent something else)."""
         while True:
-            event = conn.next_event()
+            event = http.next_event()
             if isinstance(event, h11.Request):
                 return event
-            if event is not h11.NEED_DATA or reader.at_eof():
-                return None
-            conn.receive_data(await reader.read(4096))  # b"" at the end: h11 then says ConnectionClosed
+            if event is not h11.NEED_DATA:
+                return None  # ConnectionClosed: the client hung up first
+            http.receive_data(await loop.sock_recv(conn, 4096))  # b"" at the end: then ConnectionClosed
 
-    async def _answer(self, conn: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request) -> None:
+    def _answer(self, http: h11.Connection, request: h11.Request) -> bytes:
         headers = dict(request.headers)
         body = b""
         extra: list[tuple[str, str]] = []
@@ -243,10 +266,8 @@ class MetricsHttp:
 
             status, body = 200, self._body()
             extra = [("Content-Type", CONTENT_TYPE_LATEST)]
-        out = conn.send(h11.Response(status_code=status, headers=[
+        out = http.send(h11.Response(status_code=status, headers=[
             *extra, ("Content-Length", str(len(body))), ("Connection", "close")]))
         if body:
-            out += conn.send(h11.Data(data=body))
-        out += conn.send(h11.EndOfMessage())
-        writer.write(out)
-        await writer.drain()
+            out += http.send(h11.Data(data=body))
+        return out + http.send(h11.EndOfMessage())
