@@ -1,23 +1,28 @@
-"""Documents reused anywhere in the prompt (blend): quality, TTFT and whether reuse decays.
+"""Documents reused anywhere in the prompt (blend), on the trained model: quality, TTFT, no decay.
 
-1. **Quality on the retrieval reference model** (``kdn model train-reference --task retrieval``):
-   held-out prompts of ``--docs`` documents (each 128 tokens, the length it was trained on) drawn
-   from a pool of 50 in random subsets and orders; full prefill, prefix-only reuse, naive
-   concatenation, first-k (EPIC) and blend at 5/10/15/30% (``kdn.lab.blend_eval``).
-2. **Agreement and KL for each model the project ships**: ``tiny``, ``tiny-mha``, ``small-125m``
-   (seeded random init), the stdlib reference model and the retrieval model when trained.
-3. **TTFT on small-125m**, 8 documents x 512 tokens after a short prefix, through the host path
-   (``generate(..., documents=...)`` with the segments on an in-process edge, so fetch + verify +
-   decode are included) vs a full prefill through the same function; medians of ``--repeat`` runs
-   in alternating order, load average reported.
-4. **Reuse does not decay**: 200 RAG-style queries over a pool of 50 documents (8 per query,
-   random subsets and orders) on the retrieval model through ``generate(..., documents=...)``:
-   edge bytes stored vs the pool's segment bytes, and the reused-token fraction per 20 queries.
+    .venv/bin/python benchmarks/blend.py                          # every part
+    .venv/bin/python benchmarks/blend.py --parts quality          # the table of kdn eval-blend (resumes its cache)
+    .venv/bin/python benchmarks/blend.py --parts ttft,vllm --rounds 10
 
-    .venv/bin/python benchmarks/blend.py [--quick] [--prompts N] [--repeat R] [--no-append] [--json]
+1. **quality** — ``kdn eval-blend`` on ``smollm2-135m`` (:mod:`kdn.lab.blend_eval`, the needle task:
+   held-out files, 240 paired prompts of 8 shuffled 256-token documents): every method's accuracy
+   with its 95% interval, KL to full prefill, McNemar p-values, and the issue's claims.
+2. **ttft** — transformers, an 8-document RAG prompt (8 x 512 tokens of held-out files after the
+   chat prefix, a question after them: ~4.1k tokens), fp32. Per round a novel combination of a
+   pool of documents whose segments an in-process edge holds: the host blend at 15%
+   (``generate(..., documents=...)``: fetch, verify, re-place, recompute, question, first token)
+   against a full prefill of the same prompt through the same function. Per-round ratios.
+3. **vllm** — the same prompts in vLLM 0.32 (CPU, fp32; ``--vllm-python``): per round a request
+   that opts in to the store's blend (the origin, in the child process, holds the pool as
+   segments and blends at its verdict's ratio; the connector loads the variant) against a full
+   prefill by vLLM (KDN off for the request, prefix cache reset). TTFT is ``LLM.generate``'s wall
+   time with ``max_tokens=1``.
+4. **decay** — 200 novel combinations (8 of a pool of 64 documents of 128 tokens, random
+   subsets and orders) through ``generate(..., documents=...)`` at 15%, segments on an in-process
+   edge: per 20 queries the reused-token share, the TTFT gain over full prefill (every 4th query
+   is also fully prefilled) and what the edge holds (artifacts, bytes).
 
-Records each part it measured as ``blend-retrieval``, ``blend-models``, ``blend-ttft`` and
-``blend-decay`` (``benchmarks/_results.py``); ``--skip`` leaves a skipped part's record as it was.
+Records ``blend-quality``, ``blend-ttft``, ``blend-vllm`` and ``blend-decay``.
 """
 
 from __future__ import annotations
@@ -25,331 +30,389 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from _results import Record
-from kdn.blend import Deviation, Naive
-from kdn.client import ClientConfig, KdnClient
-from kdn.client_transport import MemoryEdgeTransport
-from kdn.integrations.blend import BlendOptions
-from kdn.integrations.transformers import generate, prepare
-from kdn.lab import blend_eval
-from kdn.lab.reference import default_reference_dir
-from kdn.lab.retrieval import default_retrieval_dir
-from kdn.models import load_model
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+MODEL = "smollm2-135m"
+CHUNK = 256
+RATIO = 0.15
 
 METHOD = {
-    "blend-retrieval": """Held-out prompts of the retrieval reference model (`kdn model train-reference --task
-retrieval`): 8 documents of 128 tokens, drawn from a pool of 50 in random subsets and orders, then a
-question whose answer sits in one of them. Each document's KV is computed alone and re-placed; the
-methods are full prefill, prefix-only reuse, naive concatenation, first-k recompute (EPIC) and
-blend at 5/10/15/30% recompute (CacheBlend's deviation rule). Accuracy is scored on the answer;
-top-1 agreement and KL compare each method's predictions with full prefill's. The goal is judged
-only on a model that reads (full-prefill accuracy at least 0.90).""",
-    "blend-models": """The same comparison on each model the project ships (seeded random-init `tiny`,
-`tiny-mha`, `small-125m`, the trained reference model and the retrieval model when present):
-agreement and KL with full prefill on the scored tokens (the answer for the retrieval model, the
-question's next-token predictions otherwise).""",
-    "blend-ttft": """TTFT on small-125m fp32, 8 documents of 512 tokens after a short prefix, through the host
-path (`generate(..., documents=...)` with the segments on an in-process edge, so fetch, verify and
-decode are included) against a full prefill through the same function; medians of repeated runs
-in alternating order.""",
-    "blend-decay": """200 RAG-style queries over a pool of 50 documents (8 per query, random subsets and orders)
-through `generate(..., documents=...)` with blend at 15%: the edge's stored bytes against the
-pool's segment bytes, and the reused-token fraction per 20 queries. Blended KV is never written
-back, so the edge should hold exactly the segments.""",
+    "blend-quality": """`kdn eval-blend --model smollm2-135m` (kdn/lab/blend_eval.py): 240 prompts, each 8
+excerpts of 256 tokens of held-out standard-library files (split by file; a pool of excerpts, at
+most 8 per file) in a random order after a ChatML system prefix; the question repeats the first 10
+tokens of a line of one of them (its position cycles through all 8) and the answer is the next 4
+tokens, all of which must be the model's top-1 (teacher forced). Every method runs on the same
+prompts; segments are each excerpt's KV computed alone. Accuracy with Wilson 95% intervals, KL to
+full prefill with normal 95% intervals, exact McNemar tests. prefix-only is computed on the first
+40 prompts (its reuse share on all), blend@1 on the first 30.""",
+    "blend-ttft": """transformers 5, fp32, smollm2-135m: a chat prefix, 8 excerpts of 512 tokens of held-out
+files, a question (about 4.1k tokens). Per round a combination of 8 documents of a pool of 16
+that no earlier round used (subset and order); the pool's segments sit in an in-process edge
+(MemoryEdgeTransport). Blend: `generate(km, question, documents=..., prefix=..., blend=
+BlendOptions(policy=Deviation(0.15)))` (fetch, verify, re-place, recompute, question, first token);
+full prefill: `generate(km, whole prompt)` without a client. TTFT inside `generate`; the two
+run back to back in alternating order; the ratio is per round.""",
+    "blend-vllm": """vLLM 0.32 CPU, fp32, smollm2-135m, the prompts of blend-ttft (token ids). The origin runs
+in the benchmark's child process with the pool stored as segments (`store_segment`, not timed)
+and blends at the ratio of the model's verdict (`kdn eval-blend`); the KDN connector
+(`blend_origin`) loads the variant for requests with `kv_transfer_params: {"kdn_blend": true}`
+and a `kdn-blend` cache salt. Full prefill: the same prompt with KDN off for the request. Prefix
+cache reset before every request; TTFT is `LLM.generate`'s wall time with `max_tokens=1`; the
+ratio is per round, the two requests back to back in alternating order.""",
+    "blend-decay": """smollm2-135m fp32: 200 queries, each 8 of a pool of 64 excerpts of 128 tokens (held-out
+files) in a subset and order no earlier query used, through `generate(..., documents=...)` at
+15% with the pool's segments on an in-process edge. Every 4th query is also fully prefilled for
+the TTFT gain. Per 20 queries: the share of prompt tokens reused, the median gain, what the edge
+holds.""",
 }
 
 
-def quality(model: str, prompts: int, docs: int) -> dict[str, Any]:
-    lm, info, results = blend_eval.run(model, prompts=prompts, docs=docs, doc_tokens=128,
-                                       ratios=blend_eval.DEFAULT_RATIOS, first_k=16, seed=0)
-    verdict = blend_eval.verdict_for(lm, results, blend_eval.DEFAULT_RATIOS, 1)
-    return {**info, "methods": {k: r.as_dict() for k, r in results.items()},
-            "verdict": {"passed": verdict.passed, "ratio": verdict.ratio, "reason": verdict.reason}}
+def _save(rec: Any) -> None:
+    rec.save()
 
 
-@torch.inference_mode()
-def ttft(repeat: int, doc_tokens: int = 512, n_docs: int = 8, ratio: float = 0.15, spec: str = "small-125m") -> dict[str, Any]:
-    lm = load_model(spec)
+def _print_only(rec: Any) -> None:
+    print(json.dumps({"goals": rec.doc["goals"], "body": rec.doc["body"]}, indent=1, default=str))
+
+
+SAVE = _save  # --no-record: print instead
+
+
+def _record(name: str, title: str, argv: list[str], load_start: float) -> Any:
+    from _results import Record
+
+    rec = Record(__file__, name, title, argv, method=METHOD[name])
+    rec.doc["load"]["start"] = load_start
+    return rec
+
+
+# -- prompts ----------------------------------------------------------------------------------------
+
+
+def rag_pool(lm: Any, doc_tokens: int, n: int, per_file: int = 2) -> list[list[int]]:
+    from kdn.lab.blend_tasks import document_pool
+    from kdn.lab.reference import corpus_split
+
+    cs = corpus_split()
+    pool = document_pool(lm.tokenizer, cs.heldout, cs.root, doc_tokens=doc_tokens, per_file=per_file)
+    if len(pool) < n:
+        raise SystemExit(f"only {len(pool)} documents of {doc_tokens} tokens in the held-out files, need {n}")
+    rng = random.Random(7)
+    return [list(d.tokens) for d in rng.sample(pool, n)]
+
+
+def combinations(pool_n: int, k: int, n: int, seed: int) -> list[list[int]]:
+    """``n`` distinct (subset, order) picks of ``k`` of ``pool_n`` documents."""
+    rng = random.Random(seed)
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    while len(out) < n:
+        pick = tuple(rng.sample(range(pool_n), k))
+        if pick not in seen:
+            seen.add(pick)
+            out.append(list(pick))
+    return out
+
+
+def question_for(lm: Any, doc: list[int]) -> list[int]:
+    from kdn.lab.blend_tasks import chat_parts
+
+    _, ask = chat_parts(lm.tokenizer)
+    return ask + doc[len(doc) // 2 : len(doc) // 2 + 10]
+
+
+# -- parts ------------------------------------------------------------------------------------------
+
+
+def part_quality(argv: list[str], load_start: float, budget_s: float | None) -> dict[str, Any]:
+    from kdn.lab import blend_eval
+
+    lm, info, summary = blend_eval.run(MODEL, prompts=240, docs=8, doc_tokens=256, ratios=blend_eval.DEFAULT_RATIOS,
+                                       first_k=16, seed=0, progress=True, budget_s=budget_s)
+    out = {**info, **summary}
+    rec = _record("blend-quality", "Blend on the trained model: accuracy, KL, paired tests (needle task)", argv,
+                  load_start)
+    rows = []
+    for m in summary["methods"].values():
+        acc = "—" if m["accuracy"] is None else f"{m['accuracy']:.3f} [{m['accuracy_ci'][0]:.3f}, {m['accuracy_ci'][1]:.3f}]"
+        p_full = m.get("vs_full", {}).get("p")
+        p_b15 = m.get("vs_blend@0.15", {}).get("p")
+        rows.append([m["name"], m["prompts"], acc, f"{m['kl']:.4f} [{m['kl_ci'][0]:.4f}, {m['kl_ci'][1]:.4f}]",
+                     f"{m['agreement']:.3f}", f"{m['recomputed']:.1%}", f"{m['compute']:.1%}",
+                     f"{m.get('reused_all_prompts', m['reused']):.1%}", "—" if p_full is None else f"{p_full:.2g}",
+                     "—" if p_b15 is None else f"{p_b15:.2g}"])
+    rec.table(["method", "prompts", "accuracy [95% CI]", "KL to full [95% CI]", "top-1 agreement", "doc tokens recomputed",
+               "compute share", "prompt tokens reused", "McNemar p vs full", "McNemar p vs blend@15%"], rows)
+    for c in summary["claims"]:
+        rec.goal(c["what"], c["goal"], median=c["value"], met=c["met"], unit="", digits=4)
+    rec.note(f"{info['prompts_done']} of {info['prompts']} prompts; pool {info.get('pool_documents')} documents from "
+             f"{info.get('files')} held-out files; context {info['context_tokens']} tokens; check layer "
+             f"{info['check_layer']}; {info['threads']} torch threads.")
+    if "blend@1" in summary["methods"]:
+        rec.note(f"blend@1 (every token recomputed) vs full prefill: largest logit difference "
+                 f"{summary['methods']['blend@1'].get('max_logit_diff', float('nan')):.2e}.")
+    rec.set_rounds(info["prompts_done"])
+    rec.data({"methods": summary["methods"], "claims": summary["claims"]})
+    SAVE(rec)
+    return out
+
+
+def part_ttft(argv: list[str], load_start: float, rounds: int, doc_tokens: int = 512) -> dict[str, Any]:
+    from kdn.blend import Deviation
+    from kdn.client import ClientConfig, KdnClient
+    from kdn.client_transport import MemoryEdgeTransport
+    from kdn.integrations.blend import BlendOptions
+    from kdn.integrations.transformers import generate, prepare
+    from kdn.lab.blend_tasks import chat_parts
+    from kdn.models import load_model
+
+    lm = load_model(MODEL)
     km = prepare(lm)
-    gen = torch.Generator().manual_seed(5)
-    vocab = int(lm.config.vocab_size)
-    docs = [torch.randint(3, vocab, (doc_tokens,), generator=gen).tolist() for _ in range(n_docs)]
-    prefix = torch.randint(3, vocab, (16,), generator=gen).tolist()
-    question = torch.randint(3, vocab, (16,), generator=gen).tolist()
+    pool = rag_pool(lm, doc_tokens, 16)
+    prefix, _ = chat_parts(lm.tokenizer)
+    combos = combinations(len(pool), 8, rounds + 1, seed=11)
     edge = MemoryEdgeTransport()
-    out: dict[str, list[float]] = {"full": [], "blend": [], "naive": []}
-    breakdown: dict[str, Any] = {}
+    rows, ratios = [], []
     with KdnClient(ClientConfig(edge="mem"), transport=edge) as client:
-        opts = BlendOptions(policy=Deviation(ratio))
-        generate(km, question, documents=docs, prefix=prefix, client=client, blend=opts, max_new_tokens=1)  # stores segments
-        client.flush(60)
-        stored = sum(len(v) for v in edge.store.values())
-        for i in range(repeat):
-            order = ["full", "blend", "naive"] if i % 2 == 0 else ["naive", "blend", "full"]
-            for mode in order:
+        opts = BlendOptions(policy=Deviation(RATIO))
+        for d in pool:  # the pool's segments on the edge, not timed
+            generate(km, [13], documents=[d], client=client, blend=opts, max_new_tokens=1)
+        client.flush(120)
+        for r, combo in enumerate(combos):
+            docs = [pool[i] for i in combo]
+            q = question_for(lm, docs[r % 8])
+            flat = prefix + sum(docs, []) + q
+            got: dict[str, Any] = {}
+            for mode in (["full", "blend"] if r % 2 == 0 else ["blend", "full"]):
                 if mode == "full":
-                    r = generate(km, prefix + sum(docs, []) + question, max_new_tokens=1)
+                    got[mode] = generate(km, flat, max_new_tokens=1)
                 else:
-                    pol = Deviation(ratio) if mode == "blend" else Naive()
-                    r = generate(km, question, documents=docs, prefix=prefix, client=client,
-                                 blend=BlendOptions(policy=pol), max_new_tokens=1)
-                    assert r.via.startswith("blend"), r.warnings
-                    if mode == "blend":
-                        breakdown = {"fetch_ms": r.timings.fetch_s * 1e3, "blend_ms": r.timings.blend_s * 1e3,
-                                     "question_prefill_ms": r.timings.prefill_s * 1e3,
-                                     "recomputed": r.blend.recompute_fraction if r.blend else None,
-                                     "compute": r.blend.layer_token_fraction if r.blend else None}
-                out[mode].append(r.timings.ttft_s)
-    med = {k: statistics.median(v) for k, v in out.items()}
-    return {"model": spec, "documents": n_docs, "doc_tokens": doc_tokens, "prompt_tokens": 16 + n_docs * doc_tokens + 16,
-            "ratio": ratio, "repeat": repeat, "median_s": med, "all_s": out, "speedup_blend": med["full"] / med["blend"],
-            "speedup_naive": med["full"] / med["naive"], "segment_bytes_on_edge": stored, "blend_breakdown": breakdown,
-            "load_average": os.getloadavg()}
+                    got[mode] = generate(km, q, documents=docs, prefix=prefix, client=client, blend=opts,
+                                         max_new_tokens=1)
+                    assert got[mode].via.startswith("blend"), got[mode].warnings
+            if r == 0:
+                continue  # warm-up
+            f, b = got["full"].timings.ttft_s, got["blend"].timings.ttft_s
+            ratios.append(f / b)
+            rows.append([r, len(flat), f"{f * 1e3:.0f}", f"{b * 1e3:.0f}", f"{f / b:.2f}x",
+                         f"{got['blend'].timings.fetch_s * 1e3:.0f}", f"{got['blend'].timings.blend_s * 1e3:.0f}",
+                         f"{got['blend'].blend.recompute_fraction:.1%}" if got["blend"].blend else "—"])
+    rec = _record("blend-ttft", "Blend TTFT vs full prefill, 8-document RAG prompt, transformers", argv, load_start)
+    rec.goal(f"blend @ {RATIO:.0%} vs full prefill, 8 x {doc_tokens} tokens, smollm2-135m fp32, transformers", "≥ 3x",
+             ratios, at_least=3.0)
+    rec.table(["round", "prompt tokens", "full prefill ms", "blend ms", "ratio", "fetch ms", "blend ms (recompute)",
+               "recomputed"], rows)
+    rec.set_rounds(len(ratios))
+    rec.data({"ratios": ratios})
+    SAVE(rec)
+    return {"ratios": ratios, "median": statistics.median(ratios)}
 
 
-@torch.inference_mode()
-def no_decay(model_dir: Path | None, queries: int = 200, pool: int = 50, per_query: int = 8, ratio: float = 0.15) -> dict[str, Any]:
-    """Edge bytes and reuse over a stream of queries (on the retrieval model when given, else ``tiny``)."""
-    lm = load_model(str(model_dir) if model_dir is not None else "tiny")
+def part_decay(argv: list[str], load_start: float, queries: int = 200) -> dict[str, Any]:
+    from kdn.blend import Deviation
+    from kdn.client import ClientConfig, KdnClient
+    from kdn.client_transport import MemoryEdgeTransport
+    from kdn.integrations.blend import BlendOptions
+    from kdn.integrations.transformers import generate, prepare
+    from kdn.lab.blend_tasks import chat_parts
+    from kdn.models import load_model
+
+    lm = load_model(MODEL)
     km = prepare(lm)
-    # a pool of 50 documents of 128 tokens (held-out stdlib text), 8 per query in random subsets and
-    # orders; the retrieval task's own pool is smaller (documents with disjoint keys)
-    cases = blend_eval.generic_cases(lm, queries, per_query, 128, seed=1)
-    pool_docs = sorted({d for c in cases for d in c.docs})
+    pool = rag_pool(lm, 128, 64, per_file=8)
+    prefix, _ = chat_parts(lm.tokenizer)
+    combos = combinations(len(pool), 8, queries, seed=23)
     edge = MemoryEdgeTransport()
-    windows: list[dict[str, float]] = []
-    reused = prompt = 0
-    right = 0
+    opts = BlendOptions(policy=Deviation(RATIO))
+    windows, rows = [], []
     with KdnClient(ClientConfig(edge="mem"), transport=edge) as client:
-        for i, c in enumerate(cases):
-            r = generate(km, list(c.question), documents=[list(d) for d in c.docs], prefix=list(c.prefix),
-                         client=client, blend=BlendOptions(policy=Deviation(ratio)), max_new_tokens=2)
+        for d in pool:
+            generate(km, [13], documents=[d], client=client, blend=opts, max_new_tokens=1)
+        client.flush(120)
+        seg_artifacts = len(edge.store)
+        reused = prompt = 0
+        gains: list[float] = []
+        ttfts: list[float] = []
+        for i, combo in enumerate(combos):
+            docs = [pool[j] for j in combo]
+            q = question_for(lm, docs[i % 8])
+            r = generate(km, q, documents=docs, prefix=prefix, client=client, blend=opts, max_new_tokens=1)
             client.flush(10)
             reused += r.reused_tokens
             prompt += r.prompt_tokens
-            right += int(bool(c.answer) and r.tokens == list(c.answer))
+            ttfts.append(r.timings.ttft_s)
+            if i % 4 == 0:
+                f = generate(km, prefix + sum(docs, []) + q, max_new_tokens=1)
+                gains.append(f.timings.ttft_s / r.timings.ttft_s)
             if (i + 1) % 20 == 0:
-                windows.append({"queries": i + 1, "reused_fraction": reused / prompt,
-                                "edge_bytes": sum(len(v) for v in edge.store.values()), "edge_artifacts": len(edge.store),
-                                "accuracy": right / 20})
-                reused = prompt = right = 0
-    seg_bytes = blend_eval.SegmentCache(lm)
-    for d in pool_docs:
-        seg_bytes.get(d)
-    return {"model": lm.spec, "queries": queries, "pool_documents": len(pool_docs), "per_query": per_query, "ratio": ratio,
-            "pool_segment_kv_bytes": seg_bytes.stored_bytes, "windows": windows}
+                w = {"queries": i + 1, "reused_fraction": reused / prompt, "gain_median": statistics.median(gains),
+                     "blend_ttft_ms": statistics.median(ttfts) * 1e3, "edge_artifacts": len(edge.store),
+                     "edge_bytes": sum(len(v) for v in edge.store.values())}
+                windows.append(w)
+                rows.append([w["queries"], f"{w['reused_fraction']:.3f}", f"{w['gain_median']:.2f}x",
+                             f"{w['blend_ttft_ms']:.0f}", w["edge_artifacts"], f"{w['edge_bytes'] / 1e6:.1f} MB"])
+                reused = prompt = 0
+                gains, ttfts = [], []
+    first, last = windows[0], windows[-1]
+    rec = _record("blend-decay", "Blend reuse does not decay over novel combinations", argv, load_start)
+    rec.goal(f"reused-token share, last 20 of {queries} queries vs first 20", "≥ 0.95x",
+             median=last["reused_fraction"] / first["reused_fraction"], at_least=0.95, digits=3)
+    rec.goal(f"TTFT gain over full prefill, last 20 queries vs first 20", "≥ 0.8x",
+             median=last["gain_median"] / first["gain_median"], at_least=0.8, digits=3)
+    rec.goal("edge artifacts after the queries vs the pool's segments", "= 1.00x",
+             median=last["edge_artifacts"] / seg_artifacts, met=last["edge_artifacts"] == seg_artifacts, digits=2)
+    rec.table(["queries", "reused-token share (last 20)", "TTFT gain (median, last 20)", "blend TTFT ms (median)",
+               "edge artifacts", "edge bytes"], rows)
+    rec.note(f"{len(pool)} documents, {queries} queries of 8, every (subset, order) new; {seg_artifacts} segments on "
+             "the edge before the first query.")
+    rec.set_rounds(queries)
+    rec.data({"windows": windows})
+    SAVE(rec)
+    return {"windows": windows}
 
 
-def plot(q: dict[str, Any] | None, t: dict[str, Any] | None, path: Path) -> bool:
+def part_vllm(argv: list[str], load_start: float, rounds: int, python: str) -> dict[str, Any] | None:
+    if not Path(python).is_file():
+        print(f"[blend] no vLLM environment at {python} (deploy/install-vllm.sh): vLLM part skipped", file=sys.stderr)
+        return None
+    with tempfile.TemporaryDirectory(prefix="kdn-blend-vllm-") as tmp:
+        out = Path(tmp) / "vllm.json"
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+               "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([python, __file__, "--vllm-child", str(out), "--rounds", str(rounds)], env=env,
+                              cwd=ROOT, timeout=3600)
+        if proc.returncode != 0 or not out.is_file():
+            raise SystemExit(f"vLLM child failed ({proc.returncode})")
+        res = json.loads(out.read_text())
+    rec = _record("blend-vllm", "Blend TTFT vs full prefill in an unmodified vLLM, through the store's blend", argv,
+                  load_start)
+    ratios = [r["ratio"] for r in res["rounds"]]
+    rec.goal(f"store-side blend (ratio {res['verdict_ratio']:g}) vs vLLM full prefill, 8 x 512 tokens, fp32", "≥ 3x",
+             ratios, at_least=3.0)
+    rec.table(["round", "prompt tokens", "vLLM full prefill ms", "vLLM + store blend ms", "ratio", "cached tokens",
+               "same first token"],
+              [[r["round"], r["prompt_tokens"], f"{r['full_s'] * 1e3:.0f}", f"{r['blend_s'] * 1e3:.0f}",
+                f"{r['ratio']:.2f}x", r["cached"], r["same_first_token"]] for r in res["rounds"]])
+    rec.note(f"engine start {res['engine_start_s']:.0f} s; origin counters after the rounds: "
+             + ", ".join(f"{k} {v:g}" for k, v in sorted(res["origin"].items())))
+    rec.set_rounds(len(ratios))
+    rec.data(res)
+    SAVE(rec)
+    return res
+
+
+def vllm_child(out: Path, rounds: int) -> int:
+    """In the vLLM environment: an origin in this process, an engine with the connector, the rounds."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from kdn.blend.verdict import read_verdict
+    from kdn.keys import DEFAULT_NAMESPACE
+    from kdn.lab.blend_tasks import chat_parts
+    from kdn.origin.config import OriginConfig
+    from kdn.origin.segments import store_segment
+    from kdn.origin.server import OriginServer
+    from kdn.pretrained import model_dir
+
+    model = model_dir(MODEL)
+    tmp = Path(tempfile.mkdtemp(prefix="kdn-blend-origin-"))
+    origin = OriginServer(OriginConfig(store_dir=str(tmp / "store"), models=[str(model)], dtype="float32",
+                                       chunk_size=CHUNK, codecs=["raw"], listen="127.0.0.1:0", fsync=False))
+    origin.start()
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    panels = [x for x in (q, t) if x is not None]
-    if not panels:
-        return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    axes = list(axes[0]) if q is not None else [None, *axes[0]]  # axes[0]: quality, axes[1]: TTFT
-    if q is not None:
-        m = q["methods"]
-        ratios = [float(k.split("@")[1]) for k in m if k.startswith("blend@")]
-        acc = [m[f"blend@{r:g}"]["accuracy"] for r in ratios]
-        agr = [m[f"blend@{r:g}"]["agreement"] for r in ratios]
-        ax = axes[0]
-        ax.plot([r * 100 for r in ratios], acc, "o-", label="blend accuracy")
-        ax.plot([r * 100 for r in ratios], agr, "s--", label="blend top-1 agreement")
-        for name, style in (("full", "k-"), ("naive", "r:"), ("prefix-only", "g-."), ("first-16", "m--")):
-            if name in m and m[name]["accuracy"] is not None:
-                ax.axhline(m[name]["accuracy"], color=style[0], linestyle=style[1:], label=f"{name} accuracy")
-        ax.set_xlabel("recompute ratio (%)")
-        ax.set_ylim(0, 1.05)
-        ax.set_title(f"retrieval model, {q['documents']} docs, {q['prompts']} held-out prompts")
-        ax.legend(fontsize=7)
-    if t is not None:
-        ax = axes[1]
-        names = ["full", "blend", "naive"]
-        ax.bar(names, [t["median_s"][n] * 1e3 for n in names], color=["grey", "tab:blue", "tab:red"])
-        ax.set_ylabel("TTFT, ms (median)")
-        ax.set_title(f"small-125m, {t['documents']} x {t['doc_tokens']} tokens; blend {t['speedup_blend']:.2f}x")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return True
-
-
-PARTS = {  # record name, title, what res holds it under
-    "retrieval": ("blend-retrieval", "Blend: accuracy on the retrieval reference model"),
-    "models": ("blend-models", "Blend: agreement with full prefill, per model"),
-    "ttft": ("blend-ttft", "Blend: TTFT vs full prefill, small-125m"),
-    "no_decay": ("blend-decay", "Blend: reuse does not decay"),
-}
-
-
-def part_lines(res: dict[str, Any], part: str) -> list[str]:
-    """The Markdown of one measured part (empty when the run skipped it)."""
-    lines: list[str] = []
-    q = res.get("retrieval")
-    if q and part == "retrieval":
-        lines += [f"**Retrieval reference model** (`{q['model']}`, {q['layers']} layers): {q['prompts']} held-out prompts, "
-                  f"{q['documents']} documents of {q['document_tokens'][0]} tokens in random subsets and orders "
-                  f"({q['context_tokens']} context tokens), check layer {q['check_layer']}.", "",
-                  "| method | accuracy | top-1 agreement | KL (nats) | doc tokens recomputed | compute share | prompt tokens reused | TTFT ms (median) |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in q["methods"].values():
-            acc = "—" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
-            lines.append(f"| {r['name']} | {acc} | {r['agreement']:.3f} | {r['kl']:.4f} | {r['recomputed']:.1%} | "
-                         f"{r['compute']:.1%} | {r['reused']:.1%} | {r['ttft_ms']:.1f} |")
-        full = q["methods"]["full"]["accuracy"] or 0.0
-        b15 = q["methods"].get("blend@0.15")
-        if full < 0.9:
-            lines += ["", f"**This model does not meet the task's bar** (full-prefill accuracy {full:.3f} < 0.90): accuracy "
-                      "columns say nothing about blending, and the goal (blend at ≤ 15% recompute keeps ≥ 98% of "
-                      "full-prefill accuracy) is NOT SHOWN. Agreement and KL still compare each method's predictions "
-                      f"with full prefill's on the answer tokens of a {q['layers']}-layer model trained on this input "
-                      "distribution."]
-        elif b15 and full:
-            kept = b15["accuracy"] / full
-            lines += ["", f"blend@0.15 keeps {kept:.1%} of full prefill's accuracy ({b15['accuracy']:.3f} vs {full:.3f}), "
-                      f"agreement {b15['agreement']:.3f}. Verdict: {'PASS' if q['verdict']['passed'] else 'FAIL'} "
-                      f"({q['verdict']['reason']})."]
-    models = res.get("models") or []
-    if models and part == "models":
-        lines += ["", "**Agreement and KL with full prefill, per model** (scored tokens: the answer for the retrieval "
-                  "model, the question's next-token predictions otherwise):", "",
-                  "| model | layers | prompts | naive agree / KL | first-16 agree / KL | blend@0.15 agree / KL | blend@0.3 agree / KL |",
-                  "|---|---|---|---|---|---|---|"]
-        for m in models:
-            cell = lambda k: f"{m['methods'][k]['agreement']:.3f} / {m['methods'][k]['kl']:.4f}"  # noqa: E731
-            lines.append(f"| {m['model']} | {m['layers']} | {m['prompts']} | {cell('naive')} | {cell('first-16')} | "
-                         f"{cell('blend@0.15')} | {cell('blend@0.3')} |")
-    t = res.get("ttft")
-    if t and part == "ttft":
-        med = t["median_s"]
-        lines += ["", f"**TTFT, small-125m** fp32, {t['documents']} documents x {t['doc_tokens']} tokens + 16-token prefix + "
-                  f"16-token question ({t['prompt_tokens']} tokens), segments on an in-process edge (fetch + verify + decode "
-                  f"timed); medians of {t['repeat']} runs:", "",
-                  "| mode | TTFT ms | vs full prefill |", "|---|---|---|",
-                  f"| full prefill | {med['full'] * 1e3:.0f} | 1.00x |",
-                  f"| blend @ {t['ratio']:.0%} | {med['blend'] * 1e3:.0f} | {t['speedup_blend']:.2f}x |",
-                  f"| naive (no recompute) | {med['naive'] * 1e3:.0f} | {t['speedup_naive']:.2f}x |", "",
-                  f"Blend breakdown (ms): {', '.join(f'{k} {v:.1f}' if isinstance(v, float) else f'{k} {v}' for k, v in t['blend_breakdown'].items())}."]
-    d = res.get("no_decay")
-    if d and part == "no_decay":
-        lines += ["", f"**Reuse does not decay** (`{d['model']}`): {d['queries']} queries over a pool of {d['pool_documents']} documents "
-                  f"({d['per_query']} per query, random subsets and orders), blend @ {d['ratio']:.0%} through "
-                  f"`generate(..., documents=...)`. Pool's segment KV: {d['pool_segment_kv_bytes'] / 1e6:.2f} MB.", "",
-                  "| queries | edge artifacts | edge bytes | reused-token fraction (last 20) | accuracy (last 20) |",
-                  "|---|---|---|---|---|"]
-        for w in d["windows"]:
-            lines.append(f"| {w['queries']} | {w['edge_artifacts']} | {w['edge_bytes'] / 1e6:.2f} MB | "
-                         f"{w['reused_fraction']:.3f} | — |")
-    return lines
-
-
-def markdown(res: dict[str, Any]) -> str:
-    """What the terminal shows: every measured part."""
-    lines = [f"Blend: `{res['command']}` (load average at the end {res['load_average'][0]:.1f})"]
-    for part in PARTS:
-        lines += part_lines(res, part)
-    return "\n".join(lines) + "\n"
-
-
-def record(res: dict[str, Any], argv: list[str], load_start: float) -> None:
-    """One record per part the run measured (a run that skips a part leaves its record as it was)."""
-    for part, (name, title) in PARTS.items():
-        if not res.get(part):
-            continue
-        rec = Record(__file__, name, title, argv, command=res["command"])
-        rec.doc["load"]["start"] = load_start
-        if part == "retrieval":
-            q = res["retrieval"]
-            full = q["methods"]["full"]["accuracy"] or 0.0
-            b15 = q["methods"].get("blend@0.15")
-            if full < 0.9:
-                rec.goal("full-prefill accuracy of the model (the task's bar; below it blending is not judged)",
-                         "≥ 0.90", median=full, unit="", digits=3, at_least=0.9)
-            elif b15:
-                rec.goal("blend @ 15%: share of full-prefill accuracy kept", "≥ 98%", median=100 * b15["accuracy"] / full,
-                         unit="%", digits=1, at_least=98)
-                rec.goal("blend @ 15%: answer top-1 agreement with full prefill", "≥ 95%",
-                         median=100 * b15["agreement"], unit="%", digits=1, at_least=95)
-        if part == "ttft":
-            t = res["ttft"]
-            rec.set_rounds(t["repeat"])
-            rec.goal(f"blend @ {t['ratio']:.0%} recompute vs full prefill, {t['documents']} x {t['doc_tokens']} tokens",
-                     "≥ 3x", median=t["speedup_blend"], at_least=3.0, rounds=t["repeat"])
-        rec.markdown(part_lines(res, part))
-        if res.get("plot") and part in ("retrieval", "ttft"):
-            rec.plot(RESULTS / res["plot"])
-        rec.save(load_end=round(res["load_average"][0], 2))
-
-
+        lm = origin.model()
+        v = read_verdict(lm.fingerprint)
+        if v is None or not v.passed:
+            raise SystemExit(f"no passing blend verdict for {MODEL} fp32 (run kdn eval-blend first): {v}")
+        pool = rag_pool(lm, 512, 16)
+        for i, d in enumerate(pool):
+            store_segment(lm, origin.store, origin.segment_catalog, d, namespace=DEFAULT_NAMESPACE, doc_id=f"pool-{i}")
+        prefix, _ = chat_parts(lm.tokenizer)
+        combos = combinations(len(pool), 8, rounds + 1, seed=11)
+        t0 = time.time()
+        llm = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=4608, enable_prefix_caching=True,
+                  max_num_seqs=2, seed=0,
+                  kv_transfer_config=KVTransferConfig(
+                      kv_connector="KdnConnector", kv_connector_module_path="kdn.integrations.vllm",
+                      kv_role="kv_both", kv_load_failure_policy="recompute",
+                      kv_connector_extra_config={"blend_origin": origin.address, "chunk_size": CHUNK,
+                                                 "write_back": False}))
+        start_s = time.time() - t0
+        sp = SamplingParams(temperature=0.0, max_tokens=1)
+        results = []
+        for r, combo in enumerate(combos):
+            docs = [pool[i] for i in combo]
+            q = question_for(lm, docs[r % 8])
+            prompt = prefix + sum(docs, []) + q
+            got: dict[str, Any] = {}
+            for mode in (["full", "blend"] if r % 2 == 0 else ["blend", "full"]):
+                s = sp.clone()
+                p: dict[str, Any] = {"prompt_token_ids": prompt}
+                if mode == "blend":
+                    p["cache_salt"] = f"kdn-blend-{r}"
+                    s.extra_args = {"kv_transfer_params": {"kdn_blend": True}}
+                else:
+                    s.extra_args = {"kv_transfer_params": {"kdn": False}}
+                llm.reset_prefix_cache()
+                t = time.perf_counter()
+                o = llm.generate([p], s, use_tqdm=False)[0]
+                got[mode] = (time.perf_counter() - t, int(o.num_cached_tokens or 0), list(o.outputs[0].token_ids))
+            if r == 0:
+                continue  # warm-up
+            (fs, _, ft), (bs, bc, bt) = got["full"], got["blend"]
+            results.append({"round": r, "prompt_tokens": len(prompt), "full_s": fs, "blend_s": bs, "ratio": fs / bs,
+                            "cached": bc, "same_first_token": ft[:1] == bt[:1]})
+            print(f"round {r}: full {fs:.2f}s blend {bs:.2f}s ({fs / bs:.2f}x), cached {bc}", flush=True)
+        counters = {k: v for k, v in origin.stats().counters.items() if k.startswith("blend")}
+        out.write_text(json.dumps({"rounds": results, "engine_start_s": start_s, "verdict_ratio": v.ratio,
+                                   "origin": counters, "torch": torch.__version__}))
+        return 0
+    finally:
+        origin.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--prompts", type=int, default=200)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--retrieval", type=Path, default=default_retrieval_dir())
-    p.add_argument("--reference", type=Path, default=default_reference_dir())
-    p.add_argument("--skip", default="", help="comma list of sections to skip: retrieval,models,ttft,decay")
-    p.add_argument("--no-append", action="store_true", help="print only; record nothing")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--parts", default="quality,ttft,vllm,decay", help="comma list of quality, ttft, vllm, decay")
+    p.add_argument("--rounds", type=int, default=10, help="TTFT rounds (each a novel combination; one more warms up)")
+    p.add_argument("--queries", type=int, default=200, help="decay: queries")
+    p.add_argument("--budget-s", type=float, default=None, help="quality: stop the evaluation after this long")
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--doc-tokens", type=int, default=512, help="ttft: tokens per document (default 512)")
+    p.add_argument("--no-record", action="store_true", help="print the figures; record nothing")
+    p.add_argument("--vllm-child", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    global SAVE
+    if args.no_record:
+        SAVE = _print_only
+    if args.vllm_child is not None:
+        return vllm_child(args.vllm_child, args.rounds)
     argv = list(argv if argv is not None else sys.argv[1:])
-    load_start = round(os.getloadavg()[0], 2)
-    torch.set_num_threads(1)
-    skip = set(filter(None, args.skip.split(",")))
-    prompts = 20 if args.quick else args.prompts
-    res: dict[str, Any] = {"command": "python benchmarks/blend.py " + " ".join(argv)}
-    have_retrieval = (args.retrieval / "config.json").is_file()
-    if have_retrieval and "retrieval" not in skip:
-        print("retrieval model quality ...", file=sys.stderr)
-        res["retrieval"] = quality(str(args.retrieval), prompts, 8)
-    if "models" not in skip:
-        res["models"] = []
-        specs = [("tiny", prompts), ("tiny-mha", prompts), ("small-125m", 3 if args.quick else 6)]
-        if (args.reference / "config.json").is_file():
-            specs.append((str(args.reference), prompts))
-        for spec, n in specs:
-            print(f"agreement/KL: {spec} ...", file=sys.stderr)
-            res["models"].append(quality(spec, n, 8))
-        if "retrieval" in res:
-            res["models"].append(res["retrieval"])
-    if "ttft" not in skip:
-        print("TTFT small-125m ...", file=sys.stderr)
-        res["ttft"] = ttft(1 if args.quick else args.repeat)
-    if "decay" not in skip:
-        print("no-decay ...", file=sys.stderr)
-        res["no_decay"] = no_decay(args.retrieval if have_retrieval else None, queries=60 if args.quick else 200)
-    res["load_average"] = os.getloadavg()
-    # a run that skips a section plots only what it measured, under its own name (so a quality-only
-    # run does not replace the plot of a run that measured TTFT with an empty panel)
-    name = {(True, True): "blend.png", (True, False): "blend-quality.png", (False, True): "blend-ttft.png"}.get(
-        (res.get("retrieval") is not None, res.get("ttft") is not None))
-    res["plot"] = name if name and plot(res.get("retrieval"), res.get("ttft"), RESULTS / name) else None
-    md = markdown(res)
-    if args.json:
-        print(json.dumps(res, indent=2, default=str))
-    else:
-        print(md)
-    if not args.no_append:
-        record(res, argv, load_start)
+    parts = [x for x in args.parts.split(",") if x]
+    for part in parts:
+        load_start = round(os.getloadavg()[0], 2)
+        print(f"[blend] {part} (load {load_start})", file=sys.stderr, flush=True)
+        if part == "quality":
+            part_quality(argv, load_start, args.budget_s)
+        elif part == "ttft":
+            part_ttft(argv, load_start, args.rounds, args.doc_tokens)
+        elif part == "vllm":
+            part_vllm(argv, load_start, args.rounds, args.vllm_python)
+        elif part == "decay":
+            part_decay(argv, load_start, args.queries)
+        else:
+            raise SystemExit(f"unknown part {part!r}")
     return 0
 
 

@@ -540,7 +540,8 @@ def run(model: str, *, prompts: int, docs: int, doc_tokens: int, ratios: Sequenc
     if cache is None:
         from kdn.config import cache_root
 
-        digest = hashlib.blake2b(json.dumps([task, prompts, docs, doc_tokens, seed, split, answer_tokens]).encode(),
+        # prompts are generated in sequence: a run of more prompts starts with a shorter run's
+        digest = hashlib.blake2b(json.dumps([task, docs, doc_tokens, seed, split, answer_tokens]).encode(),
                                  digest_size=6).hexdigest()
         cache = cache_root() / "blend-eval" / bytes(lm.fingerprint).hex()[:16] / f"{task}-{digest}"
     # segments and full-prefill logits do not depend on the blend settings; results do
