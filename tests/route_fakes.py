@@ -40,21 +40,24 @@ SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 FP = ModelFingerprint(bytes(range(32)))
 
 
-def fake_kv(tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fake_kv(tokens: list[int], shape: KVShape = SHAPE) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer ``(1, H, N, D)`` keys and values made from the token ids (same on every host)."""
     t = torch.tensor(tokens, dtype=torch.float32)  # (N,)
-    base = (t[None, None, :, None] + torch.arange(SHAPE.head_dim)[None, None, None, :]) / 300.0  # (1, 1, N, D)
+    base = (t[None, None, :, None] + torch.arange(shape.head_dim)[None, None, None, :]) / 300.0  # (1, 1, N, D)
     out = []
-    for layer in range(SHAPE.num_layers):
-        k = (base + layer).expand(1, SHAPE.num_kv_heads, len(tokens), SHAPE.head_dim).to(SHAPE.dtype).contiguous()
+    for layer in range(shape.num_layers):
+        k = (base + layer).expand(1, shape.num_kv_heads, len(tokens), shape.head_dim).to(shape.dtype).contiguous()
         out.append((k, (-k).contiguous()))
     return out
 
 
 class FakeHost:
     def __init__(self, name: str, tok: Tokenizer, transport: EdgeTransport | None, *, s_per_token: float,
-                 chunk_size: int, owned_by: str = "vllm") -> None:
+                 chunk_size: int, owned_by: str = "vllm", fingerprint: ModelFingerprint = FP,
+                 shape: KVShape = SHAPE) -> None:
         self.name = name
+        self.shape = shape
+        self.fingerprint = fingerprint
         self.tok = tok
         self.s_per_token = s_per_token
         self.chunk_size = chunk_size
@@ -95,7 +98,7 @@ class FakeHost:
         async with self.engine:
             reused = 0
             if use_kdn and self.client.transport is not None:
-                r = await self.client.reuse(tokens, fingerprint=FP, kv_shape=SHAPE, chunk_size=self.chunk_size,
+                r = await self.client.reuse(tokens, fingerprint=self.fingerprint, kv_shape=self.shape, chunk_size=self.chunk_size,
                                             max_tokens=len(tokens) - 1)
                 reused = r.tokens
                 self.counters["reused_chunks"] += r.chunks
@@ -103,7 +106,7 @@ class FakeHost:
                 self.counters["fetched_bytes"] += r.bytes
                 computed = len(tokens) - reused
                 await asyncio.sleep(computed * self.s_per_token)
-                self.client.schedule_write_back(fake_kv(tokens), r.keys, fingerprint=FP, chunk_size=self.chunk_size,
+                self.client.schedule_write_back(fake_kv(tokens, self.shape), r.keys, fingerprint=self.fingerprint, chunk_size=self.chunk_size,
                                                 start=r.chunks, tokens=tokens, piece_start=r.pieces)
             else:
                 computed = len(tokens)
@@ -131,3 +134,47 @@ class FakeHost:
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.route_fakes --edge ADDR --model DIR [--s-per-token S] [--chunk-size C]``:
+    one fake host on a free loopback port; prints ``{"event": "ready", "url": ...}``."""
+    import argparse
+    import socket
+
+    import uvicorn
+
+    from transformers import AutoConfig
+
+    from kdn.client_transport import GrpcEdgeTransport
+    from kdn.route.model import load_route_model
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--edge")
+    p.add_argument("--model", required=True)
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--s-per-token", type=float, default=0.002)
+    p.add_argument("--owned-by", default="vllm")
+    args = p.parse_args(argv)
+    model = load_route_model(args.model, dtype="float32", chunk_size=args.chunk_size)
+
+    async def serve() -> None:
+        transport = GrpcEdgeTransport(args.edge, bulk=False) if args.edge else None
+        host = FakeHost("fake", model.tokenizer, transport, s_per_token=args.s_per_token, chunk_size=args.chunk_size,
+                        owned_by=args.owned_by, fingerprint=model.fingerprint,  # the router's keys
+                        shape=KVShape.from_config(AutoConfig.from_pretrained(model.directory), torch.float32))
+        host.app.add_route("/fake/counters", lambda r: JSONResponse(host.counters), methods=["GET"])
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        server = uvicorn.Server(uvicorn.Config(host.app, log_level="warning", lifespan="off"))
+        print(json.dumps({"event": "ready", "url": f"http://127.0.0.1:{sock.getsockname()[1]}"}), flush=True)
+        await server.serve(sockets=[sock])
+        await host.close()
+
+    asyncio.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

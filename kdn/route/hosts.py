@@ -76,6 +76,7 @@ class InFlight:
 
     id: int
     prefill_tokens: int
+    fetch_s: float
     sent: float
     predicted_ttft_s: float
     stream: bool
@@ -112,12 +113,14 @@ class Host:
     def usable(self) -> bool:
         return self.status == "up"
 
-    def queued_tokens(self, now: float | None = None) -> float:
+    def queued(self, now: float | None = None) -> tuple[float, float, int]:
+        """``(prefill tokens, predicted fetch seconds, requests)`` sent here and not yet answered."""
         now = time.monotonic() if now is None else now
-        return float(sum(r.prefill_tokens for r in self.active.values() if r.queued(now)))
+        waiting = [r for r in self.active.values() if r.queued(now)]
+        return float(sum(r.prefill_tokens for r in waiting)), sum(r.fetch_s for r in waiting), len(waiting)
 
-    def begin(self, prefill_tokens: int, predicted_ttft_s: float, stream: bool) -> InFlight:
-        r = InFlight(next(_ids), prefill_tokens, time.monotonic(), predicted_ttft_s, stream)
+    def begin(self, prefill_tokens: int, fetch_s: float, predicted_ttft_s: float, stream: bool) -> InFlight:
+        r = InFlight(next(_ids), prefill_tokens, fetch_s, time.monotonic(), predicted_ttft_s, stream)
         self.active[r.id] = r
         self.counters["routed"] += 1
         return r
@@ -140,5 +143,5 @@ class Host:
         now = time.monotonic()
         return {"name": self.name, "url": self.spec.url, "edge": self.spec.edge, "status": self.status,
                 "error": self.error, "model": self.model_id, "in_flight": len(self.active),
-                "queued_tokens": self.queued_tokens(now), "prefill": self.fit.as_dict(), "links": self.links.as_dict(),
+                "queued_tokens": self.queued(now)[0], "prefill": self.fit.as_dict(), "links": self.links.as_dict(),
                 "engine_record_keys": len(self.record), "counters": dict(self.counters)}

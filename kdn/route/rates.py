@@ -4,8 +4,9 @@ Nothing here is a configured constant: every figure starts from a stated prior a
 measurements as they come, with exponential forgetting so a host that slows down (or a link that
 fills) is seen within a few observations.
 
-- :class:`PrefillFit`: ``ttft - fetch = overhead + s_per_token x (tokens ahead + own tokens)``,
-  fitted by exponentially weighted least squares over the router's own observations: the first
+- :class:`PrefillFit`: ``ttft - fetches = overhead x requests + s_per_token x tokens`` over the
+  requests ahead of one and itself, fitted by exponentially weighted least squares over the
+  router's own observations: the first
   byte of every streamed answer, and the calibration probes the router sends a host when it joins
   (prompts of a few lengths of fresh tokens, ``max_tokens: 1``, KDN switched off for them).
 - :class:`LinkRates`: bytes per second per tier, from the deltas of an edge's own counters
@@ -25,51 +26,54 @@ __all__ = ["PrefillFit", "LinkRates", "link_samples"]
 
 
 class PrefillFit:
-    """Least squares of ``y = overhead + rate x`` with forgetting factor ``decay`` per observation."""
+    """Least squares of ``y = overhead x m + rate x x`` (``m`` requests whose ``x`` prefill tokens
+    stood between sending one request and its first token), forgetting factor ``decay`` per
+    observation."""
 
     def __init__(self, prior_s_per_token: float, *, decay: float = 0.9, min_rate: float = 1e-7) -> None:
         self.prior = prior_s_per_token
         self.decay = decay
         self.min_rate = min_rate
         self.n = 0
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._mm = self._mx = self._xx = self._my = self._xy = 0.0
+        self._fit: tuple[float, float] | None = None
 
-    def observe(self, x: float, y: float) -> None:
-        """One request: ``x`` tokens of prefill ahead of and including it, ``y`` seconds it took
-        (first byte after sending, less the predicted fetch)."""
-        if not (x > 0 and math.isfinite(x) and math.isfinite(y) and y >= 0):
+    def observe(self, x: float, y: float, m: float = 1.0) -> None:
+        """One request: ``x`` tokens of prefill ahead of and including it, ``m`` requests (it and
+        those ahead), ``y`` seconds they took (its first byte after sending, less the predicted
+        fetches)."""
+        if not (x > 0 and m >= 1 and math.isfinite(x) and math.isfinite(y) and y >= 0):
             return
         d = self.decay
-        self._w = d * self._w + 1.0
-        self._x = d * self._x + x
-        self._y = d * self._y + y
+        self._mm = d * self._mm + m * m
+        self._mx = d * self._mx + m * x
         self._xx = d * self._xx + x * x
+        self._my = d * self._my + m * y
         self._xy = d * self._xy + x * y
         self.n += 1
+        self._fit = None
 
     @property
     def s_per_token(self) -> float:
-        if self.n == 0:
-            return self.prior
-        rate, _ = self._solve()
-        return rate
+        return self.prior if self.n == 0 else self._solve()[0]
 
     @property
     def overhead_s(self) -> float:
-        if self.n == 0:
-            return 0.0
-        return self._solve()[1]
+        return 0.0 if self.n == 0 else self._solve()[1]
 
     def _solve(self) -> tuple[float, float]:
-        w, x, y, xx, xy = self._w, self._x, self._y, self._xx, self._xy
-        den = w * xx - x * x
-        if self.n >= 2 and den > 1e-9 * max(1.0, w * xx):
-            rate = (w * xy - x * y) / den
-            over = (y - rate * x) / w
-            if rate > self.min_rate and over >= 0:
-                return rate, over
-        # one distinct size seen (or a fit with a negative part): the line through the origin
-        return max(self.min_rate, xy / xx if xx > 0 else self.prior), 0.0
+        if self._fit is None:
+            mm, mx, xx, my, xy = self._mm, self._mx, self._xx, self._my, self._xy
+            det = mm * xx - mx * mx
+            fit = None
+            if self.n >= 2 and det > 1e-9 * mm * xx:
+                rate = (mm * xy - mx * my) / det
+                over = (xx * my - mx * xy) / det
+                if rate > self.min_rate and over >= 0:
+                    fit = (rate, over)
+            # one distinct size seen (or a fit with a negative part): the line through the origin
+            self._fit = fit or (max(self.min_rate, xy / xx if xx > 0 else self.prior), 0.0)
+        return self._fit
 
     def as_dict(self) -> dict[str, float]:
         return {"s_per_token": self.s_per_token, "overhead_s": self.overhead_s, "observations": float(self.n)}

@@ -76,7 +76,7 @@ class Plan:
     chosen: int
     shape: RequestShape
     chain: Chain | None
-    queued_at_send: float
+    cost: HostCost  # the chosen host's load and rates when it was chosen
     inflight: InFlight | None = None  # the reservation on ``host`` (None: only explained, not sent)
 
     @property
@@ -250,7 +250,8 @@ class Router:
         return [h for h in self.hosts if h.usable]
 
     def cost_of(self, host: Host, now: float | None = None) -> HostCost:
-        return HostCost(host.fit.s_per_token, host.links.rates(), host.queued_tokens(now), host.fit.overhead_s)
+        tokens, fetch_s, n = host.queued(now)
+        return HostCost(host.fit.s_per_token, host.links.rates(), tokens, fetch_s, n, host.fit.overhead_s)
 
     async def holdings(self, host: Host, chain: Chain, token: str | None) -> Holdings:
         """What ``host`` holds of ``chain``: the engine record's leading run, then its edge's answer."""
@@ -309,8 +310,8 @@ class Router:
                       for h, hd, cost in zip(hosts, held, costs))
         i = self.policy.choose(cands)
         est = cands[i].estimate
-        inflight = hosts[i].begin(est.prefill_tokens, est.ttft_s, req.stream) if reserve else None
-        return Plan(hosts[i], cands, i, shape, chain, costs[i].queued_tokens, inflight)
+        inflight = hosts[i].begin(est.prefill_tokens, est.fetch_s, est.ttft_s, req.stream) if reserve else None
+        return Plan(hosts[i], cands, i, shape, chain, costs[i], inflight)
 
     def remember(self, plan: Plan) -> None:
         """The chosen host will hold the request's chain in its engine: record its keys, and the
@@ -329,8 +330,10 @@ class Router:
     def observe_first_byte(self, plan: Plan, seconds: float) -> None:
         """A streamed answer's first byte came ``seconds`` after the request was sent."""
         plan.host.counters["first_bytes"] += 1
-        x = plan.queued_at_send + plan.estimate.prefill_tokens
-        plan.host.fit.observe(x, max(0.0, seconds - plan.estimate.fetch_s))
+        ahead = plan.cost
+        x = ahead.queued_tokens + plan.estimate.prefill_tokens
+        y = seconds - plan.estimate.fetch_s - ahead.queued_fetch_s
+        plan.host.fit.observe(x, max(0.0, y), ahead.queued_requests + 1)
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.policy.name, "hosts": [h.describe() for h in self.hosts], "counters": dict(self.counters)}

@@ -10,9 +10,9 @@ sent where), ``memory`` / ``disk`` (the edge's own tiers), ``peer`` (another edg
 
     ttft = queue + fetch(first j artifacts) + (tokens - loaded(j)) x prefill_s_per_token
 
-where ``queue = queued_tokens x prefill_s_per_token`` (prefill work already sent to the host and
-not yet started, in tokens) and ``fetch`` adds each artifact's bytes over its tier's measured link
-rate. ``j`` is chosen to minimise the sum: an artifact is used only when fetching it (and all
+where ``queue`` is the work already sent to the host and not yet answered (its prefill tokens at
+the host's rate, its predicted fetches, one per-request overhead each) plus this request's own
+overhead, and ``fetch`` adds each artifact's bytes over its tier's measured link rate. ``j`` is chosen to minimise the sum: an artifact is used only when fetching it (and all
 before it: reuse is a prefix) is cheaper than recomputing its tokens, so a slow origin over a thin
 link is priced as the recompute it would lose to. vLLM computes a prompt's last token itself, so
 at most ``tokens - 1`` are loaded.
@@ -74,7 +74,9 @@ class HostCost:
 
     prefill_s_per_token: float  # seconds one prompt token of prefill costs this host
     link_bytes_per_s: Mapping[str, float]  # tier -> bytes/s at which KV from it reaches the engine
-    queued_tokens: float = 0.0  # prefill tokens sent to the host and not yet done
+    queued_tokens: float = 0.0  # prefill tokens of the requests sent to the host and not yet answered
+    queued_fetch_s: float = 0.0  # their predicted fetch seconds
+    queued_requests: int = 0  # how many they are
     overhead_s: float = 0.0  # per-request cost that does not grow with tokens (scheduling, first step)
 
 
@@ -102,7 +104,8 @@ def estimate(shape: RequestShape, holdings: Holdings, host: HostCost) -> Estimat
     module docstring): the best prefix of the available artifacts to load, the rest recomputed."""
     r = max(0.0, host.prefill_s_per_token)
     limit = max(0, shape.tokens - 1)  # the engine computes the last prompt token
-    queue_s = max(0.0, host.queued_tokens) * r + max(0.0, host.overhead_s)
+    over = max(0.0, host.overhead_s)
+    queue_s = max(0.0, host.queued_tokens) * r + max(0.0, host.queued_fetch_s) + (max(0, host.queued_requests) + 1) * over
     best_j, best_cost = 0, shape.tokens * r
     fetch_s = 0.0
     loaded = 0
