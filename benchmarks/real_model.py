@@ -6,8 +6,9 @@
 A request is a chat: a document (held-out Python standard-library source, cut to about N tokens) as
 the system message and a short question as the user's, rendered with the model's chat template —
 how KDN users lay out prompts for reuse (:mod:`kdn.prompts`). The document's chunks are held by a
-local edge (a separate ``kdn edge`` process on loopback); the host reaches it by its default path
-(shared memory on the same host).
+local edge (a separate ``kdn edge`` process on loopback) as the origin stores them — the chunks and
+the tail after the last one, in pieces, so a hit is a whole-document hit; the host reaches the edge
+by its default path (shared memory on the same host).
 
 - transformers (this interpreter): per round, a full recompute, an edge hit through
   :func:`kdn.integrations.transformers.generate`, and the floor (the document's KV already in this
@@ -89,10 +90,10 @@ def run_transformers(docs: dict[int, str], dtype: str, rounds: int, edge: str) -
     from kdn.artifact import encode_artifact
     from kdn.client import ClientConfig, KdnClient
     from kdn.integrations.transformers import generate
-    from kdn.keys import ROOT_KEY
+    from kdn.keys import ROOT_KEY, piece_keys
     from kdn.kv import cache_from_layers
     from kdn.models import load_model
-    from kdn.prefill import prefill_chunks
+    from kdn.prefill import prefill_document
     from kdn.prompts import chat_tokens, document_tokens
 
     lm = load_model(MODEL, dtype=dtype)
@@ -102,15 +103,19 @@ def run_transformers(docs: dict[int, str], dtype: str, rounds: int, edge: str) -
         for n, doc in docs.items():
             tokens = chat_tokens(lm.tokenizer, messages(doc))
             stored = document_tokens(lm.tokenizer, doc, "system")
-            chunks = prefill_chunks(lm, stored)  # each (L, 2, H, C, D)
+            # what the origin stores for the document: its chunks, then its tail in pieces
+            chunks, tail = prefill_document(lm, stored)  # each (L, 2, H, C or PIECE_TOKENS, D)
             keys = client.keys_for(stored, lm.fingerprint, CHUNK)
-            for i, (key, c) in enumerate(zip(keys, chunks)):
-                data = encode_artifact(c, key=key, parent_key=keys[i - 1] if i else ROOT_KEY, fingerprint=lm.fingerprint,
-                                       codec="raw", chunk_index=i)
+            pkeys = piece_keys(stored[len(keys) * CHUNK:], after=keys[-1], fingerprint=lm.fingerprint,
+                               namespace=client.config.namespace, chunk_size=CHUNK)
+            chain = [*keys, *pkeys]
+            for i, (key, c) in enumerate(zip(chain, [*chunks, *tail])):
+                data = encode_artifact(c, key=key, parent_key=chain[i - 1] if i else ROOT_KEY, fingerprint=lm.fingerprint,
+                                       codec="raw", chunk_index=min(i, len(keys)))
                 assert client.put(lm.fingerprint, key, data)
-            kv = torch.cat(chunks, dim=3)  # (L, 2, H, n_chunks*C, D)
+            kv = torch.cat([*chunks, *tail], dim=3)  # (L, 2, H, n_chunks*C + n_pieces*P, D)
             n_kv = kv.shape[3]
-            del chunks
+            del chunks, tail
             t: dict[str, list[float]] = {"recompute": [], "hit": [], "floor": []}
             same = 0
             for r in range(rounds):
