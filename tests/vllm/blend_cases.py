@@ -42,7 +42,10 @@ RATIO = 0.15
 def main(argv: list[str]) -> int:
     out = Path(argv[0])
     tmp = Path(tempfile.mkdtemp(prefix="kdn-vllm-blend-"))
-    os.environ["KDN_CACHE"] = str(tmp / "cache")  # the verdict this origin reads; nothing else of the user's
+    from kdn.pretrained import model_dir
+
+    model = model_dir("smollm2-135m")  # the machine's converted model (under the user's KDN cache)
+    os.environ["KDN_CACHE"] = str(tmp / "cache")  # from here on: the verdict this origin reads, nothing of the user's
     from tests.vllm.faults import EdgeProc
 
     edge = EdgeProc(tmp)
@@ -50,7 +53,7 @@ def main(argv: list[str]) -> int:
     saved = os.dup(2)
     os.dup2(os.open(errlog, os.O_WRONLY | os.O_APPEND), 2)  # the engine's log lines land here
     try:
-        results = run(tmp, edge, errlog)
+        results = run(tmp, model, edge, errlog)
     finally:
         os.dup2(saved, 2)
         edge.stop()
@@ -59,7 +62,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def run(tmp: Path, edge: Any, errlog: Path) -> dict[str, Any]:
+def run(tmp: Path, model: Path, edge: Any, errlog: Path) -> dict[str, Any]:
     import numpy as np
     import torch
 
@@ -75,12 +78,10 @@ def run(tmp: Path, edge: Any, errlog: Path) -> dict[str, Any]:
     from kdn.origin.segments import store_segment
     from kdn.origin.server import OriginServer
     from kdn.prefill import greedy_tail, prefill_chunks
-    from kdn.pretrained import model_dir
     from kdn.segments import Segment
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    model = model_dir("smollm2-135m")
     fp = engine_fingerprint(model, torch.float32, CHUNK)
     origin = OriginServer(OriginConfig(store_dir=str(tmp / "origin"), models=[str(model)], dtype="float32",
                                        chunk_size=CHUNK, codecs=["raw"], listen="127.0.0.1:0", fsync=False))
