@@ -60,6 +60,7 @@ def build_config(args: argparse.Namespace) -> RouteConfig:
             raise ConfigError(f"--host: {exc}") from None
     if args.no_calibrate:
         flags["calibrate_tokens"] = []
+    flags = {k: v for k, v in flags.items() if v is not None}
     if args.config:
         return RouteConfig.from_file(args.config, **flags)
     return RouteConfig.build(flags)

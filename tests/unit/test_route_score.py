@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -259,3 +260,17 @@ def test_edge_counters_of_a_real_edge_give_peer_and_memory_rates() -> None:
             await view.close()
 
     asyncio.run(go())
+
+
+def test_the_command_refuses_bad_flags_with_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from kdn.ops.cli import main
+
+    assert main(["route"]) == 2
+    assert "--host" in capsys.readouterr().err
+    assert main(["route", "--host", "gpu-3:8000"]) == 2
+    assert "http" in capsys.readouterr().err
+    assert main(["route", "--host", "http://a:1", "--policy", "fastest", "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["error"] == "ConfigError" and "fastest" in out["message"]
+    assert main(["route", "--host", "http://a:1", "--model", "/nonexistent/model", "--listen", "127.0.0.1:0"]) == 2
+    assert "model" in capsys.readouterr().err
