@@ -10,8 +10,9 @@ One request, laid out ``[prefix][document_1] … [document_n][question]``::
     kdn.blend.blend  ─► recompute the share of document tokens the model's verdict names
     question ─► prefilled over the blended KV; greedy decoding
 
-Why here and not on the edge: see :mod:`kdn.blend.recompute` (the host has the weights, the
-prefix and every other segment of this prompt; the blended KV is specific to it).
+Why here: the host has the weights, the prefix and every other segment of this prompt, and the
+blended KV is specific to it. An engine that only loads KV (vLLM) gets the same blend from the
+store instead (:mod:`kdn.origin.blend`, :mod:`kdn.integrations.vllm_blend`).
 
 Invariants:
 - blended KV is never written back: only segments (each document's own KV, computed alone) are
