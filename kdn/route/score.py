@@ -78,6 +78,7 @@ class HostCost:
     queued_fetch_s: float = 0.0  # their predicted fetch seconds
     queued_requests: int = 0  # how many they are
     overhead_s: float = 0.0  # per-request cost that does not grow with tokens (scheduling, first step)
+    wait_s: float = 0.0  # seconds before the host can start on it, where known directly (a simulated GPU queue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,8 @@ def estimate(shape: RequestShape, holdings: Holdings, host: HostCost) -> Estimat
     r = max(0.0, host.prefill_s_per_token)
     limit = max(0, shape.tokens - 1)  # the engine computes the last prompt token
     over = max(0.0, host.overhead_s)
-    queue_s = max(0.0, host.queued_tokens) * r + max(0.0, host.queued_fetch_s) + (max(0, host.queued_requests) + 1) * over
+    queue_s = (max(0.0, host.queued_tokens) * r + max(0.0, host.queued_fetch_s) + (max(0, host.queued_requests) + 1) * over
+               + max(0.0, host.wait_s))
     best_j, best_cost = 0, shape.tokens * r
     fetch_s = 0.0
     loaded = 0

@@ -37,6 +37,7 @@ from kdn.simulator.context import Context
 from kdn.simulator.core import EventLoop
 from kdn.simulator.cost import CostModel
 from kdn.simulator.delivery import POLICIES, Policy
+from kdn.simulator.routing import ROUTING_POLICIES
 from kdn.simulator.presets import Presets
 from kdn.simulator.scenario import Scenario
 from kdn.simulator.tally import MONTH_S, PolicyResult, Tally
@@ -61,7 +62,7 @@ class Simulation:
         self.counted_from = float(reqs.t[skip]) if 0 < skip < len(reqs) else float("-inf")
         self.tally = Tally(self.counted_from)
         self.ctx = Context(sc, topo, reqs, self.cost, self.loop, self.tally)
-        self.policy: Policy = POLICIES[policy](self.ctx)
+        self.policy: Policy = {**POLICIES, **ROUTING_POLICIES}[policy](self.ctx)
 
     def run(self, progress: Any = None) -> PolicyResult:
         t0 = time.perf_counter()

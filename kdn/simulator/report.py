@@ -92,6 +92,8 @@ POLICY_STYLE: dict[str, tuple[str, str, str]] = {
     "consistent_hash": ("C2", "^", "--"),
     "popularity_push": ("C1", "D", ":"),
     "hint_prefetch": ("C3", "v", "-."),
+    "prefix_route": ("C4", "<", "--"),
+    "kv_route": ("C6", ">", "-"),
 }
 
 

@@ -21,7 +21,9 @@ from kdn.simulator.presets import Presets, load_presets
 __all__ = ["Scenario", "load_scenario", "parse_scenario", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-POLICY_NAMES = ("origin_only", "nearest_edge", "consistent_hash", "popularity_push", "hint_prefetch")
+PLACEMENT_NAMES = ("origin_only", "nearest_edge", "consistent_hash", "popularity_push", "hint_prefetch")
+ROUTING_NAMES = ("prefix_route", "kv_route")  # kdn.simulator.routing: run when named
+POLICY_NAMES = PLACEMENT_NAMES + ROUTING_NAMES
 
 
 class _Strict(BaseModel):
@@ -295,7 +297,7 @@ class Scenario(_Strict):
     workload: Workload
     cache: CacheSpec = CacheSpec()
     codecs: CodecChoice = CodecChoice()
-    policies: list[str] = Field(default_factory=lambda: list(POLICY_NAMES), min_length=1)
+    policies: list[str] = Field(default_factory=lambda: list(PLACEMENT_NAMES), min_length=1)
     params: PolicyParams = PolicyParams()
     network: NetworkSpec = NetworkSpec()
     prices: Prices = Prices()
