@@ -120,7 +120,7 @@ def section_infos(header: pb.ArtifactHeader) -> list[SectionInfo]:
     dtype = PB_TO_DTYPE[header.dtype]
     shape = (header.num_kv_heads, header.token_count, header.head_dim)
     return [
-        SectionInfo(layer, header.num_layers, kind, shape, dtype)
+        SectionInfo(layer, header.num_layers, kind, shape, dtype, header.chunk_index)
         for layer in range(header.num_layers)
         for kind in ("k", "v")
     ]

@@ -31,6 +31,7 @@ class SectionInfo:
     kind: Literal["k", "v"]
     shape: tuple[int, int, int]  # (H, T, D)
     dtype: torch.dtype
+    chunk_index: int = 0  # the chunk's place in its chain: 0 holds the sequence's first tokens
 
     @property
     def raw_bytes(self) -> int:

@@ -54,12 +54,14 @@ from kdn.codecs.base import Codec, SectionInfo, register_codec
 from kdn.errors import ArtifactCorrupt
 
 FORMAT = 1
+FORMAT_2 = 2
 _HEAD = struct.Struct("<BBBBHII")
+_HEAD2 = struct.Struct("<BBBBII")  # format, bits, sink tokens, groups, side_len, sink_len
+_GROUP = struct.Struct("<BI")  # group id (symbol bit length), frame length
 MODE_DIRECT, MODE_DELTA = 0, 1
 
-# level -> (key bits, value bits) of the non-early layers. Keys get more bits than values: a
-# calibration run on the reference model (kdn eval-codec --calibrate) finds coarse keys move the
-# next-token distribution 10-20x more than equally coarse values, except in the first layer.
+# level -> (key bits, value bits). The ``q`` ladder is format 1 (non-early layers' bits; early
+# layers get a bonus, token-locality deltas where they pay); the ``k?v?`` ladder is format 2.
 LEVELS: dict[str, tuple[int, int]] = {
     "q8": (8, 6),
     "q6": (6, 4),
@@ -67,8 +69,20 @@ LEVELS: dict[str, tuple[int, int]] = {
     "q4": (4, 3),
     "q3": (3, 2),
     "q2": (2, 2),
+    "k6v6": (6, 6),
+    "k6v5": (6, 5),
+    "k5v5": (5, 5),
+    "k5v4": (5, 4),
+    "k4v4": (4, 4),
+    "k4v3": (4, 3),
+    "k3v3": (3, 3),
 }
-DEFAULT_LEVEL = "q5"
+DEFAULT_LEVEL = "k6v5"
+SINK_TOKENS = 4  # format 2: the sequence's first tokens, stored exactly
+
+
+def level_format(level: str) -> int:
+    return 1 if level.startswith("q") else 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +96,19 @@ class BitPlan:
     early_frac: float = 0.25
     early_bonus: int = 2
     table: tuple[tuple[int, int], ...] | None = None  # explicit (k, v) bits per layer, overrides the rule
+    format: int = 1
+    sink: int = 0  # format 2: first tokens of a chain's first chunk stored exactly
+
+    @classmethod
+    def for_level(cls, level: str) -> "BitPlan":
+        k_bits, v_bits = LEVELS[level]
+        if level_format(level) == 1:
+            return cls(k_bits, v_bits)
+        return cls(k_bits, v_bits, early_bonus=0, format=2, sink=SINK_TOKENS)
 
     def __post_init__(self) -> None:
+        if self.format not in (1, 2) or not 0 <= self.sink <= 64:
+            raise ValueError(f"kvq format must be 1 or 2 and sink within 0..64, got {self.format}, {self.sink}")
         bits = [self.k_bits, self.v_bits, self.anchor_bits]
         if self.table is not None:
             bits += [b for kv in self.table for b in kv]
@@ -105,9 +130,11 @@ class BitPlan:
 
     def to_bytes(self) -> bytes:
         d = {
-            "v": FORMAT, "k_bits": self.k_bits, "v_bits": self.v_bits, "group": self.group,
+            "v": self.format, "k_bits": self.k_bits, "v_bits": self.v_bits, "group": self.group,
             "anchor_bits": self.anchor_bits, "early_frac": self.early_frac, "early_bonus": self.early_bonus,
         }
+        if self.format == 2:
+            d["sink"] = self.sink
         if self.table is not None:
             d["table"] = [list(kv) for kv in self.table]
         return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
@@ -127,14 +154,16 @@ class BitPlan:
 
         try:
             d = json.loads(meta, parse_constant=no_constant)
-            if not isinstance(d, dict) or d.pop("v", None) != FORMAT:
+            fmt = d.pop("v", None) if isinstance(d, dict) else None
+            if type(fmt) is not int or fmt not in (1, 2) or (fmt == 1 and "sink" in d):
                 raise ValueError("unknown kvq meta format")
+            d["format"] = fmt
             table = d.pop("table", None)
             if table is not None:
                 if not isinstance(table, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in table):
                     raise ValueError("kvq bit table must be a list of [k, v] pairs")
                 table = tuple((int_field(k), int_field(v)) for k, v in table)
-            for name in ("k_bits", "v_bits", "group", "anchor_bits", "early_bonus"):
+            for name in ("k_bits", "v_bits", "group", "anchor_bits", "early_bonus", "sink"):
                 if name in d:
                     int_field(d[name])
             if "early_frac" in d and (type(d["early_frac"]) not in (int, float) or not math.isfinite(d["early_frac"])):
@@ -200,6 +229,25 @@ def _scale(x: np.ndarray, axis: int, bits: int) -> np.ndarray:
     return scale
 
 
+_BIT_LENGTH = np.array([v.bit_length() for v in range(129)], dtype=np.uint8)
+
+
+def _head_step(x: np.ndarray, bits: int) -> np.ndarray:
+    """Format 2 keys: one step per head, ``(H, 1, 1)`` float32 — the geometric mean over channels
+    of ``max|x_c| / qmax``, raised where needed so that every symbol fits in ``[-127, 127]``.
+
+    One step for every channel of a head (not one per channel) gives the large-magnitude channels
+    more levels: they carry most of ``q·k``, so their error moves attention most."""
+    qmax = _qmax(bits)
+    r = np.abs(x).max(axis=1)  # (H, D)
+    tiny = np.float32(np.finfo(np.float16).smallest_normal)
+    live = r > 0
+    logs = np.where(live, np.log(np.maximum(r, tiny) / qmax), 0.0)
+    geo = np.exp(logs.sum(axis=1) / np.maximum(live.sum(axis=1), 1))  # (H,)
+    step = np.maximum(np.maximum(geo, r.max(axis=1) / 127), tiny).astype(np.float32)
+    return step.reshape(-1, 1, 1)
+
+
 def _quantise(x: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
     """``round(x / scale)`` clipped to ``[-qmax, qmax]``, as int8.
 
@@ -231,8 +279,7 @@ class KvqCodec(Codec):
         super().__init__(level)
         if self.level not in LEVELS:
             raise ValueError(f"unknown kvq level {self.level!r}; choose one of {', '.join(LEVELS)}")
-        k_bits, v_bits = LEVELS[self.level]
-        self.plan = plan or BitPlan(k_bits, v_bits)
+        self.plan = plan or BitPlan.for_level(self.level)
         self._cctx = zstandard.ZstdCompressor(level=zstd_level)
         self._dctx = zstandard.ZstdDecompressor()
 
@@ -264,6 +311,8 @@ class KvqCodec(Codec):
 
     def encode(self, x: torch.Tensor, info: SectionInfo) -> bytes:
         bits = self.plan.bits(info.layer, info.num_layers, info.kind)
+        if self.plan.format == 2:
+            return self._encode_v2(x.contiguous(), info, bits)
         rd = self._reduce_dim(info.kind)
         xf = _as_f32(x.contiguous())  # (H, T, D)
         direct = self._encode_direct(xf, rd, bits)
@@ -310,6 +359,10 @@ class KvqCodec(Codec):
     # -- decode ------------------------------------------------------------------------------------
 
     def decode(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
+        if len(payload) >= 1 and payload[0] == FORMAT_2:
+            return self._decode_v2(payload, info)
+        if self.plan.format != FORMAT:
+            raise ArtifactCorrupt("kvq section is format 1, the header's plan is format 2")
         if len(payload) < _HEAD.size:
             raise ArtifactCorrupt(f"kvq section of {len(payload)} bytes is shorter than its header")
         fmt, mode, bits, abits, group, zs_len, za_len = _HEAD.unpack_from(payload, 0)
@@ -348,6 +401,100 @@ class KvqCodec(Codec):
             out += base * use.reshape((h, 1, d) if key else (h, t, 1))
         return torch.from_numpy(out).to(info.dtype)
 
+    # -- format 2 ----------------------------------------------------------------------------------
+
+    def _sinks(self, info: SectionInfo) -> int:
+        return min(self.plan.sink, info.shape[1]) if info.chunk_index == 0 else 0
+
+    def _encode_v2(self, x: torch.Tensor, info: SectionInfo, bits: int) -> bytes:
+        h, t, d = info.shape
+        n_sink = self._sinks(info)
+        sink_raw = x[:, :n_sink].contiguous().view(torch.uint8).numpy().tobytes() if n_sink else b""
+        xf = _as_f32(x)  # (H, T, D)
+        if n_sink:
+            xf = xf.copy()
+            xf[:, :n_sink] = 0.0  # stored exactly: they neither set a step nor cost symbols
+        frames: list[tuple[int, bytes]] = []
+        if info.kind == "k":
+            step = _head_step(xf, bits)  # (H, 1, 1) float32
+            q = np.clip(np.rint(xf / step), -127, 127).astype(np.int8)  # (H, T, D)
+            rows = np.ascontiguousarray(q.transpose(0, 2, 1)).reshape(h * d, t)  # (H*D, T): one row per channel
+            width = _BIT_LENGTH[np.abs(rows.astype(np.int16)).max(axis=1)]  # (H*D,) bits each channel's symbols need
+            for g in np.unique(width):
+                frames.append((int(g), self._cctx.compress(rows[width == g].tobytes())))
+            side = step.astype("<f4").tobytes() + width.astype(np.uint8).tobytes()
+        else:
+            sc = _scale(xf, 2, bits)  # (H, T, 1) fp16
+            q = _quantise(xf, sc, bits)  # (H, T, D)
+            frames.append((bits, self._cctx.compress(_PACKINGS[bits].pack(q.reshape(-1)).tobytes())))
+            side = sc.astype("<f2").tobytes()
+        zs = self._cctx.compress(side)
+        parts = [_HEAD2.pack(FORMAT_2, bits, n_sink, len(frames), len(zs), len(sink_raw)), zs, sink_raw]
+        for g, blob in frames:
+            parts += [_GROUP.pack(g, len(blob)), blob]
+        return b"".join(parts)
+
+    def _decode_v2(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
+        if self.plan.format != 2:
+            raise ArtifactCorrupt("kvq section is format 2, the header's plan is format 1")
+        if len(payload) < _HEAD2.size:
+            raise ArtifactCorrupt(f"kvq section of {len(payload)} bytes is shorter than its header")
+        _, bits, n_sink, n_frames, zs_len, sink_len = _HEAD2.unpack_from(payload, 0)
+        want_bits = self.plan.bits(info.layer, info.num_layers, info.kind)
+        h, t, d = info.shape
+        if bits != want_bits:
+            raise ArtifactCorrupt(f"kvq layer {info.layer} {info.kind.upper()} section says bits={bits}, "
+                                  f"the header's plan says bits={want_bits}")
+        if n_sink > min(self.plan.sink, t) or sink_len != h * n_sink * d * info.dtype.itemsize:
+            raise ArtifactCorrupt(f"kvq section holds {n_sink} exact tokens in {sink_len} bytes, which its shape "
+                                  "and plan do not allow")
+        key = info.kind == "k"
+        if not 1 <= n_frames <= (8 if key else 1):
+            raise ArtifactCorrupt(f"kvq section has {n_frames} symbol frames")
+        o = _HEAD2.size
+        if o + zs_len + sink_len > len(payload):
+            raise ArtifactCorrupt("kvq section's side blocks run past its end")
+        side = self._unzstd(payload[o : o + zs_len], 4 * h + h * d if key else 2 * h * t)
+        o += zs_len
+        sink = bytes(payload[o : o + sink_len])
+        o += sink_len
+        frames = []
+        for _ in range(n_frames):
+            if o + _GROUP.size > len(payload):
+                raise ArtifactCorrupt("kvq section's symbol frames run past its end")
+            g, length = _GROUP.unpack_from(payload, o)
+            o += _GROUP.size
+            if o + length > len(payload):
+                raise ArtifactCorrupt("kvq section's symbol frames run past its end")
+            frames.append((g, payload[o : o + length]))
+            o += length
+        if o != len(payload):
+            raise ArtifactCorrupt(f"kvq section has {len(payload) - o} stray bytes after its symbols")
+        if key:
+            step = np.frombuffer(side, dtype="<f4", count=h).reshape(h, 1, 1)
+            if not np.isfinite(step).all():
+                raise ArtifactCorrupt("kvq key step is not finite")
+            width = np.frombuffer(side, dtype=np.uint8, offset=4 * h)  # (H*D,)
+            if [g for g, _ in frames] != [int(g) for g in np.unique(width)]:
+                raise ArtifactCorrupt("kvq key frames do not match the channels' symbol widths")
+            rows = np.empty((h * d, t), dtype=np.int8)  # (H*D, T)
+            for g, blob in frames:
+                sel = width == g
+                n_rows = int(sel.sum())
+                rows[sel] = np.frombuffer(self._unzstd(blob, n_rows * t), dtype=np.int8).reshape(n_rows, t)
+            out = rows.reshape(h, d, t).transpose(0, 2, 1) * step  # (H, T, D) float32
+        else:
+            if frames[0][0] != bits:
+                raise ArtifactCorrupt("kvq value frame does not match the section's bits")
+            pk = _PACKINGS[bits]
+            packed = np.frombuffer(self._unzstd(frames[0][1], -(-h * t * d // pk.per)), dtype=np.uint8)
+            sc = np.frombuffer(side, dtype="<f2").astype(np.float32).reshape(h, t, 1)
+            out = pk.unpack(packed, h * t * d).reshape(h, t, d) * sc  # (H, T, D)
+        y = torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).to(info.dtype)
+        if n_sink:
+            y[:, :n_sink] = torch.frombuffer(bytearray(sink), dtype=info.dtype).reshape(h, n_sink, d)
+        return y
+
     def _unzstd(self, blob: memoryview, size: int) -> bytes:
         try:
             declared = zstandard.frame_content_size(blob)
@@ -362,6 +509,9 @@ class KvqCodec(Codec):
 
     def max_payload(self, info: SectionInfo) -> int:
         h, t, d = info.shape
+        if self.plan.format == 2:
+            raw = 4 * h + h * d + 2 * h * t + h * min(self.plan.sink, t) * d * info.dtype.itemsize + h * t * d
+            return _HEAD2.size + 8 * _GROUP.size + raw + raw // 64 + 4096
         n_sl = self._slices(info)
         raw = -(-n_sl // 8) + 2 * (self._anchor_scales(info) + n_sl) + (-(-t // self.plan.group) + t) * h * d
         return _HEAD.size + raw + raw // 64 + 1024  # zstd's worst case expansion is far below this

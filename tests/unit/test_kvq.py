@@ -13,7 +13,7 @@ import torch
 
 from kdn.artifact import ArtifactReader, decode_artifact, encode_artifact, read_header
 from kdn.codecs import SectionInfo, get_codec
-from kdn.codecs.kvq import LEVELS, MODE_DELTA, MODE_DIRECT, BitPlan, KvqCodec
+from kdn.codecs.kvq import DEFAULT_LEVEL, LEVELS, MODE_DELTA, MODE_DIRECT, BitPlan, KvqCodec, level_format
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, LossyRefused, UnknownCodec
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint
 
@@ -52,7 +52,11 @@ def _bound(x: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
     return x.abs().amax(rd, keepdim=True) / ((1 << (bits - 1)) - 1) / 2
 
 
-@pytest.mark.parametrize("level", list(LEVELS))
+Q_LEVELS = [lvl for lvl in LEVELS if level_format(lvl) == 1]
+K_LEVELS = [lvl for lvl in LEVELS if level_format(lvl) == 2]
+
+
+@pytest.mark.parametrize("level", Q_LEVELS)
 @pytest.mark.parametrize("kind", ["k", "v"])
 @pytest.mark.parametrize("data,smooth", [(_smooth, True), (_noise, False)])
 def test_round_trip_within_stated_error(level: str, kind: str, data, smooth: bool) -> None:
@@ -91,15 +95,15 @@ def test_ladder_is_monotone_in_size_and_error() -> None:
     kv = torch.stack([torch.stack((_noise(tokens=64, seed=2 * l), _noise(tokens=64, seed=2 * l + 1))) for l in range(4)])
     kv = kv.to(torch.float16)  # (L, 2, H, T, D), Gaussian-like like real KV
     sizes, errors = [], []
-    for level in LEVELS:
+    for level in Q_LEVELS:
         blob = encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec=f"kvq:{level}")
         out = decode_artifact(blob, expect_fingerprint=FP).kv
         sizes.append(len(blob))
         errors.append(float((out.float() - kv.float()).norm() / kv.float().norm()))
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
     assert errors == sorted(errors) and errors[0] < 0.03
-    # default level: keys 5 bits, values 3 (+2 in the first layer), packed and entropy coded
-    assert kv.numel() * 2 / sizes[list(LEVELS).index("q5")] >= 3.0  # small Gaussian sections; real KV: BENCHMARKS.md
+    # q5: keys 5 bits, values 3 (+2 in the first layer), packed and entropy coded
+    assert kv.numel() * 2 / sizes[Q_LEVELS.index("q5")] >= 3.0  # small Gaussian sections; real KV: docs/codecs.md
 
 
 def test_early_layers_get_more_bits_and_plan_travels_in_meta() -> None:
@@ -129,7 +133,8 @@ def test_level_recorded_in_header() -> None:
     h = read_header(blob)
     assert (h.codec, h.codec_level, h.lossy) == ("kvq", "q3", True)
     assert BitPlan.from_bytes(h.codec_meta).k_bits == 3
-    assert read_header(encode_artifact(_kv(), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq")).codec_level == "q5"
+    h = read_header(encode_artifact(_kv(), key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq"))
+    assert h.codec_level == DEFAULT_LEVEL and BitPlan.from_bytes(h.codec_meta).format == 2
 
 
 @pytest.mark.parametrize("spec", ["kvq:q9", "kvq:hi", "kvq:q1", "kvq:Q4"])
@@ -223,3 +228,111 @@ def test_dtypes_and_odd_shapes(dtype: torch.dtype) -> None:
     assert ((out.float() - kv.float()).abs() <= step / 2 * 1.01 + 0.01).all()
     zeros = torch.zeros(1, 2, 1, 5, 3, dtype=dtype)
     assert torch.equal(decode_artifact(encode_artifact(zeros, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq")).kv, zeros)
+
+
+# -- format 2 (the k?v? ladder) -----------------------------------------------------------------
+
+
+def _head_step(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Format 2's key step, recomputed independently: per head, the geometric mean over channels of
+    max|x_c| / qmax, at least max|x| / 127. ``x``: (H, T, D) -> (H, 1, 1)."""
+    qmax = (1 << (bits - 1)) - 1
+    r = x.abs().amax(1)  # (H, D)
+    geo = (r / qmax).log().mean(-1).exp()
+    return torch.maximum(geo, r.amax(-1) / 127)[:, None, None]
+
+
+@pytest.mark.parametrize("level", K_LEVELS)
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_format2_round_trip_within_stated_error(level: str, kind: str) -> None:
+    x = _smooth(tokens=70)  # (H, T, D) fp32, outlier channels 0..2
+    codec = KvqCodec(level)
+    later = SectionInfo(layer=1, num_layers=4, kind=kind, shape=tuple(x.shape), dtype=torch.float32, chunk_index=3)
+    payload = codec.encode(x, later)
+    assert payload[0] == 2 and payload[1] == LEVELS[level][0 if kind == "k" else 1]
+    y = codec.decode(memoryview(payload), later)
+    bits = LEVELS[level][0 if kind == "k" else 1]
+    bound = _head_step(x, bits) / 2 if kind == "k" else _bound(x, "v", bits)
+    assert ((y - x).abs() <= bound * (1 + 2e-3) + 1e-6).all()
+    assert len(payload) <= codec.max_payload(later)
+
+
+def test_format2_keys_share_one_step_per_head() -> None:
+    """Large channels get as fine a step as small ones, so their relative error is far smaller than
+    in a per-channel scheme of the same bits (they carry most of q·k)."""
+    x = _noise(tokens=256, dim=64)
+    x[:, :, :4] *= 20  # outlier channels
+    info = SectionInfo(1, 4, "k", tuple(x.shape), torch.float32, chunk_index=1)
+    new = KvqCodec("k4v4").decode(memoryview(KvqCodec("k4v4").encode(x, info)), info)
+    old_codec = KvqCodec("q4")
+    old = old_codec.decode(memoryview(old_codec.encode(x, info)), info)
+    err_new, err_old = (new - x).abs(), (old - x).abs()
+    assert err_new[:, :, :4].mean() < 0.3 * err_old[:, :, :4].mean()
+    assert float(err_new[:, :, :4].mean() / err_new[:, :, 4:].mean()) == pytest.approx(1.0, rel=0.15)
+
+
+def test_format2_first_chunk_keeps_its_first_tokens_exactly() -> None:
+    kv = _kv(layers=2, tokens=64)  # (L, 2, H, T, D) fp16
+    first = decode_artifact(encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq:k3v3")).kv
+    later_blob = encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq:k3v3", chunk_index=2)
+    later = decode_artifact(later_blob).kv
+    sink = BitPlan.for_level("k3v3").sink
+    assert sink > 0 and torch.equal(first[:, :, :, :sink], kv[:, :, :, :sink])  # attention sinks: bit-exact
+    assert not torch.equal(later[:, :, :, :sink], kv[:, :, :, :sink])  # elsewhere they are ordinary tokens
+    assert not torch.equal(first[:, :, :, sink:], kv[:, :, :, sink:])
+
+
+def test_format2_ladder_is_monotone() -> None:
+    kv = torch.stack([torch.stack((_noise(tokens=64, seed=2 * l), _noise(tokens=64, seed=2 * l + 1))) for l in range(4)])
+    kv = kv.to(torch.float16)  # (L, 2, H, T, D)
+    sizes, errors = [], []
+    for level in sorted(K_LEVELS, key=lambda lvl: -sum(LEVELS[lvl])):
+        blob = encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec=f"kvq:{level}", chunk_index=1)
+        out = decode_artifact(blob, expect_fingerprint=FP).kv
+        sizes.append(len(blob))
+        errors.append(float((out.float() - kv.float()).norm() / kv.float().norm()))
+    assert sizes == sorted(sizes, reverse=True) and errors == sorted(errors)
+
+
+def test_format_and_plan_must_agree() -> None:
+    x = _smooth()
+    info = SectionInfo(1, 4, "k", tuple(x.shape), torch.float32, chunk_index=1)
+    v1, v2 = KvqCodec("q4"), KvqCodec("k4v4")
+    with pytest.raises(ArtifactCorrupt, match="format 2"):
+        v1.decode(memoryview(v2.encode(x, info)), info)
+    with pytest.raises(ArtifactCorrupt, match="format 1"):
+        v2.decode(memoryview(v1.encode(x, info)), info)
+    assert BitPlan.from_bytes(v2.meta()) == v2.plan and BitPlan.from_bytes(v1.meta()) == v1.plan
+    with pytest.raises(ArtifactCorrupt, match="meta"):
+        BitPlan.from_bytes(b'{"v":1,"k_bits":4,"v_bits":4,"sink":4}')  # sinks are format 2's
+    with pytest.raises(ArtifactCorrupt, match="meta"):
+        BitPlan.from_bytes(b'{"v":2,"k_bits":4,"v_bits":4,"sink":65}')
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_format2_hostile_fields_rejected(kind: str) -> None:
+    x = _smooth()
+    info = SectionInfo(1, 4, kind, tuple(x.shape), torch.float32, chunk_index=0)
+    codec = KvqCodec("k4v4")
+    payload = bytes(codec.encode(x, info))
+
+    def bad(offset: int, fmt: str, value: int) -> memoryview:
+        b = bytearray(payload)
+        struct.pack_into(fmt, b, offset, value)
+        return memoryview(b)
+
+    for edit, match in [((1, "<B", 3), "plan says"), ((2, "<B", 9), "exact tokens"), ((3, "<B", 0), "frames"),
+                        ((4, "<I", 1 << 30), "past its end"), ((8, "<I", 7), "exact tokens")]:
+        with pytest.raises(ArtifactCorrupt, match=match):
+            codec.decode(bad(*edit), info)
+    for cut in (payload[:-3], payload[:5], payload + b"\0"):
+        with pytest.raises(ArtifactCorrupt):
+            codec.decode(memoryview(cut), info)
+
+
+def test_format1_artifacts_still_decode() -> None:
+    kv = _kv()
+    blob = encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="kvq:q5")
+    out = decode_artifact(blob).kv
+    assert read_header(blob).codec_level == "q5" and BitPlan.from_bytes(read_header(blob).codec_meta).format == 1
+    assert out.shape == kv.shape and float((out.float() - kv.float()).norm() / kv.float().norm()) < 0.3
