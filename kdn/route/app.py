@@ -135,7 +135,7 @@ def build_app(router: Router) -> Starlette:
     async def _send(plan: Plan, parsed: ParsedRequest, raw: bytes, request: Request) -> Response:
         host = plan.host
         client = router.clients[host.name]
-        headers = {"content-type": "application/json", **router._host_headers()}
+        headers = {"content-type": "application/json", **router.host_headers()}
         inflight = plan.inflight
         assert inflight is not None
         t0 = time.monotonic()
@@ -200,7 +200,7 @@ def build_app(router: Router) -> Starlette:
     async def models(request: Request) -> Response:
         for host in router.usable():
             try:
-                r = await router.clients[host.name].get("/v1/models", headers=router._host_headers())
+                r = await router.clients[host.name].get("/v1/models", headers=router.host_headers())
             except httpx.HTTPError:
                 continue
             if r.status_code == 200:

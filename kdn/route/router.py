@@ -163,11 +163,11 @@ class Router:
         client = self.clients[host.name]
         try:
             async with asyncio.timeout(c.health_timeout_s):
-                r = await client.get("/health", headers=self._host_headers())
+                r = await client.get("/health", headers=self.host_headers())
                 if r.status_code != 200:
                     raise Unavailable(f"/health answered {r.status_code}")
                 if host.status != "up":
-                    r = await client.get("/v1/models", headers=self._host_headers())
+                    r = await client.get("/v1/models", headers=self.host_headers())
                     model_id = _vllm_model(r)
         except TimeoutError:
             host.counters["health_failures"] += 1
@@ -214,7 +214,7 @@ class Router:
         client = self.clients[host.name]
         t0 = time.monotonic()
         async with asyncio.timeout(self.config.request_timeout_s):
-            async with client.stream("POST", "/v1/completions", json=body, headers=self._host_headers()) as r:
+            async with client.stream("POST", "/v1/completions", json=body, headers=self.host_headers()) as r:
                 if r.status_code != 200:
                     raise Unavailable(f"probe answered {r.status_code}")
                 ttft = None
@@ -240,7 +240,7 @@ class Router:
             await self.read_rates(host)
             await asyncio.sleep(self.config.rates_interval_s)
 
-    def _host_headers(self) -> dict[str, str]:
+    def host_headers(self) -> dict[str, str]:
         key = self.config.host_api_key
         return {"authorization": f"Bearer {key}"} if key else {}
 

@@ -102,6 +102,9 @@ def test_document_requests_go_to_the_holder_then_to_the_peer_fetching_host_when_
             assert f.edge_counter(1, "kdn_edge_upstream_fetches_total{outcome=ok,target=peer}") == 0
             # a burst: h0's queue grows, and the score moves requests to h1, which fetches the
             # document from h0's edge (a peer) instead of recomputing it
+            h1_view = next(h for h in f.router.hosts if h.name == "h1")
+            h1_view.links.min_bytes = 1024  # this test's KV is tiny
+            await f.router.read_rates(h1_view)  # the edge's counters before
             burst = await asyncio.gather(*(f.complete(DOC + f" Burst question {q}?") for q in range(8)))
             assert all(r.status_code == 200 for r in burst)
             where = [r.headers["x-kdn-route-host"] for r in burst]
@@ -113,6 +116,9 @@ def test_document_requests_go_to_the_holder_then_to_the_peer_fetching_host_when_
             assert f.edge_counter(1, "kdn_edge_upstream_fetches_total{outcome=ok,target=peer}") >= 4
             assert f.edge_counter(1, "kdn_edge_bytes_in_total{source=peer}") > 0
             assert f.edge_counter(1, "kdn_edge_upstream_fetches_total{outcome=ok,target=origin}") == 0
+            # ... and those fetches measured h1's peer link: the prior is replaced
+            await f.router.read_rates(h1_view)
+            assert "peer" in h1_view.links.measured and h1_view.links.rates()["peer"] != 1e6
 
     asyncio.run(go())
 
