@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/blend.py --parts ttft,vllm --rounds 10
 
 1. **quality** — ``kdn eval-blend`` on ``smollm2-135m`` (:mod:`kdn.lab.blend_eval`, the needle task:
-   held-out files, 240 paired prompts of 8 shuffled 256-token documents): every method's accuracy
+   held-out files, 240 paired prompts of 8 shuffled 128-token documents): every method's accuracy
    with its 95% interval, KL to full prefill, McNemar p-values, and the issue's claims.
 2. **ttft** — transformers, an 8-document RAG prompt (8 x 512 tokens of held-out files after the
    chat prefix, a question after them: ~4.1k tokens), fp32. Per round a novel combination of a
@@ -48,10 +48,11 @@ RATIO = 0.15
 
 METHOD = {
     "blend-quality": """`kdn eval-blend --model smollm2-135m` (kdn/lab/blend_eval.py): 240 prompts, each 8
-excerpts of 256 tokens of held-out standard-library files (split by file; a pool of excerpts, at
+excerpts of 128 tokens of held-out standard-library files (split by file; a pool of excerpts, at
 most 8 per file) in a random order after a ChatML system prefix; the question repeats the first 10
-tokens of a line of one of them (its position cycles through all 8) and the answer is the next 4
-tokens, all of which must be the model's top-1 (teacher forced). Every method runs on the same
+tokens of a line of one of them (its position cycles through all 8, the line is unique among
+them); a prompt is right when the line's next token is the model's top-1, and `exact` counts
+prompts whose next 4 tokens all are (teacher forced). Every method runs on the same
 prompts; segments are each excerpt's KV computed alone. Accuracy with Wilson 95% intervals, KL to
 full prefill with normal 95% intervals, exact McNemar tests. prefix-only is computed on the first
 40 prompts (its reuse share on all), blend@1 on the first 30.""",
@@ -137,7 +138,7 @@ def question_for(lm: Any, doc: list[int]) -> list[int]:
 def part_quality(argv: list[str], load_start: float, budget_s: float | None) -> dict[str, Any]:
     from kdn.lab import blend_eval
 
-    lm, info, summary = blend_eval.run(MODEL, prompts=240, docs=8, doc_tokens=256, ratios=blend_eval.DEFAULT_RATIOS,
+    lm, info, summary = blend_eval.run(MODEL, prompts=240, docs=8, doc_tokens=128, ratios=blend_eval.DEFAULT_RATIOS,
                                        first_k=16, seed=0, progress=True, budget_s=budget_s)
     out = {**info, **summary}
     rec = _record("blend-quality", "Blend on the trained model: accuracy, KL, paired tests (needle task)", argv,
@@ -147,11 +148,13 @@ def part_quality(argv: list[str], load_start: float, budget_s: float | None) -> 
         acc = "—" if m["accuracy"] is None else f"{m['accuracy']:.3f} [{m['accuracy_ci'][0]:.3f}, {m['accuracy_ci'][1]:.3f}]"
         p_full = m.get("vs_full", {}).get("p")
         p_b15 = m.get("vs_blend@0.15", {}).get("p")
-        rows.append([m["name"], m["prompts"], acc, f"{m['kl']:.4f} [{m['kl_ci'][0]:.4f}, {m['kl_ci'][1]:.4f}]",
+        ex = "—" if m.get("exact") is None else f"{m['exact']:.3f}"
+        rows.append([m["name"], m["prompts"], acc, ex, f"{m['kl']:.4f} [{m['kl_ci'][0]:.4f}, {m['kl_ci'][1]:.4f}]",
                      f"{m['agreement']:.3f}", f"{m['recomputed']:.1%}", f"{m['compute']:.1%}",
                      f"{m.get('reused_all_prompts', m['reused']):.1%}", "—" if p_full is None else f"{p_full:.2g}",
                      "—" if p_b15 is None else f"{p_b15:.2g}"])
-    rec.table(["method", "prompts", "accuracy [95% CI]", "KL to full [95% CI]", "top-1 agreement", "doc tokens recomputed",
+    rec.table(["method", "prompts", "accuracy [95% CI]", "exact (4 tokens)", "KL to full [95% CI]", "top-1 agreement",
+               "doc tokens recomputed",
                "compute share", "prompt tokens reused", "McNemar p vs full", "McNemar p vs blend@15%"], rows)
     for c in summary["claims"]:
         rec.goal(c["what"], c["goal"], median=c["value"], met=c["met"], unit="", digits=4)

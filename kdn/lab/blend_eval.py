@@ -14,7 +14,9 @@ For held-out prompts ``[prefix][doc_1 … doc_n][question]`` it runs, on the sam
 - ``blend@1`` — every token recomputed: must equal full prefill (a correctness check, on the
   first ``--check-prompts``; its largest logit difference to full is reported).
 
-Per method: task accuracy with its Wilson 95% interval (when the task has answers), top-1
+Per method: task accuracy with its Wilson 95% interval (when the task has answers: the judged
+answer tokens all top-1 — the first for ``needle``, every one for ``retrieval``), the share of
+prompts whose every answer token is top-1 (``exact``), top-1
 agreement with full prefill on the scored tokens, KL(full ‖ method) in nats (mean over prompts of
 the mean over scored tokens, with a 95% interval), the share of document tokens recomputed, the
 compute share (token×layer), the share of prompt tokens reused, the median seconds to the scored
@@ -85,6 +87,7 @@ class Case:
     docs: tuple[tuple[int, ...], ...]
     question: tuple[int, ...]
     answer: tuple[int, ...] = ()
+    judged: int = 0  # leading answer tokens that must all be right for the prompt to count (0: all)
 
     @property
     def tail(self) -> list[int]:
@@ -98,6 +101,10 @@ class Case:
     @property
     def tokens(self) -> list[int]:
         return list(self.prefix) + [t for d in self.docs for t in d] + self.tail
+
+    @property
+    def judged_tokens(self) -> int:
+        return self.judged or len(self.answer)
 
     @property
     def id(self) -> str:
@@ -181,8 +188,8 @@ def needle_cases(lm: LoadedModel, n: int, n_docs: int, doc_tokens: int, seed: in
     spec = blend_tasks.NeedleSpec(n_docs=n_docs, doc_tokens=doc_tokens, answer_tokens=answer_tokens)
     pool = blend_tasks.document_pool(lm.tokenizer, files, cs.root, doc_tokens=doc_tokens, per_file=spec.per_file)
     raw = blend_tasks.needle_cases(lm.tokenizer, pool, n, spec, seed)
-    cases = [Case(tuple(c["prefix"]), tuple(tuple(d) for d in c["docs"]), tuple(c["question"]), tuple(c["answer"]))
-             for c in raw]
+    cases = [Case(tuple(c["prefix"]), tuple(tuple(d) for d in c["docs"]), tuple(c["question"]), tuple(c["answer"]),
+                  judged=1) for c in raw]
     info = {"split": split, "files": len({d.name for d in pool}), "pool_documents": len(pool),
             "cue_tokens": spec.cue_tokens, "answer_tokens": spec.answer_tokens,
             "needle_positions": [c["needle"] for c in raw]}
@@ -327,15 +334,19 @@ def _prefix_only(lm: LoadedModel, case: Case, hit: int) -> tuple[torch.Tensor, f
     return out.logits[0], time.perf_counter() - t0
 
 
-def _score(logits: torch.Tensor, ref: torch.Tensor, case: Case) -> tuple[bool | None, float, float]:
-    """(answer right?, top-1 agreement with ref, mean KL(ref ‖ logits)) over the scored positions."""
+def _score(logits: torch.Tensor, ref: torch.Tensor, case: Case) -> tuple[bool | None, bool | None, float, float]:
+    """(right: the judged answer tokens are top-1, exact: every answer token is, top-1 agreement
+    with ref, mean KL(ref ‖ logits)) over the scored positions."""
     k = case.scored
     lo, rf = logits[-k:].float(), ref[-k:].float()  # (k, V)
     agree = float((lo.argmax(-1) == rf.argmax(-1)).float().mean())
     kl = float(torch.nn.functional.kl_div(lo.log_softmax(-1), rf.log_softmax(-1), log_target=True,
                                           reduction="batchmean"))
-    right = None if not case.answer else bool(lo.argmax(-1).tolist() == list(case.answer))
-    return right, agree, max(0.0, kl)
+    if not case.answer:
+        return None, None, agree, max(0.0, kl)
+    pred = lo.argmax(-1).tolist()
+    j = case.judged_tokens
+    return pred[:j] == list(case.answer[:j]), pred == list(case.answer), agree, max(0.0, kl)
 
 
 @torch.inference_mode()
@@ -375,10 +386,11 @@ def evaluate(lm: LoadedModel, cases: Sequence[Case], *, store: EvalStore | None 
                 logits, stats, secs = _blended(lm, case, store, m.policy(case))
                 rec, cmp_ = stats.recompute_fraction, stats.layer_token_fraction
                 reu = (doc_tokens - stats.selected) / prompt_tokens
-            right, agree, kl = _score(logits, ref, case)
+            right, exact, agree, kl = _score(logits, ref, case)
             if m.name in ("prefix-only", "blend@1"):
                 extra["max_logit_diff"] = float((logits.float() - ref.float()).abs().max())
-            store.add({"case": case.id, "index": i, "method": m.name, "right": right, "agree": agree, "kl": kl,
+            store.add({"case": case.id, "index": i, "method": m.name, "right": right, "exact": exact, "agree": agree,
+                       "kl": kl,
                        "recomputed": rec, "compute": cmp_, "reused": reu, "seconds": secs, **extra})
         done += 1
         if progress and done % 10 == 0:
@@ -399,10 +411,12 @@ def summarize(cases: Sequence[Case], store: EvalStore, method_list: Sequence[Met
         rights = [r["right"] for r in rows if r["right"] is not None]
         acc = statistics.fmean(rights) if rights else None
         lo, hi = wilson(sum(rights), len(rights)) if rights else (None, None)
+        exacts = [r["exact"] for r in rows if r.get("exact") is not None]
         kl, kl_lo, kl_hi = mean_ci([r["kl"] for r in rows])
         kl_lo = max(0.0, kl_lo)  # a KL is never negative
         d: dict[str, Any] = {
             "name": m.name, "prompts": len(rows), "accuracy": acc, "accuracy_ci": [lo, hi],
+            "exact": statistics.fmean(exacts) if exacts else None,
             "agreement": statistics.fmean(r["agree"] for r in rows), "kl": kl, "kl_ci": [kl_lo, kl_hi],
             "recomputed": statistics.fmean(r["recomputed"] for r in rows),
             "compute": statistics.fmean(r["compute"] for r in rows),
@@ -491,14 +505,15 @@ def _fmt_p(p: float | None) -> str:
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    head = (f"{'method':<12} {'n':>4} {'accuracy [95% CI]':>20} {'agree':>6} {'KL [95% CI]':>24} {'recomp':>7} "
+    head = (f"{'method':<12} {'n':>4} {'accuracy [95% CI]':>20} {'exact':>6} {'agree':>6} {'KL [95% CI]':>24} {'recomp':>7} "
             f"{'compute':>8} {'reused':>7} {'s (med)':>8} {'McNemar p vs full / vs blend@.15':>34}")
     lines = [head, "-" * len(head)]
     for r in summary["methods"].values():
         acc = "—" if r["accuracy"] is None else f"{r['accuracy']:.3f} [{r['accuracy_ci'][0]:.2f},{r['accuracy_ci'][1]:.2f}]"
         kl = f"{r['kl']:.4f} [{r['kl_ci'][0]:.4f},{r['kl_ci'][1]:.4f}]"
         ps = f"{_fmt_p(r.get('vs_full', {}).get('p'))} / {_fmt_p(r.get(f'vs_blend@{CONTROL_RATIO:g}', {}).get('p'))}"
-        lines.append(f"{r['name']:<12} {r['prompts']:>4} {acc:>20} {r['agreement']:>6.3f} {kl:>24} {r['recomputed']:>7.1%} "
+        ex = "—" if r.get("exact") is None else f"{r['exact']:.3f}"
+        lines.append(f"{r['name']:<12} {r['prompts']:>4} {acc:>20} {ex:>6} {r['agreement']:>6.3f} {kl:>24} {r['recomputed']:>7.1%} "
                      f"{r['compute']:>8.1%} {r['reused']:>7.1%} {r['seconds_median']:>8.2f} {ps:>34}")
     for c in summary.get("claims", []):
         v = c["value"]
@@ -571,8 +586,8 @@ def main(argv: list[str]) -> int:
                    help="needle (models with a subword tokenizer), retrieval (a retrieval reference model), generic")
     p.add_argument("--prompts", type=int, default=240, help="prompts evaluated (default 240)")
     p.add_argument("--docs", type=int, default=8, help="documents per prompt")
-    p.add_argument("--doc-tokens", type=int, default=256, help="tokens per document (needle and generic prompts)")
-    p.add_argument("--answer-tokens", type=int, default=4, help="needle: answer tokens that must all be right")
+    p.add_argument("--doc-tokens", type=int, default=128, help="tokens per document (needle and generic prompts)")
+    p.add_argument("--answer-tokens", type=int, default=4, help="needle: answer tokens scored (the first judges the prompt)")
     p.add_argument("--split", choices=("heldout", "train"), default="heldout",
                    help="needle: the files documents come from (train: for choosing settings)")
     p.add_argument("--ratios", default=",".join(f"{r:g}" for r in DEFAULT_RATIOS), help="blend recompute ratios")

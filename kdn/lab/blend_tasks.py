@@ -7,8 +7,9 @@ evenly spread through it. Each prompt takes ``n_docs`` documents of the pool in 
 picks one of them (the *needle file*, its position cycling through ``0..n_docs-1`` so every
 position is asked equally often) and one line of it: the question repeats the first
 ``cue_tokens`` tokens of that line, and the answer is the ``answer_tokens`` tokens that follow it
-in the file. A prompt is right when every answer token is the model's top-1 prediction (teacher
-forced: the same as greedy decoding reproducing the answer).
+in the file. A prompt is right when the answer's first token — the line's next token — is the
+model's top-1 prediction; the harness also reports how often every answer token is (teacher
+forced: the same as greedy decoding reproducing them).
 
 The task needs attention across documents: the cue sits after all of them, and the tokens that
 answer it sit in one document among others computed apart. A cue is chosen only where it is
