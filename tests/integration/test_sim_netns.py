@@ -30,7 +30,9 @@ import pytest
 
 from kdn.simulator import netlab
 
-pytestmark = [pytest.mark.integration, pytest.mark.netns]
+# minutes of shaped transfers per congestion control, and sensitive to a busy CPU: out of the
+# default run (`pytest -m "slow and netns"`; `python benchmarks/simulator.py --netns` records it)
+pytestmark = [pytest.mark.integration, pytest.mark.netns, pytest.mark.slow]
 
 RATE_MBIT = 100.0
 TOLERANCE = 0.10
