@@ -79,7 +79,7 @@ class SteerSpec:
             object.__setattr__(self, "strength", s)
             if not re.fullmatch(r"[0-9a-f]{16,64}", self.calibration):
                 raise InvalidInput("key-edit needs the digest of the model's key-edit calibration (hex); "
-                                   "run `kdn eval-steer --model DIR` to calibrate")
+                                   "run `kdn eval-steer --model MODEL --out DIR` to calibrate")
         else:
             if float(self.strength) != 1.0:
                 raise InvalidInput(f"re-read takes no strength (reads the marked text once more), got {self.strength!r}")
@@ -262,3 +262,19 @@ class Emphasis:
             if isinstance(exc, InvalidInput):
                 raise
             raise InvalidInput(f"malformed emphasis: {exc}") from exc
+
+
+def steering_line(s: dict[str, Any]) -> str:
+    """One model's steering as an origin reports it (:func:`kdn.origin.steer.steering_details`), in
+    a line (``kdn stats`` on an origin)."""
+    ke = s.get("key_edit")
+    line = f"{s.get('variants', 0)} document(s) with a steered variant; methods {', '.join(s.get('methods', []))}"
+    if not ke:
+        return line + (f" ({s['problem']})" if s.get("problem") else "")
+    line += f"; key-edit {ke['profile']} {ke['strength']:g} nats on {ke['heads']} heads (layers {ke['layers']})"
+    m = ke.get("measured")
+    if m:
+        weak = m.get("weak_depths") or []
+        gains = ", ".join(f"{d}: {m.get('realistic', {}).get(d, 0):+.1f}" for d in weak)
+        line += f"; measured on {m.get('haystacks')} held-out haystacks, realistic marks at weak depths ({gains}) points"
+    return line

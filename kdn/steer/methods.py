@@ -1,4 +1,4 @@
-"""The two steering methods, and the key-edit calibration.
+"""The two steering methods, and what a key-edit calibration holds.
 
 KV here is ``(L, 2, H, T, D)`` (layers, keys/values, KV heads, tokens, head dim), keys stored
 after rotary embedding at absolute positions ``start .. start+T-1``, as everywhere in KDN.
@@ -7,16 +7,21 @@ after rotary embedding at absolute positions ``start .. start+T-1``, as everywhe
 mean *pre-rotary* query (averaged over calibration prompts at the position that asks the question,
 and over the query heads sharing the KV head), restricted to the "slow" dimensions: the rotary
 pairs whose angle over ``reach`` tokens stays under one radian, plus any non-rotary dimensions.
-A marked token at position ``p`` gets ``Δk = R(p)·(s·√D · u / ‖u‖²)`` added to its stored key
-(``R(p)`` the rotation at ``p``, ``s`` the strength in nats). A later query ``q`` at position ``p'``
-then scores it higher by ``s · (q_slow · u)/‖u‖² · cos(small angles)``: ``≈ s`` for a query like the
-head's typical one, since the slow pairs rotate by at most ~1 rad between ``p`` and ``p'``. The
-values are untouched, so what the head reads from a token does not change, only how much.
+A marked token at position ``p`` gets ``Δk = R(p)·(s(p)·√D · u / ‖u‖²)`` added to its stored key
+(``R(p)`` the rotation at ``p``). A later query ``q`` at position ``p'`` then scores it higher by
+``s(p) · (q_slow · u)/‖u‖² · cos(small angles)``: ``≈ s(p)`` nats for a query like the head's
+typical one, since the slow pairs rotate by at most ~1 rad between ``p`` and ``p'``. The values
+are untouched, so what the head reads from a token does not change, only how much.
 
-Head choice (PASTA's profiling, small): on calibration prompts drawn from the training
-distribution (never the held-out set) each KV head alone is edited at a probe strength with
-correct marks; heads whose edit raises the mean log-probability of the right answer are kept
-(best first, at most ``max_heads``), then the strength is picked from a grid by calibration accuracy.
+The calibration's ``profile`` says how ``s(p)`` depends on where the token sits in the stored
+document of ``n`` tokens: ``flat`` gives every marked token the spec's strength ``s``; ``ramp``
+gives ``s · (n - p) / n``, the full strength at the document's first token falling to zero at its
+end — it counters a model's recency bias (later tokens win ties between lookalike facts) instead of
+singling one fact out, so it can be fixed per document without knowing any question.
+
+A calibration (heads, directions, profile, default strength) is chosen once per model on
+calibration prompts that never overlap the held-out ones (:mod:`kdn.lab.steer_eval`); its digest
+is part of every spec that uses it.
 
 **re-read.** ``tokens ‖ tokens[span]`` is prefilled once; the KV of the second reading (which
 attended to the whole first copy) is rotated back by the offset to the span's own positions and
@@ -30,7 +35,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -41,6 +46,7 @@ from kdn.errors import InvalidInput, UnsupportedModel
 from kdn.steer import SteerSpec
 
 DEFAULT_REACH = 1024  # tokens between a marked key and the query that should still see the boost
+PROFILES = ("flat", "ramp")
 
 
 @dataclass(frozen=True)
@@ -53,19 +59,26 @@ class KeyEditCalibration:
     strength: float  # the calibrated default strength (nats)
     reach: int = DEFAULT_REACH
     notes: dict[str, Any] = field(default_factory=dict)
+    profile: str = "flat"  # how the strength depends on a token's place in the document (module docstring)
+
+    def __post_init__(self) -> None:
+        if self.profile not in PROFILES:
+            raise InvalidInput(f"unknown key-edit profile {self.profile!r}; choose one of {', '.join(PROFILES)}")
 
     @property
     def digest(self) -> str:
         h = hashlib.blake2b(digest_size=16)
-        h.update(json.dumps({"fp": self.fingerprint, "heads": [list(x) for x in self.heads], "reach": self.reach},
-                            sort_keys=True).encode())
+        what: dict[str, Any] = {"fp": self.fingerprint, "heads": [list(x) for x in self.heads], "reach": self.reach}
+        if self.profile != "flat":  # a flat calibration keeps the digest it always had
+            what["profile"] = self.profile
+        h.update(json.dumps(what, sort_keys=True).encode())
         h.update(self.directions.to(torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": "kdn-steer-calibration", "fingerprint": self.fingerprint, "heads": [list(x) for x in self.heads],
                 "directions": self.directions.tolist(), "strength": self.strength, "reach": self.reach,
-                "digest": self.digest, "notes": self.notes}
+                "profile": self.profile, "digest": self.digest, "notes": self.notes}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "KeyEditCalibration":
@@ -74,7 +87,8 @@ class KeyEditCalibration:
                 raise InvalidInput("not a KDN steer calibration file")
             cal = cls(str(d["fingerprint"]), tuple(tuple(int(v) for v in x) for x in d["heads"]),  # type: ignore[misc]
                       torch.tensor(d["directions"], dtype=torch.float32).reshape(len(d["heads"]), -1),
-                      float(d["strength"]), int(d.get("reach", DEFAULT_REACH)), dict(d.get("notes", {})))
+                      float(d["strength"]), int(d.get("reach", DEFAULT_REACH)), dict(d.get("notes", {})),
+                      str(d.get("profile", "flat")))
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             if isinstance(exc, InvalidInput):
                 raise
@@ -162,17 +176,28 @@ def directions_for(means: torch.Tensor, heads: Sequence[tuple[int, int]], mask: 
     return out
 
 
+def token_strengths(positions: torch.Tensor, n: int, strength: float, profile: str) -> torch.Tensor:
+    """``s(p)`` for document positions ``positions`` (n,) of a document of ``n`` tokens (module docstring)."""
+    if profile == "flat":
+        return torch.full((len(positions),), float(strength))
+    if profile == "ramp":
+        return float(strength) * (n - positions.to(torch.float64)).clamp(min=0).to(torch.float32) / max(1, n)
+    raise InvalidInput(f"unknown key-edit profile {profile!r}")
+
+
 def apply_key_edit(kv: torch.Tensor, marks: Sequence[tuple[int, int]], strength: float, cal: KeyEditCalibration,
                    rope: RopeSpec, *, start: int = 0) -> torch.Tensor:
-    """A copy of ``kv`` ``(L, 2, H, T, D)`` (positions ``start..``) with the marked tokens' keys edited."""
+    """A copy of ``kv`` ``(L, 2, H, T, D)`` (positions ``start..``) with the marked tokens' keys edited;
+    the profile's document is the ``T`` tokens of ``kv``."""
     out = kv.clone()
     T, D = kv.shape[3], kv.shape[4]
     idx = torch.tensor(sorted({p for s, e in marks for p in range(s, min(e, T))}), dtype=torch.long)
     if idx.numel() == 0 or not cal.heads:
         return out
-    scale = float(strength) * math.sqrt(D) / rope.attention_scaling
+    scale = math.sqrt(D) / rope.attention_scaling
+    w = token_strengths(idx, T, strength, cal.profile)[:, None]  # (n, 1) nats per marked token
     for (l, h), u in zip(cal.heads, cal.directions):
-        rows = rotate_at((scale * u).to(torch.float32), idx + start, rope)  # (n, D): R(p)·Δ at each token
+        rows = rotate_at((scale * u).to(torch.float32), idx + start, rope) * w  # (n, D): R(p)·Δ at each token
         out[l, 0, h, idx] = (out[l, 0, h, idx].float() + rows).to(kv.dtype)
     return out
 
@@ -197,6 +222,32 @@ def re_read(model: Any, tokens: Sequence[int], spans: Sequence[tuple[int, int]] 
     return out
 
 
+@torch.inference_mode()
+def re_read_from(model: Any, kv: torch.Tensor, tokens: Sequence[int], spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """:func:`re_read` given the plain KV ``kv`` ``(L, 2, H, T, D)`` of ``tokens`` (positions
+    ``0..T-1``): only the second reading is computed, on top of ``kv`` (same result up to rounding)."""
+    from kdn.kv import cache_from_layers
+
+    T = len(tokens)
+    spans = list(spans) or [(0, T)]
+    second = [t for s, e in spans for t in tokens[s:e]]
+    out = kv.clone()
+    if not second:
+        return out
+    rope = rope_spec(model)
+    cache = cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])], model.config)
+    model(input_ids=torch.tensor([second]), cache=cache, use_cache=True, logits_to_keep=1)
+    at = T
+    for s, e in spans:
+        n = e - s
+        k = torch.stack([layer.keys[0, :, at : at + n] for layer in cache.layers])  # (L, H, n, D) at positions at..
+        v = torch.stack([layer.values[0, :, at : at + n] for layer in cache.layers])
+        out[:, 1, :, s:e] = v
+        out[:, 0, :, s:e] = rope.rotate(k, s - at)
+        at += n
+    return out
+
+
 def steered_kv(model: Any, tokens: Sequence[int], spec: SteerSpec, cal: KeyEditCalibration | None = None) -> torch.Tensor:
     """The stored KV ``(L, 2, H, T, D)`` of a document prefilled at ``0..T-1``, steered by ``spec``."""
     spec.check_fits(len(tokens))
@@ -206,80 +257,6 @@ def steered_kv(model: Any, tokens: Sequence[int], spec: SteerSpec, cal: KeyEditC
         raise InvalidInput("key-edit spec names calibration "
                            f"{spec.calibration[:16]}..., which this origin does not hold for the model")
     return apply_key_edit(full_kv(model, tokens), spec.marks, spec.strength, cal, rope_spec(model))
-
-
-# -- calibration ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CalPrompt:
-    """A training-distribution prompt: ``context`` (stored), ``marks`` in it, then ``tail`` fed
-    after it (question + all but the last answer token) and the ``answer`` tokens."""
-
-    context: tuple[int, ...]
-    marks: tuple[tuple[int, int], ...]
-    tail: tuple[int, ...]
-    answer: tuple[int, ...]
-
-
-@torch.inference_mode()
-def answer_logprob(model: Any, kv: torch.Tensor, tail: Sequence[int], answer: Sequence[int]) -> tuple[float, bool]:
-    """(sum of log p(answer), all answer tokens greedy-right) reading ``kv`` then ``tail``."""
-    from kdn.kv import cache_from_layers
-
-    cache = cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])], model.config)
-    logits = model(input_ids=torch.tensor([list(tail)]), cache=cache, use_cache=True, logits_to_keep=len(answer)).logits[0]
-    lp = logits.float().log_softmax(-1)
-    ans = torch.tensor(list(answer))
-    return float(lp[torch.arange(len(answer)), ans].sum()), bool(lp.argmax(-1).tolist() == list(answer))
-
-
-@torch.inference_mode()
-def calibrate_key_edit(model: Any, fingerprint: str, prompts: Sequence[CalPrompt], *, max_heads: int = 4,
-                       probe: float = 2.0, strengths: Sequence[float] = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0),
-                       reach: int = DEFAULT_REACH, log: Callable[[str], None] = lambda s: None) -> KeyEditCalibration:
-    """Pick heads and a strength for key-edit on ``prompts`` (see the module docstring)."""
-    if not prompts:
-        raise InvalidInput("calibration needs prompts")
-    rope = rope_spec(model)
-    mask = slow_dims(rope, reach)
-    qpos = [(list(p.context) + list(p.tail), len(p.context) + len(p.tail) - len(p.answer)) for p in prompts]
-    means = query_means(model, qpos)  # (L, Hkv, D)
-    L, H = means.shape[:2]
-    base = [full_kv(model, p.context) for p in prompts]
-    plain = [answer_logprob(model, kv, p.tail, p.answer) for kv, p in zip(base, prompts)]
-
-    def score(heads: Sequence[tuple[int, int]], s: float) -> tuple[float, float]:
-        cal = KeyEditCalibration(fingerprint, tuple(heads), directions_for(means, heads, mask), s, reach)
-        lps, hits = 0.0, 0
-        for kv, p in zip(base, prompts):
-            lp, ok = answer_logprob(model, apply_key_edit(kv, p.marks, s, cal, rope), p.tail, p.answer)
-            lps += lp
-            hits += ok
-        return lps / len(prompts), hits / len(prompts)
-
-    plain_lp = sum(lp for lp, _ in plain) / len(prompts)
-    plain_acc = sum(ok for _, ok in plain) / len(prompts)
-    gains = {}
-    for l in range(L):
-        for h in range(H):
-            lp, acc = score([(l, h)], probe)
-            gains[(l, h)] = lp - plain_lp
-            log(f"  head L{l}H{h}: log-prob gain {gains[(l, h)]:+.3f}, accuracy {acc:.3f} (plain {plain_acc:.3f})")
-    ranked = [hd for hd, g in sorted(gains.items(), key=lambda kv: -kv[1]) if g > 0][:max_heads]
-    if not ranked:
-        ranked = [max(gains, key=lambda hd: gains[hd])]
-    best: tuple[float, float, float, int] = (-1.0, -math.inf, probe, 1)  # accuracy, log-prob, strength, heads
-    for k in range(1, len(ranked) + 1):
-        for s in strengths:
-            lp, acc = score(ranked[:k], s)
-            log(f"  heads {ranked[:k]} strength {s:g}: accuracy {acc:.3f}, log-prob {lp:.3f}")
-            if (acc, lp) > best[:2]:
-                best = (acc, lp, s, k)
-    chosen = ranked[: best[3]]
-    notes = {"prompts": len(prompts), "probe": probe, "plain_accuracy": plain_acc, "calibrated_accuracy": best[0],
-             "gains": {f"L{l}H{h}": g for (l, h), g in gains.items()}}
-    return KeyEditCalibration(fingerprint, tuple(chosen), directions_for(means, chosen, mask), best[2], reach, notes)
 
 
 # -- where a calibration lives -----------------------------------------------------------------------
@@ -311,3 +288,28 @@ def load_calibration(fingerprint: str, root: Path | None = None) -> KeyEditCalib
     if cal.fingerprint != fingerprint:
         raise InvalidInput(f"{path}: calibration is for model {cal.fingerprint[:16]}..., not {fingerprint[:16]}...")
     return cal
+
+
+def calibration_summary(fingerprint: str, root: Path | None = None) -> dict[str, Any]:
+    """What an operator sees of a model's steering (``kdn model info``, the origin's stats): whether
+    key-edit is calibrated, how (profile, heads, default strength) and what it was measured to do.
+    ``re-read`` needs no calibration and is always available."""
+    try:
+        cal = load_calibration(fingerprint, root)
+    except InvalidInput as exc:
+        return {"methods": ["re-read"], "key_edit": None, "problem": str(exc)}
+    if cal is None:
+        return {"methods": ["re-read"], "key_edit": None,
+                "problem": "key-edit is not calibrated for this model (kdn eval-steer --model MODEL --out DIR)"}
+    layers = sorted({l for l, _ in cal.heads})
+    out: dict[str, Any] = {"methods": ["key-edit", "re-read"], "key_edit": {
+        "calibration": cal.digest, "profile": cal.profile, "strength": cal.strength, "heads": len(cal.heads),
+        "layers": f"{layers[0]}-{layers[-1]}" if layers else "", "rule": cal.notes.get("rule")}}
+    measured = cal.notes.get("measured")
+    if measured:
+        rows = measured.get("by_depth", {})
+        out["key_edit"]["measured"] = {
+            "haystacks": measured.get("haystacks"), "weak_depths": measured.get("weak_depths"),
+            **{kind: {d: round(c["delta"] * 100, 1) for d, c in row.items()} for kind, row in rows.items()},
+            "claims_met": {k: bool(v.get("met")) for k, v in measured.get("claims", {}).items()}}
+    return out

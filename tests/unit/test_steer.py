@@ -179,3 +179,48 @@ def test_key_edit_needs_the_named_calibration(tiny, tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(InvalidInput, match="malformed"):
         load_calibration(fp, tmp_path)
+
+
+def test_ramp_profile_falls_from_full_strength_to_zero_and_names_another_calibration(tiny) -> None:
+    from kdn.steer.methods import token_strengths
+
+    pos = torch.tensor([0, 25, 50, 99])
+    assert torch.allclose(token_strengths(pos, 100, 2.0, "ramp"), torch.tensor([2.0, 1.5, 1.0, 0.02]))
+    assert torch.allclose(token_strengths(pos, 100, 2.0, "flat"), torch.full((4,), 2.0))
+    fp = bytes(tiny.fingerprint).hex()
+    flat = KeyEditCalibration(fp, ((1, 2),), torch.ones(1, 32), 2.0)
+    ramp = KeyEditCalibration(fp, ((1, 2),), torch.ones(1, 32), 2.0, profile="ramp")
+    assert ramp.digest != flat.digest
+    assert KeyEditCalibration.from_json(ramp.to_json()).profile == "ramp"
+    old = flat.to_json()
+    old.pop("profile")  # a file written before profiles existed reads as flat, under the same digest
+    assert KeyEditCalibration.from_json(old).digest == flat.digest
+    with pytest.raises(InvalidInput, match="unknown key-edit profile"):
+        KeyEditCalibration(fp, ((1, 2),), torch.ones(1, 32), 2.0, profile="wave")
+    # the edit itself: a token at the document's start gets the full strength, one near its end almost none
+    model = tiny.model
+    rope = rope_spec(model)
+    toks = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    means = query_means(model, [(toks, 39)])
+    mask = slow_dims(rope, 1024)
+    heads = ((1, 2),)
+    cal = KeyEditCalibration(fp, heads, directions_for(means, heads, mask), 3.0, profile="ramp")
+    base = full_kv(model, toks)
+    edited = apply_key_edit(base, [(0, 40)], 3.0, cal, rope)
+    D = base.shape[-1]
+    q39 = rope.rotate((means[1, 2] * mask).reshape(1, D), 39)[0]
+    gain = (edited[1, 0, 2] - base[1, 0, 2]) @ q39 / math.sqrt(D)  # (T,)
+    want = 3.0 * (40 - torch.arange(40, dtype=torch.float32)) / 40
+    assert torch.allclose(gain, want, atol=0.05), (gain, want)
+
+
+def test_re_read_from_the_plain_kv_equals_a_second_prefill(tiny) -> None:
+    from kdn.steer.methods import re_read_from
+
+    model = tiny.model
+    toks = torch.randint(3, 200, (48,), generator=torch.Generator().manual_seed(2)).tolist()
+    spans = [(5, 12), (30, 40)]
+    want = re_read(model, toks, spans)
+    got = re_read_from(model, full_kv(model, toks), toks, spans)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4)
+    assert not torch.allclose(got[1, :, :, 30:40], full_kv(model, toks)[1, :, :, 30:40], atol=1e-4)
