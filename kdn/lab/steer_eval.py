@@ -1,31 +1,35 @@
-"""``kdn eval-steer``: does steered KV raise accuracy where facts sit mid-context? Measured, with harm.
+"""``kdn eval-steer``: does steered KV raise a trained model's accuracy where it is weak? Measured, with harm.
 
-On a retrieval reference model (``kdn model train-reference --task retrieval``) it builds held-out
-prompts ``R : [doc_1 … doc_n] ? KEY`` whose answer sits in the document at the **start** (doc 1),
-the **middle** (doc n/2 or n/2+1) or the **end** (doc n) of the context, among distractors. The
-context ``R : doc_1 … doc_n`` is what is stored (one document ingested as a prefix chain); the
-question is the new request. For each prompt it compares, on the same prompt:
+The task is :mod:`kdn.lab.steer_task`: a haystack of source-file documents, each carrying one
+lookalike note (``# NOTE: the access code for the cobalt vault is 4821.``); a question asks for one
+vault's code, with the asked note at one of five depths. Three stages, each of which can fail:
 
-- ``plain`` — the context's ordinary KV;
-- ``key-edit`` — keys of the answer document's tokens (the operator's marks) edited in the heads a
-  calibration chose, at the calibrated strength (:mod:`kdn.steer.methods`);
-- ``key-edit, wrong marks`` — the same edit on a distractor document (an operator who marked the
-  wrong thing), to show the harm;
-- ``re-read`` — the whole context read twice, the second reading stored (query-independent, no marks);
-- ``re-read marked`` / ``re-read marked, wrong marks`` — only the marked document read a second time.
+1. **deficit** — plain accuracy by depth and length on test haystacks. Steering is worth measuring
+   only where the model is weak: a depth whose plain accuracy is at least 10 points below the best
+   depth's (the answer's document alone is the ceiling).
+2. **calibrate** — on calibration haystacks (their own files: never a test file), the query means
+   of every KV head at the answer position give key-edit its directions; then every setting of the
+   grid (key-edit: head set × profile × strength; re-read of the marked spans) is scored with the
+   *realistic* marks (the operator's question-blind rule). The weak depths are those of the
+   calibration split's plain accuracy; the setting chosen is the one that raises a weak depth by
+   >= 5 points losing <= 1 point at every other depth, with the largest mean gain (else the
+   largest mean gain, else the best log-probability). The chosen calibration is written for the
+   model (``kdn ingest --emphasize key-edit`` uses it).
+3. **test** — on test haystacks, the chosen setting with every mark kind (realistic, headings,
+   oracle, wrong, random, everything), beside plain and the ceiling, on the same questions.
 
-Reuse is simulated as the product does it: the stored KV is cut into full chunks of the model's
-chunk size; those are reused, and the tail of the context (a partial chunk) plus the question are
-prefilled at reuse with the model's ordinary attention. Calibration (heads and strength of
-key-edit) uses prompts from the training distribution (a generator seeded apart from training's and
-from the held-out set's), with the answer at random positions, never the held-out prompts.
+Reuse is simulated as the product does it: the stored document's full chunks (plain or steered)
+are reused; the partial last chunk is prefilled on top of them, then each question. One plain
+prefill per haystack serves every variant (steering edits stored KV; re-read continues from it).
+A question is right when every digit of the code is the greedy token (teacher-forced: exactly the
+greedy answer); its log-probability is the code's. Results are appended per haystack to
+``<out>/<stage>.jsonl`` and a stage resumes where it stopped.
 
-Reported per variant and position: accuracy (every answer word right, greedy) with a 95% Wilson
-interval, the paired difference from plain on the same prompts with a 95% interval, the stored
-bytes (raw container; identical by construction: same shape and dtype), and the median time from
-cached KV to the answer's logits. Goal: some variant with correct marks raises middle accuracy
-by >= 5 points and loses <= 1 point at the start and the end. Figures: ``benchmarks/steer.py``
-(BENCHMARKS.md) and ``docs/steering.md``.
+Statistics: accuracy with a 95% Wilson interval; a variant against plain on the same questions:
+the paired difference, its 95% interval, and the exact McNemar test (two-sided binomial on the
+discordant pairs). Claims: gain >= +5 points at a weak depth with p < 0.05; a loss elsewhere of at
+most 1 point (point estimate); wrong marks harmful (a depth with a loss, p < 0.05); random marks
+harmless (no depth losing more than 1 point with p < 0.05).
 """
 
 from __future__ import annotations
@@ -33,181 +37,36 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from kdn.artifact import encode_artifact
-from kdn.blend.rope import rope_spec
+from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.console import plain, report_error
 from kdn.errors import InvalidInput, KdnError
-from kdn.keys import DEFAULT_NAMESPACE, chunk_keys
 from kdn.kv import cache_from_layers
+from kdn.lab.steer_task import (DEPTHS, MARK_KINDS, NOTE_RULE, QUESTION_BLIND, Haystack, Question, SourcePool,
+                                ceiling_question, char_spans_to_tokens, make_haystack, mark_chars)
 from kdn.models import LoadedModel, load_model
-from kdn.steer import SteerSpec, steer_root
-from kdn.steer.methods import (CalPrompt, KeyEditCalibration, apply_key_edit, calibrate_key_edit, full_kv, re_read,
-                               write_calibration)
+from kdn.pretrained import DEFAULT_MODEL
+from kdn.steer.methods import (KeyEditCalibration, apply_key_edit, directions_for, full_kv, re_read_from,
+                               slow_dims, write_calibration)
 
-POSITIONS = ("start", "middle", "end")
-CAL_SEED_OFFSET = 20_000
-TEST_SEED_OFFSET = 10_000 + 13
+GOAL_DEFICIT = 0.10
 GOAL_GAIN = 0.05
 GOAL_LOSS = 0.01
-
-
-@dataclass(frozen=True, slots=True)
-class Case:
-    prefix: tuple[int, ...]
-    docs: tuple[tuple[int, ...], ...]
-    question: tuple[int, ...]
-    answer: tuple[int, ...]
-    target: int  # index of the answer's document
-    wrong: int  # a distractor document (for wrong marks)
-
-    @property
-    def context(self) -> list[int]:
-        return list(self.prefix) + [t for d in self.docs for t in d]
-
-    def span(self, doc: int) -> tuple[int, int]:
-        s = len(self.prefix) + sum(len(d) for d in self.docs[:doc])
-        return (s, s + len(self.docs[doc]))
-
-    @property
-    def tail(self) -> list[int]:
-        return list(self.question) + list(self.answer[:-1])
-
-
-def target_index(where: str, n_docs: int, gen: torch.Generator) -> int:
-    if where == "start":
-        return 0
-    if where == "end":
-        return n_docs - 1
-    if where == "middle":
-        mids = [(n_docs - 1) // 2, n_docs // 2]
-        return mids[int(torch.randint(0, len(mids), (1,), generator=gen))]
-    if where == "any":
-        return int(torch.randint(0, n_docs, (1,), generator=gen))
-    raise InvalidInput(f"unknown position {where!r}")
-
-
-def prompt_task(model_dir: Path) -> Any:
-    """The task a retrieval model was trained on, as far as prompts go: fields this build does not
-    know (a newer trainer's curriculum settings) are left out; they change training, not prompts."""
-    from dataclasses import fields
-
-    from kdn.lab.retrieval import TaskConfig, load_task
-
-    try:
-        return load_task(model_dir)[0].task
-    except TypeError:
-        meta = json.loads((Path(model_dir) / "kdn_reference.json").read_text())
-        known = {f.name for f in fields(TaskConfig)}
-        task = {k: v for k, v in meta["train_config"]["task"].items() if k in known}
-        if "long_gaps" in task:
-            task["long_gaps"] = tuple(task["long_gaps"])  # JSON gives a list
-        return TaskConfig(**task)
-
-
-def make_cases(model_dir: Path, lm: LoadedModel, n: int, n_docs: int, where: str, seed: int) -> list[Case]:
-    """``n`` prompts whose answer document sits at ``where``; keys unique within a prompt."""
-    from kdn.lab.retrieval import PREFIX_TEXT, _document
-
-    task = prompt_task(model_dir)
-    if n_docs < 3:
-        raise InvalidInput("steering needs at least 3 documents (start, middle, end)")
-    if n_docs * task.facts_per_doc > task.num_keys:
-        raise InvalidInput(f"{n_docs} documents need {n_docs * task.facts_per_doc} keys; the task has {task.num_keys}")
-    gen = torch.Generator().manual_seed(seed + POSITIONS.index(where) * 7919 if where in POSITIONS else seed)
-    enc = lambda words: tuple(lm.tokenizer.encode(" ".join(words)))  # noqa: E731
-    cases = []
-    for _ in range(n):
-        keys = torch.randperm(task.num_keys, generator=gen)[: n_docs * task.facts_per_doc].tolist()
-        docs = [_document(task, keys[d * task.facts_per_doc : (d + 1) * task.facts_per_doc], gen) for d in range(n_docs)]
-        t = target_index(where, n_docs, gen)
-        others = [i for i in range(n_docs) if i != t]
-        w = others[int(torch.randint(0, len(others), (1,), generator=gen))]
-        facts = docs[t][1]
-        key = list(facts)[int(torch.randint(0, len(facts), (1,), generator=gen))]
-        cases.append(Case(enc(PREFIX_TEXT.split()), tuple(enc(words) for words, _ in docs), enc(["?", f"k{key}"]),
-                          enc([f"v{x}" for x in facts[key]]), t, w))
-    return cases
-
-
-# -- reuse ------------------------------------------------------------------------------------------
-
-
-@torch.inference_mode()
-def reuse(lm: LoadedModel, stored: torch.Tensor, case: Case) -> tuple[bool, float, float]:
-    """(answer right, log p(answer), seconds from cached KV to the answer's logits): full chunks of
-    ``stored`` reused, the context's tail and the question prefilled on top."""
-    ctx = case.context
-    C = lm.chunk_size
-    hit = (len(ctx) // C) * C
-    feed = ctx[hit:] + case.tail
-    n_ans = len(case.answer)
-    t0 = time.perf_counter()
-    cache = cache_from_layers([(stored[l, 0, :, :hit].unsqueeze(0), stored[l, 1, :, :hit].unsqueeze(0))
-                               for l in range(stored.shape[0])], lm.config)
-    logits = lm.model(input_ids=torch.tensor([feed]), cache=cache, use_cache=True, logits_to_keep=n_ans).logits[0]
-    secs = time.perf_counter() - t0
-    lp = logits.float().log_softmax(-1)
-    ans = list(case.answer)
-    return bool(lp.argmax(-1).tolist() == ans), float(lp[torch.arange(n_ans), torch.tensor(ans)].sum()), secs
-
-
-def stored_bytes(lm: LoadedModel, kv: torch.Tensor, tokens: Sequence[int], spec: SteerSpec | None) -> int:
-    """Bytes of the raw containers of every full chunk of ``kv`` (what a reuse fetches)."""
-    C = lm.chunk_size
-    keys = chunk_keys(tokens, fingerprint=lm.fingerprint, namespace=DEFAULT_NAMESPACE, chunk_size=C,
-                      root=steer_root(spec))
-    total = 0
-    for i, key in enumerate(keys):
-        parent = keys[i - 1] if i else steer_root(spec)
-        total += len(encode_artifact(kv[:, :, :, i * C : (i + 1) * C].contiguous(), key=key, parent_key=parent,
-                                     fingerprint=lm.fingerprint, codec="raw", chunk_index=i,
-                                     steer=spec.canonical() if spec else ""))
-    return total
-
-
-# -- the variants -----------------------------------------------------------------------------------
-
-
-def variants(lm: LoadedModel, cal: KeyEditCalibration, sweep: Sequence[float] = ()) -> dict[str, Callable[[Case, torch.Tensor], tuple[torch.Tensor, SteerSpec | None]]]:
-    rope = rope_spec(lm.model)
-
-    def key_edit(marks: Callable[[Case], tuple[int, int]], strength: float | None = None
-                 ) -> Callable[[Case, torch.Tensor], tuple[torch.Tensor, SteerSpec]]:
-        s = cal.strength if strength is None else strength
-
-        def run(case: Case, base: torch.Tensor) -> tuple[torch.Tensor, SteerSpec]:
-            span = marks(case)
-            return apply_key_edit(base, [span], s, cal, rope), SteerSpec("key-edit", (span,), s, cal.digest)
-        return run
-
-    def reread(marks: Callable[[Case], tuple[int, int]] | None) -> Callable[[Case, torch.Tensor], tuple[torch.Tensor, SteerSpec]]:
-        def run(case: Case, base: torch.Tensor) -> tuple[torch.Tensor, SteerSpec]:
-            ctx = case.context
-            spans = [marks(case)] if marks else [(len(case.prefix), len(ctx))]
-            return re_read(lm.model, ctx, spans), SteerSpec("re-read", tuple(spans))
-        return run
-
-    out = {
-        "plain": lambda case, base: (base, None),
-        "key-edit": key_edit(lambda c: c.span(c.target)),
-        "key-edit, wrong marks": key_edit(lambda c: c.span(c.wrong)),
-        "re-read": reread(None),
-        "re-read marked": reread(lambda c: c.span(c.target)),
-        "re-read marked, wrong marks": reread(lambda c: c.span(c.wrong)),
-    }
-    for s in sweep:  # other strengths, for the trade-off (the goal is judged on the calibrated one)
-        out[f"key-edit @{s:g}"] = key_edit(lambda c: c.span(c.target), s)
-        out[f"key-edit @{s:g}, wrong marks"] = key_edit(lambda c: c.span(c.wrong), s)
-    return out
+ALPHA = 0.05
+DEFAULT_REACH = 4096
+HEAD_SETS = ("late", "all")
+STRENGTHS = (1.0, 2.0, 3.0)
+TEST_KINDS = ("realistic", "oracle", "wrong", "random", "everything")
+PROFILES = ("flat", "ramp")
 
 
 # -- statistics -------------------------------------------------------------------------------------
@@ -234,139 +93,599 @@ def paired(a: Sequence[float], b: Sequence[float], z: float = 1.96) -> tuple[flo
     return (m, max(-1.0, m - h), min(1.0, m + h))
 
 
-@dataclass(slots=True)
-class Cell:
-    right: list[float] = field(default_factory=list)
-    logprob: list[float] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-    bytes: int = 0
+def mcnemar_exact(base: Sequence[bool], other: Sequence[bool]) -> tuple[int, int, float]:
+    """(``b`` questions only ``other`` gets right, ``c`` only ``base`` gets right, two-sided exact p)."""
+    b = sum(1 for x, y in zip(base, other) if y and not x)
+    c = sum(1 for x, y in zip(base, other) if x and not y)
+    n = b + c
+    if n == 0:
+        return b, c, 1.0
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
+    return b, c, min(1.0, 2 * tail)
+
+
+# -- scoring ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    right: bool
+    logprob: float
+    said: str  # the greedy code
+
+
+def _cache(kv: torch.Tensor, config: Any) -> Any:
+    return cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])], config)
+
+
+def stored_tokens(lm: LoadedModel, doc: Sequence[int]) -> int:
+    """Tokens of ``doc`` held as full chunks (what a reuse loads)."""
+    return len(doc) // lm.chunk_size * lm.chunk_size
+
+
+@torch.inference_mode()
+def score(lm: LoadedModel, stored: torch.Tensor, doc: Sequence[int], questions: Sequence[Question]) -> list[Score]:
+    """Reuse ``stored`` ``(L, 2, H, >= hit, D)`` for the full chunks of ``doc``, prefill the partial
+    chunk on top, then score each question on that."""
+    hit = stored_tokens(lm, doc)
+    kv = stored[:, :, :, :hit]
+    if hit < len(doc):
+        cache = _cache(kv, lm.config)
+        lm.model(input_ids=torch.tensor([list(doc[hit:])]), cache=cache, use_cache=True, logits_to_keep=1)
+        kv = torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
+    out = []
+    for q in questions:
+        logits = lm.model(input_ids=torch.tensor([list(q.tail)]), cache=_cache(kv, lm.config), use_cache=True,
+                          logits_to_keep=len(q.answer)).logits[0]
+        lp = logits.float().log_softmax(-1)
+        ans = list(q.answer)
+        said = lp.argmax(-1).tolist()
+        out.append(Score(said == ans, float(lp[torch.arange(len(ans)), torch.tensor(ans)].sum()),
+                         lm.tokenizer.decode(said).strip()))
+    return out
+
+
+@torch.inference_mode()
+def answer_query_means(lm: LoadedModel, kv: torch.Tensor, questions: Sequence[Question]) -> torch.Tensor:
+    """Sum over ``questions`` of each KV head's pre-rotary query at the answer's first position,
+    ``(L, H_kv, D)``, averaged over the query heads sharing the KV head (``kv``: the whole document's)."""
+    from kdn.steer.methods import _layers
+
+    layers = _layers(lm.model)
+    cfg = lm.config
+    n_q, n_kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q)
+    sums = torch.zeros(len(layers), n_kv, d, dtype=torch.float64)
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [layer.self_attn.q_proj.register_forward_hook(
+        lambda _m, _i, out, li=li: captured.__setitem__(li, out.detach())) for li, layer in enumerate(layers)]
+    try:
+        for q in questions:
+            pos = len(q.tail) - len(q.answer)  # the tail token whose logits give the first digit
+            lm.model(input_ids=torch.tensor([list(q.tail[: pos + 1])]), cache=_cache(kv, cfg), use_cache=True,
+                     logits_to_keep=1)
+            for li in range(len(layers)):
+                qv = captured[li][0, pos].reshape(n_q, d).to(torch.float64)  # (Hq, D)
+                sums[li] += qv.reshape(n_kv, n_q // n_kv, d).mean(1)
+    finally:
+        for h in hooks:
+            h.remove()
+    return sums
+
+
+# -- settings and variants --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One steering method at one setting. ``key-edit``: a head set, a profile and a strength
+    (nats); ``re-read``: the marked spans read again (nothing to set)."""
+
+    method: str
+    heads: str = ""
+    profile: str = "flat"
+    strength: float = 0.0
+
+    @property
+    def name(self) -> str:
+        if self.method == "re-read":
+            return "re-read"
+        return f"key-edit {self.heads} {self.profile} {self.strength:g}"
+
+
+def grid(head_sets: Sequence[str] = HEAD_SETS, profiles: Sequence[str] = PROFILES,
+         strengths: Sequence[float] = STRENGTHS, reread: bool = True) -> list[Setting]:
+    out = [Setting("key-edit", h, p, s) for h in head_sets for p in profiles for s in strengths]
+    return out + ([Setting("re-read")] if reread else [])
+
+
+def head_set(name: str, n_layers: int, n_heads: int) -> tuple[tuple[int, int], ...]:
+    if name == "all":
+        return tuple((l, h) for l in range(n_layers) for h in range(n_heads))
+    if name == "late":
+        return tuple((l, h) for l in range(n_layers // 2, n_layers) for h in range(n_heads))
+    raise InvalidInput(f"unknown head set {name!r}; choose one of {', '.join(HEAD_SETS)}")
+
+
+def calibration_of(setting: Setting, lm: LoadedModel, means: torch.Tensor, reach: int,
+                   notes: dict[str, Any] | None = None) -> KeyEditCalibration:
+    """The key-edit calibration a setting stands for (directions from ``means`` ``(L, H, D)``)."""
+    rope = rope_spec(lm.model)
+    heads = head_set(setting.heads, means.shape[0], means.shape[1])
+    return KeyEditCalibration(bytes(lm.fingerprint).hex(), heads, directions_for(means, heads, slow_dims(rope, reach)),
+                              setting.strength, reach, dict(notes or {}), setting.profile)
+
+
+class Steerer:
+    """Steered KV of one haystack's full chunks for a setting and marks."""
+
+    def __init__(self, lm: LoadedModel, means: torch.Tensor, reach: int) -> None:
+        self.lm = lm
+        self.rope: RopeSpec = rope_spec(lm.model)
+        self.means = means
+        self.reach = reach
+        self._cals: dict[Setting, KeyEditCalibration] = {}
+
+    def calibration(self, s: Setting) -> KeyEditCalibration:
+        if s not in self._cals:
+            self._cals[s] = calibration_of(s, self.lm, self.means, self.reach)
+        return self._cals[s]
+
+    def kv(self, s: Setting, base: torch.Tensor, doc: Sequence[int], marks: Sequence[tuple[int, int]]) -> torch.Tensor:
+        hit = stored_tokens(self.lm, doc)
+        kept = [(a, min(b, hit)) for a, b in marks if a < hit]  # marks past the stored chunks are dropped
+        part = base[:, :, :, :hit]
+        if not kept:
+            return part
+        if s.method == "re-read":
+            return re_read_from(self.lm.model, part, list(doc[:hit]), kept)
+        return apply_key_edit(part, kept, s.strength, self.calibration(s), self.rope)
+
+
+def marks_for(lm: LoadedModel, hs: Haystack, kind: str, q: Question) -> list[tuple[int, int]]:
+    return char_spans_to_tokens(lm.tokenizer, hs.text, mark_chars(hs, kind, q))
+
+
+# -- stages -----------------------------------------------------------------------------------------
+
+
+def _done(path: Path) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut by a kill: that haystack runs again
+                out[int(rec["index"])] = rec
+    return out
+
+
+def _append(path: Path, rec: dict[str, Any]) -> None:
+    """One haystack's line, with the 1-minute load average when it was written."""
+    rec = {**rec, "load": round(os.getloadavg()[0], 2)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+
+def _cells(scores: Iterable[tuple[Question, Score]]) -> dict[str, list[Any]]:
+    return {f"{q.depth:g}": [int(s.right), round(s.logprob, 4), s.said] for q, s in scores}
+
+
+def run_deficit(lm: LoadedModel, pool: SourcePool, lengths: Sequence[int], n_docs: int, n: int, seed: int, out: Path,
+                log: Callable[[str], None]) -> None:
+    """Plain accuracy by depth and length (``<out>/deficit.jsonl``: one line per haystack and length)."""
+    for length in lengths:
+        path = out / f"deficit-{length}.jsonl"
+        done = _done(path)
+        for i in range(n):
+            if i in done:
+                continue
+            t0 = time.perf_counter()
+            hs = make_haystack(pool, length=length, n_docs=n_docs, seed=seed, index=i)
+            base = full_kv(lm.model, hs.tokens)
+            plain_scores = score(lm, base, hs.tokens, hs.questions)
+            _append(path, {"index": i, "length": length, "tokens": len(hs.tokens),
+                           "plain": _cells(zip(hs.questions, plain_scores)), "seconds": round(time.perf_counter() - t0, 2)})
+            log(f"  deficit {length}: haystack {i + 1}/{n} ({len(hs.tokens)} tokens, {time.perf_counter() - t0:.0f} s)")
+
+
+def run_means(lm: LoadedModel, pool: SourcePool, length: int, n_docs: int, n: int, seed: int, out: Path,
+              log: Callable[[str], None]) -> torch.Tensor:
+    """Query means from calibration haystacks ``0 .. n-1`` (``<out>/means.json``, reused when present)."""
+    path = out / "means.json"
+    held = load_means(lm, out, n)
+    if held is not None:
+        return held
+    sums, count = None, 0
+    for i in range(n):
+        hs = make_haystack(pool, length=length, n_docs=n_docs, seed=seed, index=i)
+        base = full_kv(lm.model, hs.tokens)
+        s = answer_query_means(lm, base, hs.questions)
+        sums = s if sums is None else sums + s
+        count += len(hs.questions)
+        log(f"  query means: haystack {i + 1}/{n}")
+    assert sums is not None
+    means = (sums / count).to(torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"fingerprint": bytes(lm.fingerprint).hex(), "haystacks": n, "means": means.tolist()}))
+    return means
+
+
+def load_means(lm: LoadedModel, out: Path, n: int) -> torch.Tensor | None:
+    """The query means ``run_means`` wrote for this model and haystack count, or None."""
+    path = out / "means.json"
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    if d.get("fingerprint") != bytes(lm.fingerprint).hex() or d.get("haystacks") != n:
+        return None
+    return torch.tensor(d["means"], dtype=torch.float32)
+
+
+def run_calibration(lm: LoadedModel, pool: SourcePool, steerer: Steerer, settings: Sequence[Setting], *, length: int,
+                    n_docs: int, first: int, n: int, seed: int, out: Path, log: Callable[[str], None]) -> None:
+    """Every setting with realistic marks on calibration haystacks ``first .. first+n-1``."""
+    path = out / "calibration.jsonl"
+    done = _done(path)
+    for i in range(first, first + n):
+        if i in done:
+            continue
+        t0 = time.perf_counter()
+        hs = make_haystack(pool, length=length, n_docs=n_docs, seed=seed, index=i)
+        base = full_kv(lm.model, hs.tokens)
+        rec: dict[str, Any] = {"index": i, "tokens": len(hs.tokens),
+                               "variants": {"plain": _cells(zip(hs.questions, score(lm, base, hs.tokens, hs.questions)))}}
+        marks = marks_for(lm, hs, "realistic", hs.questions[0])
+        for s in settings:
+            kv = steerer.kv(s, base, hs.tokens, marks)
+            rec["variants"][s.name] = _cells(zip(hs.questions, score(lm, kv, hs.tokens, hs.questions)))
+        rec["seconds"] = round(time.perf_counter() - t0, 2)
+        _append(path, rec)
+        log(f"  calibration: haystack {i - first + 1}/{n} ({time.perf_counter() - t0:.0f} s)")
+
+
+def run_test(lm: LoadedModel, pool: SourcePool, steerer: Steerer, setting: Setting, *, length: int, n_docs: int, n: int,
+             seed: int, out: Path, log: Callable[[str], None], kinds: Sequence[str] = TEST_KINDS) -> None:
+    """Plain, the ceiling and ``setting`` with every mark kind on test haystacks ``0 .. n-1``."""
+    path = out / "test.jsonl"
+    done = _done(path)
+    for i in range(n):
+        if i in done:
+            continue
+        t0 = time.perf_counter()
+        hs = make_haystack(pool, length=length, n_docs=n_docs, seed=seed, index=i)
+        base = full_kv(lm.model, hs.tokens)
+        qs = hs.questions
+        v: dict[str, Any] = {"plain": _cells(zip(qs, score(lm, base, hs.tokens, qs)))}
+        ceiling = []
+        for q in qs:
+            toks, cq = ceiling_question(lm.tokenizer, hs, q)
+            ceiling += score(lm, full_kv(lm.model, toks), toks, [cq])
+        v["ceiling"] = _cells(zip(qs, ceiling))
+        for kind in kinds:
+            if kind in QUESTION_BLIND:
+                kv = steerer.kv(setting, base, hs.tokens, marks_for(lm, hs, kind, qs[0]))
+                v[kind] = _cells(zip(qs, score(lm, kv, hs.tokens, qs)))
+            else:
+                per = []
+                for q in qs:
+                    kv = steerer.kv(setting, base, hs.tokens, marks_for(lm, hs, kind, q))
+                    per += score(lm, kv, hs.tokens, [q])
+                v[kind] = _cells(zip(qs, per))
+        _append(path, {"index": i, "tokens": len(hs.tokens), "setting": setting.name, "variants": v,
+                       "seconds": round(time.perf_counter() - t0, 2)})
+        log(f"  test: haystack {i + 1}/{n} ({time.perf_counter() - t0:.0f} s)")
+
+
+# -- summaries --------------------------------------------------------------------------------------
+
+
+def _depth_keys() -> list[str]:
+    return [f"{d:g}" for d in DEPTHS]
+
+
+def cell(rows: Sequence[dict[str, list[Any]]], depth: str) -> dict[str, Any]:
+    right = [int(r[depth][0]) for r in rows]
+    k, n = sum(right), len(right)
+    return {"accuracy": k / n if n else 0.0, "n": n, "ci95": wilson(k, n),
+            "mean_logprob": statistics.fmean(r[depth][1] for r in rows) if rows else 0.0}
+
+
+def compare(base: Sequence[dict[str, list[Any]]], other: Sequence[dict[str, list[Any]]], depth: str) -> dict[str, Any]:
+    a = [bool(r[depth][0]) for r in base]
+    b = [bool(r[depth][0]) for r in other]
+    d, lo, hi = paired([float(x) for x in a], [float(x) for x in b])
+    gained, lost, p = mcnemar_exact(a, b)
+    return {"delta": d, "delta_ci95": (lo, hi), "gained": gained, "lost": lost, "p": p,
+            "logprob_delta": statistics.fmean(y[depth][1] - x[depth][1] for x, y in zip(base, other)) if base else 0.0}
+
+
+def variant_table(recs: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per variant and depth: accuracy, and (not for plain) the paired comparison with plain."""
+    table: dict[str, dict[str, Any]] = {}
+    plain_rows = [r["variants"]["plain"] for r in recs]
+    for name in names:
+        rows = [r["variants"][name] for r in recs]
+        table[name] = {}
+        for dk in _depth_keys():
+            c = cell(rows, dk)
+            if name != "plain":
+                c.update(compare(plain_rows, rows, dk))
+            table[name][dk] = c
+    return table
+
+
+def weak_depths(plain_row: dict[str, dict[str, Any]], deficit: float = GOAL_DEFICIT) -> list[str]:
+    """Depths whose accuracy is at least ``deficit`` below the best depth's."""
+    best = max(c["accuracy"] for c in plain_row.values())
+    return [d for d, c in plain_row.items() if c["accuracy"] <= best - deficit + 1e-9]
+
+
+def judge(row: dict[str, dict[str, Any]], weak: Sequence[str]) -> dict[str, Any]:
+    """The steering goal for one variant's row: some weak depth gains >= 5 points with p < 0.05,
+    and no other depth loses more than 1 point."""
+    gains = {d: row[d]["delta"] for d in row}
+    best_weak = max(weak, key=lambda d: gains[d], default=None)
+    gain_ok = best_weak is not None and gains[best_weak] >= GOAL_GAIN - 1e-9 and row[best_weak]["p"] < ALPHA
+    others = {d: g for d, g in gains.items() if d != best_weak}
+    loss_ok = all(g >= -GOAL_LOSS - 1e-9 for g in others.values())
+    return {"weak_depth": best_weak, "gain": gains.get(best_weak) if best_weak else None,
+            "gain_p": row[best_weak]["p"] if best_weak else None, "worst_other": min(others.values(), default=0.0),
+            "met": bool(gain_ok and loss_ok), "mean_gain": statistics.fmean(gains.values())}
+
+
+def choose(table: dict[str, dict[str, Any]], weak: Sequence[str], settings: Sequence[Setting]) -> tuple[Setting, dict[str, Any]]:
+    """The calibration's choice (see the module docstring) and why."""
+    def rank(s: Setting) -> tuple[Any, ...]:
+        row = table[s.name]
+        gains = [row[d]["delta"] for d in row]
+        j = judge_point(row, weak)
+        no_loss = min(gains) >= -GOAL_LOSS - 1e-9
+        lp = statistics.fmean(row[d]["logprob_delta"] for d in row)
+        return (j, statistics.fmean(gains) if no_loss else -math.inf, statistics.fmean(gains), lp)
+
+    best = max(settings, key=rank)
+    r = rank(best)
+    return best, {"met_on_calibration": bool(r[0]), "mean_gain": r[2], "mean_logprob_gain": r[3]}
+
+
+def judge_point(row: dict[str, dict[str, Any]], weak: Sequence[str]) -> bool:
+    """The goal on point estimates (the calibration split is small: no test there)."""
+    gains = {d: row[d]["delta"] for d in row}
+    for w in weak:
+        if gains[w] >= GOAL_GAIN - 1e-9 and all(g >= -GOAL_LOSS - 1e-9 for d, g in gains.items() if d != w):
+            return True
+    return False
+
+
+def deficit_table(out: Path, lengths: Sequence[int]) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for length in lengths:
+        recs = list(_done(out / f"deficit-{length}.jsonl").values())
+        if not recs:
+            continue
+        rows = [r["plain"] for r in recs]
+        res[str(length)] = {"haystacks": len(recs), "tokens": statistics.median(r["tokens"] for r in recs),
+                            "depths": {dk: cell(rows, dk) for dk in _depth_keys()}}
+    return res
 
 
 # -- the run ----------------------------------------------------------------------------------------
 
 
-def calibration_prompts(model_dir: Path, lm: LoadedModel, n: int, n_docs: int, seed: int) -> list[CalPrompt]:
-    cases = make_cases(model_dir, lm, n, n_docs, "any", seed + CAL_SEED_OFFSET)
-    return [CalPrompt(tuple(c.context), (c.span(c.target),), tuple(c.tail), c.answer) for c in cases]
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model: str = DEFAULT_MODEL
+    length: int = 2048
+    docs: int = 5
+    test: int = 200
+    calibration: int = 40
+    means: int = 8
+    deficit_lengths: tuple[int, ...] = (4096, 8192)
+    deficit_haystacks: int = 40
+    seed: int = 0
+    reach: int = DEFAULT_REACH
+    chunk_size: int = 256
+    stages: tuple[str, ...] = ("deficit", "calibrate", "test")
+    settings: tuple[Setting, ...] = ()
+    kinds: tuple[str, ...] = TEST_KINDS
 
 
-@torch.inference_mode()
-def run(model: str, *, prompts: int, docs: int, cal_prompts: int, seed: int, max_heads: int = 4,
-        chunk_size: int = 256, sweep: Sequence[float] = (), log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    model_dir = Path(model)
-    meta = model_dir / "kdn_reference.json"
-    if not meta.is_file() or json.loads(meta.read_text()).get("task") != "retrieval":
-        raise InvalidInput(f"{model} is not a retrieval reference model (kdn model train-reference --task retrieval)")
-    lm = load_model(model, chunk_size=chunk_size)
-    fp = bytes(lm.fingerprint).hex()
+STAGES = ("deficit", "calibrate", "test", "summary")  # summary: only tabulate what ``out`` holds
+
+
+def run(plan: Plan, out: Path, *, log: Callable[[str], None] = lambda s: None, write_cal: bool = True) -> dict[str, Any]:
+    """Run (or resume) the stages of ``plan`` into ``out``; the summary of everything recorded there."""
+    lm = load_model(plan.model, chunk_size=plan.chunk_size)
+    if lm.untrained:
+        raise InvalidInput(f"{plan.model} is a random-init model: steering is judged on a trained one "
+                           f"(the default, {DEFAULT_MODEL})")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(asdict(plan), indent=1) + "\n")
+    settings = list(plan.settings) or grid()
+    summary: dict[str, Any] = {"model": plan.model, "fingerprint": bytes(lm.fingerprint).hex(), "plan": asdict(plan)}
+    test_pool = cal_pool = None
     t0 = time.perf_counter()
-    log(f"calibrating key-edit on {cal_prompts} training-distribution prompts ...")
-    cal = calibrate_key_edit(lm.model, fp, calibration_prompts(model_dir, lm, cal_prompts, docs, seed),
-                             max_heads=max_heads, log=log)
-    log(f"  chose heads {list(cal.heads)} at strength {cal.strength:g}")
-    cal_seconds = time.perf_counter() - t0
-    vs = variants(lm, cal, [x for x in sweep if x != cal.strength])
-    cells: dict[str, dict[str, Cell]] = {v: {p: Cell() for p in POSITIONS} for v in vs}
-    for where in POSITIONS:
-        cases = make_cases(model_dir, lm, prompts, docs, where, seed + TEST_SEED_OFFSET)
-        for i, case in enumerate(cases):
-            base = full_kv(lm.model, case.context)
-            for name, fn in vs.items():
-                kv, spec = fn(case, base)
-                right, lp, secs = reuse(lm, kv, case)
-                c = cells[name][where]
-                c.right.append(float(right))
-                c.logprob.append(lp)
-                c.seconds.append(secs)
-                if i == 0:
-                    c.bytes = stored_bytes(lm, kv, case.context, spec)
-            if (i + 1) % 50 == 0:
-                log(f"  {where}: {i + 1}/{len(cases)} prompts")
-    table: dict[str, dict[str, Any]] = {}
-    for name, by_pos in cells.items():
-        row = {}
-        for where, c in by_pos.items():
-            k, n = int(sum(c.right)), len(c.right)
-            d, lo, hi = paired(cells["plain"][where].right, c.right)
-            row[where] = {"accuracy": k / max(1, n), "n": n, "ci95": wilson(k, n), "delta": d, "delta_ci95": (lo, hi),
-                          "mean_logprob": statistics.fmean(c.logprob) if c.logprob else 0.0,
-                          "reuse_ms_median": statistics.median(c.seconds) * 1e3 if c.seconds else 0.0,
-                          "stored_bytes": c.bytes}
-        table[name] = row
-    goal = {}
-    for name in ("key-edit", "re-read", "re-read marked"):
-        r = table[name]
-        gain, ls, le = r["middle"]["delta"], r["start"]["delta"], r["end"]["delta"]
-        goal[name] = {"middle_gain": gain, "start_change": ls, "end_change": le,
-                      "middle_gain_ci95": r["middle"]["delta_ci95"], "start_ci95": r["start"]["delta_ci95"],
-                      "end_ci95": r["end"]["delta_ci95"],
-                      "met": gain >= GOAL_GAIN and ls >= -GOAL_LOSS and le >= -GOAL_LOSS}
-    ctx_tokens = len(make_cases(model_dir, lm, 1, docs, "start", seed)[0].context)
-    return {"model": model, "fingerprint": fp, "layers": lm.kv_shape.num_layers, "heads": lm.kv_shape.num_kv_heads,
-            "documents": docs, "context_tokens": ctx_tokens, "chunk_size": lm.chunk_size, "prompts_per_position": prompts,
-            "calibration": {"prompts": cal_prompts, "heads": [list(h) for h in cal.heads], "strength": cal.strength,
-                            "digest": cal.digest, "seconds": cal_seconds, "notes": cal.notes},
-            "variants": table, "goal": goal, "sweep": list(sweep), "seconds": time.perf_counter() - t0, "_cal": cal}
+    if "deficit" in plan.stages:
+        log(f"deficit: plain accuracy at {list(plan.deficit_lengths)} tokens, {plan.deficit_haystacks} test haystacks each")
+        test_pool = SourcePool(lm.tokenizer, "test")
+        run_deficit(lm, test_pool, plan.deficit_lengths, plan.docs, plan.deficit_haystacks, plan.seed, out, log)
+    summary["deficit"] = deficit_table(out, plan.deficit_lengths)
+    means = None
+    if "calibrate" in plan.stages or "test" in plan.stages:
+        cal_pool = SourcePool(lm.tokenizer, "calibration")
+        log(f"query means on {plan.means} calibration haystacks")
+        means = run_means(lm, cal_pool, plan.length, plan.docs, plan.means, plan.seed, out, log)
+    else:
+        means = load_means(lm, out, plan.means)
+    steerer = Steerer(lm, means, plan.reach) if means is not None else None
+    if "calibrate" in plan.stages:
+        assert cal_pool is not None and steerer is not None
+        log(f"calibration: {len(settings)} settings on {plan.calibration} calibration haystacks")
+        run_calibration(lm, cal_pool, steerer, settings, length=plan.length, n_docs=plan.docs, first=plan.means,
+                        n=plan.calibration, seed=plan.seed, out=out, log=log)
+    cal_recs = [r for i, r in sorted(_done(out / "calibration.jsonl").items())
+                if plan.means <= i < plan.means + plan.calibration]
+    chosen = None
+    if cal_recs:
+        names = ["plain"] + [s.name for s in settings if all(s.name in r["variants"] for r in cal_recs)]
+        ctab = variant_table(cal_recs, names)
+        weak = weak_depths(ctab["plain"])
+        usable = [s for s in settings if s.name in names]
+        chosen, why = choose(ctab, weak, usable)
+        summary["calibration"] = {"haystacks": len(cal_recs), "weak_depths": weak, "table": ctab,
+                                  "chosen": asdict(chosen) | {"name": chosen.name}, "why": why}
+        (out / "chosen.json").write_text(json.dumps(asdict(chosen)) + "\n")
+        if write_cal and chosen.method == "key-edit" and means is not None:
+            cal = calibration_of(chosen, lm, means, plan.reach, notes={
+                "task": "lookalike notes in stdlib haystacks (kdn.lab.steer_task)", "rule": NOTE_RULE,
+                "haystacks": len(cal_recs), "length": plan.length, "documents": plan.docs, "weak_depths": weak,
+                "calibration_gain": why["mean_gain"], "met_on_calibration": why["met_on_calibration"]})
+            summary["calibration"]["path"] = str(write_calibration(cal))
+            summary["calibration"]["digest"] = cal.digest
+    if "test" in plan.stages:
+        if chosen is None or steerer is None:
+            raise InvalidInput("the test stage needs a calibration (run the calibrate stage first)")
+        test_pool = test_pool or SourcePool(lm.tokenizer, "test")
+        log(f"test: {chosen.name} with every mark kind on {plan.test} test haystacks")
+        run_test(lm, test_pool, steerer, chosen, length=plan.length, n_docs=plan.docs, n=plan.test, seed=plan.seed,
+                 out=out, log=log, kinds=plan.kinds)
+    test_recs = [r for i, r in sorted(_done(out / "test.jsonl").items()) if i < plan.test]
+    if test_recs:
+        names = ["plain", *MARK_KINDS, "ceiling"]
+        ttab = variant_table(test_recs, [n for n in names if all(n in r["variants"] for r in test_recs)])
+        weak = summary.get("calibration", {}).get("weak_depths") or weak_depths(ttab["plain"])
+        summary["test"] = {"haystacks": len(test_recs), "setting": test_recs[0]["setting"], "weak_depths": weak,
+                           "table": ttab, "claims": claims(ttab, weak)}
+        if str(plan.length) not in summary["deficit"]:  # the test's plain answers are the deficit at its length
+            summary["deficit"][str(plan.length)] = {
+                "haystacks": len(test_recs), "tokens": statistics.median(r["tokens"] for r in test_recs),
+                "depths": ttab["plain"], "source": "test stage"}
+        if write_cal and chosen is not None and chosen.name == test_recs[0]["setting"] and "path" in summary["calibration"]:
+            record_effect(Path(summary["calibration"]["path"]), summary["test"])
+    loads = [r["load"] for p in out.glob("*.jsonl") for r in _done(p).values() if "load" in r]
+    if loads:
+        summary["load"] = {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}
+    summary["stage_seconds"] = {p.stem: round(sum(r.get("seconds", 0) for r in _done(p).values()), 1)
+                                for p in sorted(out.glob("*.jsonl"))}
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
 
 
-def format_table(res: dict[str, Any]) -> str:
-    head = f"{'variant':<28} " + " ".join(f"{p + ' (95% CI)':>22} {'Δ vs plain':>17}" for p in POSITIONS)
-    lines = [head, "-" * len(head)]
-    for name, row in res["variants"].items():
-        cells = []
-        for p in POSITIONS:
-            c = row[p]
-            lo, hi = c["ci95"]
-            dl, dh = c["delta_ci95"]
-            cells.append(f"{c['accuracy']:>6.3f} [{lo:.3f},{hi:.3f}] " + (f"{c['delta'] * 100:>+5.1f} [{dl * 100:+.1f},{dh * 100:+.1f}]"
-                                                                        if name != "plain" else f"{'—':>17}"))
-        lines.append(f"{name:<28} " + " ".join(f"{x:>40}" for x in cells))
-    return "\n".join(lines)
+def record_effect(path: Path, test: dict[str, Any]) -> None:
+    """Write the measured effect of a calibration into its file's notes (what ``kdn model info``
+    shows; notes are not part of the digest, so variant ids do not change)."""
+    from kdn.blobstore import write_file_atomic
+
+    data = json.loads(path.read_text())
+    t = test["table"]
+    data.setdefault("notes", {})["measured"] = {
+        "haystacks": test["haystacks"], "weak_depths": test["weak_depths"],
+        "by_depth": {kind: {d: {"plain": t["plain"][d]["accuracy"], "steered": c["accuracy"], "delta": c["delta"],
+                                "p": c["p"]} for d, c in row.items()}
+                     for kind, row in t.items() if kind in ("realistic", "oracle", "wrong", "random")},
+        "claims": test["claims"]}
+    write_file_atomic(path, (json.dumps(data) + "\n").encode())
 
 
-def goal_lines(res: dict[str, Any]) -> list[str]:
-    out = []
-    for name, g in res["goal"].items():
-        ci = lambda k: f"[{g[k][0] * 100:+.1f}, {g[k][1] * 100:+.1f}]"  # noqa: E731
-        out.append(f"{name}: middle {g['middle_gain'] * 100:+.1f} points {ci('middle_gain_ci95')}, start "
-                   f"{g['start_change'] * 100:+.1f} {ci('start_ci95')}, end {g['end_change'] * 100:+.1f} {ci('end_ci95')} "
-                   f"-> goal (>= +5 middle, >= -1 elsewhere; point estimates) {'MET' if g['met'] else 'NOT MET'}")
+def claims(t: dict[str, dict[str, Any]], weak: Sequence[str]) -> dict[str, Any]:
+    """Each claim of the module docstring, judged on the test table."""
+    out: dict[str, Any] = {}
+    plain_row = t["plain"]
+    best = max(plain_row.values(), key=lambda c: c["accuracy"])["accuracy"]
+    out["deficit"] = {"best_depth_accuracy": best, "weak_depths": list(weak),
+                      "met": any(best - plain_row[d]["accuracy"] >= GOAL_DEFICIT - 1e-9 for d in weak)}
+    if "realistic" in t:
+        out["realistic"] = judge(t["realistic"], weak)
+    if "wrong" in t:
+        harmed = [d for d, c in t["wrong"].items() if c["delta"] < 0 and c["p"] < ALPHA]
+        out["wrong"] = {"harmed_depths": harmed, "met": bool(harmed)}
+    if "random" in t:
+        hurt = [d for d, c in t["random"].items() if c["delta"] < -GOAL_LOSS and c["p"] < ALPHA]
+        out["random"] = {"worst": min(c["delta"] for c in t["random"].values()), "significant_losses": hurt,
+                         "met": not hurt}
     return out
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def _acc(c: dict[str, Any]) -> str:
+    return f"{c['accuracy']:.3f} [{c['ci95'][0]:.2f},{c['ci95'][1]:.2f}]"
+
+
+def _delta(c: dict[str, Any]) -> str:
+    return f"{c['delta'] * 100:+.1f} (+{c['gained']}/-{c['lost']}, p={c['p']:.2g})"
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = []
+    dks = _depth_keys()
+    if s.get("deficit"):
+        lines.append("plain accuracy by depth (95% Wilson CI), test haystacks:")
+        lines.append(f"{'length':>8} {'n':>4} " + " ".join(f"{'depth ' + d:>20}" for d in dks))
+        for length, row in s["deficit"].items():
+            lines.append(f"{row['tokens']:>8.0f} {row['haystacks']:>4} " + " ".join(f"{_acc(row['depths'][d]):>20}" for d in dks))
+    if s.get("calibration"):
+        c = s["calibration"]
+        lines.append(f"calibration ({c['haystacks']} haystacks, realistic marks; weak depths {c['weak_depths']}):")
+        for name, row in c["table"].items():
+            lines.append(f"  {name:<26} " + " ".join(f"{row[d]['accuracy']:.3f}" + (f" {row[d]['delta'] * 100:+5.1f}" if name != "plain" else "      ")
+                                                 for d in dks))
+        lines.append(f"  chosen: {c['chosen']['name']} ({c['why']})")
+    if s.get("test"):
+        t = s["test"]
+        lines.append(f"test ({t['haystacks']} haystacks, {t['setting']}; Δ vs plain in points, +gained/-lost, exact McNemar p):")
+        for name, row in t["table"].items():
+            lines.append(f"  {name:<11} " + " | ".join(_acc(row[d]) + ("" if name == "plain" else " " + _delta(row[d])) for d in dks))
+        for k, v in t["claims"].items():
+            lines.append(f"  claim {k}: {v}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kdn eval-steer", description=plain(__doc__.split("\n\n")[0]))
-    p.add_argument("--model", required=True, help="a retrieval reference model directory")
-    p.add_argument("--prompts", type=int, default=200, help="held-out prompts per position (default 200)")
-    p.add_argument("--docs", type=int, default=8, help="documents per prompt (default 8)")
-    p.add_argument("--cal-prompts", type=int, default=64, help="training-distribution prompts for calibration (default 64)")
-    p.add_argument("--max-heads", type=int, default=4, help="most heads key-edit may edit (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the generated prompts (default 0)")
-    p.add_argument("--chunk-size", type=int, default=256, help="chunk size of the stored KV (default 256)")
-    p.add_argument("--sweep", default="", help="also key-edit at these strengths, e.g. 1,2,4 (comma list)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"a trained model (default {DEFAULT_MODEL})")
+    p.add_argument("--out", type=Path, required=True, help="directory for the per-haystack results (a run resumes there)")
+    p.add_argument("--stages", default="deficit,calibrate,test",
+                   help="comma list of deficit, calibrate, test, summary (only tabulate what --out holds)")
+    p.add_argument("--length", type=int, default=2048, help="document tokens of calibration and test haystacks")
+    p.add_argument("--docs", type=int, default=5, help="documents (lookalike notes) per haystack (default 5)")
+    p.add_argument("--test", type=int, default=200, help="test haystacks: prompts per depth (default 200)")
+    p.add_argument("--calibration", type=int, default=40, help="calibration haystacks for choosing a setting (default 40)")
+    p.add_argument("--means", type=int, default=8, help="calibration haystacks for the query means (default 8)")
+    p.add_argument("--deficit-lengths", default="4096,8192",
+                   help="lengths of the deficit stage (comma list; the test length's row comes from the test stage)")
+    p.add_argument("--deficit-haystacks", type=int, default=40, help="test haystacks per deficit length (default 40)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated haystacks (default 0)")
+    p.add_argument("--strengths", default=",".join(f"{s:g}" for s in STRENGTHS), help="key-edit strengths of the grid")
+    p.add_argument("--kinds", default=",".join(TEST_KINDS),
+                   help=f"mark kinds of the test stage (comma list of {', '.join(MARK_KINDS)})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--no-calibration", action="store_true", help="do not write the model's key-edit calibration")
     p.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
-        if args.prompts < 1 or args.cal_prompts < 1:
-            raise InvalidInput("--prompts and --cal-prompts must be >= 1")
-        res = run(args.model, prompts=args.prompts, docs=args.docs, cal_prompts=args.cal_prompts, seed=args.seed,
-                  max_heads=args.max_heads, chunk_size=args.chunk_size,
-                  sweep=[float(x) for x in args.sweep.split(",") if x], log=(lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr)))
-        cal = res.pop("_cal")
-        res["calibration"]["path"] = None if args.no_calibration else str(write_calibration(cal))
+        stages = tuple(x for x in args.stages.split(",") if x)
+        if not stages or any(x not in STAGES for x in stages):
+            raise InvalidInput(f"--stages: a comma list of {', '.join(STAGES)}")
+        if min(args.test, args.calibration, args.means, args.deficit_haystacks) < 1:
+            raise InvalidInput("haystack counts must be >= 1")
+        plan = Plan(args.model, args.length, args.docs, args.test, args.calibration, args.means,
+                    tuple(int(x) for x in args.deficit_lengths.split(",") if x), args.deficit_haystacks, args.seed,
+                    stages=stages, settings=tuple(grid(strengths=[float(x) for x in args.strengths.split(",") if x])),
+                    kinds=tuple(x for x in args.kinds.split(",") if x))
+        if not plan.kinds or any(k not in MARK_KINDS for k in plan.kinds):
+            raise InvalidInput(f"--kinds: a comma list of {', '.join(MARK_KINDS)}")
+        res = run(plan, args.out, log=(lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr, flush=True)),
+                  write_cal=not args.no_calibration)
     except (KdnError, ValueError) as exc:
         report_error("eval-steer", exc, as_json=args.json)
         return 2
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        c = res["calibration"]
-        print(f"{res['model']}: {res['prompts_per_position']} held-out prompts per position, {res['documents']} documents "
-              f"({res['context_tokens']} context tokens); key-edit heads {c['heads']} at strength {c['strength']:g}")
-        print(format_table(res))
-        for line in goal_lines(res):
-            print(line)
+    print(json.dumps(res, indent=1) if args.json else format_summary(res))
     return 0

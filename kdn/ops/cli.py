@@ -43,7 +43,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("model", "kdn.ops.model:main", "models: `kdn model list`, `info`, `path`, `check-tokens`, `train-reference`"),
     Command("eval-codec", "kdn.lab.quality:main", "judge a codec by what the model does with decoded KV"),
     Command("eval-blend", "kdn.lab.blend_eval:main", "judge document blending (non-prefix reuse) against full prefill and baselines"),
-    Command("eval-steer", "kdn.lab.steer_eval:main", "judge steered KV (key-edit, re-read) by fact position, with wrong marks"),
+    Command("eval-steer", "kdn.lab.steer_eval:main", "judge steered KV on the trained model: deficit, calibration, marks of every kind"),
 )
 
 

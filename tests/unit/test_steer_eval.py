@@ -1,82 +1,115 @@
-"""``kdn eval-steer`` end to end on the tiny retrieval preset (the code paths, not the accuracy)."""
+"""``kdn eval-steer`` on the trained model: the statistics, the claims, and the stages end to end
+on a short haystack (the code paths and the bookkeeping; accuracy figures come from the benchmark)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
 from kdn.lab import steer_eval
-from kdn.lab.reference import main as model_main
-from kdn.models import load_model
+from kdn.lab.steer_eval import Setting
 from kdn.steer.methods import load_calibration
 
 
-@pytest.fixture(scope="module")
-def tiny_retrieval(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("models") / "retrieval"
-    assert model_main(["train-reference", "--task", "retrieval", "--preset", "tiny", "--out", str(out), "--json"]) == 0
-    return out
-
-
-def test_cases_put_the_answer_where_asked(tiny_retrieval):
-    lm = load_model(str(tiny_retrieval))
-    for where, allowed in (("start", {0}), ("middle", {1}), ("end", {2})):
-        for c in steer_eval.make_cases(tiny_retrieval, lm, 5, 3, where, seed=3):
-            assert c.target in allowed and c.wrong != c.target
-            s, e = c.span(c.target)
-            doc = c.context[s:e]
-            key = c.question[-1]
-            assert key in doc and doc[doc.index(key) + 1 : doc.index(key) + 1 + len(c.answer)] == list(c.answer)
-            assert key not in [t for i, d in enumerate(c.docs) if i != c.target for t in d]  # distractors lack it
-    a = steer_eval.make_cases(tiny_retrieval, lm, 3, 3, "middle", seed=3)
-    assert a == steer_eval.make_cases(tiny_retrieval, lm, 3, 3, "middle", seed=3)  # seeded
-    cal = steer_eval.calibration_prompts(tiny_retrieval, lm, 3, 3, seed=3)
-    assert not {p.context for p in cal} & {tuple(c.context) for c in a}  # calibration never sees held-out prompts
-
-
-def test_eval_steer_reports_every_variant_by_position(tiny_retrieval, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("KDN_CACHE", str(tmp_path))
-    argv = ["--model", str(tiny_retrieval), "--docs", "3", "--prompts", "3", "--cal-prompts", "3", "--chunk-size", "16",
-            "--json"]
-    assert steer_eval.main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert set(out["variants"]) == {"plain", "key-edit", "key-edit, wrong marks", "re-read", "re-read marked",
-                                    "re-read marked, wrong marks"}
-    for name, row in out["variants"].items():
-        for where in steer_eval.POSITIONS:
-            cell = row[where]
-            assert cell["n"] == 3 and 0.0 <= cell["ci95"][0] <= cell["accuracy"] <= cell["ci95"][1] <= 1.0
-            if name == "plain":
-                assert cell["delta"] == 0.0
-    plain_bytes = out["variants"]["plain"]["start"]["stored_bytes"]
-    assert plain_bytes > 0
-    for name, row in out["variants"].items():  # same KV payload; only the header's spec differs
-        assert 0 <= row["start"]["stored_bytes"] - plain_bytes < 1024
-    assert set(out["goal"]) == {"key-edit", "re-read", "re-read marked"}
-    lm = load_model(str(tiny_retrieval), chunk_size=16)  # the fingerprint names the chunk size too
-    cal = load_calibration(bytes(lm.fingerprint).hex())
-    assert cal is not None and cal.digest == out["calibration"]["digest"]
-
-
-def test_eval_steer_refuses_a_model_that_is_not_a_retrieval_model(tmp_path, capsys):
-    assert steer_eval.main(["--model", "tiny", "--json"]) == 2
-    err = json.loads(capsys.readouterr().out)
-    assert err["error"] == "InvalidInput" and "not a retrieval reference model" in err["message"]
-
-
-def test_wilson_interval():
+def test_exact_mcnemar_and_wilson() -> None:
+    base = [True] * 10 + [False] * 10
+    assert steer_eval.mcnemar_exact(base, base) == (0, 0, 1.0)
+    better = [True] * 10 + [True] * 8 + [False] * 2  # 8 gained, none lost: p = 2 / 2**8
+    b, c, p = steer_eval.mcnemar_exact(base, better)
+    assert (b, c) == (8, 0) and p == pytest.approx(2 / 256)
+    b, c, p = steer_eval.mcnemar_exact(base, [False] + [True] * 9 + [True] + [False] * 9)  # 1 gained, 1 lost
+    assert (b, c, p) == (1, 1, 1.0)
     lo, hi = steer_eval.wilson(50, 100)
     assert lo == pytest.approx(0.404, abs=1e-3) and hi == pytest.approx(0.596, abs=1e-3)
     assert steer_eval.wilson(0, 10)[0] == 0.0 and steer_eval.wilson(10, 10)[1] == 1.0
-    m, lo, hi = steer_eval.paired([0, 0, 1, 1], [1, 1, 1, 1])
-    assert m == 0.5 and lo < 0.5 < hi
 
 
-def test_a_newer_trainers_task_fields_do_not_stop_the_eval(tiny_retrieval, tmp_path):
-    meta = json.loads((tiny_retrieval / "kdn_reference.json").read_text())
-    meta["train_config"]["task"]["future_curriculum_steps"] = 150  # a setting this build does not know
-    (tmp_path / "kdn_reference.json").write_text(json.dumps(meta))
-    task = steer_eval.prompt_task(tmp_path)
-    assert task == steer_eval.prompt_task(tiny_retrieval) and not hasattr(task, "future_curriculum_steps")
+def _row(deltas: dict[str, float], p: float = 0.001) -> dict[str, dict[str, float]]:
+    return {d: {"delta": v, "p": p, "accuracy": 0.5 + v} for d, v in deltas.items()}
+
+
+def test_the_goal_needs_a_weak_depth_gain_and_no_loss_elsewhere() -> None:
+    weak = ["0", "0.5"]
+    ok = steer_eval.judge(_row({"0": 0.08, "0.5": 0.0, "1": -0.01}), weak)
+    assert ok["met"] and ok["weak_depth"] == "0"
+    assert not steer_eval.judge(_row({"0": 0.08, "0.5": 0.0, "1": -0.02}), weak)["met"]  # 2 points lost at the end
+    assert not steer_eval.judge(_row({"0": 0.04, "0.5": 0.0, "1": 0.0}), weak)["met"]  # too small a gain
+    assert not steer_eval.judge(_row({"0": 0.08, "0.5": 0.0, "1": 0.0}, p=0.2), weak)["met"]  # not significant
+    assert not steer_eval.judge(_row({"0": 0.0, "0.5": 0.0, "1": 0.2}), weak)["met"]  # a gain where it was not weak
+    assert steer_eval.weak_depths({"0": {"accuracy": 0.3}, "0.5": {"accuracy": 0.85}, "1": {"accuracy": 0.9}}) == ["0"]
+
+
+@pytest.mark.timeout(900)  # about half a minute on a quiet 2-core machine
+def test_stages_end_to_end_resume_and_write_the_calibration(tmp_path, monkeypatch) -> None:
+    from kdn.steer import methods
+
+    monkeypatch.setattr(methods, "calibration_root", lambda env=None: tmp_path / "calibrations")
+    settings = (Setting("key-edit", "late", "ramp", 2.0), Setting("re-read"))
+    plan = steer_eval.Plan(length=320, docs=3, test=1, calibration=1, means=1, deficit_lengths=(320,),
+                           deficit_haystacks=1, chunk_size=64, settings=settings, kinds=steer_eval.MARK_KINDS)
+    out = tmp_path / "run"
+    res = steer_eval.run(plan, out)
+    assert res["deficit"]["320"]["haystacks"] == 1 and set(res["deficit"]["320"]["depths"]) == {"0", "0.25", "0.5", "0.75", "1"}
+    cal = res["calibration"]
+    assert set(cal["table"]) == {"plain", "key-edit late ramp 2", "re-read"}
+    assert cal["chosen"]["name"] in cal["table"]
+    test = res["test"]
+    assert set(test["table"]) == {"plain", "realistic", "headings", "oracle", "wrong", "random", "everything", "ceiling"}
+    for name, row in test["table"].items():
+        for depth, c in row.items():
+            assert c["n"] == 1 and 0.0 <= c["ci95"][0] <= c["accuracy"] <= c["ci95"][1] <= 1.0
+            if name != "plain":
+                assert c["gained"] + c["lost"] <= 1 and 0.0 <= c["p"] <= 1.0
+    lines = {p.name: p.read_text().count("\n") for p in out.glob("*.jsonl")}
+    assert lines == {"deficit-320.jsonl": 1, "calibration.jsonl": 1, "test.jsonl": 1}
+    again = steer_eval.run(plan, out)  # resumes: nothing is computed twice
+    assert {p.name: p.read_text().count("\n") for p in out.glob("*.jsonl")} == lines
+    same = lambda a, b: json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)  # noqa: E731
+    assert same(again["test"]["table"], test["table"])
+    if cal["chosen"]["method"] == "key-edit":
+        from kdn.models import load_model
+
+        lm = load_model("smollm2-135m", chunk_size=64)
+        held = load_calibration(bytes(lm.fingerprint).hex())
+        assert held is not None and held.profile == "ramp" and held.digest == cal["digest"]
+        assert held.notes["measured"]["haystacks"] == 1 and "realistic" in held.notes["measured"]["by_depth"]
+    summary = steer_eval.run(dataclasses.replace(plan, stages=("summary",)), out)  # tabulates, computes nothing
+    assert same(summary["test"]["table"], again["test"]["table"])
+
+
+def test_a_random_init_model_is_refused(tmp_path, capsys) -> None:
+    assert steer_eval.main(["--model", "tiny", "--out", str(tmp_path), "--json"]) == 2
+    err = json.loads(capsys.readouterr().out)
+    assert err["error"] == "InvalidInput" and "random-init" in err["message"]
+
+
+def test_the_origin_stores_what_the_evaluation_measured() -> None:
+    """`kdn ingest --emphasize key-edit --emphasize-regex '^# NOTE:'` resolves the same marks and
+    computes the same KV as the evaluation's realistic variant of the same haystack."""
+    import torch
+
+    from kdn.lab.steer_task import NOTE_RULE, SourcePool, make_haystack
+    from kdn.models import load_model
+    from kdn.origin.steer import resolve
+    from kdn.steer import Emphasis
+    from kdn.steer.methods import full_kv, steered_kv
+
+    lm = load_model("smollm2-135m", chunk_size=64)
+    hs = make_haystack(SourcePool(lm.tokenizer, "test"), length=320, n_docs=3, seed=0, index=0)
+    means = torch.randn(lm.kv_shape.num_layers, lm.kv_shape.num_kv_heads, lm.kv_shape.head_dim,
+                        generator=torch.Generator().manual_seed(0))
+    setting = Setting("key-edit", "late", "ramp", 2.0)
+    steerer = steer_eval.Steerer(lm, means, 4096)
+    cal = steerer.calibration(setting)
+    base = full_kv(lm.model, hs.tokens)
+    marks = steer_eval.marks_for(lm, hs, "realistic", hs.questions[0])
+    measured = steerer.kv(setting, base, hs.tokens, marks)
+    hit = steer_eval.stored_tokens(lm, hs.tokens)
+    spec = resolve(Emphasis("key-edit", regex=NOTE_RULE), lm, hs.text, hit, cal, layout="system")
+    assert spec.strength == 2.0 and spec.calibration == cal.digest
+    assert list(spec.marks) == [(s, min(e, hit)) for s, e in marks if s < hit]
+    stored = steered_kv(lm.model, list(hs.tokens[:hit]), spec, cal)
+    assert stored.shape == measured.shape and torch.allclose(stored, measured, atol=1e-4)
+    assert not torch.allclose(stored, base[:, :, :, :hit], atol=1e-4)  # the notes' keys were edited
