@@ -16,24 +16,28 @@ asks the origin (``Document`` with an emphasis), and the origin reads the ingest
 store keeps keys, not text; the file must still hash as it did at ingest), stores the variant and
 answers its keys and id; the edge fetches them.
 
-Key-edit needs the model's calibration (``kdn eval-steer --model DIR`` writes it; only retrieval
-reference models can be calibrated today); without one it is refused with that advice.
+Key-edit needs the model's calibration (``kdn eval-steer`` writes it for a trained model: heads,
+directions, profile and default strength, chosen on calibration documents); without one it is
+refused with that advice. Marked spans must lie inside the document: a span past its last token is
+refused, naming the span; marks past the stored full chunks (in the partial tail, which is
+recomputed plain at reuse) are dropped.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections import Counter
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from kdn.artifact import encode_artifact
 from kdn.errors import InvalidInput
-from kdn.keys import ChunkKey, Namespace, chunk_keys
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.models import LoadedModel
 from kdn.origin.store import OriginStore
 from kdn.prefill import document_tokens
 from kdn.steer import Emphasis, SteerSpec, regex_lines, steer_root
-from kdn.steer.methods import KeyEditCalibration, load_calibration, steered_kv
+from kdn.steer.methods import KeyEditCalibration, calibration_summary, load_calibration, steered_kv
 
 STEER_SUFFIX = "#steer"
 
@@ -56,15 +60,29 @@ def resolve(em: Emphasis, lm: LoadedModel, text: str, n_stored: int, cal: KeyEdi
         marks = [(s, e) for s, e in marks if e > s]
     else:
         marks = list(em.spans)
+        n_doc = len(document_tokens(lm, text, layout))
+        outside = [(s, e) for s, e in marks if e > n_doc]
+        if outside:
+            raise InvalidInput(f"marked span [{outside[0][0]}, {outside[0][1]}) lies outside the document, which has "
+                               f"{n_doc} tokens (in layout {layout!r}, counted from the request's first token)")
     kept = [(s, min(e, n_stored)) for s, e in marks if s < n_stored]
     if marks and not kept:
         raise InvalidInput(f"every marked span lies past the document's stored chunks (first {n_stored} tokens)")
     if em.method == "re-read":
         return SteerSpec("re-read", tuple(kept))
     if cal is None:
-        raise InvalidInput(f"no key-edit calibration for model {lm.spec}; run `kdn eval-steer --model DIR` on it first "
-                           "(or use --emphasize re-read, which needs none)")
+        raise InvalidInput(f"no key-edit calibration for model {lm.spec}; run `kdn eval-steer --model {lm.spec} "
+                           "--out DIR` on it first (or use --emphasize re-read, which needs none)")
     return SteerSpec("key-edit", tuple(kept), float(em.strength if em.strength is not None else cal.strength), cal.digest)
+
+
+def steering_details(store: OriginStore, fingerprints: Iterable[ModelFingerprint]) -> dict[str, Any]:
+    """Per model (fingerprint hex): how many documents hold a steered variant (a ``#steer`` manifest
+    row), and what key-edit's calibration is and was measured to do (:func:`calibration_summary`).
+    Counts only: document names of one tenant are never shown beside another's."""
+    counts = Counter(bytes(r.fingerprint).hex() for r in store.documents() if r.doc_id.endswith(STEER_SUFFIX))
+    return {bytes(fp).hex(): {"variants": counts.get(bytes(fp).hex(), 0), **calibration_summary(bytes(fp).hex())}
+            for fp in fingerprints}
 
 
 def calibration_for(lm: LoadedModel) -> KeyEditCalibration | None:

@@ -104,11 +104,20 @@ def test_bad_emphasis_is_one_clear_error_before_any_work(tmp_path, capsys, args,
 
 def test_marks_out_of_range_or_matching_nothing_fail_that_document_only(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
-    code, _ = _ingest(tmp_path, "--emphasize", "re-read", "--emphasize-spans", "100000:100010")
+    n_doc = len(TEXT.encode())  # tiny's byte tokens: one per byte, no BOS
+    # a span past the document's end, even beside a good one: one clear error naming it, no variant
+    code, _ = _ingest(tmp_path, "--emphasize", "re-read", "--emphasize-spans", f"0:8,{n_doc - 4}:{n_doc + 6}")
+    assert code == 1
+    r = _out(capsys)["results"][0]
+    assert r["status"] == "failed" and f"[{n_doc - 4}, {n_doc + 6}) lies outside the document" in r["message"]
+    assert f"has {n_doc} tokens" in r["message"]
+    assert r["keys"] > 0 and not r["steer_variant"]  # the plain chain is stored, no variant
+    # inside the document but only in its partial tail (recomputed plain at reuse): nothing to steer
+    full = n_doc // CHUNK * CHUNK
+    code, _ = _ingest(tmp_path, "--emphasize", "re-read", "--emphasize-spans", f"{full + 1}:{n_doc}")
     assert code == 1
     r = _out(capsys)["results"][0]
     assert r["status"] == "failed" and "past the document's stored chunks" in r["message"]
-    assert r["keys"] > 0 and not r["steer_variant"]  # the plain chain is stored, no variant
     code, _ = _ingest(tmp_path, "--emphasize", "re-read", "--emphasize-regex", "^NOTHING")
     assert code == 1 and "matches no line" in _out(capsys)["results"][0]["message"]
 
