@@ -167,7 +167,7 @@ class AsyncKdnClient:
         self.counters: dict[str, float] = {
             "requests": 0, "reused_chunks": 0, "fetch_errors": 0, "edge_errors": 0,
             "written_back": 0, "write_back_errors": 0, "write_back_dropped": 0, "tokenization_mismatch": 0,
-            "reused_pieces": 0, "written_back_pieces": 0,
+            "reused_pieces": 0, "written_back_pieces": 0, "steer_misses": 0,
         }
         self._mismatch_logged_at = -1e9
 
@@ -387,6 +387,11 @@ class AsyncKdnClient:
         t1 = time.perf_counter()
         if available == 0 and pieces == 0:
             warning = await self.tokenization_probe(tokens, fingerprint, chunk_size, bos_token_id)
+            if warning is None and self.config.steer:  # asked for a variant, answered plain: say so
+                self.counters["steer_misses"] += 1
+                warning = (f"KDN: steered variant {self.config.steer[:16]}... is not held for tenant "
+                           f"{self.config.tenant!r} (another tenant's, or never stored): recomputing the plain prompt")
+                LOG.warning(warning)
             return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=t1 - t0, warning=warning)
         kv, usable, error, tally = await self.fetch_prefix(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size,
                                                            pieces=pkeys[:pieces])
