@@ -30,7 +30,8 @@ How one request goes (vLLM's v1 connector API, ``vllm/distributed/kv_transfer/kv
 
 Requests that opt in to blending (``kv_transfer_params: {"kdn_blend": true}`` and a blend
 ``cache_salt``) get their documents' blend variant from the store and load it like a prefix:
-:mod:`kdn.integrations.vllm_blend`.
+:mod:`kdn.integrations.vllm_blend`. Requests that name a steered variant (``kdn_steer`` and a
+``cache_salt`` containing its id) load that variant's chain: :mod:`kdn.integrations.vllm_steer`.
 
 Invariants:
 - a cache failure never changes an answer: a section is written into a block only after its
@@ -73,6 +74,7 @@ from kdn.artifact import ArtifactReader, Section, encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig
 from kdn.errors import FingerprintMismatch, InvalidInput
 from kdn.integrations.vllm_blend import BlendRequests
+from kdn.integrations.vllm_steer import check_variant_header, requested_variant, variant_namespace
 from kdn.keys import DEFAULT_CHUNK_SIZE, PIECE_TOKENS, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys, piece_keys
 from kdn.models import DTYPES, dir_fingerprint
 from kdn.wire.convert import FetchSpec
@@ -168,6 +170,7 @@ class LoadSpec:
     block_ids: list[int]  # the request's blocks covering tokens 0 .. the load's end
     pieces: list[bytes] = field(default_factory=list)
     origin: bool = False  # a blend variant's chunks: fetched from the blend origin, not the edge
+    steer: bytes = b""  # a steered variant's root: every artifact's header must name it
 
     def span(self, i: int, chunk_size: int) -> tuple[int, int]:
         """Token range of item ``i``: a chunk, or (from ``len(keys)`` on) a piece."""
@@ -223,6 +226,7 @@ class _ReqState:
     end: int = 0  # tokens the edge can give: whole chunks, then pieces, cut to vLLM's block size
     pieces_saved: bool = False
     blend: bool = False  # the keys are a blend variant's, fetched from the blend origin (never saved)
+    steer: bytes = b""  # the keys are this steered variant's chain (its root; never saved)
 
 
 class KdnConnectorStats(KVConnectorStats):
@@ -425,14 +429,17 @@ class KdnConnector(KVConnectorBase_V1):
         if st is not None or self.config.edge is None:
             return st
         try:
-            ns = request_namespace(request.cache_salt, request.kv_transfer_params, self.config.namespace)
+            variant = requested_variant(request.cache_salt, request.kv_transfer_params)
+            ns = (variant_namespace(request.kv_transfer_params, self.config.namespace) if variant is not None
+                  else request_namespace(request.cache_salt, request.kv_transfer_params, self.config.namespace))
         except InvalidInput as exc:
-            LOG.warning("KDN: request %s names an invalid namespace (%s); not cached", request.request_id, exc)
+            LOG.warning("KDN: request %s names an invalid namespace or variant (%s); not cached", request.request_id, exc)
             return None
         if ns is None:
             return None
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
-        keys = chunk_keys(tokens, fingerprint=self.fingerprint, namespace=ns, chunk_size=self.config.chunk_size)
+        keys = chunk_keys(tokens, fingerprint=self.fingerprint, namespace=ns, chunk_size=self.config.chunk_size,
+                          root=variant if variant is not None else ROOT_KEY)
         on_edge = 0
         wanted = keys[: max(0, (len(tokens) - 1) // self.config.chunk_size)]
         if wanted and time.monotonic() >= self._lookup_off_until:
@@ -445,7 +452,8 @@ class KdnConnector(KVConnectorBase_V1):
                 self._count("lookup_errors")
                 self._lookup_off_until = time.monotonic() + self.config.edge_backoff_s
                 LOG.warning("KDN edge %s unusable for Lookup (%s: %s); recomputing", self.config.edge, type(exc).__name__, exc)
-        if wanted and on_edge == 0 and self._bos is not None and time.monotonic() >= self._lookup_off_until:
+        probe = wanted and on_edge == 0 and self._bos is not None and variant is None
+        if probe and time.monotonic() >= self._lookup_off_until:
             try:  # none held: were the documents stored under another tokenization? (a warning, a count)
                 if self._loop.submit(self._client(ns).tokenization_probe(
                         tokens, self.fingerprint, self.config.chunk_size, self._bos)).result(self.config.lookup_timeout_s + 2):
@@ -454,11 +462,22 @@ class KdnConnector(KVConnectorBase_V1):
                 LOG.debug("KDN tokenization probe failed: %s", exc)
         st = self._reqs[request.request_id] = _ReqState(ns, keys, len(tokens), on_edge, saved=on_edge,
                                                         looked_up=len(wanted) if wanted else 0, first_saved=on_edge,
-                                                        tokens=tokens)
+                                                        tokens=tokens, steer=bytes(variant) if variant is not None else b"")
+        if variant is not None:
+            self._steered(request, st, len(wanted))
         self._match_pieces(st)
         self._count("edge_hit_tokens", st.end)
         self._blend.never_save(request, st)
         return st
+
+    def _steered(self, request: "Request", st: _ReqState, wanted: int) -> None:
+        """A steered request: never saved; a variant the edge lacks is a plain recompute, said aloud."""
+        st.saved = st.first_saved = len(st.keys)
+        st.pieces_saved = True
+        if wanted and st.on_edge == 0:
+            self._count("steer_misses")
+            LOG.warning("KDN: request %s asked for steered variant %s..., which the edge does not hold for tenant %s; "
+                        "vLLM computes the plain prompt", request.request_id, st.steer.hex()[:16], st.ns.tenant)
 
     def _match_pieces(self, st: _ReqState) -> None:
         """``st.end``: the edge's whole chunks (the last prompt token is vLLM's to compute), then the
@@ -467,7 +486,7 @@ class KdnConnector(KVConnectorBase_V1):
         limit = max(0, st.n_prompt - 1)
         chunks = min(st.on_edge, limit // C)
         st.end = chunks * C
-        if chunks < st.on_edge or time.monotonic() < self._lookup_off_until:
+        if chunks < st.on_edge or st.steer or time.monotonic() < self._lookup_off_until:
             return
         after = st.keys[chunks - 1] if chunks else ROOT_KEY
         pkeys = piece_keys(st.tokens[chunks * C : limit], after=after, fingerprint=self.fingerprint, namespace=st.ns,
@@ -523,7 +542,7 @@ class KdnConnector(KVConnectorBase_V1):
                 chunks = [bytes(k) for k in st.keys[first : min(hi // C, st.on_edge)]]
                 pieces = [bytes(k) for k in st.pieces] if hi > st.on_edge * C else []
                 meta.loads.append(LoadSpec(rid, st.ns.tenant, st.ns.salt, first, chunks, lo,
-                                           st.block_ids[: -(-hi // bs)], pieces, origin=st.blend))
+                                           st.block_ids[: -(-hi // bs)], pieces, origin=st.blend, steer=st.steer))
                 st.load = None
             if not self.config.write_back:
                 continue
@@ -576,6 +595,7 @@ class KdnConnector(KVConnectorBase_V1):
             source = ("none" if not st.loading and not st.engine_cached
                       else "engine prefix cache" if not st.loading
                       else (f"blend variant from origin {self.config.blend_origin}" if st.blend
+                            else f"steered variant {st.steer.hex()[:16]}... from edge {self.config.edge}" if st.steer
                             else f"edge {self.config.edge}") + (" (load failed: recomputed)" if st.load_failed else ""))
             LOG.info("KDN request %s (tenant %s): %d prompt tokens; looked up %d, edge held %d, loaded %d, engine "
                      "cache %d; saving %d chunks; source: %s", request.request_id, st.ns.tenant, st.n_prompt,
@@ -768,6 +788,8 @@ class _LoadJob:
             if not fits:  # before the first byte reaches a block: the whole geometry, not one section's
                 assert reader.header is not None
                 self._check_geometry(reader.header, hi - lo)
+                if spec.steer:
+                    check_variant_header(reader.header, spec.steer)
                 fits = True
             # a verified section, borrowed from the received bytes (raw codec: a view, no copy):
             # the scatter into the engine's blocks is the one copy out of the receive buffer
@@ -778,7 +800,7 @@ class _LoadJob:
                     self.cond.notify_all()
 
         reader = ArtifactReader(expect_fingerprint=conn.fingerprint, expect_key=key, require_lossless=True, sink=place,
-                                expect_steer="")  # plain keys: a steered artifact here is refused
+                                expect_steer=None if spec.steer else "")  # plain keys: a steered artifact is refused
         stream = conn._blend.fetch_stream(spec.tenant, spec.salt, key) if spec.origin else _fetch_stream(
             client, conn.fingerprint, key, [ChunkKey(k) for k in items[i + 1 : i + 1 + _PREFETCH_HINT]],
             conn.config.fetch_timeout_s)
