@@ -1,10 +1,9 @@
 """Codecs on real-text KV: compression ratio and encode/decode GB/s, against memcpy in the same run.
 
 KV comes from prefilling a prompt of Python standard-library source (byte tokenizer) through
-``small-125m`` (seeded random init, fp32), cut into 256-token chunks; fp16 and bf16 KV are that KV
-cast down. When the trained reference model exists (``kdn model train-reference``; default
-``~/.cache/kdn/reference-model``), the same is measured on its KV too: random-init KV is noisier
-than a trained model's and understates what real KV compresses to.
+``small-125m`` (seeded random init, fp32), and held-out stdlib files (the test part) through the
+trained ``smollm2-135m``, cut into 256-token chunks; fp16 and bf16 KV are that fp32 KV cast down
+(``benchmarks/quality.py`` measures ratios on the bf16 model's own KV too).
 
 Every figure is per section (the K or the V of one layer of one chunk, the unit codecs see):
 GB/s of *decoded* KV bytes, summing each section's fastest of ``--repeat`` runs (robust to a
@@ -40,11 +39,12 @@ from kdn.artifact import decode_artifact, encode_artifact
 from kdn.codecs import CODECS, SectionInfo, get_codec
 from kdn.keys import ROOT_KEY
 from kdn.kv import split_cache
+from kdn.pretrained import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
 
 METHOD = """KV from prefilling a prompt of Python standard-library source through `small-125m` (seeded
-random init, fp32) and, when it exists, the trained reference model, cut into 256-token chunks;
+random init, fp32) and held-out stdlib files through the trained smollm2-135m, cut into 256-token chunks;
 fp16 and bf16 KV are that KV cast down. Every figure is per section (the K or the V of one layer of
 one chunk, the unit codecs see): GB/s of decoded KV bytes, summing each section's fastest of the
 repeats, on one thread. Baselines of the same bytes in the same run: memcpy into a preallocated
@@ -90,14 +90,28 @@ def stdlib_text(n_bytes: int) -> str:
     return "".join(out)
 
 
-def kv_chunks(spec: str, n_tokens: int) -> tuple[list[torch.Tensor], str]:
+def heldout_text(n_bytes: int) -> str:
+    """Held-out stdlib files of the test part (never looked at by codec tuning), in order."""
+    from kdn.lab.docqa import heldout_files
+
+    out, size = [], 0
+    for p in heldout_files("test")[1]:
+        out.append(p.read_text(encoding="utf-8", errors="replace"))
+        size += len(out[-1])
+        if size >= n_bytes:
+            break
+    return "".join(out)
+
+
+def kv_chunks(spec: str, n_tokens: int, *, heldout: bool = False) -> tuple[list[torch.Tensor], str]:
     """fp32 KV chunks ``(L, 2, H, 256, D)`` of ``n_tokens`` of stdlib text through ``spec``."""
     from kdn.models import load_model
 
     loaded = load_model(spec)
     if loaded.max_positions and n_tokens > loaded.max_positions:
         n_tokens = loaded.max_positions // CHUNK * CHUNK  # a small trained model has a short context
-    ids = loaded.tokenizer.encode(stdlib_text(n_tokens * 8))[:n_tokens]
+    text = heldout_text(n_tokens * 8) if heldout else stdlib_text(n_tokens * 8)
+    ids = loaded.tokenizer.encode(text)[:n_tokens]
     tokens = torch.tensor([ids])  # (1, N)
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -111,12 +125,12 @@ def kv_chunks(spec: str, n_tokens: int) -> tuple[list[torch.Tensor], str]:
 
 def sections(chunks: list[torch.Tensor]) -> list[tuple[torch.Tensor, SectionInfo]]:
     out = []
-    for chunk in chunks:  # (L, 2, H, T, D)
+    for c, chunk in enumerate(chunks):  # (L, 2, H, T, D)
         L, _, H, T, D = chunk.shape
         for layer in range(L):
             for i, kind in enumerate(("k", "v")):
                 x = chunk[layer, i].contiguous()  # (H, T, D)
-                out.append((x, SectionInfo(layer, L, kind, (H, T, D), x.dtype)))
+                out.append((x, SectionInfo(layer, L, kind, (H, T, D), x.dtype, c)))
     return out
 
 
@@ -168,8 +182,8 @@ def measure(source: str, chunks32: list[torch.Tensor], codecs: list[str], repeat
                     err = max(err, ((y.float() - x.float()).abs().max() / x.float().abs().max().clamp_min(1e-12)).item())
                 elif not torch.equal(y.view(torch.uint8), x.view(torch.uint8)):
                     raise SystemExit(f"{spec} {dname}: lossless codec changed bits")
-            blobs = [encode_artifact(c, key=ROOT_KEY, parent_key=ROOT_KEY, fingerprint=ROOT_KEY, codec=codec)
-                     for c in chunks]
+            blobs = [encode_artifact(c, key=ROOT_KEY, parent_key=ROOT_KEY, fingerprint=ROOT_KEY, codec=codec,
+                                     chunk_index=i) for i, c in enumerate(chunks)]
             cdec_s = per_item_time(2 * repeat, blobs, decode_artifact)  # longer items: preempted more often
             dec_gbs = raw_total / dec_s / 1e9
             rows.append(Row(
@@ -331,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=None, help="prompt tokens (default 4096; --quick 1024)")
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--model", default="small-125m")
-    ap.add_argument("--reference", default="auto", help="trained model dir, 'auto' (default location) or 'none'")
+    ap.add_argument("--reference", default=DEFAULT_MODEL, help=f"trained model (default {DEFAULT_MODEL}) or 'none'")
     ap.add_argument("--codecs", default=None, help="comma-separated codec specs (default: all)")
     ap.add_argument("--no-append", action="store_true", help="print only: record nothing, write no plot")
     ap.add_argument("--json", action="store_true")
@@ -345,16 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     notes, rows, memcpy, exp_bits = [], [], {}, {}
     sources: list[tuple[str, str]] = [("random-init", args.model)]
     ref = args.reference
-    if ref == "auto":
-        from kdn.lab.reference import default_reference_dir
-
-        ref = str(default_reference_dir()) if (default_reference_dir() / "config.json").is_file() else "none"
     if ref != "none":
         sources.append(("trained", ref))
     else:
-        notes.append("No trained reference model found (`kdn model train-reference`): random-init KV only.")
+        notes.append("No trained model measured (--reference none): random-init KV only.")
     for label, spec in sources:
-        chunks, note = kv_chunks(spec, n_tokens)
+        chunks, note = kv_chunks(spec, n_tokens, heldout=label == "trained")
         notes.append(f"{label} KV — {note}; fp16/bf16 are that fp32 KV cast down.")
         print(notes[-1], flush=True)
         torch.set_num_threads(1)  # codecs work per section on one thread; more only adds contention

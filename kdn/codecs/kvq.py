@@ -1,35 +1,53 @@
-"""``kvq``: a CacheGen-style lossy KV codec — token-locality deltas, per-layer bits, entropy coding.
+"""``kvq``: lossy KV codec — quantisation fitted to what attention reads, then entropy coding.
 
-KV has structure that plain quantisation ignores; ``kvq`` uses four pieces of it:
+Two formats share the codec name; the level names the format and the header's ``codec_meta``
+carries the whole bit plan, so any reader decodes either without knowing the model.
+
+**Format 2** (levels ``k6v6 > k6v5 > k5v5 > k5v4 > k4v4 > k4v3 > k3v3``, ``kNvM``: keys N bits,
+values M bits; the default ``k6v5``):
+
+1. **Attention sinks stay exact.** The first ``sink`` (4) tokens of a chain's first chunk
+   (``SectionInfo.chunk_index == 0``) are stored as they are: nearly every query puts much of its
+   attention there, so their error reaches every output, while their own K and V are unlike the
+   other tokens'. They set no step and cost no symbols.
+2. **Keys: one step per head.** ``s_h`` = the geometric mean over channels of ``max|x_c| / qmax``
+   (raised where needed so that every symbol fits in ``[-127, 127]``). Large-magnitude key
+   channels carry most of ``q·k``; one step for all channels gives them more levels, where a
+   per-channel step (format 1) gives every channel the same relative error and lets the large ones
+   move attention most. Symbols are stored channel by channel, channels grouped by the bit width
+   their symbols need, each group its own zstd frame.
+3. **Values: one step per (head, token)**, ``max|x| / qmax`` over the token's channels, symbols
+   packed base-``(2·qmax+1)`` several to a byte and zstd-coded; steps fp16.
+4. **Bits per layer**: the level's bits everywhere, or an explicit per-layer table (a calibration
+   run, :func:`kdn.lab.quality.calibrate_kvq`). No rule from the shape: on the real model the
+   sensitive layers are not the early ones.
+
+Stated error, per element, before rounding to the output dtype: keys ``|x - x̂| <= s_h / 2``,
+values ``|x - x̂| <= s / 2`` with ``s = max|x| / qmax`` over the token's channels (fp16-rounded);
+sink tokens exact. Section payload (little-endian)::
+
+    u8 format=2 | u8 bits | u8 sink tokens | u8 frames | u32 side_len | u32 sink_len
+    zstd(side) ‖ sink tokens' bytes (H, sink, D) ‖ frames × (u8 width, u32 length, zstd(symbols))
+
+    side: keys f32 step per head ‖ u8 symbol width per (head, channel); values fp16 step per (head, token)
+
+**Format 1** (levels ``q8 > q6 > q5 > q4 > q3 > q2``, CacheGen-style), kept so that stored
+artifacts stay readable and for comparison:
 
 1. **Locality along tokens.** Tokens are cut into groups of ``group`` tokens; the first token of a
    group is its *anchor*, stored at ``anchor_bits`` (8), and the others are stored as deltas
    against the *decoded* anchor, so errors never accumulate. Whether deltas pay off is decided per
    scale slice (a key channel, a value token) by the encoder — smaller residuals win — and recorded
-   as a bit mask: RoPE'd key channels that rotate fast, or tokens unlike their anchor, are stored
-   directly instead.
-2. **Layers differ.** Early layers get more bits (CacheGen finds shallow layers more sensitive):
-   ``bits(layer) = base + early_bonus`` for the first ``ceil(early_frac · num_layers)`` layers,
-   ``base`` after — derived from the model's shape, never from its name. An explicit per-layer
-   table (from a calibration run, :mod:`kdn.lab.quality`) may replace the rule.
-3. **Keys have outlier channels, values vary per token**: keys get one scale per
-   ``(head, channel)``, values one per ``(head, token)`` — for the anchors and for the deltas.
-4. **Entropy coding.** Symbols are packed base-``(2·qmax+1)`` several to a byte (5 two-bit, 2
-   three- or four-bit symbols) and go through zstd, whose Huffman literal coder then gets close to
-   (on real KV, below) the symbols' order-0 entropy; scales (fp16) and anchors get their own frames.
-   Whether a section uses deltas at all is decided by size: the delta form (same steps, so the
-   same error bound) is kept only when it is no larger than the direct form.
+   as a bit mask.
+2. **Layers differ.** ``bits(layer) = base + early_bonus`` for the first ``ceil(early_frac ·
+   num_layers)`` layers, ``base`` after, or an explicit per-layer table.
+3. **Keys per channel, values per token**: keys get one scale per ``(head, channel)``, values one
+   per ``(head, token)`` — for the anchors and for the deltas.
+4. **Entropy coding** as in format 2's values; scales (fp16) and anchors in their own frames; the
+   delta form is kept only when it is no larger than the direct form.
 
-Levels form a ladder ``q8 > q6 > q5 > q4 > q3 > q2`` (named by the keys' bits; see ``LEVELS``), the
-default ``q5``; the level is recorded in the artifact header (``codec_level``) and the full bit
-schedule in ``codec_meta``.
-
-Stated error, per element, before rounding to the output dtype: ``|x - x̂| <= s / 2`` with
-``s = max|x| / qmax`` over the element's slice (fp16-rounded), ``qmax = 2^(bits-1) - 1`` — in
-both forms: a delta slice quantises ``x - â`` (``â`` the *decoded* anchor, so the anchor's own error
-does not add up) with the same step, so deltas buy size (small, peaky symbols), not accuracy.
-
-Section payload (little-endian)::
+Stated error of format 1: ``|x - x̂| <= s / 2`` with ``s = max|x| / qmax`` over the element's
+slice (fp16-rounded), in both forms. Section payload::
 
     u8 format | u8 mode (0 direct, 1 delta) | u8 bits | u8 anchor_bits | u16 group
     | u32 side_len | u32 anchors_len

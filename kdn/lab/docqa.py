@@ -14,8 +14,10 @@ written in it: the base class of a class (``class A(B):``), the value a module-l
 to (``NAME = 42``), a parameter's default (``def f(x, n=8):``), the module a name is imported
 from (``from m import n``). Only facts whose subject is defined once in the document (as the model
 sees it: its first ``C`` tokens) and whose answer is not a near-universal guess (``None``,
-``True``, ``0``, ``object``...) become questions. A question is answered correctly when the
-expected answer occurs in the model's reply as a whole word (:func:`is_correct`).
+``True``, ``0``, ``object``...) become questions. The reply's first words are written into the
+assistant's turn (its *lead*: "The class `A` inherits from `"), so the model's next tokens are the
+answer itself; a question is answered correctly when the expected answer occurs in those tokens as
+a whole word (:func:`is_correct`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Fact:
     question: str
     answer: str
     char_end: int  # end of the line that holds the answer, in the document's text
+    lead: str = ""  # how the reply starts (written into the assistant's turn), so the answer comes next
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,7 @@ class Question:
     question: str
     answer: str
     token_end: int
+    lead: str = ""
 
 
 def is_calibration(rel: str) -> bool:
@@ -117,40 +121,45 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
-def file_facts(source: str) -> list[tuple[int, str, str, str, str]]:
-    """``(line, kind, subject regex, question, answer)`` for the facts of one Python file."""
+def file_facts(source: str) -> list[tuple[int, str, str, str, str, str]]:
+    """``(line, kind, subject regex, question, answer, lead)`` for the facts of one Python file."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
-    out: list[tuple[int, str, str, str, str]] = []
+    out: list[tuple[int, str, str, str, str, str]] = []
     for node in tree.body:  # module level: constants and imports
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name, value = node.targets[0].id, _literal(node.value, source)
             if value is not None and len(name) >= 3:
                 out.append((node.end_lineno or node.lineno, "const", rf"(?m)^{re.escape(name)}\s*=",
-                            f"In the code above, what value is the name `{name}` set to?", value))
+                            f"In the code above, what value is the name `{name}` set to?", value,
+                            f"`{name}` is set to `"))
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             for alias in node.names:
                 if alias.name != "*" and alias.asname is None and len(alias.name) >= 3:
                     out.append((node.end_lineno or node.lineno, "import", rf"\b{re.escape(alias.name)}\b",
-                                f"In the code above, from which module is `{alias.name}` imported?", node.module))
+                                f"In the code above, from which module is `{alias.name}` imported?", node.module,
+                                f"`{alias.name}` is imported from the module `"))
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef):
             base = _dotted(node.bases[0]) if len(node.bases) == 1 and not node.keywords else None
             if base and base.split(".")[-1] != node.name:
                 out.append((node.lineno, "base", rf"\bclass\s+{re.escape(node.name)}\b",
-                            f"In the code above, which class does the class `{node.name}` inherit from?", base))
+                            f"In the code above, which class does the class `{node.name}` inherit from?", base,
+                            f"The class `{node.name}` inherits from `"))
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not item.name.startswith("_"):
                     out.append((item.lineno, "method", rf"\bdef\s+{re.escape(item.name)}\b",
-                                f"In the code above, which class defines the method `{item.name}`?", node.name))
+                                f"In the code above, which class defines the method `{item.name}`?", node.name,
+                                f"The method `{item.name}` is defined in the class `"))
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("__"):
             raised = {_dotted(r.exc.func if isinstance(r.exc, ast.Call) else r.exc)
                       for r in ast.walk(node) if isinstance(r, ast.Raise) and r.exc is not None}
             if len(raised) == 1 and None not in raised:
                 out.append((node.lineno, "raises", rf"\bdef\s+{re.escape(node.name)}\b",
-                            f"In the code above, which exception does the function `{node.name}` raise?", raised.pop()))
+                            f"In the code above, which exception does the function `{node.name}` raise?", raised.pop(),
+                            f"The function `{node.name}` raises `"))
             args = node.args.posonlyargs + node.args.args
             pairs = list(zip(args[len(args) - len(node.args.defaults):], node.args.defaults))
             pairs += [(a, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is not None]
@@ -159,7 +168,7 @@ def file_facts(source: str) -> list[tuple[int, str, str, str, str]]:
                 if value is not None:
                     out.append((default.end_lineno or node.lineno, "default", rf"\bdef\s+{re.escape(node.name)}\b",
                                 f"In the code above, what is the default value of the parameter `{arg.arg}` of "
-                                f"the function `{node.name}`?", value))
+                                f"the function `{node.name}`?", value, f"The default value of `{arg.arg}` is `"))
     return [f for f in out if f[4] not in TRIVIAL_ANSWERS]
 
 
@@ -210,8 +219,8 @@ def build_documents(tok: Tokenizer, files: Sequence[Path], root: Path, *, min_to
         text = "".join(parts)
         if len(document_tokens(tok, text, layout)) < min_tokens:
             break
-        facts = [Fact(kind, subject, q, a, where[(rel, line)])
-                 for rel in dict.fromkeys(names) for line, kind, subject, q, a in facts_of.get(rel, [])
+        facts = [Fact(kind, subject, q, a, where[(rel, line)], lead)
+                 for rel in dict.fromkeys(names) for line, kind, subject, q, a, lead in facts_of.get(rel, [])
                  if (rel, line) in where]
         docs.append(Document("+".join(dict.fromkeys(names)), text, tuple(sorted(facts, key=lambda f: f.char_end))))
         i = j
@@ -234,7 +243,7 @@ def questions_for(tok: Tokenizer, doc: Document, context: int, limit: int, layou
         if f.answer not in seen or f.answer in f.question:
             continue
         subjects.add(f.subject)
-        cands.append(Question(doc.name, context, f.kind, f.question, f.answer, end))
+        cands.append(Question(doc.name, context, f.kind, f.question, f.answer, end, f.lead))
     if len(cands) <= limit:
         return cands
     step = len(cands) / limit

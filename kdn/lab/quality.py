@@ -75,7 +75,7 @@ class EvalSetup:
     continuation: int = 128
     kv_dtypes: tuple[str, ...] = ("float16", "bfloat16")
     questions: int = 12  # per document and context; 0: agreement and KL only
-    answer_tokens: int = 24
+    answer_tokens: int = 8
     split: str = "test"
     timing_repeats: int = 3
 
@@ -253,7 +253,8 @@ def reference_run(lm: LoadedModel, doc: docqa.Document, kv_dtype: str, setup: Ev
         logits = _forward(lm, cache, cont)
         _crop(cache, ctx)
         qs = docqa.questions_for(lm.tokenizer, doc, ctx, setup.questions, layout) if setup.questions else []
-        prompts = [torch.tensor(_suffix(lm.tokenizer, q.question, layout), dtype=torch.long) for q in qs]
+        prompts = [torch.tensor(_suffix(lm.tokenizer, q.question, layout) + lm.tokenizer.encode(q.lead), dtype=torch.long)
+                   for q in qs]
         answers = []
         for q, p in zip(qs, prompts):
             toks = _greedy(lm, cache, p, setup.answer_tokens)
@@ -492,7 +493,7 @@ def evaluate(models: dict[str, LoadedModel], codecs: Sequence[Codec | str], setu
         for doc in docs:
             run = reference_run(lm, doc, kv_dtype, setup)
             if progress:
-                progress(f"{kv_dtype} {doc.name[:60]}: reference done")
+                progress(f"{kv_dtype} {doc.name[:60]}: raw KV and its answers ready")
             if kv_dtype == setup.kv_dtypes[0]:
                 for ref in run.refs:
                     counts = report.questions.setdefault(str(ref.context), {})
@@ -500,6 +501,8 @@ def evaluate(models: dict[str, LoadedModel], codecs: Sequence[Codec | str], setu
                         counts[q.kind] = counts.get(q.kind, 0) + 1
             for codec, name in zip(objs, names):
                 run_codec(run, codec, setup, tallies.setdefault((name, kv_dtype), {}))
+                if progress:
+                    progress(f"{kv_dtype} {doc.name[:60]}: {name} judged")
             del run
     for kv_dtype in setup.kv_dtypes:
         for codec, name in zip(objs, names):
@@ -546,8 +549,9 @@ def calibrate_kvq(runs: Sequence[DocRun], level: str, setup: EvalSetup) -> Calib
     Every (layer, K|V) slot is probed alone at ``probe_bits`` (the level's bits minus one) with
     everything else at 8 bits; the slots whose probe moves the next-token distribution most (KL)
     one more bit (the level's early-layer bonus, if it has one) — as many slots as that rule gives
-    (a quarter of the layers, K and V), spent where this model needs it. Run it on calibration
-    documents only.
+    (a quarter of the layers, K and V), spent where this model needs it; in format 2, which has no
+    such rule, as many of the least sensitive slots give one bit up, so the size stays about the
+    level's. Run it on calibration documents only.
     """
     from kdn.codecs.kvq import LEVELS, BitPlan, KvqCodec
 
@@ -569,10 +573,14 @@ def calibrate_kvq(runs: Sequence[DocRun], level: str, setup: EvalSetup) -> Calib
         kl.append((row[0], row[1]))
     bonus_slots = 2 * math.ceil(rule.early_frac * n)
     bonus = rule.early_bonus or 1
-    ranked = sorted(((kl[l][s], l, s) for l in range(n) for s in (0, 1)), reverse=True)[:bonus_slots]
+    ranked = sorted(((kl[l][s], l, s) for l in range(n) for s in (0, 1)), reverse=True)
     table = [[k_bits, v_bits] for _ in range(n)]
-    for _, layer, slot in ranked:
+    for _, layer, slot in ranked[:bonus_slots]:
         table[layer][slot] = min(8, table[layer][slot] + bonus)
+    if rule.format == 2:  # no shape rule to match: the least sensitive slots pay for the bonus
+        for _, layer, slot in ranked[::-1][:bonus_slots]:
+            if (kl[layer][slot], layer, slot) not in ranked[:bonus_slots]:
+                table[layer][slot] = max(2, table[layer][slot] - bonus)
     plan = replace(rule, table=tuple((k, v) for k, v in table))
     return Calibration(level, probe, tuple(kl), plan)
 
@@ -662,7 +670,9 @@ def main(argv: list[str]) -> int:
             docs = load_documents(lm, setup, [p.resolve() for p in args.text], Path("/"))
         else:
             docs = load_documents(lm, setup)
-        say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        def say(msg: str) -> None:
+            print(f"eval-codec: {msg}", file=sys.stderr, flush=True)
+
         report = evaluate(models, objs, setup, docs, progress=say)
         if args.calibrate:
             from kdn.codecs.kvq import KvqCodec

@@ -132,15 +132,15 @@ def test_windows_bounded_by_model_positions(models, files) -> None:
 
 
 def test_facts_and_questions(models) -> None:
-    facts = {(kind, answer) for _, kind, _, _, answer in docqa.file_facts(SOURCE_A)}
+    facts = {(kind, answer) for _, kind, _, _, answer, _ in docqa.file_facts(SOURCE_A)}
     assert {("base", "Base"), ("const", "4096"), ("const", "spam-and-eggs"), ("import", "collections"),
             ("default", "17"), ("raises", "ValueError"), ("method", "Child")} <= facts
     assert not any(answer in docqa.TRIVIAL_ANSWERS for _, answer in facts)
     assert docqa.file_facts("def broken(:\n") == []
     tok = models["float16"].tokenizer
     doc = docqa.Document("a.py", SOURCE_A, tuple(
-        docqa.Fact(kind, subject, q, a, SOURCE_A.index("\n", _offset(SOURCE_A, line)))
-        for line, kind, subject, q, a in docqa.file_facts(SOURCE_A)))
+        docqa.Fact(kind, subject, q, a, SOURCE_A.index("\n", _offset(SOURCE_A, line)), lead)
+        for line, kind, subject, q, a, lead in docqa.file_facts(SOURCE_A)))
     short = docqa.questions_for(tok, doc, 120, 50, "text")
     assert short and all(q.token_end <= 120 for q in short)  # only what the first 120 tokens hold
     longer = docqa.questions_for(tok, doc, 800, 50, "text")
