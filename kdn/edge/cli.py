@@ -395,6 +395,9 @@ def stats_text(stats: Any, address: str) -> str:
         models = ", ".join(f"{info.get('spec', '?')} ({fp[:16]}…)" for fp, info in stats.details.get("models", {}).items())
         head = (f"origin {stats.node_id} ({address})  models: {models or '-'}  "
                 f"codecs: {', '.join(stats.details.get('codecs', [])) or '-'}  store: {stats.details.get('store_dir', '-')}")
+        from kdn.steer import steering_line
+
+        head += "".join(f"  steering ({fp[:16]}…): {steering_line(s)}" for fp, s in stats.details.get("steering", {}).items())
     else:
         origin = "n/a" if not c.get("origin_configured") else ("available" if c.get("origin_available") else "UNAVAILABLE")
         head = (f"edge {stats.node_id} ({stats.details.get('address', address)})  origin: {origin}  "

@@ -61,7 +61,10 @@ def _info(spec: str, dtype: str, chunk_size: int | None) -> dict[str, Any]:
     from kdn.lab.layout import META_FILE
     from kdn.models import describe, load_model
 
+    from kdn.steer.methods import calibration_summary
+
     info = describe(load_model(spec, dtype=dtype, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE))
+    info["steering"] = calibration_summary(info["fingerprint"])  # which variants it can store, their measured effect
     meta = Path(spec) / META_FILE
     if meta.is_file():
         info["reference"] = json.loads(meta.read_text()).get("result", {})

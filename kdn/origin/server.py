@@ -74,6 +74,7 @@ from kdn.origin.compute import ComputeBackend, LocalCompute
 from kdn.origin.config import OriginConfig
 from kdn.origin.ingest.documents import document_matches, not_ingested
 from kdn.origin.segments import SegmentCatalog
+from kdn.origin.steer import steering_details
 from kdn.origin.store import OriginStore, StoredArtifact
 from kdn.origin.worker import DocumentTask
 
@@ -379,6 +380,7 @@ class OriginServer:
             counters = {**{k: float(v) for k, v in self._counters.items()}, **{f"store_{k}": float(v) for k, v in totals.items()}}
         details = {
             "models": {bytes(fp).hex(): info for fp, info in self.compute.models().items()},
+            "steering": steering_details(self.store, self.compute.models()),
             "codecs": list(self.config.codecs),
             "store_dir": str(self.config.store_path),
             "uptime_s": round(time.time() - self._started_at, 1),
