@@ -93,7 +93,8 @@ class StoredArtifact:
 
 @dataclass(frozen=True, slots=True)
 class DocumentRecord:
-    """A document's chunk chain as last ingested."""
+    """A document's stored keys as last ingested: its chunk chain, then the pieces of its tail
+    (:func:`kdn.keys.piece_keys`), so a hint on the document (pin, prefetch) covers all of it."""
 
     tenant: str
     fingerprint: ModelFingerprint

@@ -18,6 +18,7 @@ import torch
 from kdn.artifact import decode_artifact, verify_artifact
 from kdn.keys import Namespace, chunk_keys
 from kdn.prefill import document_tokens, logits_with_chunks
+from tests.stored import document_keys
 from kdn.origin.config import OriginConfig
 from kdn.origin.ingest import RayExecutor, ingest
 from kdn.origin.store import OriginStore
@@ -78,8 +79,8 @@ def _assert_store_complete(store_dir: Path, docs: Path, lm, codecs: list[str]) -
     try:
         expected = set()
         for f in sorted(p for p in docs.rglob("*") if p.is_file()):
-            toks = document_tokens(lm, f.read_text())
-            expected |= set(chunk_keys(toks, fingerprint=lm.fingerprint, namespace=NS, chunk_size=lm.chunk_size))
+            keys, pieces = document_keys(lm, f.read_text(), NS)  # the chain, then the tail's pieces
+            expected |= {*keys, *pieces}
         rows = store.artifacts()
         assert {r.key for r in rows} == expected
         assert len(rows) == len(expected) * len(codecs)  # one row per (key, codec): nothing duplicated

@@ -11,6 +11,7 @@ from kdn.artifact import decode_artifact
 from kdn.errors import FingerprintMismatch, InvalidInput, NotFound, Unauthorized
 from kdn.keys import Namespace, chunk_keys
 from kdn.prefill import document_tokens, logits_with_chunks
+from tests.stored import document_keys
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.channel import STREAM_PIECE, auth_metadata, sync_channel
@@ -84,7 +85,8 @@ def test_ingested_text_is_looked_up_and_fetched(origin, stub, tiny_model):
     art = decode_artifact(data, expect_key=keys[2], expect_fingerprint=lm.fingerprint)
     assert art.header.chunk_index == 2 and art.header.codec == "raw"
     doc = _call(stub.Document, pb.DocumentRequest(namespace=pb.Namespace(tenant="acme"), document="doc-1"))
-    assert [bytes(k) for k in doc.keys] == [bytes(k) for k in keys]
+    chain, pieces = document_keys(lm, TEXT, ns)  # a document's keys: its chain, then its tail's pieces
+    assert [bytes(k) for k in doc.keys] == [bytes(k) for k in (*keys, *pieces)] and chain == keys
 
 
 def test_fetch_transcodes_and_caches(origin, stub, tiny_model):
@@ -266,9 +268,10 @@ def test_a_document_is_found_by_the_path_it_was_ingested_as(origin, stub, tiny_m
     keys = origin.ingest_text(TEXT, namespace=Namespace("acme"), doc_id="/home/u/docs/manual.md")
     origin.ingest_text(TEXT + " v2", namespace=Namespace("acme"), doc_id="/home/u/old/guide.md")
     origin.ingest_text(TEXT + " v3", namespace=Namespace("acme"), doc_id="/home/u/new/guide.md")
+    pieces = document_keys(tiny_model, TEXT, Namespace("acme"))[1]
     for name in ("docs/manual.md", "./docs/manual.md", "manual.md", "/home/u/docs/manual.md"):
         got = _call(stub.Document, pb.DocumentRequest(namespace=ns, fingerprint=fp, document=name))
-        assert [bytes(k) for k in got.keys] == [bytes(k) for k in keys], name
+        assert [bytes(k) for k in got.keys] == [bytes(k) for k in (*keys, *pieces)], name
     with pytest.raises(NotFound, match="ambiguous.*/home/u/new/guide.md.*/home/u/old/guide.md"):
         _call(stub.Document, pb.DocumentRequest(namespace=ns, fingerprint=fp, document="guide.md"))
     with pytest.raises(NotFound, match="with that name: /home/u/docs/manual.md"):
