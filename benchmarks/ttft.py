@@ -41,7 +41,7 @@ from kdn.artifact import encode_artifact  # noqa: E402
 from kdn.client import ClientConfig, KdnClient  # noqa: E402
 from kdn.integrations.transformers import generate  # noqa: E402
 from kdn.keys import ROOT_KEY  # noqa: E402
-from kdn.kv import cache_from_layers  # noqa: E402
+from kdn.kv import cache_from_layers, forward  # noqa: E402
 from kdn.models import load_model  # noqa: E402
 from kdn.prefill import prefill_chunks  # noqa: E402
 
@@ -97,7 +97,7 @@ def floor_ttft(lm, kv: torch.Tensor, tokens: list[int], n_doc: int) -> tuple[flo
         cache = cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])],
                                   lm.config)  # kv (L, 2, H, N, D) -> per layer (1, H, N, D)
         ids = torch.tensor([tokens[n_doc:]], dtype=torch.long)
-        out = lm.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = forward(lm.model, input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         first = int(torch.argmax(out.logits[0, -1]).item())
     return time.perf_counter() - t0, first
 

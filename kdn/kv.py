@@ -9,6 +9,8 @@ single sequence (batch 1). A ``DynamicCache`` holds per layer ``keys``/``values`
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import mmap
 import sys
@@ -182,3 +184,22 @@ def cache_length(cache: Any) -> int:
     layers = getattr(cache, "layers", None)
     keys = getattr(layers[0], "keys", None) if layers else None
     return int(keys.shape[2]) if keys is not None else 0
+
+
+@functools.cache
+def _cache_argument(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def forward(module: Any, /, *args: Any, cache: Any = None, **kwargs: Any) -> Any:
+    """Call a transformers model or decoder layer with ``cache`` as its KV cache.
+
+    transformers 5.20 renamed the argument from ``past_key_values`` to ``cache`` (vLLM 0.32 pins
+    an earlier release); the other name is swallowed by ``**kwargs`` and the cache silently
+    ignored, so every KDN call that passes a cache goes through here."""
+    return module(*args, **{_cache_argument(type(module)): cache}, **kwargs)
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache of a model's output: ``cache`` from transformers 5.20, ``past_key_values`` before."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values

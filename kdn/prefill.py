@@ -31,7 +31,7 @@ import torch
 from kdn import prompts
 from kdn.errors import InvalidInput
 from kdn.keys import PIECE_TOKENS, pieces_enabled
-from kdn.kv import layers_span
+from kdn.kv import forward, layers_span, output_cache
 from kdn.models import LoadedModel
 
 
@@ -155,7 +155,7 @@ def prefill_document(
         # logits_to_keep=1: prefill needs the cache, not a (N, vocab) logits tensor
         out = lm.model(input_ids=ids, use_cache=True, logits_to_keep=1)
     # transformers < 5.20 (the release vLLM 0.32 pins) names the output cache past_key_values
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    cache = output_cache(out)
     layers = [(layer.keys, layer.values) for layer in cache.layers]
     chunks = [layers_span(layers, c * C, (c + 1) * C) for c in range(n)]  # n × (L, 2, H, C, D)
     base = n * C
@@ -176,7 +176,7 @@ def logits_with_chunks(lm: LoadedModel, chunks: Sequence[torch.Tensor], rest: Se
     cache = build_cache(list(chunks), lm.config)
     ids = torch.as_tensor(list(rest), dtype=torch.long).unsqueeze(0)  # (1, R)
     with torch.inference_mode():
-        out = lm.model(input_ids=ids, cache=cache, use_cache=True)
+        out = forward(lm.model, input_ids=ids, cache=cache, use_cache=True)
     return out.logits[0]  # (R, V)
 
 
@@ -186,8 +186,8 @@ def greedy_tail(model: Any, cache: Any, first: int, *, max_new_tokens: int, eos_
     generated = [first]
     nxt = first
     while len(generated) < max_new_tokens and nxt not in eos_ids:
-        out = model(input_ids=torch.tensor([[nxt]], dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
-        cache = out.cache
+        out = forward(model, input_ids=torch.tensor([[nxt]], dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
+        cache = output_cache(out)
         nxt = int(torch.argmax(out.logits[0, -1]).item())
         generated.append(nxt)
     return generated

@@ -53,7 +53,7 @@ import torch
 
 from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.errors import InvalidInput, UnsupportedModel
-from kdn.kv import cache_from_layers
+from kdn.kv import cache_from_layers, forward, output_cache
 from kdn.segments import Segment
 
 
@@ -307,7 +307,7 @@ def _run_layer(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV
     mixed.idx = q_pos
     everything = q_pos.numel() == n  # q_pos is sorted and distinct: it is arange(n)
     mask = None if everything and attn == "sdpa" else _mask(q_pos, n, h.dtype)
-    out = layer(h, attention_mask=mask, position_ids=pos_ids, cache=mixed, use_cache=True,
+    out = forward(layer, h, attention_mask=mask, position_ids=pos_ids, cache=mixed, use_cache=True,
                 position_embeddings=(cos, sin))
     return out[0] if isinstance(out, tuple) else out  # (1, S, hidden)
 
@@ -422,4 +422,4 @@ def prefill_segment(model: Any, tokens: Sequence[int]) -> torch.Tensor:
     ids = torch.tensor([list(tokens)], dtype=torch.long)  # (1, n)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     # per layer keys/values (1, H, n, D) -> (2, H, n, D); stacked -> (L, 2, H, n, D)
-    return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in out.cache.layers])
+    return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in output_cache(out).layers])

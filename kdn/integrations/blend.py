@@ -39,6 +39,7 @@ from kdn.blend.verdict import read_verdict
 from kdn.client import LOG, KdnClient
 from kdn.errors import InvalidInput, KdnError, NotFound
 from kdn.integrations.records import KdnModel, Result, Timings
+from kdn.kv import forward, output_cache
 from kdn.prefill import greedy_tail
 from kdn.segments import Segment, encode_segment, segment_key
 
@@ -151,8 +152,8 @@ def generate_with_documents(
         layout = place(km.model, segments, prefix_tokens=pre, prefix_kv=prefix_kv)
         cache, stats = blend(km.model, layout, policy)
         t3 = time.perf_counter()
-        out = km.model(input_ids=torch.tensor([q], dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
-        cache = out.cache
+        out = forward(km.model, input_ids=torch.tensor([q], dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
+        cache = output_cache(out)
         t4 = time.perf_counter()
         nxt = int(torch.argmax(out.logits[0, -1]).item())
         t_first = time.perf_counter()

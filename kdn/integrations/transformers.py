@@ -43,7 +43,7 @@ from kdn.errors import InvalidInput
 from kdn.keys import DEFAULT_CHUNK_SIZE, ModelFingerprint
 from kdn.prefill import greedy_tail
 from kdn.prompts import chat_tokens
-from kdn.kv import KVShape, cache_from_layers
+from kdn.kv import KVShape, cache_from_layers, forward, output_cache
 from kdn.models import DTYPES, HFTokenizer, LoadedModel, Tokenizer, _weights_digest, dir_fingerprint, is_model_dir, model_fingerprint
 
 if TYPE_CHECKING:
@@ -208,8 +208,8 @@ def generate(
             cache = cache_from_layers([], km.config)
         tp = time.perf_counter()
         ids = torch.tensor([tokens[reuse.tokens:]], dtype=torch.long)  # (1, R)
-        out = km.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        cache = out.cache
+        out = forward(km.model, input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        cache = output_cache(out)
         tf = time.perf_counter()
         nxt = int(torch.argmax(out.logits[0, -1]).item())
         t_first = time.perf_counter()

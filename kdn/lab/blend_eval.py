@@ -48,7 +48,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -59,6 +59,7 @@ from kdn.blend.verdict import MIN_ACCURACY_KEPT, MIN_AGREEMENT, Verdict, write_v
 from kdn.console import plain, report_error
 from kdn.errors import InvalidInput, KdnError
 from kdn.keys import DEFAULT_NAMESPACE, chunk_keys
+from kdn.kv import forward
 from kdn.lab.paired import mcnemar, mean_ci, wilson
 from kdn.models import LoadedModel, load_model
 from kdn.segments import Segment, segment_key
@@ -300,7 +301,7 @@ def _blended(lm: LoadedModel, case: Case, store: EvalStore, policy: Policy) -> t
     t0 = time.perf_counter()
     layout = place(lm.model, segments, prefix_tokens=pre, prefix_kv=pkv)
     cache, stats = blend(lm.model, layout, policy)
-    out = lm.model(input_ids=torch.tensor([case.tail]), cache=cache, use_cache=True, logits_to_keep=len(case.tail))
+    out = forward(lm.model, input_ids=torch.tensor([case.tail]), cache=cache, use_cache=True, logits_to_keep=len(case.tail))
     return out.logits[0], stats, time.perf_counter() - t0
 
 
@@ -330,7 +331,7 @@ def _prefix_only(lm: LoadedModel, case: Case, hit: int) -> tuple[torch.Tensor, f
     if hit:
         cache = lm.model(input_ids=torch.tensor([toks[:hit]]), use_cache=True, logits_to_keep=1).cache
     t0 = time.perf_counter()
-    out = lm.model(input_ids=torch.tensor([toks[hit:]]), cache=cache, use_cache=True, logits_to_keep=len(case.tail))
+    out = forward(lm.model, input_ids=torch.tensor([toks[hit:]]), cache=cache, use_cache=True, logits_to_keep=len(case.tail))
     return out.logits[0], time.perf_counter() - t0
 
 

@@ -52,7 +52,7 @@ from kdn.codecs import Codec, get_codec
 from kdn.console import plain, report_error
 from kdn.errors import InvalidInput, KdnError
 from kdn.keys import ROOT_KEY, ChunkKey
-from kdn.kv import build_cache, cache_length, split_cache
+from kdn.kv import build_cache, cache_length, forward, output_cache, split_cache
 from kdn.lab import docqa
 from kdn.models import DTYPES, LoadedModel, load_model
 from kdn.pretrained import DEFAULT_MODEL
@@ -186,7 +186,7 @@ def _crop(cache: Any, length: int) -> None:
 @torch.no_grad()
 def _forward(lm: LoadedModel, cache: Any, ids: torch.Tensor) -> torch.Tensor:
     """Logits ``(N, V)`` float32 of ``ids`` ``(N,)`` on top of ``cache`` (which grows by N)."""
-    return lm.model(input_ids=ids.unsqueeze(0), cache=cache, use_cache=True).logits[0].float()
+    return forward(lm.model, input_ids=ids.unsqueeze(0), cache=cache, use_cache=True).logits[0].float()
 
 
 @torch.no_grad()
@@ -242,7 +242,7 @@ def reference_run(lm: LoadedModel, doc: docqa.Document, kv_dtype: str, setup: Ev
     if ids.numel() < top + setup.continuation:
         raise InvalidInput(f"document {doc.name} has {ids.numel()} tokens, needs {top + setup.continuation}")
     out = lm.model(input_ids=ids[:top].unsqueeze(0), use_cache=True)
-    prefilled = getattr(out, "cache", None) or out.past_key_values
+    prefilled = output_cache(out)
     chunks = [_store(c, kv_dtype) for c in split_cache(prefilled, lm.chunk_size)]  # each (L, 2, H, T, D)
     del out, prefilled
     cache = _cache(lm, chunks)

@@ -50,7 +50,7 @@ import torch
 from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.console import plain, report_error
 from kdn.errors import InvalidInput, KdnError
-from kdn.kv import cache_from_layers
+from kdn.kv import cache_from_layers, forward
 from kdn.lab.steer_task import (DEPTHS, MARK_KINDS, NOTE_RULE, QUESTION_BLIND, Haystack, Question, SourcePool,
                                 ceiling_question, char_spans_to_tokens, make_haystack, mark_chars)
 from kdn.models import LoadedModel, load_model
@@ -131,11 +131,11 @@ def score(lm: LoadedModel, stored: torch.Tensor, doc: Sequence[int], questions: 
     kv = stored[:, :, :, :hit]
     if hit < len(doc):
         cache = _cache(kv, lm.config)
-        lm.model(input_ids=torch.tensor([list(doc[hit:])]), cache=cache, use_cache=True, logits_to_keep=1)
+        forward(lm.model, input_ids=torch.tensor([list(doc[hit:])]), cache=cache, use_cache=True, logits_to_keep=1)
         kv = torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
     out = []
     for q in questions:
-        logits = lm.model(input_ids=torch.tensor([list(q.tail)]), cache=_cache(kv, lm.config), use_cache=True,
+        logits = forward(lm.model, input_ids=torch.tensor([list(q.tail)]), cache=_cache(kv, lm.config), use_cache=True,
                           logits_to_keep=len(q.answer)).logits[0]
         lp = logits.float().log_softmax(-1)
         ans = list(q.answer)
@@ -162,7 +162,7 @@ def answer_query_means(lm: LoadedModel, kv: torch.Tensor, questions: Sequence[Qu
     try:
         for q in questions:
             pos = len(q.tail) - len(q.answer)  # the tail token whose logits give the first digit
-            lm.model(input_ids=torch.tensor([list(q.tail[: pos + 1])]), cache=_cache(kv, cfg), use_cache=True,
+            forward(lm.model, input_ids=torch.tensor([list(q.tail[: pos + 1])]), cache=_cache(kv, cfg), use_cache=True,
                      logits_to_keep=1)
             for li in range(len(layers)):
                 qv = captured[li][0, pos].reshape(n_q, d).to(torch.float64)  # (Hq, D)

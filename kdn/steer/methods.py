@@ -43,6 +43,7 @@ from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.blobstore import write_file_atomic
 from kdn.config import cache_root
 from kdn.errors import InvalidInput, UnsupportedModel
+from kdn.kv import forward, output_cache
 from kdn.steer import SteerSpec
 
 DEFAULT_REACH = 1024  # tokens between a marked key and the query that should still see the boost
@@ -137,7 +138,7 @@ def rotate_at(vec: torch.Tensor, positions: torch.Tensor, rope: RopeSpec) -> tor
 def full_kv(model: Any, tokens: Sequence[int]) -> torch.Tensor:
     """KV ``(L, 2, H, T, D)`` of a prefill of ``tokens`` at positions ``0..T-1``."""
     out = model(input_ids=torch.tensor([list(tokens)], dtype=torch.long), use_cache=True, logits_to_keep=1)
-    return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in out.cache.layers])
+    return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in output_cache(out).layers])
 
 
 @torch.inference_mode()
@@ -236,7 +237,7 @@ def re_read_from(model: Any, kv: torch.Tensor, tokens: Sequence[int], spans: Seq
         return out
     rope = rope_spec(model)
     cache = cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])], model.config)
-    model(input_ids=torch.tensor([second]), cache=cache, use_cache=True, logits_to_keep=1)
+    forward(model, input_ids=torch.tensor([second]), cache=cache, use_cache=True, logits_to_keep=1)
     at = T
     for s, e in spans:
         n = e - s
