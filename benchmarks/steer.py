@@ -1,189 +1,208 @@
-"""Steered KV: accuracy by the fact's position (start / middle / end) plain vs each steered variant,
-with wrong marks, on held-out prompts of a retrieval reference model; reuse time and bytes fetched.
+"""Steered KV on the trained model: the deficit, the steering table by mark kind and depth, and the
+same variant served through an edge into vLLM (answers, TTFT).
 
-    python benchmarks/steer.py --model /path/to/retrieval-model [--prompts 200] [--no-append]
-    python benchmarks/steer.py --render benchmarks/results/steer/<tag>.json   # record a saved run again
+    kdn eval-steer --out DIR --threads 2                       # the evaluation (hours on 2 cores; resumable)
+    python benchmarks/steer.py --eval-out DIR                   # record its figures
+    python benchmarks/steer.py --eval-out DIR --serving --haystacks 4   # + vLLM and transformers through an edge
 
-Prints a table, writes the harness's raw results to ``benchmarks/results/steer/<tag>.json`` and the
-plot to ``benchmarks/results/steer-<tag>.png``, and records the run as ``steer-<tag>`` (one record
-per model, document count and seed; ``benchmarks/_results.py``). The harness is
-:mod:`kdn.lab.steer_eval` (``kdn eval-steer``).
+``--eval-out`` reads the summary of a ``kdn eval-steer`` run (:mod:`kdn.lab.steer_eval`) and records
+``steer``. ``--serving`` runs ``tests/vllm/steer_cases.py`` in ``.venv-vllm`` (``--vllm-python``)
+with the calibration that run chose: haystacks of the test split ingested with ``kdn ingest
+--emphasize key-edit``, an edge pulling from the origin, and every question answered by the
+transformers path and by vLLM, plain and steered; it records ``steer-serving``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from _results import Record
-from kdn.lab import steer_eval
-from kdn.lab.steer_eval import POSITIONS
+from _results import Record, load_average, now_utc
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
-RAW = RESULTS / "steer"
+DEPTHS = ("0", "0.25", "0.5", "0.75", "1")
 
-METHOD = """Held-out prompts `R : doc_1 … doc_n ? KEY` of a retrieval reference model, with the answer's
-document at the start, in the middle or at the end of the context; the context is stored as chunks
-and reused, the partial last chunk and the question prefilled at reuse. Each variant (plain,
-key-edit with the calibrated heads and strength, re-read, re-read of the marked document, each also
-with wrong marks on a distractor) is scored on the same prompts: accuracy with a 95% Wilson
-interval, and the paired difference from plain with its 95% interval. Marks are the answer's
-document (an operator who knows where the answer is). Goal: a variant with correct marks raises
-middle accuracy by at least 5 points and loses at most 1 point at the start and the end."""
-
-
-def plot(res: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    names = [n for n in res["variants"] if "@" not in n]
-    strengths = sorted({float(n.split("@")[1].split(",")[0]) for n in res["variants"] if "@" in n}
-                       | {res["calibration"]["strength"]})
-    fig, axes = plt.subplots(1, 2, figsize=(15, 4.4), gridspec_kw={"width_ratios": [3, 1.3]})
-    ax = axes[0]
-    width = 0.8 / len(names)
-    for j, name in enumerate(names):
-        row = res["variants"][name]
-        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(POSITIONS))]
-        acc = [row[p]["accuracy"] for p in POSITIONS]
-        lo = [max(0.0, row[p]["accuracy"] - row[p]["ci95"][0]) for p in POSITIONS]
-        hi = [max(0.0, row[p]["ci95"][1] - row[p]["accuracy"]) for p in POSITIONS]
-        ax.bar(xs, acc, width, yerr=[lo, hi], capsize=2, label=name)
-    if len(strengths) > 1:
-        cal = res["calibration"]["strength"]
-        name_at = lambda s, wrong: ("key-edit" if s == cal else f"key-edit @{s:g}") + (", wrong marks" if wrong else "")  # noqa: E731
-        for i, (p, style) in enumerate(zip(POSITIONS, ("o", "s", "^"))):
-            for wrong, ls in ((False, "-"), (True, ":")):
-                ys = [res["variants"][name_at(s, wrong)][p]["accuracy"] for s in strengths]
-                axes[1].plot(strengths, ys, ls, marker=style, color=f"C{i}", label=f"{p}{', wrong marks' if wrong else ''}")
-            axes[1].axhline(res["variants"]["plain"][p]["accuracy"], color=f"C{i}", lw=0.8, ls="--", alpha=0.5)
-        axes[1].set_xlabel("key-edit strength (nats); dashed: plain")
-        axes[1].set_ylabel("accuracy")
-        axes[1].set_ylim(0, 1)
-        axes[1].set_title("key-edit strength", fontsize=9)
-        axes[1].legend(fontsize=6)
-    else:
-        axes[1].axis("off")
-    ax.set_xticks(range(len(POSITIONS)))
-    ax.set_xticklabels([f"fact at the {p}" for p in POSITIONS])
-    ax.set_ylabel("accuracy (95% Wilson CI)")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"{Path(res['model']).name}: {res['documents']} documents ({res['context_tokens']} tokens), "
-                 f"{res['prompts_per_position']} held-out prompts per position")
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return True
+METHOD = {
+    "steer": """SmolLM2-135M-Instruct, fp32. A haystack is 5 slices of Python standard-library files (about
+2,300 tokens), stored as a chat's system message; each slice carries one lookalike note (`# NOTE: the
+access code for the cobalt vault is 4821.`, another vault and code in each). A question asks one
+vault's code; the answer is right when all four digits are the greedy tokens. The asked note sits
+in document 1, 2, 3, 4 or 5 (depth 0, 0.25, 0.5, 0.75, 1); one haystack gives one question per
+depth. Calibration haystacks come from the corpus's train files, test haystacks from its held-out
+files. Reuse as the product does it: the stored full chunks (plain or steered) are loaded, the
+partial last chunk and the question prefilled on top. Marks: realistic = the operator's rule
+`--emphasize-regex '^# NOTE:'` (every note, without seeing the question); oracle = the asked note;
+wrong = another note; random = as many non-note lines, drawn at random; everything = the whole
+document; ceiling = the asked note's document alone. The method and strength are chosen on the
+calibration split with realistic marks. Accuracy with 95% Wilson intervals; Δ = paired difference
+from plain on the same questions, +gained/−lost questions and the exact McNemar p.""",
+    "steer-serving": """Test haystacks ingested at an origin with `kdn ingest --layout system --emphasize key-edit
+--emphasize-regex '^# NOTE:'` and the calibration the evaluation chose; a `kdn edge` pulls from the
+origin. Each question runs in transformers (fp32: full recompute, plain hit, steered hit) and in
+vLLM 0.32 CPU with the KDN connector (fp32: alone, plain hit, steered hit naming the variant with
+`kdn_steer` and a cache_salt containing it), greedy, 6 tokens, prefix cache reset before each
+request. Same answers = identical token ids. TTFT ratio = steered hit / plain hit of the same
+question, back to back: transformers' TTFT from `generate`, vLLM's the wall time of
+`LLM.generate` (6 tokens).""",
+}
 
 
-def body(res: dict[str, Any]) -> list[str]:
-    """The run's description, its table and the bytes note, as Markdown lines."""
-    c = res["calibration"]
-    lines = [f"Model `{res['model']}` ({res['layers']} layers, {res['heads']} KV heads); held-out prompts `R : doc_1 … "
-             f"doc_{res['documents']} ? KEY` ({res['context_tokens']} context tokens, stored as chunks of "
-             f"{res['chunk_size']}; the partial last chunk and the question are prefilled at reuse), "
-             f"{res['prompts_per_position']} per position; the answer's document is the first (start), the "
-             f"{res['documents'] // 2}th or {res['documents'] // 2 + 1}th (middle) or the last (end). Marks = the answer's "
-             f"document (the operator knows where the answer is: PASTA's setting); wrong marks = a random distractor document. Key-edit calibrated on {c['prompts']} "
-             f"training-distribution prompts (not held-out): heads {['L%dH%d' % tuple(h) for h in c['heads']]}, "
-             f"strength {c['strength']:g} nats. Accuracy with 95% Wilson interval; Δ = paired difference from plain on "
-             f"the same prompts, points, 95% interval.", "",
-             "| variant | start | Δ start | middle | Δ middle | end | Δ end | reuse ms (median, middle) | bytes fetched (raw) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, row in res["variants"].items():
-        cells = []
-        for p in POSITIONS:
-            x = row[p]
-            cells.append(f"{x['accuracy']:.3f} [{x['ci95'][0]:.3f}, {x['ci95'][1]:.3f}]")
-            cells.append("—" if name == "plain" else
-                         f"{x['delta'] * 100:+.1f} [{x['delta_ci95'][0] * 100:+.1f}, {x['delta_ci95'][1] * 100:+.1f}]")
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {row['middle']['reuse_ms_median']:.2f} | "
-                     f"{row['middle']['stored_bytes']:,} |")
-    plain_b = res["variants"]["plain"]["middle"]["stored_bytes"]
-    extra = ", ".join(f"{n}: {r['middle']['stored_bytes'] - plain_b:+,} B" for n, r in res["variants"].items() if n != "plain")
-    lines += ["", f"Bytes fetched at reuse: the KV payload is identical for every variant (same shape and dtype); a "
-              f"steered chunk's header also carries its spec, so its container is a little larger "
-              f"({extra} over {plain_b:,} B plain). Reuse time is the same code path (load cached KV, prefill tail + question)."]
-    return lines
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}"
 
 
-def markdown(res: dict[str, Any]) -> str:
-    """What the terminal shows: the body and one line per goal."""
-    lines = [f"Steered KV, {res.get('when', '')}: `{res['command']}`", "", *body(res), ""]
-    lines += [f"- {line}" for line in steer_eval.goal_lines(res)]
-    return "\n".join(lines) + "\n"
+def _acc(c: dict[str, Any]) -> str:
+    return f"{c['accuracy']:.3f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]"
 
 
-def record(res: dict[str, Any], tag: str, argv: list[str], load_start: float | None) -> None:
-    docs = f", {res['documents']} documents" + (f", seed {res['seed']}" if res.get("seed") else "")
-    rec = Record(__file__, f"steer-{tag}", f"Steered KV: {Path(res['model']).name}{docs}", argv, method="steer",
-                 command=res["command"])
-    if res.get("when"):
-        rec.doc["utc"] = res["when"]
+def _delta(c: dict[str, Any]) -> str:
+    return f"{c['delta'] * 100:+.1f} (+{c['gained']}/−{c['lost']}, p={c['p']:.2g})"
+
+
+def record_eval(summary: dict[str, Any], argv: list[str], command: str, load_start: float | None) -> Record:
+    rec = Record(__file__, "steer", "Steered KV on the trained model (smollm2-135m)", argv, method="steer",
+                 command=command)
     rec.doc["load"]["start"] = load_start
-    for name, g in res["goal"].items():
-        rec.goal(f"{name}, correct marks: middle Δ (95% CI); start {g['start_change'] * 100:+.1f}, "
-                 f"end {g['end_change'] * 100:+.1f}", "≥ +5 points in the middle, ≥ −1 elsewhere",
-                 median=g["middle_gain"] * 100, lo=g["middle_gain_ci95"][0] * 100, hi=g["middle_gain_ci95"][1] * 100,
-                 unit="points", digits=1, met=bool(g["met"]))
-    rec.markdown(body(res))
-    if res.get("plot"):
-        rec.plot(REPO / res["plot"])
-    rec.save(load_end=round(res["load_average"][0], 2))
+    load = summary.get("load")
+    if load:
+        rec.doc["load"]["start"], rec.doc["load"]["end"] = load["min"], load["max"]
+        rec.note(f"1-minute load average over the evaluation's haystacks: min {load['min']}, median {load['median']}, "
+                 f"max {load['max']}; compute per stage (h): "
+                 + ", ".join(f"{k} {v / 3600:.2f}" for k, v in summary.get("stage_seconds", {}).items()) + ".")
+    deficit = summary.get("deficit", {})
+    if deficit:
+        rows = [[f"{row['tokens']:.0f}", str(row["haystacks"]), *(_acc(row["depths"][d]) for d in DEPTHS)]
+                for length, row in sorted(deficit.items(), key=lambda kv: int(kv[0]))]
+        rec.table(["document tokens (median)", "haystacks", *(f"depth {d}" for d in DEPTHS)], rows,
+                  title="Plain accuracy by depth and length (test haystacks)")
+    test = summary.get("test")
+    if test:
+        t = test["table"]
+        plain = t["plain"]
+        best = max(c["accuracy"] for c in plain.values())
+        worst_d = min(plain, key=lambda d: plain[d]["accuracy"])
+        rec.goal(f"plain deficit: best depth {best:.3f} vs depth {worst_d} {plain[worst_d]['accuracy']:.3f} "
+                 f"({test['haystacks']} questions per depth)", "≥ 10 points at some depth",
+                 median=(best - plain[worst_d]["accuracy"]) * 100, at_least=10, unit="points", digits=1)
+        c = test["claims"]
+        r = c.get("realistic", {})
+        weak = r.get("weak_depth")
+        if weak is not None:
+            cell = t["realistic"][weak]
+            rec.goal(f"realistic marks, {test['setting']}: gain at weak depth {weak} (95% CI "
+                     f"{cell['delta_ci95'][0] * 100:+.1f}..{cell['delta_ci95'][1] * 100:+.1f}; exact p={cell['p']:.2g})",
+                     "≥ +5 points, p < 0.05", median=cell["delta"] * 100, lo=cell["delta_ci95"][0] * 100,
+                     hi=cell["delta_ci95"][1] * 100, unit="points", digits=1,
+                     met=bool(cell["delta"] >= 0.05 - 1e-9 and cell["p"] < 0.05))
+            rec.goal("realistic marks: worst change at any other depth", "≥ −1 point",
+                     median=r["worst_other"] * 100, at_least=-1, unit="points", digits=1)
+        if "wrong" in c:
+            worst = min(t["wrong"].values(), key=lambda x: x["delta"])
+            rec.goal(f"wrong marks: largest loss (exact p={worst['p']:.2g})", "a loss with p < 0.05",
+                     median=worst["delta"] * 100, unit="points", digits=1, met=bool(c["wrong"]["met"]))
+        if "random" in c:
+            worst = min(t["random"].values(), key=lambda x: x["delta"])
+            rec.goal(f"random marks: largest loss (exact p={worst['p']:.2g})", "no loss > 1 point with p < 0.05",
+                     median=worst["delta"] * 100, unit="points", digits=1, met=bool(c["random"]["met"]))
+        rows = []
+        for name, row in t.items():
+            rows.append([name, *((_acc(row[d]) + ("" if name == "plain" else " " + _delta(row[d]))) for d in DEPTHS)])
+        rec.table(["marks", *(f"depth {d}" for d in DEPTHS)], rows,
+                  title=f"Test split, {test['haystacks']} questions per depth, {test['setting']}")
+    cal = summary.get("calibration")
+    if cal:
+        rows = [[name, *(f"{row[d]['accuracy']:.3f}" + ("" if name == "plain" else f" ({row[d]['delta'] * 100:+.1f})")
+                         for d in DEPTHS)] for name, row in cal["table"].items()]
+        rec.table(["setting (realistic marks)", *(f"depth {d}" for d in DEPTHS)], rows,
+                  title=f"Calibration split, {cal['haystacks']} haystacks: the grid; weak depths {cal['weak_depths']}, "
+                        f"chosen {cal['chosen']['name']}")
+    rec.data({"summary": summary})
+    return rec
+
+
+def run_serving(args: argparse.Namespace, summary: dict[str, Any]) -> dict[str, Any]:
+    cal = (summary.get("calibration") or {}).get("path")
+    if not cal or not Path(cal).is_file():
+        raise SystemExit("the evaluation wrote no key-edit calibration (its chosen setting is not key-edit?)")
+    out = Path(tempfile.mkdtemp(prefix="kdn-steer-serving-")) / "cases.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    subprocess.run([args.vllm_python, "-m", "tests.vllm.steer_cases", str(out), "--haystacks", str(args.haystacks),
+                    "--length", str(args.length), "--calibration", cal], cwd=REPO, env=env, check=True, timeout=7200)
+    return json.loads(out.read_text())
+
+
+def record_serving(res: dict[str, Any], argv: list[str], command: str, load_start: float) -> Record:
+    rec = Record(__file__, "steer-serving", "Steered KV served through an edge: vLLM vs transformers, TTFT", argv,
+                 method="steer-serving", command=command)
+    rec.doc["load"]["start"] = load_start
+    ps = res["prompts"]
+    n = len(ps)
+    same = sum(p["vllm_steered"] == p["hf_steered"] for p in ps)
+    loaded = sum(p["vllm_steered_cached"] >= p["stored"] // res["chunk"] * res["chunk"] for p in ps)
+    changed = sum(p["hf_steered"] != p["hf_plain"] for p in ps)
+    rec.goal(f"vLLM steered answer == transformers steered answer ({n} questions, {res['haystacks']} haystacks of "
+             f"{res['length']} tokens; steered chain loaded from the edge in {loaded}/{n}; the variant changed the "
+             f"answer in {changed}/{n})", "all", median=same / n * 100, unit="% same", digits=1, met=same == n)
+    plain_same = sum(p["vllm_plain"] == p["hf_plain"] for p in ps)
+    rec.goal("vLLM plain hit == transformers plain hit", "all", median=plain_same / n * 100, unit="% same", digits=1,
+             met=plain_same == n)
+    hf = [p["hf_steered_ttft_s"] / p["hf_plain_ttft_s"] for p in ps]
+    rec.goal("transformers TTFT, steered hit / plain hit", "within noise (≤ 1.1x)", hf, at_most=1.1)
+    vl = [p["vllm_steered_s"] / p["vllm_plain_s"] for p in ps]
+    rec.goal("vLLM request time, steered hit / plain hit", "within noise (≤ 1.1x)", vl, at_most=1.1)
+    bad = res["bad"]
+    rec.note(f"Bad input in vLLM: a steered request without a cache_salt naming the variant got {bad['no_salt']['cached']} "
+             f"cached tokens and {'the same answer as vLLM alone' if bad['no_salt']['tokens'] == ps[0]['vllm_alone'] else 'ANOTHER answer'}; "
+             f"another tenant's request for the variant got {bad['other_tenant']['cached']} cached tokens and "
+             f"{'the same answer as vLLM alone' if bad['other_tenant']['tokens'] == ps[0]['vllm_alone'] else 'ANOTHER answer'}.")
+    rec.note(f"Medians: transformers TTFT plain hit {statistics.median(p['hf_plain_ttft_s'] for p in ps) * 1e3:.0f} ms, "
+             f"steered hit {statistics.median(p['hf_steered_ttft_s'] for p in ps) * 1e3:.0f} ms; vLLM plain hit "
+             f"{statistics.median(p['vllm_plain_s'] for p in ps) * 1e3:.0f} ms, steered hit "
+             f"{statistics.median(p['vllm_steered_s'] for p in ps) * 1e3:.0f} ms, alone (recompute) "
+             f"{statistics.median(p['vllm_alone_s'] for p in ps) * 1e3:.0f} ms; ingest with the variant {res['ingest_s']:.0f} s.")
+    rec.set_rounds(n)
+    rec.data(res)
+    return rec
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--prompts", type=int, default=200)
-    p.add_argument("--cal-prompts", type=int, default=64)
-    p.add_argument("--docs", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sweep", default="1,2,4", help="other key-edit strengths shown beside the calibrated one")
+    p.add_argument("--eval-out", type=Path, required=True, help="the --out directory of a `kdn eval-steer` run")
+    p.add_argument("--serving", action="store_true", help="also serve test haystacks through an edge into vLLM")
+    p.add_argument("--haystacks", type=int, default=4, help="test haystacks for --serving (5 questions each)")
+    p.add_argument("--length", type=int, default=2048, help="document tokens of the --serving haystacks")
+    p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--no-append", action="store_true", help="print only; record nothing")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--render", type=Path, help="record a saved raw results JSON again (no run)")
     args = p.parse_args(argv)
-    if args.render:
-        res = json.loads(args.render.read_text())
-        if res.get("plot"):
-            plot(res, REPO / res["plot"])
-        print(markdown(res))
-        if not args.no_append:
-            record(res, args.render.stem, argv if argv is not None else sys.argv[1:], None)
-        return 0
-    argv = list(argv if argv is not None else sys.argv[1:])
-    load_start = round(os.getloadavg()[0], 2)
-    torch.set_num_threads(1)
-    res = steer_eval.run(str(args.model), prompts=args.prompts, docs=args.docs, cal_prompts=args.cal_prompts,
-                         seed=args.seed, sweep=[float(x) for x in args.sweep.split(",") if x], log=lambda s: print(s, file=sys.stderr))
-    res.pop("_cal")
-    res["command"] = "python benchmarks/steer.py " + " ".join(argv)
-    res["seed"] = args.seed
-    res["load_average"] = os.getloadavg()
-    res["when"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    tag = (args.model.name + (f"-seed{args.seed}" if args.seed else "") + (f"-docs{args.docs}" if args.docs != 8 else ""))
-    png = RESULTS / f"steer-{tag}.png"
-    RAW.mkdir(parents=True, exist_ok=True)
-    (RAW / f"{tag}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")  # kept if the plot fails
-    res["plot"] = str(png.relative_to(REPO)) if plot(res, png) else None
-    (RAW / f"{tag}.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
-    print(json.dumps(res, indent=2, default=str) if args.json else markdown(res))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = args.eval_out / "summary.json"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no summary; run `kdn eval-steer --out {args.eval_out}` first")
+    summary = json.loads(path.read_text())
+    plan = json.loads((args.eval_out / "plan.json").read_text()) if (args.eval_out / "plan.json").is_file() else {}
+    eval_cmd = (f"kdn eval-steer --out DIR --length {plan.get('length')} --docs {plan.get('docs')} --test "
+                f"{plan.get('test')} --calibration {plan.get('calibration')} --means {plan.get('means')} "
+                f"--deficit-lengths {','.join(str(x) for x in plan.get('deficit_lengths', []))} --deficit-haystacks "
+                f"{plan.get('deficit_haystacks')}; python benchmarks/steer.py --eval-out DIR")
+    load0 = load_average()
+    rec = record_eval(summary, argv, eval_cmd, None)
+    print(json.dumps({g["what"]: (g["median"], g["met"]) for g in rec.doc["goals"]}, indent=1))
     if not args.no_append:
-        record(res, tag, argv, load_start)
+        rec.save(load_end=rec.doc["load"]["end"] if summary.get("load") else None)
+    if args.serving:
+        res = run_serving(args, summary)
+        srec = record_serving(res, argv, "python benchmarks/steer.py " + " ".join(argv), load0)
+        print(json.dumps({g["what"]: (g["median"], g["met"]) for g in srec.doc["goals"]}, indent=1))
+        if not args.no_append:
+            srec.save()
+    print(f"[steer] {now_utc()}")
     return 0
 
 
