@@ -38,7 +38,7 @@ from _results import Record
 from kdn.artifact import decode_artifact, encode_artifact
 from kdn.codecs import CODECS, SectionInfo, get_codec
 from kdn.keys import ROOT_KEY
-from kdn.kv import split_cache
+from kdn.kv import output_cache, split_cache
 from kdn.pretrained import DEFAULT_MODEL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def kv_chunks(spec: str, n_tokens: int, *, heldout: bool = False) -> tuple[list[
     tokens = torch.tensor([ids])  # (1, N)
     t0 = time.perf_counter()
     with torch.no_grad():
-        cache = loaded.model(tokens, use_cache=True).cache
+        cache = output_cache(loaded.model(tokens, use_cache=True))
     prefill_s = time.perf_counter() - t0
     chunks = split_cache(cache, CHUNK)
     shape = tuple(chunks[0].shape)

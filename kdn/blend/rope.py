@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kdn.errors import UnsupportedModel
+from kdn.kv import output_cache
 
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 _CHECK_TOKENS = 6
@@ -128,8 +129,8 @@ def _verify(model: Any, spec: RopeSpec) -> None:
     gen = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, max(4, vocab), (1, _CHECK_TOKENS), generator=gen)  # (1, T)
     pos0 = torch.arange(_CHECK_TOKENS).unsqueeze(0)  # (1, T)
-    a = model(input_ids=ids, position_ids=pos0, use_cache=True, logits_to_keep=1).cache
-    b = model(input_ids=ids, position_ids=pos0 + _CHECK_DELTA, use_cache=True, logits_to_keep=1).cache
+    a = output_cache(model(input_ids=ids, position_ids=pos0, use_cache=True, logits_to_keep=1))
+    b = output_cache(model(input_ids=ids, position_ids=pos0 + _CHECK_DELTA, use_cache=True, logits_to_keep=1))
     for i, (la, lb) in enumerate(zip(a.layers, b.layers)):
         want = lb.keys.float()  # (1, H, T, D)
         got = spec.rotate(la.keys, _CHECK_DELTA).float()

@@ -59,7 +59,7 @@ from kdn.blend.verdict import MIN_ACCURACY_KEPT, MIN_AGREEMENT, Verdict, write_v
 from kdn.console import plain, report_error
 from kdn.errors import InvalidInput, KdnError
 from kdn.keys import DEFAULT_NAMESPACE, chunk_keys
-from kdn.kv import forward
+from kdn.kv import forward, output_cache
 from kdn.lab.paired import mcnemar, mean_ci, wilson
 from kdn.models import LoadedModel, load_model
 from kdn.segments import Segment, segment_key
@@ -329,7 +329,7 @@ def _prefix_only(lm: LoadedModel, case: Case, hit: int) -> tuple[torch.Tensor, f
     toks = case.tokens
     cache = None
     if hit:
-        cache = lm.model(input_ids=torch.tensor([toks[:hit]]), use_cache=True, logits_to_keep=1).cache
+        cache = output_cache(lm.model(input_ids=torch.tensor([toks[:hit]]), use_cache=True, logits_to_keep=1))
     t0 = time.perf_counter()
     out = forward(lm.model, input_ids=torch.tensor([toks[hit:]]), cache=cache, use_cache=True, logits_to_keep=len(case.tail))
     return out.logits[0], time.perf_counter() - t0

@@ -72,7 +72,7 @@ def run(tmp: Path, model: Path, edge: Any, errlog: Path) -> dict[str, Any]:
     from kdn.client import ClientConfig, KdnClient
     from kdn.integrations.vllm import engine_fingerprint
     from kdn.keys import DEFAULT_NAMESPACE, ROOT_KEY, chunk_keys
-    from kdn.kv import forward
+    from kdn.kv import forward, output_cache
     from kdn.lab.blend_tasks import chat_parts, document_pool
     from kdn.lab.reference import corpus_split
     from kdn.origin.config import OriginConfig
@@ -112,7 +112,7 @@ def run(tmp: Path, model: Path, edge: Any, errlog: Path) -> dict[str, Any]:
             cache, _ = blend(lm.model, layout, Deviation(RATIO, 1))
             o = forward(lm.model, input_ids=torch.tensor([question]), cache=cache, use_cache=True, logits_to_keep=1)
             first = int(o.logits[0, -1].argmax())
-            res["transformers_blend"] = greedy_tail(lm.model, o.cache, first, max_new_tokens=MAX_TOKENS, eos_ids=set())
+            res["transformers_blend"] = greedy_tail(lm.model, output_cache(o), first, max_new_tokens=MAX_TOKENS, eos_ids=set())
 
         # the exact chain of the prompt's blended region, on the edge (what a plain request reuses)
         chunks = prefill_chunks(lm, np.asarray(prompt[:covered]))
