@@ -50,12 +50,19 @@ def main(argv: list[str]) -> int:
 
     edge = EdgeProc(tmp)
     errlog = Path(tempfile.mkstemp(prefix="kdn-vllm-blend-engine-", suffix=".log")[1])
-    saved = os.dup(2)
-    os.dup2(os.open(errlog, os.O_WRONLY | os.O_APPEND), 2)  # the engine's log lines land here
+    # the engine's processes inherit fds 1 and 2: the connector logs where vLLM logs (stdout), so
+    # its lines ("blend variant ...", "blend refused ...") land here for each case to read
+    sys.stdout.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(errlog, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
     try:
         results = run(tmp, model, edge, errlog)
     finally:
-        os.dup2(saved, 2)
+        sys.stdout.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
         edge.stop()
         sys.stdout.write(errlog.read_text(errors="replace")[-20000:])
     out.write_text(json.dumps(results))
@@ -150,8 +157,8 @@ def run(tmp: Path, model: Path, edge: Any, errlog: Path) -> dict[str, Any]:
                 fh.seek(before)
                 log = fh.read().decode(errors="replace")
             return {"tokens": list(o.outputs[0].token_ids), "cached": int(o.num_cached_tokens or 0), "seconds": secs,
-                    "variant_loaded": "blend variant" in log, "refused": [ln for ln in log.splitlines()
-                                                                          if "KDN: blend" in ln]}
+                    "variant_loaded": "blend variant" in log, "refused": [ln for ln in log.splitlines()  # every blend not honoured
+                                                                          if "KDN:" in ln and "serving exact KV" in ln]}
 
         def case(name: str, tokens: list[int], **kw: Any) -> None:
             got = gen(tokens, **kw)
