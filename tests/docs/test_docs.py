@@ -94,8 +94,6 @@ NOT_HERE: list[tuple[str, str]] = [
     (r"^pip install kdn\b", "installs from a package index: no network here (the venv has kdn already)"),
     (r"^kdn model train-reference\b",
      "trains for 15+ minutes on 2 cores; tests/unit/test_reference.py trains a reduced one"),
-    (r"^kdn eval-codec --model ~/\.cache/kdn/reference-model",
-     "needs the model `kdn model train-reference` trains (15+ minutes); tests/unit/test_quality.py runs it on a small one"),
     (r"^kdn eval-blend --model ~/\.cache/kdn/retrieval-model",
      "needs the model `kdn model train-reference --task retrieval` trains; tests/unit/test_blend_eval.py runs it on a small one"),
     (r"^kdn query --edge 127\.0\.0\.1:50071 --model DIR --documents",
