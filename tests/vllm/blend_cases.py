@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.vllm import engine_output
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 CHUNK = 64
@@ -49,22 +51,11 @@ def main(argv: list[str]) -> int:
     from tests.vllm.faults import EdgeProc
 
     edge = EdgeProc(tmp)
-    errlog = Path(tempfile.mkstemp(prefix="kdn-vllm-blend-engine-", suffix=".log")[1])
-    # the engine's processes inherit fds 1 and 2: the connector logs where vLLM logs (stdout), so
-    # its lines ("blend variant ...", "blend refused ...") land here for each case to read
-    sys.stdout.flush()
-    saved = os.dup(1), os.dup(2)
-    fd = os.open(errlog, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    try:
-        results = run(tmp, model, edge, errlog)
+    try:  # the connector's lines ("blend variant ...", "... serving exact KV") land in errlog
+        with engine_output("kdn-vllm-blend-engine-", tail=20000) as errlog:
+            results = run(tmp, model, edge, errlog)
     finally:
-        sys.stdout.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
         edge.stop()
-        sys.stdout.write(errlog.read_text(errors="replace")[-20000:])
     out.write_text(json.dumps(results))
     return 0
 

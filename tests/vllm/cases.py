@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.vllm import engine_output
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 MAX_TOKENS = 16
@@ -63,23 +65,10 @@ def main(argv: list[str]) -> int:
 
 
 def run_cases(args: Any, results: dict[str, Any], model_dir: Path, fp: Any, edge: Any, proxy: Any) -> int:
-    # The engine's processes inherit fds 1 and 2: the connector's lines (it logs where vLLM logs,
-    # "KDN load of chunk ... failed" among them) land in this file, so each case can tell whether
-    # its loads failed. Copied to stdout at the end.
-    errlog = Path(tempfile.mkstemp(prefix="kdn-vllm-engine-", suffix=".log")[1])
-    sys.stdout.flush()
-    saved = os.dup(1), os.dup(2)
-    fd = os.open(errlog, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    try:
+    # the connector's lines ("KDN load of chunk ... failed" among them) land in this file, so each
+    # case can tell whether its loads failed
+    with engine_output("kdn-vllm-engine-") as errlog:
         return _run_cases(args, results, model_dir, fp, edge, proxy, errlog)
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        sys.stdout.write(errlog.read_text(errors="replace"))
-        sys.stdout.flush()
 
 
 def _run_cases(args: Any, results: dict[str, Any], model_dir: Path, fp: Any, edge: Any, proxy: Any, errlog: Path) -> int:
