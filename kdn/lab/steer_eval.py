@@ -149,28 +149,11 @@ def score(lm: LoadedModel, stored: torch.Tensor, doc: Sequence[int], questions: 
 def answer_query_means(lm: LoadedModel, kv: torch.Tensor, questions: Sequence[Question]) -> torch.Tensor:
     """Sum over ``questions`` of each KV head's pre-rotary query at the answer's first position,
     ``(L, H_kv, D)``, averaged over the query heads sharing the KV head (``kv``: the whole document's)."""
-    from kdn.steer.methods import _layers
+    from kdn.steer.methods import query_sums
 
-    layers = _layers(lm.model)
-    cfg = lm.config
-    n_q, n_kv = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-    d = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q)
-    sums = torch.zeros(len(layers), n_kv, d, dtype=torch.float64)
-    captured: dict[int, torch.Tensor] = {}
-    hooks = [layer.self_attn.q_proj.register_forward_hook(
-        lambda _m, _i, out, li=li: captured.__setitem__(li, out.detach())) for li, layer in enumerate(layers)]
-    try:
-        for q in questions:
-            pos = len(q.tail) - len(q.answer)  # the tail token whose logits give the first digit
-            forward(lm.model, input_ids=torch.tensor([list(q.tail[: pos + 1])]), cache=_cache(kv, cfg), use_cache=True,
-                     logits_to_keep=1)
-            for li in range(len(layers)):
-                qv = captured[li][0, pos].reshape(n_q, d).to(torch.float64)  # (Hq, D)
-                sums[li] += qv.reshape(n_kv, n_q // n_kv, d).mean(1)
-    finally:
-        for h in hooks:
-            h.remove()
-    return sums
+    # the tail token whose logits give the first digit
+    prompts = [(q.tail, len(q.tail) - len(q.answer)) for q in questions]
+    return query_sums(lm.model, prompts, cache=lambda: _cache(kv, lm.config))
 
 
 # -- settings and variants --------------------------------------------------------------------------

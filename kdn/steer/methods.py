@@ -35,7 +35,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -142,9 +142,11 @@ def full_kv(model: Any, tokens: Sequence[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def query_means(model: Any, prompts: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:
-    """Mean pre-rotary query ``(L, H_kv, D)`` at one position per prompt (``(tokens, position)``),
-    averaged over prompts and over the query heads that share each KV head."""
+def query_sums(model: Any, prompts: Sequence[tuple[Sequence[int], int]], *,
+               cache: Callable[[], Any] | None = None) -> torch.Tensor:
+    """Sum over prompts (``(tokens, position)``) of each KV head's pre-rotary query at that
+    position, ``(L, H_kv, D)`` in float64, averaged over the query heads that share each KV head.
+    ``cache``: a function giving, per prompt, the KV cache its tokens follow; None: the tokens alone."""
     layers = _layers(model)
     cfg = model.config
     n_q = int(cfg.num_attention_heads)
@@ -156,14 +158,21 @@ def query_means(model: Any, prompts: Sequence[tuple[Sequence[int], int]]) -> tor
         lambda _m, _i, out, li=li: captured.__setitem__(li, out.detach())) for li, layer in enumerate(layers)]
     try:
         for tokens, pos in prompts:
-            model(input_ids=torch.tensor([list(tokens[: pos + 1])], dtype=torch.long), logits_to_keep=1)
+            forward(model, input_ids=torch.tensor([list(tokens[: pos + 1])], dtype=torch.long),
+                    cache=None if cache is None else cache(), use_cache=cache is not None, logits_to_keep=1)
             for li in range(len(layers)):
                 q = captured[li][0, pos].reshape(n_q, d).to(torch.float64)  # (Hq, D)
                 sums[li] += q.reshape(n_kv, n_q // n_kv, d).mean(1)
     finally:
         for h in hooks:
             h.remove()
-    return (sums / max(1, len(prompts))).to(torch.float32)
+    return sums
+
+
+def query_means(model: Any, prompts: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:
+    """Mean pre-rotary query ``(L, H_kv, D)`` at one position per prompt (``(tokens, position)``),
+    averaged over prompts and over the query heads that share each KV head."""
+    return (query_sums(model, prompts) / max(1, len(prompts))).to(torch.float32)
 
 
 def directions_for(means: torch.Tensor, heads: Sequence[tuple[int, int]], mask: torch.Tensor) -> torch.Tensor:
