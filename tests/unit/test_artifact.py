@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -481,47 +482,94 @@ def _payload_offsets(blob: bytes) -> list[int]:
     return out
 
 
+class _CountingPool(ThreadPoolExecutor):
+    """A caller-owned executor that counts the work handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="test-verify")
+        self.submitted = 0
+
+    def submit(self, *args, **kwargs):  # type: ignore[override]
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "token range of a prefix"])
-def test_a_raw_run_split_over_two_threads_gives_the_same_kv_and_names_the_first_bad_section(
+def test_a_raw_run_split_onto_the_callers_pool_gives_the_same_kv_and_names_the_first_bad_section(
     monkeypatch: pytest.MonkeyPatch, strided: bool
 ) -> None:
     """Whole raw layers fed at once are copied into ``out`` and verified there, the second half
-    by a helper thread: the KV is bit for bit the artifact's, and a flipped bit anywhere is the
-    error of its own section; with bad sections in both halves, the first one in order."""
-    import os
+    on the executor the caller lends: the KV is bit for bit the artifact's, and a flipped bit
+    anywhere is the error of its own section; with bad sections in both halves, the first one in
+    order."""
+    from kdn.artifact import digest
 
-    from kdn import artifact
-
-    monkeypatch.setattr(artifact, "RAW_RUN_BYTES", 1)  # a step per layer
-    monkeypatch.setattr(artifact, "SPLIT_RUN_BYTES", 0)  # every run of two steps or more is split
+    monkeypatch.setattr(digest, "RAW_RUN_BYTES", 1)  # a step per layer
+    monkeypatch.setattr(digest, "SPLIT_RUN_BYTES", 0)  # every run of two steps or more is split
     kv = _kv(layers=6, heads=2, tokens=8, dim=4)
     blob = _encode(kv, "raw")
     L, _, H, T, D = kv.shape
 
-    def read(data: bytes) -> torch.Tensor:
-        whole = torch.zeros((L, 2, H, 3 * T, D), dtype=kv.dtype)
-        out = whole[:, :, :, T : 2 * T] if strided else whole[:, :, :, :T].contiguous()
-        reader = ArtifactReader(expect_fingerprint=FP, out=out)
-        reader.feed(data)
+    with _CountingPool() as pool:
+
+        def read(data: bytes) -> torch.Tensor:
+            whole = torch.zeros((L, 2, H, 3 * T, D), dtype=kv.dtype)
+            out = whole[:, :, :, T : 2 * T] if strided else whole[:, :, :, :T].contiguous()
+            reader = ArtifactReader(expect_fingerprint=FP, out=out, pool=pool)
+            reader.feed(data)
+            reader.finish()
+            if strided:
+                assert not whole[:, :, :, :T].any() and not whole[:, :, :, 2 * T :].any()  # nothing else touched
+            return out
+
+        assert torch.equal(read(blob), kv)
+        assert pool.submitted == 1  # the split ran on the caller's pool
+
+        offsets = _payload_offsets(blob)
+        for j, at in enumerate(offsets):
+            bad = bytearray(blob)
+            bad[at + 5] ^= 0x10
+            with pytest.raises(kerr.ArtifactCorrupt, match=f"layer {j // 2} {'KV'[j % 2]} section checksum mismatch"):
+                read(bytes(bad))
+        bad = bytearray(blob)
+        bad[offsets[10] + 1] ^= 0x01  # layer 5 K: the pool's half
+        bad[offsets[3] + 2] ^= 0x80  # layer 1 V: this thread's half, and first in order
+        with pytest.raises(kerr.ArtifactCorrupt, match="layer 1 V section checksum mismatch"):
+            read(bytes(bad))
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "token range of a prefix"])
+def test_a_large_raw_run_is_bit_identical_with_and_without_a_pool_and_makes_no_thread(strided: bool) -> None:
+    """At the default thresholds a 4 MiB chunk is split onto a pool when one is given, hashed on
+    the calling thread when not: the same bytes either way, through every reading entry point,
+    and the artifact package never starts a thread of its own."""
+    import threading
+
+    kv = _kv(layers=4, heads=8, tokens=512, dim=64, seed=5)  # (L, 2, H, T, D): 4 MiB of fp16
+    blob = _encode(kv, "raw")
+    L, _, H, T, D = kv.shape
+
+    def read(pool: ThreadPoolExecutor | None) -> torch.Tensor:
+        whole = torch.zeros((L, 2, H, 2 * T, D), dtype=kv.dtype)
+        out = whole[:, :, :, T:] if strided else whole[:, :, :, :T].contiguous()
+        reader = ArtifactReader(expect_fingerprint=FP, out=out, pool=pool)
+        reader.feed(blob)
         reader.finish()
-        if strided:
-            assert not whole[:, :, :, :T].any() and not whole[:, :, :, 2 * T :].any()  # nothing else touched
         return out
 
-    assert torch.equal(read(blob), kv)
-    assert artifact._helper is not None and artifact._helper[0] == os.getpid()  # the split ran
-
-    offsets = _payload_offsets(blob)
-    for j, at in enumerate(offsets):
-        bad = bytearray(blob)
-        bad[at + 5] ^= 0x10
-        with pytest.raises(kerr.ArtifactCorrupt, match=f"layer {j // 2} {'KV'[j % 2]} section checksum mismatch"):
-            read(bytes(bad))
-    bad = bytearray(blob)
-    bad[offsets[10] + 1] ^= 0x01  # layer 5 K: the helper's half
-    bad[offsets[3] + 2] ^= 0x80  # layer 1 V: this thread's half, and first in order
-    with pytest.raises(kerr.ArtifactCorrupt, match="layer 1 V section checksum mismatch"):
-        read(bytes(bad))
+    threads = {t.ident for t in threading.enumerate()}
+    alone = read(None)
+    assert {t.ident for t in threading.enumerate()} == threads  # no pool: no thread
+    with _CountingPool() as pool:
+        lent = read(pool)
+        assert pool.submitted == 1
+        assembled = decode_artifact(blob, pool=pool).kv
+        streamed = [s.tensor.clone() for s in iter_sections([blob], assemble=True, pool=pool)]
+        assert pool.submitted == 3  # the pool reaches the reader through every entry point
+    bits = kv.view(torch.int16)
+    assert torch.equal(alone.view(torch.int16), bits) and torch.equal(lent.view(torch.int16), bits)
+    assert torch.equal(assembled.view(torch.int16), bits)
+    assert all(torch.equal(s.view(torch.int16), bits[i // 2, i % 2]) for i, s in enumerate(streamed))
 
 
 def test_transcode_keeps_the_chunk_and_its_variant_and_refuses_lossy_input() -> None:

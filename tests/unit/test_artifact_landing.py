@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdn import artifact
+from kdn.artifact import landing as artifact_landing
 from kdn import errors as kerr
 from kdn.artifact import ArtifactReader, decode_artifact, encode_artifact
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint
@@ -33,7 +33,7 @@ def _encode(kv: torch.Tensor, codec: str = "raw") -> bytes:
 def section_threshold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs with raw payloads received in place (threshold 0) and in the scratch
     buffer (a threshold above every section here): both paths must give the same answers."""
-    monkeypatch.setattr(artifact, "LAND_MIN_SECTION", 0 if request.param == "in place" else 1 << 30)
+    monkeypatch.setattr(artifact_landing, "LAND_MIN_SECTION", 0 if request.param == "in place" else 1 << 30)
     return request.param
 
 

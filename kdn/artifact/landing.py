@@ -1,0 +1,162 @@
+"""Receiving sections in place into a caller's buffer: the destination KV and the landing buffers.
+
+A transport that can receive into given buffers (the bulk socket) asks the reader's ``landing()``
+where the next bytes go, fills those views exactly, and calls ``landed()``; it knows nothing of
+the container's layout. A raw section's payload lands straight in its place in ``kv`` (``out``),
+so the socket's copy is the only copy of those bytes in this process; the section is then hashed
+where it landed (hot in cache) and nothing of it is handed out before its checksum matched.
+Everything else (header, lengths, checks, compressed sections) lands in a scratch buffer and is
+parsed by the same code as ``feed``. Every check is the reader's (:mod:`kdn.artifact.reader`):
+this module only says where bytes go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kdn.codecs import Codec, SectionInfo
+from kdn.codecs.base import same_width_array
+from kdn.artifact.format import U32, Section
+
+LAND_MIN_SECTION = 64 << 10
+"""A raw section's payload is received in place (``landing``) from this size on; a smaller one
+lands in the scratch buffer with its length and check (one receive instead of three, and a copy
+that stays in cache)."""
+
+
+@dataclass(slots=True)
+class Direct:
+    """A raw section's payload being received in place: its place in ``kv`` and that place's
+    contiguous runs as bytes (one, or one per head)."""
+
+    info: SectionInfo
+    length: int
+    target: np.ndarray  # (H, T, D), same-width ints
+    views: list[memoryview]
+
+
+class Destination:
+    """The ``(L, 2, H, T, D)`` tensor an assembling reader decodes into: the caller's ``out``
+    (any strides), or one allocated when the first section has been verified."""
+
+    __slots__ = ("kv", "_array")
+
+    def __init__(self, out: torch.Tensor | None) -> None:
+        self.kv = out
+        self._array: np.ndarray | None = None  # kv's memory as a numpy array, made once
+
+    def array(self, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
+        """``kv`` as same-width ints (allocated as ``shape``/``dtype`` if there is none yet)."""
+        if self.kv is None:
+            self.kv = torch.empty(shape, dtype=dtype)  # (L, 2, H, T, D)
+        if self._array is None:
+            self._array = same_width_array(self.kv)  # one conversion per reader, not per section
+        return self._array
+
+    def decode(self, codec: Codec, payload: memoryview, info: SectionInfo, shape: tuple[int, ...]) -> Section:
+        """Decode one verified section into its place."""
+        which = 0 if info.kind == "k" else 1
+        target = self.array(shape, info.dtype)[info.layer, which]
+        assert self.kv is not None
+        if codec.decode_into_array(payload, info, target):
+            return Section(info.layer, info.kind, whole=self.kv)
+        out = self.kv[info.layer, which]  # (H, T, D) view
+        codec.decode_into(payload, info, out)
+        return Section(info.layer, info.kind, out)
+
+    def direct(self, info: SectionInfo, length: int, shape: tuple[int, ...]) -> Direct | None:
+        """Views of a raw section's place in ``kv`` if its payload of ``length`` bytes can be
+        received there: large enough, and its place is one run or one run per head."""
+        if length < LAND_MIN_SECTION:
+            return None
+        target = self.array(shape, info.dtype)[info.layer, 0 if info.kind == "k" else 1]  # (H, T, D)
+        if target.flags.c_contiguous:
+            runs = [target]
+        elif target.ndim == 3 and target[0].flags.c_contiguous:
+            runs = list(target)  # one (T, D) run per head: a token range of a longer prefix
+        else:
+            return None
+        return Direct(info, length, target, [memoryview(r.reshape(-1).view(np.uint8)) for r in runs])
+
+
+class Parser(Protocol):
+    """What a :class:`Landing` asks of its reader (:class:`kdn.artifact.reader.ArtifactReader`)."""
+
+    @property
+    def complete(self) -> bool: ...
+
+    def sections_left(self) -> int:
+        """Sections not yet verified (0 before the header is)."""
+        ...
+
+    def need(self, b: memoryview) -> int:
+        """Bytes the next part needs in all, as far as ``b`` (its first bytes) tells."""
+        ...
+
+    def feed(self, data: bytes | memoryview) -> list[Section]: ...
+
+    def direct_place(self, length: int) -> Direct | None:
+        """Where the next section's payload of ``length`` bytes is received in place, if it is."""
+        ...
+
+    def accept_landed(self, d: Direct, length: bytes, check: bytes) -> Section:
+        """Verify a payload received in place; its section once its checksum matched."""
+        ...
+
+
+class Landing:
+    """The buffers one reader's ``landing()`` hands out and ``landed()`` takes back."""
+
+    __slots__ = ("_reader", "_scratch", "_scr_n", "_land_to", "_direct")
+
+    def __init__(self, reader: Parser) -> None:
+        self._reader = reader
+        self._scratch = bytearray(64 << 10)  # everything but raw payloads received in place
+        self._scr_n = 0  # bytes of the part being received that are in _scratch
+        self._land_to = 0  # where the last landing in _scratch ends
+        self._direct: Direct | None = None  # a raw payload being received into kv
+
+    def views(self) -> list[memoryview]:
+        r = self._reader
+        if r.complete:
+            return []
+        d = self._direct
+        if d is not None:
+            # the payload's runs, its check, and the next section's length: one receive call
+            return [*d.views, memoryview(self._scratch)[4 : 16 if r.sections_left() > 1 else 12]]
+        need = r.need(memoryview(self._scratch)[: self._scr_n])
+        if need > len(self._scratch):
+            grown = bytearray(need)
+            grown[: self._scr_n] = self._scratch[: self._scr_n]
+            self._scratch = grown
+        self._land_to = need
+        return [memoryview(self._scratch)[self._scr_n : need]]
+
+    def landed(self) -> list[Section]:
+        r = self._reader
+        done: list[Section] = []
+        d = self._direct
+        if d is not None:
+            self._direct = None
+            # the length that arrived (the raw size: the reader checked), then the payload's check
+            done.append(r.accept_landed(d, bytes(self._scratch[:4]), bytes(self._scratch[4:12])))
+            self._scr_n = 0
+            if not r.sections_left():
+                return done  # the trailer comes next
+            self._scratch[0:4] = self._scratch[12:16]  # the next section's length came along
+            self._land_to = 4
+        self._scr_n = self._land_to
+        part = memoryview(self._scratch)[: self._scr_n]
+        if self._scr_n == 4 and r.sections_left():
+            d = r.direct_place(U32.unpack_from(part, 0)[0])
+            if d is not None:
+                self._direct = d
+                return done
+        if r.need(part) > self._scr_n:
+            return done  # a length arrived: the rest of this part comes next
+        self._scr_n = 0
+        return done + r.feed(part)
