@@ -16,7 +16,7 @@ import mmap
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -136,11 +136,18 @@ class KVShape:
         return (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
 
 
-def layers_span(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], s: int, e: int) -> torch.Tensor:
-    """Tokens ``s .. e-1`` of per-layer ``(keys, values)``, each ``(1, H, N, D)``, as one contiguous
-    ``(L, 2, H, e-s, D)`` copy (a chunk's or a tail piece's KV, independent of the source)."""
+def layers_to_chunk(layers: Iterable[Any], start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Tokens ``start .. stop-1`` (default: every token) of one sequence's per-layer KV as one
+    contiguous ``(L, 2, H, stop-start, D)`` copy (a chunk's, a segment's or a tail piece's KV,
+    independent of the source). ``layers``: a cache's layers (each with ``keys``/``values``,
+    ``(1, H, N, D)``) or ``(keys, values)`` pairs of that shape."""
+    pairs = ((layer.keys, layer.values) if hasattr(layer, "keys") else layer for layer in layers)
     # per layer: keys/values (1, H, N, D) -> (H, T, D); stacked -> (L, 2, H, T, D)
-    return torch.stack([torch.stack((k[0, :, s:e], v[0, :, s:e])) for k, v in layers])
+    return torch.stack([torch.stack((k[0, :, start:stop], v[0, :, start:stop])) for k, v in pairs])
+
+
+layers_span = layers_to_chunk
+"""The same helper under the name :mod:`kdn.client` and :mod:`kdn.prefill` call it by."""
 
 
 def split_cache(cache: Any, chunk_size: int, *, start: int = 0, count: int | None = None) -> list[torch.Tensor]:
@@ -149,13 +156,13 @@ def split_cache(cache: Any, chunk_size: int, *, start: int = 0, count: int | Non
     Returns chunks ``start .. start+count-1`` (default: every full chunk from ``start``), each a
     contiguous ``(L, 2, H, chunk_size, D)`` copy, independent of the cache's storage.
     """
-    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    layers = list(cache.layers)
     if not layers:
         return []
-    n_tokens = layers[0][0].shape[2]
+    n_tokens = layers[0].keys.shape[2]
     full = n_tokens // chunk_size
     stop = full if count is None else min(full, start + count)
-    return [layers_span(layers, c * chunk_size, (c + 1) * chunk_size) for c in range(start, stop)]
+    return [layers_to_chunk(layers, c * chunk_size, (c + 1) * chunk_size) for c in range(start, stop)]
 
 
 def build_cache(chunks: Sequence[torch.Tensor], config: Any) -> Any:

@@ -53,7 +53,7 @@ import torch
 
 from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.errors import InvalidInput, UnsupportedModel
-from kdn.kv import cache_from_layers, forward, output_cache
+from kdn.kv import cache_from_layers, forward, layers_to_chunk, output_cache
 from kdn.segments import Segment
 
 
@@ -421,5 +421,4 @@ def prefill_segment(model: Any, tokens: Sequence[int]) -> torch.Tensor:
         raise InvalidInput("a segment needs at least one token")
     ids = torch.tensor([list(tokens)], dtype=torch.long)  # (1, n)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    # per layer keys/values (1, H, n, D) -> (2, H, n, D); stacked -> (L, 2, H, n, D)
-    return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in output_cache(out).layers])
+    return layers_to_chunk(output_cache(out).layers)  # (L, 2, H, n, D)
