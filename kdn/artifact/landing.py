@@ -18,9 +18,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kdn.artifact.format import U32, Section
 from kdn.codecs import Codec, SectionInfo
 from kdn.codecs.base import same_width_array
-from kdn.artifact.format import U32, Section
 
 LAND_MIN_SECTION = 64 << 10
 """A raw section's payload is received in place (``landing``) from this size on; a smaller one

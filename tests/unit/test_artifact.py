@@ -3,7 +3,7 @@
 Every corrupted, truncated or hostile container must raise one of the project's own exceptions
 (``kdn.errors.KdnError`` subclasses) and never return wrong KV; a declared length is never
 allocated before it is bounded. Containers are crafted here by an independent implementation of
-the layout documented in :mod:`kdn.artifact`, so the tests check the documented format too.
+the layout documented in :mod:`kdn.artifact.format`, so the tests check the documented format too.
 """
 
 from __future__ import annotations
