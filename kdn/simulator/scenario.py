@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from kdn.config import refuse_when
 from kdn.errors import ConfigError
 from kdn.simulator.geo import ACCESS_MS, ROUTE_INFLATION, AmbiguousCity, CityIndex, read_rtt_table
 from kdn.simulator.presets import Presets, load_presets
@@ -259,19 +260,8 @@ class TuneSpec(_Strict):
     p90_target_s: float | None = Field(None, gt=0, description="recommend the cheapest config under this p90 TTFT")
     allow_lossy: bool = True
 
-    @field_validator("replicas", "prefetch_depth")
-    @classmethod
-    def _nonneg(cls, v: list[int]) -> list[int]:
-        if any(x < 0 for x in v):
-            raise ValueError("values must be >= 0")
-        return v
-
-    @field_validator("edge_cache_gb")
-    @classmethod
-    def _nonneg_f(cls, v: list[float]) -> list[float]:
-        if any(x < 0 for x in v):
-            raise ValueError("cache sizes must be >= 0")
-        return v
+    _nonneg = refuse_when("replicas", "prefetch_depth", bad=lambda v: any(x < 0 for x in v), why="values must be >= 0")
+    _nonneg_f = refuse_when("edge_cache_gb", bad=lambda v: any(x < 0 for x in v), why="cache sizes must be >= 0")
 
 
 class ReportSpec(_Strict):
