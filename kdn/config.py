@@ -29,6 +29,12 @@ class RoleConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     @classmethod
+    def default(cls, field: str) -> Any:
+        """The model's default for ``field``, for a component that also takes the setting on its own
+        (so the value is written once, on the field)."""
+        return cls.model_fields[field].get_default(call_default_factory=True)
+
+    @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> Self:
         """Load from YAML/JSON, then apply ``overrides`` (flags); ``None`` overrides are ignored."""
         p = Path(path)

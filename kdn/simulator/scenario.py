@@ -18,6 +18,7 @@ from kdn.config import refuse_when
 from kdn.errors import ConfigError
 from kdn.simulator.geo import ACCESS_MS, ROUTE_INFLATION, AmbiguousCity, CityIndex, read_rtt_table
 from kdn.simulator.presets import Presets, load_presets
+from kdn.simulator.tcp import TcpModel
 
 __all__ = ["Scenario", "load_scenario", "parse_scenario", "REPO_ROOT"]
 
@@ -228,6 +229,9 @@ class PolicyParams(_Strict):
     )
 
 
+_TCP = TcpModel()  # the transfer model's own constants: the network settings default to them
+
+
 class NetworkSpec(_Strict):
     """How transfers use links (:mod:`kdn.simulator.links`, :mod:`kdn.simulator.tcp`)."""
 
@@ -235,10 +239,10 @@ class NetworkSpec(_Strict):
     connections: Literal["pooled", "cold", "warm"] = Field(
         "pooled", description="pooled: reuse a connection per site pair, slow start on first use and after idle; cold: a new connection each transfer; warm: always at full window (the old model)"
     )
-    streams: int = Field(1, ge=1, description="parallel TCP connections per transfer (each brings its own initial window)")
-    initial_window_segments: int = Field(10, ge=1, description="TCP initial congestion window, segments")
+    streams: int = Field(_TCP.streams, ge=1, description="parallel TCP connections per transfer (each brings its own initial window)")
+    initial_window_segments: int = Field(_TCP.iw_segments, ge=1, description="TCP initial congestion window, segments")
     congestion_control: Literal["cubic", "bbr"] = Field(
-        "cubic", description="the senders' congestion control, for restart after idle: cubic halves the window per RTO idle (Linux), bbr keeps it"
+        _TCP.congestion_control, description="the senders' congestion control, for restart after idle: cubic halves the window per RTO idle (Linux), bbr keeps it"
     )
 
 
