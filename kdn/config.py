@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kdn.errors import ConfigError
 
+__all__ = ["RoleConfig", "cache_root", "cluster_key_rule", "refuse_when"]
+
 
 def cache_root(env: dict[str, str] | None = None) -> Path:
     """Where KDN keeps what it makes for this user: ``$KDN_CACHE`` or ``~/.cache/kdn`` (trained

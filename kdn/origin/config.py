@@ -17,6 +17,8 @@ from kdn.keys import DEFAULT_CHUNK_SIZE, Namespace
 from kdn.models import DEFAULT_MODEL, DTYPES
 from kdn.wire.tls import TlsFiles
 
+__all__ = ["OriginConfig"]
+
 
 class OriginConfig(RoleConfig):
     node_id: str = Field("origin", description="name this origin reports in Stats and Lookup locations")

@@ -44,6 +44,8 @@ from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint
 from kdn.origin.config import OriginConfig
 from kdn.proto import kdn_pb2 as pb
 
+__all__ = ["DocumentRecord", "OriginStore", "StoredArtifact"]
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (
     key BLOB NOT NULL,

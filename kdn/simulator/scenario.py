@@ -20,7 +20,10 @@ from kdn.simulator.geo import ACCESS_MS, ROUTE_INFLATION, AmbiguousCity, CityInd
 from kdn.simulator.presets import Presets, load_presets
 from kdn.simulator.tcp import TcpModel
 
-__all__ = ["Scenario", "load_scenario", "parse_scenario", "REPO_ROOT"]
+__all__ = [
+    "NetworkSpec", "POLICY_NAMES", "PolicyParams", "REPO_ROOT", "Scenario", "SyntheticWorkload", "TraceWorkload",
+    "load_scenario", "parse_scenario",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLACEMENT_NAMES = ("origin_only", "nearest_edge", "consistent_hash", "popularity_push", "hint_prefetch")

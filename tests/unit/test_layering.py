@@ -234,3 +234,30 @@ def test_the_order_checker_leaves_files_inside_one_package_alone() -> None:
 def test_the_checker_catches_a_forbidden_import(src: str, dst: str) -> None:
     assert violations({src: {dst}}) == [f"{src} ({part_of(src)}) imports {dst} ({part_of(dst)})"]
     assert violations({dst: {"kdn.keys"}}) == []
+
+
+def exported(path: Path) -> tuple[list[str] | None, set[str]]:
+    """A module's ``__all__`` (None without one) and the names its top level binds."""
+    listed, bound = None, set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.col_offset == 0:
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.col_offset == 0:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names = target.elts if isinstance(target, ast.Tuple) else [target]
+                bound |= {n.id for n in names if isinstance(n, ast.Name)}
+                if isinstance(target, ast.Name) and target.id == "__all__":
+                    listed = list(ast.literal_eval(node.value))
+    return listed, bound
+
+
+def test_every_all_lists_public_names_its_module_binds() -> None:
+    bad = []
+    for name, path in sorted(modules().items()):
+        listed, bound = exported(path)
+        for n in listed or ():
+            if n.startswith("_") or n not in bound:
+                bad.append(f"{name}.__all__ names {n}")
+    assert not bad, "\n".join(bad)
