@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 store = work / f"store-ray-{r}"
                 cfg = OriginConfig(store_dir=str(store), models=[model], codecs=[c], workers=1, worker_threads=args.threads,
                                    chunk_size=lm.chunk_size)
-                ex = RayExecutor(spawn_workers(cfg, model))
+                ex = RayExecutor(spawn_workers(cfg, model), max_attempts=cfg.max_attempts, max_restarts=cfg.max_restarts)
                 ex.info()  # wait until the actor holds its model: startup is not ingest time
                 s = ingest([docs], cfg, executor=ex)
                 ex.close()

@@ -26,6 +26,8 @@ from typing import Any, Iterator
 from kdn.errors import InvalidInput, StorageFull
 from kdn.procs import pid_alive
 
+__all__ = ["BlobStore", "sweep_file_tmp", "write_file_atomic", "write_json_atomic"]
+
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 _TMP_SUFFIX = ".tmp"
 

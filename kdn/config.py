@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Callable, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from kdn.errors import ConfigError
+
+__all__ = ["RoleConfig", "cache_root", "cluster_key_rule", "refuse_when"]
 
 
 def cache_root(env: dict[str, str] | None = None) -> Path:
@@ -27,6 +29,12 @@ def cache_root(env: dict[str, str] | None = None) -> Path:
 
 class RoleConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @classmethod
+    def default(cls, field: str) -> Any:
+        """The model's default for ``field``, for a component that also takes the setting on its own
+        (so the value is written once, on the field)."""
+        return cls.model_fields[field].get_default(call_default_factory=True)
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> Self:
@@ -59,3 +67,22 @@ class RoleConfig(BaseModel):
                 f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()
             )
             raise ConfigError(f"invalid {cls.__name__} from {source}: {problems}") from None
+
+
+def refuse_when(*fields: str, bad: Callable[[Any], bool], why: str | Callable[[Any], str]) -> Any:
+    """A field validator for a config model's class body: a value for which ``bad`` holds is refused
+    with ``ValueError(why)`` (``why(value)`` when it is callable), pydantic naming the field; any
+    other value passes unchanged."""
+
+    def check(cls: type, v: Any) -> Any:
+        if bad(v):
+            raise ValueError(why(v) if callable(why) else why)
+        return v
+
+    return field_validator(*fields)(check)
+
+
+def cluster_key_rule() -> Any:
+    """The ``cluster_key`` field's validator, for every role that holds the cluster's shared secret."""
+    return refuse_when("cluster_key", bad=lambda v: v is not None and len(v.get_secret_value()) < 16,
+                       why="cluster_key must be at least 16 characters")

@@ -20,6 +20,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, TextIO
 
+__all__ = ["StageLines", "plain", "report_error"]
+
 _RST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 
 

@@ -23,6 +23,12 @@ gRPC status codes map to this tree in exactly one place: :mod:`kdn.wire.errors`.
 
 from __future__ import annotations
 
+__all__ = [
+    "ArtifactCorrupt", "ArtifactError", "ConfigError", "FingerprintMismatch", "InvalidInput", "KdnError",
+    "LossyRefused", "MessageTooLarge", "ModelInstallError", "NotFound", "StorageFull", "Unauthorized",
+    "Unavailable", "UnknownCodec", "UnknownModel", "UnsupportedModel", "UnsupportedVersion",
+]
+
 
 class KdnError(Exception):
     """Base class of every error KDN raises on purpose."""

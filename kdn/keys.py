@@ -34,6 +34,12 @@ import numpy as np
 
 from kdn.errors import InvalidInput
 
+__all__ = [
+    "ChunkKey", "DEFAULT_CHUNK_SIZE", "DEFAULT_NAMESPACE", "KEY_BYTES", "ModelFingerprint", "Namespace",
+    "PIECE_TOKENS", "ROOT_KEY", "chunk_keys", "next_key", "parse_fingerprint", "parse_key", "piece_keys",
+    "pieces_enabled", "toggled_bos_key",
+]
+
 ChunkKey = NewType("ChunkKey", bytes)
 """32-byte chained digest of a chunk and everything before it."""
 

@@ -35,6 +35,12 @@ from kdn.prompts import ByteTokenizer, HFTokenizer, Tokenizer
 from kdn.keys import DEFAULT_CHUNK_SIZE, KEY_BYTES, ModelFingerprint
 from kdn.kv import KV_LAYOUT_VERSION, KVShape
 
+__all__ = [
+    "BUILTIN_SPECS", "ByteTokenizer", "DEFAULT_MODEL", "DTYPES", "HFTokenizer", "LoadedModel", "Tokenizer",
+    "check_spec", "describe", "dir_fingerprint", "is_model_dir", "load_model", "model_fingerprint",
+    "resolve_dtype", "resolve_spec",
+]
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,

@@ -34,6 +34,11 @@ from kdn.keys import PIECE_TOKENS, pieces_enabled
 from kdn.kv import forward, layers_span, output_cache
 from kdn.models import LoadedModel
 
+__all__ = [
+    "document_tokens", "greedy_tail", "logits_with_chunks", "plan_chunks", "prefill_chunks",
+    "prefill_document", "window_tokens",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkPlan:

@@ -11,6 +11,8 @@ import signal
 import time
 from pathlib import Path
 
+__all__ = ["pid_alive", "session_members", "start_local_ray", "stop_sessions"]
+
 
 def pid_alive(pid: int) -> bool:
     """True if a process with this pid exists (ours or not)."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from kdn.config import RoleConfig
+from kdn.config import RoleConfig, cluster_key_rule
 from kdn.wire.channel import MAX_MESSAGE, STREAM_PIECE
 from kdn.wire.tls import TlsFiles
 
@@ -220,12 +220,7 @@ class EdgeConfig(RoleConfig):
     def _rtc_signal(cls, v: str | None) -> str | None:
         return None if v in (None, "") else _check_address(v, "rtc_signal")
 
-    @field_validator("cluster_key")
-    @classmethod
-    def _cluster_key_long(cls, v: SecretStr | None) -> SecretStr | None:
-        if v is not None and len(v.get_secret_value()) < 16:
-            raise ValueError("cluster_key must be at least 16 characters")
-        return v
+    _cluster_key_long = cluster_key_rule()
 
     @field_validator("rtc_link_codec")
     @classmethod

@@ -181,12 +181,11 @@ def run(args: argparse.Namespace, progress: _Progress) -> dict[str, Any]:
 
         origin_actor, origin_address = start_origin_actor(ocfg, max_restarts=0)
         stack.callback(lambda: _quietly(lambda: ray.get(origin_actor.stop.remote(), timeout=30)))
-        from kdn.ops.roles import EdgeActor
+        from kdn.edge.ray_edge import EdgeActor
 
         edge_cls = ray.remote(EdgeActor)
         edge_actor = edge_cls.options(resources={RESOURCE_EDGE: 1}, num_cpus=0, max_restarts=0).remote(
-            {"node_id": "demo-edge", "listen": "127.0.0.1:0", "origin": origin_address, "memory_bytes": 2 << 30},
-            registered=False)
+            {"node_id": "demo-edge", "listen": "127.0.0.1:0", "origin": origin_address, "memory_bytes": 2 << 30})
         edge_address = ray.get(edge_actor.address.remote(), timeout=120)
         stack.callback(lambda: _quietly(lambda: ray.get(edge_actor.stop.remote(), timeout=30)))
         progress.step(f"origin at {origin_address}, edge at {edge_address}")

@@ -57,6 +57,8 @@ from kdn.origin.segments import ANCHOR_TOKENS, SegmentCatalog, store_segment
 from kdn.origin.store import OriginStore
 from kdn.segments import Segment, SegmentKey, decode_segment, segment_key
 
+__all__ = ["BlendCache", "BlendPlan", "Refusal", "check_spans", "compute_variant", "plan_blend"]
+
 PLAN_VERSION = 1
 _ROOT_PERSON = b"kdn/blend/root/1"
 

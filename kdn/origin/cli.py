@@ -21,6 +21,8 @@ from kdn.errors import InvalidInput, KdnError, Unavailable
 if TYPE_CHECKING:
     from kdn.origin.config import OriginConfig
 
+__all__ = ["main_ingest", "main_origin"]
+
 # Both commands print their first line before importing torch, transformers and Ray (several
 # seconds on a small machine, tens of seconds on a busy one): a user sees at once what is going on.
 

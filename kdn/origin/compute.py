@@ -23,6 +23,8 @@ from kdn.models import LoadedModel
 from kdn.origin.config import OriginConfig
 from kdn.origin.worker import ChainResult, DocumentResult, DocumentTask, PrefillWorker, spawn_workers
 
+__all__ = ["ComputeBackend", "LocalCompute", "RayCompute"]
+
 
 class ComputeBackend(Protocol):
     def models(self) -> dict[ModelFingerprint, dict[str, Any]]:

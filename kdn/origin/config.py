@@ -12,10 +12,12 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from kdn.codecs import get_codec
-from kdn.config import RoleConfig
+from kdn.config import RoleConfig, cluster_key_rule, refuse_when
 from kdn.keys import DEFAULT_CHUNK_SIZE, Namespace
 from kdn.models import DEFAULT_MODEL, DTYPES
 from kdn.wire.tls import TlsFiles
+
+__all__ = ["OriginConfig"]
 
 
 class OriginConfig(RoleConfig):
@@ -70,12 +72,7 @@ class OriginConfig(RoleConfig):
             get_codec(spec)  # UnknownCodec is a ValueError: pydantic reports it against the field
         return v
 
-    @field_validator("cluster_key")
-    @classmethod
-    def _cluster_key_long(cls, v: SecretStr | None) -> SecretStr | None:
-        if v is not None and len(v.get_secret_value()) < 16:
-            raise ValueError("cluster_key must be at least 16 characters")
-        return v
+    _cluster_key_long = cluster_key_rule()
 
     @field_validator("models")
     @classmethod
@@ -84,12 +81,8 @@ class OriginConfig(RoleConfig):
             raise ValueError("at least one model is needed")
         return v
 
-    @field_validator("dtype")
-    @classmethod
-    def _dtype_known(cls, v: str) -> str:
-        if v not in DTYPES:
-            raise ValueError(f"unknown dtype {v!r}; choose one of {sorted(DTYPES)}")
-        return v
+    _dtype_known = refuse_when("dtype", bad=lambda v: v not in DTYPES,
+                               why=lambda v: f"unknown dtype {v!r}; choose one of {sorted(DTYPES)}")
 
     @field_validator("namespace")
     @classmethod

@@ -15,6 +15,8 @@ from typing import Any
 from kdn.origin.config import OriginConfig
 from kdn.procs import start_local_ray
 
+__all__ = ["OriginActor", "ensure_ray", "start_origin_actor"]
+
 
 def ensure_ray(
     *, address: str | None = None, origin_slots: float = 1, num_cpus: int | None = None, temp_dir: str | None = None

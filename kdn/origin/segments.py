@@ -47,6 +47,11 @@ from kdn.models import LoadedModel
 from kdn.origin.store import DocumentRecord, OriginStore
 from kdn.segments import MAX_SEGMENT_TOKENS, Segment, SegmentKey, encode_segment, segment_key
 
+__all__ = [
+    "ANCHOR_TOKENS", "SegmentCatalog", "ingest_segments", "record_segment_document", "segment_tokens",
+    "store_segment",
+]
+
 SEGMENT_SUFFIX = "#segment"
 ANCHOR_TOKENS = 16
 CATALOG_FILE = "segments.sqlite"

@@ -78,6 +78,8 @@ from kdn.origin.steer import steering_details
 from kdn.origin.store import OriginStore, StoredArtifact
 from kdn.origin.worker import DocumentTask
 
+__all__ = ["OriginServer", "OriginServicer"]
+
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kdn.v1.OriginService"

@@ -39,6 +39,10 @@ from kdn.prefill import document_tokens
 from kdn.steer import Emphasis, SteerSpec, regex_lines, steer_root
 from kdn.steer.methods import KeyEditCalibration, calibration_summary, load_calibration, steered_kv
 
+__all__ = [
+    "Emphasis", "STEER_SUFFIX", "calibration_for", "resolve", "steering_details", "store_steered_chain",
+]
+
 STEER_SUFFIX = "#steer"
 
 

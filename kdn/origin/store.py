@@ -41,7 +41,10 @@ from kdn.blobstore import BlobStore
 from kdn.codecs import get_codec
 from kdn.errors import ArtifactError, ConfigError, InvalidInput, NotFound, UnknownCodec
 from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint
+from kdn.origin.config import OriginConfig
 from kdn.proto import kdn_pb2 as pb
+
+__all__ = ["DocumentRecord", "OriginStore", "StoredArtifact"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS artifacts (
@@ -165,8 +168,8 @@ class OriginStore:
         self,
         root: str | Path,
         *,
-        fsync: bool = True,
-        verify: Literal["full", "size", "none"] = "full",
+        fsync: bool = OriginConfig.default("fsync"),
+        verify: Literal["full", "size", "none"] = OriginConfig.default("verify_on_start"),
     ) -> None:
         self.root = Path(root).expanduser()
         try:

@@ -35,6 +35,8 @@ from kdn.prompts import check_chat_template
 from kdn.origin.config import OriginConfig
 from kdn.origin.store import DocumentRecord, OriginStore
 
+__all__ = ["ChainResult", "DocumentResult", "DocumentTask", "PrefillWorker", "spawn_workers"]
+
 Status = Literal["stored", "skipped", "truncated", "short", "failed"]
 
 

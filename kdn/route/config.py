@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kdn.config import RoleConfig
+from kdn.config import RoleConfig, refuse_when
 from kdn.keys import DEFAULT_CHUNK_SIZE, Namespace
 from kdn.pretrained import DEFAULT_MODEL
 from kdn.route.policy import POLICIES
@@ -87,19 +87,10 @@ class RouteConfig(RoleConfig):
     edge_tls_cert: Path | None = None
     edge_tls_key: Path | None = None
 
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, v: str) -> str:
-        if v not in POLICIES:
-            raise ValueError(f"unknown routing policy {v!r}; choose one of {', '.join(POLICIES)}")
-        return v
-
-    @field_validator("calibrate_tokens")
-    @classmethod
-    def _calibrate(cls, v: list[int]) -> list[int]:
-        if any(n < 2 for n in v):
-            raise ValueError("calibration prompts need at least 2 tokens")
-        return v
+    _policy = refuse_when("policy", bad=lambda v: v not in POLICIES,
+                          why=lambda v: f"unknown routing policy {v!r}; choose one of {', '.join(POLICIES)}")
+    _calibrate = refuse_when("calibrate_tokens", bad=lambda v: any(n < 2 for n in v),
+                             why="calibration prompts need at least 2 tokens")
 
     @model_validator(mode="after")
     def _check(self) -> "RouteConfig":

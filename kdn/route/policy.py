@@ -42,7 +42,7 @@ class Policy(ABC):
     name: ClassVar[str]
     needs_lookup: ClassVar[bool] = True
 
-    def __init__(self, *, tie_s: float = 0.005, tie_fraction: float = 0.02) -> None:
+    def __init__(self, *, tie_s: float, tie_fraction: float) -> None:
         self.tie_s = tie_s
         self.tie_fraction = tie_fraction
         self._cursor = 0

@@ -14,11 +14,16 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from kdn.config import refuse_when
 from kdn.errors import ConfigError
 from kdn.simulator.geo import ACCESS_MS, ROUTE_INFLATION, AmbiguousCity, CityIndex, read_rtt_table
 from kdn.simulator.presets import Presets, load_presets
+from kdn.simulator.tcp import TcpModel
 
-__all__ = ["Scenario", "load_scenario", "parse_scenario", "REPO_ROOT"]
+__all__ = [
+    "NetworkSpec", "POLICY_NAMES", "PolicyParams", "REPO_ROOT", "Scenario", "SyntheticWorkload", "TraceWorkload",
+    "load_scenario", "parse_scenario",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLACEMENT_NAMES = ("origin_only", "nearest_edge", "consistent_hash", "popularity_push", "hint_prefetch")
@@ -227,6 +232,9 @@ class PolicyParams(_Strict):
     )
 
 
+_TCP = TcpModel()  # the transfer model's own constants: the network settings default to them
+
+
 class NetworkSpec(_Strict):
     """How transfers use links (:mod:`kdn.simulator.links`, :mod:`kdn.simulator.tcp`)."""
 
@@ -234,10 +242,10 @@ class NetworkSpec(_Strict):
     connections: Literal["pooled", "cold", "warm"] = Field(
         "pooled", description="pooled: reuse a connection per site pair, slow start on first use and after idle; cold: a new connection each transfer; warm: always at full window (the old model)"
     )
-    streams: int = Field(1, ge=1, description="parallel TCP connections per transfer (each brings its own initial window)")
-    initial_window_segments: int = Field(10, ge=1, description="TCP initial congestion window, segments")
+    streams: int = Field(_TCP.streams, ge=1, description="parallel TCP connections per transfer (each brings its own initial window)")
+    initial_window_segments: int = Field(_TCP.iw_segments, ge=1, description="TCP initial congestion window, segments")
     congestion_control: Literal["cubic", "bbr"] = Field(
-        "cubic", description="the senders' congestion control, for restart after idle: cubic halves the window per RTO idle (Linux), bbr keeps it"
+        _TCP.congestion_control, description="the senders' congestion control, for restart after idle: cubic halves the window per RTO idle (Linux), bbr keeps it"
     )
 
 
@@ -259,19 +267,8 @@ class TuneSpec(_Strict):
     p90_target_s: float | None = Field(None, gt=0, description="recommend the cheapest config under this p90 TTFT")
     allow_lossy: bool = True
 
-    @field_validator("replicas", "prefetch_depth")
-    @classmethod
-    def _nonneg(cls, v: list[int]) -> list[int]:
-        if any(x < 0 for x in v):
-            raise ValueError("values must be >= 0")
-        return v
-
-    @field_validator("edge_cache_gb")
-    @classmethod
-    def _nonneg_f(cls, v: list[float]) -> list[float]:
-        if any(x < 0 for x in v):
-            raise ValueError("cache sizes must be >= 0")
-        return v
+    _nonneg = refuse_when("replicas", "prefetch_depth", bad=lambda v: any(x < 0 for x in v), why="values must be >= 0")
+    _nonneg_f = refuse_when("edge_cache_gb", bad=lambda v: any(x < 0 for x in v), why="cache sizes must be >= 0")
 
 
 class ReportSpec(_Strict):

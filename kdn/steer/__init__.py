@@ -42,6 +42,11 @@ from typing import Any, Sequence
 from kdn.errors import InvalidInput
 from kdn.keys import KEY_BYTES, ChunkKey, ROOT_KEY
 
+__all__ = [
+    "Emphasis", "MAX_STRENGTH", "SteerSpec", "chars_to_tokens", "marks_from_regex", "parse_variant",
+    "regex_lines", "steer_root", "steering_line",
+]
+
 METHODS = ("key-edit", "re-read")
 MAX_STRENGTH = 8.0  # nats of attention logit added (key-edit); beyond this a head sees nothing else
 MAX_MARKS = 4096

@@ -39,6 +39,8 @@ from typing import Callable, Mapping
 
 from kdn.errors import Unauthorized
 
+__all__ = ["EDGE_TOKEN_PREFIX", "EdgeKey", "SIGNAL_NODE", "SIGNAL_SCOPE", "TokenAuth", "tenant_scope"]
+
 ANY_TENANT = "*"
 EDGE_TOKEN_PREFIX = "kdn-edge1."
 EDGE_TOKEN_WINDOW_S = 60.0

@@ -22,6 +22,8 @@ from typing import Any, AsyncIterator, Callable, Iterable
 
 import grpc
 
+__all__ = ["InProcessRpcError", "InProcessServer"]
+
 
 class InProcessRpcError(grpc.RpcError):
     """A failed in-process call: the status code and details a socket would have carried."""

@@ -43,7 +43,7 @@ from kdn.wire.errors import rpc_errors
 from kdn.wire.service import Servicer, rpc
 from kdn.wire.tls import TlsFiles
 
-__all__ = ["SignalBoard", "SignalClient", "SignalServicer", "MAX_SDP", "KINDS"]
+__all__ = ["SignalBoard", "SignalClient", "SignalServicer", "MAX_SDP", "MAX_WAITING", "KINDS"]
 
 MAX_SDP = 64 << 10  # an SDP with a few dozen candidates is ~2-4 KiB
 MAX_WAITING = 64  # messages waiting in one mailbox

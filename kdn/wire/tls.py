@@ -17,6 +17,8 @@ from pathlib import Path
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+__all__ = ["TlsFiles"]
+
 
 class TlsFiles(BaseModel):
     """PEM files for TLS. ``ca`` set on a server means clients must present a certificate (mTLS)."""

@@ -1,4 +1,5 @@
-"""kdn.ops.roles.EdgeActor on a real local Ray: registers, heartbeats, exports Ray metrics, deregisters."""
+"""kdn.edge.ray_edge.EdgeActor, handed the registry as kdn.ops.roles hands it, on a real local Ray:
+registers, heartbeats, exports Ray metrics, deregisters."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ def ray_local(tmp_path_factory):
 def test_registered_edge_actor_lifecycle(ray_local):
     ray = ray_local
     from kdn.edge.admin import EdgeClient
-    from kdn.ops.registry import RESOURCE_EDGE, get_or_create_registry
-    from kdn.ops.roles import HEARTBEAT_S, EdgeActor
+    from kdn.edge.ray_edge import EdgeActor
+    from kdn.ops.registry import RESOURCE_EDGE, get_or_create_registry, get_registry
+    from kdn.ops.roles import HEARTBEAT_S
 
     registry = get_or_create_registry()
     actor = ray.remote(EdgeActor).options(resources={RESOURCE_EDGE: 1}, num_cpus=0).remote(
-        {"node_id": "e0", "listen": "127.0.0.1:0"})
+        {"node_id": "e0", "listen": "127.0.0.1:0"}, get_registry, HEARTBEAT_S)
     info = ray.get(actor.info.remote(), timeout=120)
     (member,) = ray.get(registry.members.remote("edge"))
     assert (member["node_id"], member["address"]) == ("e0", info["address"])

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from pydantic import Field, ValidationError
+from pydantic import Field, SecretStr, ValidationError
 
-from kdn.config import RoleConfig
+from kdn.config import RoleConfig, cluster_key_rule, refuse_when
 from kdn.errors import ConfigError
 
 
@@ -20,6 +20,33 @@ class EdgeLikeConfig(RoleConfig):
     memory_bytes: int = Field(1 << 30, gt=0)
     codec: str = "zstd"
     peers: list[str] = Field(default_factory=list)
+
+
+class RuledConfig(RoleConfig):
+    """Fields checked by the shared validators."""
+
+    codec: str = "zstd"
+    sizes: list[int] = Field(default_factory=lambda: [1, 2])
+    cluster_key: SecretStr | None = None
+
+    _codec_known = refuse_when("codec", bad=lambda v: v not in ("zstd", "raw"), why=lambda v: f"unknown codec {v!r}")
+    _sizes_positive = refuse_when("sizes", bad=lambda v: any(n <= 0 for n in v), why="sizes must be positive")
+    _cluster_key_long = cluster_key_rule()
+
+
+def test_shared_validators_refuse_naming_the_field_and_pass_the_rest() -> None:
+    assert RuledConfig.build(codec="raw", sizes=[3], cluster_key="k" * 16).codec == "raw"
+    with pytest.raises(ConfigError, match="codec: Value error, unknown codec 'lz9'"):
+        RuledConfig.build(codec="lz9")
+    with pytest.raises(ConfigError, match="sizes: Value error, sizes must be positive"):
+        RuledConfig.build(sizes=[1, 0])
+    with pytest.raises(ConfigError, match="cluster_key: Value error, cluster_key must be at least 16 characters"):
+        RuledConfig.build(cluster_key="short")
+
+
+def test_default_reads_the_field() -> None:
+    assert EdgeLikeConfig.default("memory_bytes") == 1 << 30
+    assert EdgeLikeConfig.default("peers") == []
 
 
 def test_defaults_are_valid() -> None:

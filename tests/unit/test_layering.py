@@ -15,26 +15,39 @@ import pytest
 
 KDN = Path(__file__).resolve().parents[2] / "kdn"
 
-CONTRACTS = {
-    "kdn.errors", "kdn.keys", "kdn.kv", "kdn.models", "kdn.prefill", "kdn.artifact", "kdn.codecs",
-    "kdn.placement", "kdn.config", "kdn.blobstore", "kdn.procs", "kdn.console", "kdn.proto", "kdn.segments",
-    "kdn.blend", "kdn.steer", "kdn.pretrained", "kdn.prompts",
-}  # fmt: skip
+# Each ordered floor's modules, lowest first: a module imports only those that stand before it in
+# its floor's list (or lower floors). A package (``kdn.codecs``, ``kdn.blend``) is one place; the
+# files inside it are held to no order but the no-cycle rule.
+CONTRACTS_ORDER = [
+    "kdn.errors", "kdn.console", "kdn.procs", "kdn.proto", "kdn.config", "kdn.blobstore", "kdn.keys", "kdn.kv",
+    "kdn.prompts", "kdn.codecs", "kdn.placement", "kdn.pretrained", "kdn.models", "kdn.prefill", "kdn.artifact",
+]  # fmt: skip
+WIRE_ORDER = [
+    "kdn.wire", "kdn.wire.errors", "kdn.wire.frames", "kdn.wire.auth", "kdn.wire.tls", "kdn.wire.inproc",
+    "kdn.wire.shm", "kdn.wire.channel", "kdn.wire.convert", "kdn.wire.calls", "kdn.wire.bulk", "kdn.wire.service",
+    "kdn.wire.signal", "kdn.wire.rtc",
+]  # fmt: skip
+KVOPS_ORDER = ["kdn.segments", "kdn.blend", "kdn.steer"]
+CONTRACTS = set(CONTRACTS_ORDER)
 WIRE = {"kdn.wire"}
+KVOPS = set(KVOPS_ORDER)
 CLIENT = {"kdn.client", "kdn.client_transport"}
+ORDER: dict[str, list[str]] = {"contracts": CONTRACTS_ORDER, "wire": WIRE_ORDER, "kvops": KVOPS_ORDER}
 
-# part -> what it may import besides itself (contracts and the wire are open to every part)
+# floor or part -> what it may import besides itself (contracts, the wire and the KV operations are
+# open to every part; the KV operations stand on contracts alone)
 ALLOWED: dict[str, set[str]] = {
     "contracts": set(),
     "wire": {"contracts"},
-    "client": {"contracts", "wire"},
-    "integrations": {"contracts", "wire", "client"},
-    "edge": {"contracts", "wire"},
-    "origin": {"contracts", "wire"},
-    "lab": {"contracts", "wire"},
-    "route": {"contracts", "wire", "client"},
-    "simulator": {"contracts", "wire", "edge", "route"},
-    "ops": {"contracts", "wire", "client", "integrations", "edge", "origin", "lab", "simulator", "route"},
+    "kvops": {"contracts"},
+    "client": {"contracts", "wire", "kvops"},
+    "integrations": {"contracts", "wire", "kvops", "client"},
+    "edge": {"contracts", "wire", "kvops"},
+    "origin": {"contracts", "wire", "kvops"},
+    "lab": {"contracts", "wire", "kvops"},
+    "route": {"contracts", "wire", "kvops", "client"},
+    "simulator": {"contracts", "wire", "kvops", "edge", "route"},
+    "ops": {"contracts", "wire", "kvops", "client", "integrations", "edge", "origin", "lab", "simulator", "route"},
 }
 
 
@@ -48,6 +61,8 @@ def part_of(module: str) -> str:
             return "contracts"
         if prefix in WIRE:
             return "wire"
+        if prefix in KVOPS:
+            return "kvops"
         if prefix in CLIENT:
             return "client"
     if len(parts) >= 2 and parts[1] in ALLOWED:
@@ -151,11 +166,98 @@ def test_no_import_cycles_between_files() -> None:
     assert not cycles, f"import cycles: {cycles}"
 
 
+def place_in_order(module: str) -> int:
+    """Where ``module`` stands in its floor's order: the index of the longest listed name it is or lies in."""
+    floor = ORDER[part_of(module)]
+    places = [i for i, name in enumerate(floor) if module == name or module.startswith(name + ".")]
+    if not places:
+        raise AssertionError(f"{module} has no place in the {part_of(module)} order: add it to this test's list "
+                             "and to kdn/__init__.py's line for that floor")
+    return max(places, key=lambda i: len(floor[i]))
+
+
+def order_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in sorted(graph.items()):
+        floor = part_of(src)
+        if floor not in ORDER or src == "kdn":
+            continue
+        for dst in sorted(targets):
+            if part_of(dst) == floor and place_in_order(dst) > place_in_order(src):
+                bad.append(f"{src} imports {dst}, which does not stand below it in the {floor} order")
+    return bad
+
+
+def test_within_a_floor_imports_only_go_down_its_order() -> None:
+    for name in modules():
+        if part_of(name) in ORDER and name != "kdn":
+            place_in_order(name)
+    bad = order_violations(imports())
+    assert not bad, "order within a floor broken:\n" + "\n".join(bad)
+
+
+def test_the_orders_are_the_ones_kdn_init_states() -> None:
+    import kdn
+
+    stated = dict(line[2:].split(": ", 1) for line in (kdn.__doc__ or "").splitlines() if line.startswith("- "))
+    floors = {"contracts": "contracts", "wire": "wire", "KV operations": "kvops"}
+    for title, floor in floors.items():
+        root = "kdn.wire." if floor == "wire" else "kdn."
+        assert [root + name for name in stated[title].split(", ")] == [n for n in ORDER[floor] if n != "kdn.wire"]
+
+
+def test_the_import_root_imports_nothing() -> None:
+    assert imports()["kdn"] == set()
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [("kdn.errors", "kdn.keys"), ("kdn.config", "kdn.models"), ("kdn.codecs.int8", "kdn.artifact"),
+     ("kdn.segments", "kdn.blend"), ("kdn.blend.rope", "kdn.steer.methods"), ("kdn.wire.errors", "kdn.wire.service")],
+)
+def test_the_order_checker_catches_an_import_up_the_order(src: str, dst: str) -> None:
+    assert order_violations({src: {dst}}) == [
+        f"{src} imports {dst}, which does not stand below it in the {part_of(src)} order"]
+    assert order_violations({dst: {src}}) == []
+
+
+def test_the_order_checker_leaves_files_inside_one_package_alone() -> None:
+    assert order_violations({"kdn.blend.rope": {"kdn.blend.verdict"}, "kdn.codecs.base": {"kdn.codecs.int8"}}) == []
+
+
 @pytest.mark.parametrize(
     ("src", "dst"),
     [("kdn.keys", "kdn.edge.server"), ("kdn.wire.errors", "kdn.client"), ("kdn.edge.node", "kdn.origin.store"),
-     ("kdn.origin.server", "kdn.ops.cli"), ("kdn.client", "kdn.edge.shm")],
+     ("kdn.origin.server", "kdn.ops.cli"), ("kdn.client", "kdn.edge.shm"), ("kdn.keys", "kdn.blend"),
+     ("kdn.wire.convert", "kdn.steer"), ("kdn.segments", "kdn.wire.convert"), ("kdn.blend", "kdn.origin.blend")],
 )
 def test_the_checker_catches_a_forbidden_import(src: str, dst: str) -> None:
     assert violations({src: {dst}}) == [f"{src} ({part_of(src)}) imports {dst} ({part_of(dst)})"]
     assert violations({dst: {"kdn.keys"}}) == []
+
+
+def exported(path: Path) -> tuple[list[str] | None, set[str]]:
+    """A module's ``__all__`` (None without one) and the names its top level binds."""
+    listed, bound = None, set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.col_offset == 0:
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.col_offset == 0:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names = target.elts if isinstance(target, ast.Tuple) else [target]
+                bound |= {n.id for n in names if isinstance(n, ast.Name)}
+                if isinstance(target, ast.Name) and target.id == "__all__":
+                    listed = list(ast.literal_eval(node.value))
+    return listed, bound
+
+
+def test_every_all_lists_public_names_its_module_binds() -> None:
+    bad = []
+    for name, path in sorted(modules().items()):
+        listed, bound = exported(path)
+        for n in listed or ():
+            if n.startswith("_") or n not in bound:
+                bad.append(f"{name}.__all__ names {n}")
+    assert not bad, "\n".join(bad)

@@ -90,7 +90,7 @@ def test_cost_picks_the_least_ttft_and_spreads_ties() -> None:
 
 
 def test_prefix_overlap_picks_the_longest_local_run_whatever_it_costs() -> None:
-    p = make_policy("prefix_overlap")
+    p = make_policy("prefix_overlap", tie_s=0.0, tie_fraction=0.0)
     assert p.choose([cand("a", 0.1, local=0), cand("b", 99.0, local=512)]) == 1
     assert p.choose([cand("a", 0.1, local=256, in_flight=3), cand("b", 0.1, local=256, in_flight=1)]) == 1
 

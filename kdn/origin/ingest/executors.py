@@ -64,7 +64,7 @@ class RayExecutor:
     """
 
     def __init__(
-        self, actors: list[Any], *, max_attempts: int = 3, max_restarts: int = 3, probe_timeout_s: float = 120.0
+        self, actors: list[Any], *, max_attempts: int, max_restarts: int, probe_timeout_s: float = 120.0
     ) -> None:
         self.actors = actors
         self.max_attempts = max_attempts
