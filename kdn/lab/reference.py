@@ -27,10 +27,8 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -40,7 +38,7 @@ import torch
 
 from kdn.console import report_error
 from kdn.errors import InvalidInput, KdnError
-from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish  # noqa: F401  (part of this module's API)
+from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish, save_model  # noqa: F401  (part of this module's API)
 from kdn.lab.training import fit
 
 REFERENCE_DIRNAME = "reference-model"
@@ -320,28 +318,19 @@ def train_reference(
 
 def _save(model: Any, tok: Any, cfg: TrainConfig, result: TrainResult, split: CorpusSplit, out: Path) -> None:
     """Write the directory next to ``out`` and rename it into place (no half-written model)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.eval()
-        model.save_pretrained(tmp)
-        _hf_tokenizer(tok).save_pretrained(tmp)
-        meta = {
-            "kind": "kdn-reference-model",
-            "train_config": asdict(cfg),
-            "result": {k: v for k, v in result.as_dict().items() if k != "out_dir"},
-            "corpus": {
-                "root": str(split.root),
-                "train_files": len(split.train),
-                "heldout_files": [p.relative_to(split.root).as_posix() for p in split.heldout],
-            },
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-        }
-        publish(tmp, out, meta)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    meta = {
+        "kind": "kdn-reference-model",
+        "train_config": asdict(cfg),
+        "result": {k: v for k, v in result.as_dict().items() if k != "out_dir"},
+        "corpus": {
+            "root": str(split.root),
+            "train_files": len(split.train),
+            "heldout_files": [p.relative_to(split.root).as_posix() for p in split.heldout],
+        },
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+    save_model(out, model, _hf_tokenizer(tok), meta)
 
 
 # -- CLI ----------------------------------------------------------------------------------------

@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,7 +54,7 @@ from typing import Any, Callable
 import torch
 
 from kdn.errors import InvalidInput
-from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish
+from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, save_model
 from kdn.lab.training import fit
 
 RETRIEVAL_DIRNAME = "retrieval-model"
@@ -386,25 +384,17 @@ def _save(model: Any, tok: Any, cfg: RetrievalTrainConfig, result: RetrievalResu
     """Write next to ``out`` and rename into place (no half-written model is ever visible)."""
     from transformers import PreTrainedTokenizerFast
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.eval()
-        model.save_pretrained(tmp)
-        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-                                unk_token=PAD_TOKEN, model_max_length=1 << 30).save_pretrained(tmp)
-        meta = {
-            "kind": "kdn-reference-model",
-            "task": "retrieval",
-            "train_config": asdict(cfg),
-            "result": {k: v for k, v in result.as_dict().items() if k != "out_dir"},
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-        }
-        publish(tmp, out, meta)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
+                                     pad_token=PAD_TOKEN, unk_token=PAD_TOKEN, model_max_length=1 << 30)
+    meta = {
+        "kind": "kdn-reference-model",
+        "task": "retrieval",
+        "train_config": asdict(cfg),
+        "result": {k: v for k, v in result.as_dict().items() if k != "out_dir"},
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+    save_model(out, model, hf_tok, meta)
 
 
 def load_task(model_dir: Path) -> tuple[RetrievalTrainConfig, dict[str, Any]]:
