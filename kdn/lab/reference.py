@@ -39,7 +39,7 @@ import torch
 from kdn.console import report_error
 from kdn.errors import InvalidInput, KdnError
 from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish, save_model  # noqa: F401  (part of this module's API)
-from kdn.lab.training import fit
+from kdn.lab.training import fit, new_llama
 
 REFERENCE_DIRNAME = "reference-model"
 
@@ -216,27 +216,6 @@ def token_stream(tok: Any, texts: Sequence[str]) -> torch.Tensor:
 # -- model and training -------------------------------------------------------------------------
 
 
-def build_model(cfg: TrainConfig, eos_id: int, pad_id: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_positions,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-    )
-    return LlamaForCausalLM(config)
-
-
 def _windows(stream: torch.Tensor, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
     """``n`` random windows of ``length`` tokens: ``(n, length)``."""
     if stream.numel() <= length:
@@ -289,7 +268,7 @@ def train_reference(
         log(f"tokenizer: {tok.get_vocab_size()} tokens; {train_ids.numel():,} train / {held_ids.numel():,} held-out tokens")
 
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg, tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN))
+        model = new_llama(cfg, cfg.vocab_size, tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN))
         model.train()
         n_params = sum(p.numel() for p in model.parameters())
         data_gen = torch.Generator().manual_seed(cfg.seed + 1)
