@@ -26,20 +26,11 @@ def new_llama(shape: Any, vocab_size: int, eos_id: int, pad_id: int) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_positions,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-    )
+        vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=shape.max_positions,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id, tie_word_embeddings=True, rope_theta=10000.0,
+    )  # fmt: skip
     return LlamaForCausalLM(config)
 
 
