@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +32,18 @@ def publish(tmp: Path, out: Path, meta: dict[str, Any]) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(out)
+
+
+def save_model(out: Path, model: Any, tokenizer: Any, meta: dict[str, Any]) -> None:
+    """Save ``model`` (in eval mode) and ``tokenizer`` into a fresh directory next to ``out`` and
+    :func:`publish` it there with ``meta``; a failure leaves no half-written directory behind."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.eval()
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        publish(tmp, out, meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

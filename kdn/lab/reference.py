@@ -27,10 +27,8 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -40,8 +38,8 @@ import torch
 
 from kdn.console import report_error
 from kdn.errors import InvalidInput, KdnError
-from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish  # noqa: F401  (part of this module's API)
-from kdn.lab.training import fit
+from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish, save_model  # noqa: F401  (part of this module's API)
+from kdn.lab.training import fit, new_llama
 
 REFERENCE_DIRNAME = "reference-model"
 
@@ -218,27 +216,6 @@ def token_stream(tok: Any, texts: Sequence[str]) -> torch.Tensor:
 # -- model and training -------------------------------------------------------------------------
 
 
-def build_model(cfg: TrainConfig, eos_id: int, pad_id: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_positions,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
-    )
-    return LlamaForCausalLM(config)
-
-
 def _windows(stream: torch.Tensor, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
     """``n`` random windows of ``length`` tokens: ``(n, length)``."""
     if stream.numel() <= length:
@@ -291,7 +268,7 @@ def train_reference(
         log(f"tokenizer: {tok.get_vocab_size()} tokens; {train_ids.numel():,} train / {held_ids.numel():,} held-out tokens")
 
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg, tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN))
+        model = new_llama(cfg, cfg.vocab_size, tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN))
         model.train()
         n_params = sum(p.numel() for p in model.parameters())
         data_gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -320,28 +297,19 @@ def train_reference(
 
 def _save(model: Any, tok: Any, cfg: TrainConfig, result: TrainResult, split: CorpusSplit, out: Path) -> None:
     """Write the directory next to ``out`` and rename it into place (no half-written model)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.eval()
-        model.save_pretrained(tmp)
-        _hf_tokenizer(tok).save_pretrained(tmp)
-        meta = {
-            "kind": "kdn-reference-model",
-            "train_config": asdict(cfg),
-            "result": {k: v for k, v in result.as_dict().items() if k != "out_dir"},
-            "corpus": {
-                "root": str(split.root),
-                "train_files": len(split.train),
-                "heldout_files": [p.relative_to(split.root).as_posix() for p in split.heldout],
-            },
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-        }
-        publish(tmp, out, meta)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    meta = {
+        "kind": "kdn-reference-model",
+        "train_config": asdict(cfg),
+        "result": {k: v for k, v in result.as_dict().items() if k != "out_dir"},
+        "corpus": {
+            "root": str(split.root),
+            "train_files": len(split.train),
+            "heldout_files": [p.relative_to(split.root).as_posix() for p in split.heldout],
+        },
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+    save_model(out, model, _hf_tokenizer(tok), meta)
 
 
 # -- CLI ----------------------------------------------------------------------------------------

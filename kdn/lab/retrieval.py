@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,8 +54,8 @@ from typing import Any, Callable
 import torch
 
 from kdn.errors import InvalidInput
-from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, publish
-from kdn.lab.training import fit
+from kdn.lab.layout import EOS_TOKEN, META_FILE, PAD_TOKEN, cache_root, save_model
+from kdn.lab.training import fit, new_llama
 
 RETRIEVAL_DIRNAME = "retrieval-model"
 # the default preset's phases (optimiser steps): induction, induction at long range, the task
@@ -284,18 +282,6 @@ def build_tokenizer(task: TaskConfig) -> Any:
     return tok
 
 
-def build_model(cfg: RetrievalTrainConfig, vocab_size: int, eos_id: int, pad_id: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_positions, bos_token_id=eos_id, eos_token_id=eos_id,
-        pad_token_id=pad_id, tie_word_embeddings=True, rope_theta=10000.0,
-    )
-    return LlamaForCausalLM(config)
-
-
 def prompt_ids(tok: Any, prompt: Prompt) -> tuple[list[int], list[list[int]], list[int], list[int]]:
     """``(prefix, docs, question, answer)`` token ids of a prompt (word-level: one id per word)."""
     ids = lambda words: [tok.token_to_id(w) for w in words]  # noqa: E731
@@ -364,7 +350,7 @@ def train_retrieval(
     try:
         tok = build_tokenizer(cfg.task)
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg, tok.get_vocab_size(), tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN))
+        model = new_llama(cfg, tok.get_vocab_size(), tok.token_to_id(EOS_TOKEN), tok.token_to_id(PAD_TOKEN))
         model.train()
         n_params = sum(p.numel() for p in model.parameters())
         log(f"retrieval model: {n_params / 1e6:.2f}M params, vocab {tok.get_vocab_size()}, {cfg.steps} steps")
@@ -386,25 +372,17 @@ def _save(model: Any, tok: Any, cfg: RetrievalTrainConfig, result: RetrievalResu
     """Write next to ``out`` and rename into place (no half-written model is ever visible)."""
     from transformers import PreTrainedTokenizerFast
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.eval()
-        model.save_pretrained(tmp)
-        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-                                unk_token=PAD_TOKEN, model_max_length=1 << 30).save_pretrained(tmp)
-        meta = {
-            "kind": "kdn-reference-model",
-            "task": "retrieval",
-            "train_config": asdict(cfg),
-            "result": {k: v for k, v in result.as_dict().items() if k != "out_dir"},
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-        }
-        publish(tmp, out, meta)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN,
+                                     pad_token=PAD_TOKEN, unk_token=PAD_TOKEN, model_max_length=1 << 30)
+    meta = {
+        "kind": "kdn-reference-model",
+        "task": "retrieval",
+        "train_config": asdict(cfg),
+        "result": {k: v for k, v in result.as_dict().items() if k != "out_dir"},
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+    save_model(out, model, hf_tok, meta)
 
 
 def load_task(model_dir: Path) -> tuple[RetrievalTrainConfig, dict[str, Any]]:

@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -257,18 +257,24 @@ def _cells(scores: Iterable[tuple[Question, Score]]) -> dict[str, list[Any]]:
     return {f"{q.depth:g}": [int(s.right), round(s.logprob, 4), s.said] for q, s in scores}
 
 
+def _pending(lm: LoadedModel, pool: SourcePool, path: Path, indices: Iterable[int], *, length: int, n_docs: int,
+             seed: int) -> Iterator[tuple[int, float, Haystack, Any]]:
+    """``(index, start time, haystack, its full KV)`` for each of ``indices`` that ``path`` does not hold yet."""
+    done = _done(path)
+    for i in indices:
+        if i in done:
+            continue
+        t0 = time.perf_counter()
+        hs = make_haystack(pool, length=length, n_docs=n_docs, seed=seed, index=i)
+        yield i, t0, hs, full_kv(lm.model, hs.tokens)
+
+
 def run_deficit(lm: LoadedModel, pool: SourcePool, lengths: Sequence[int], n_docs: int, n: int, seed: int, out: Path,
                 log: Callable[[str], None]) -> None:
     """Plain accuracy by depth and length (``<out>/deficit.jsonl``: one line per haystack and length)."""
     for length in lengths:
         path = out / f"deficit-{length}.jsonl"
-        done = _done(path)
-        for i in range(n):
-            if i in done:
-                continue
-            t0 = time.perf_counter()
-            hs = make_haystack(pool, length=length, n_docs=n_docs, seed=seed, index=i)
-            base = full_kv(lm.model, hs.tokens)
+        for i, t0, hs, base in _pending(lm, pool, path, range(n), length=length, n_docs=n_docs, seed=seed):
             plain_scores = score(lm, base, hs.tokens, hs.questions)
             _append(path, {"index": i, "length": length, "tokens": len(hs.tokens),
                            "plain": _cells(zip(hs.questions, plain_scores)), "seconds": round(time.perf_counter() - t0, 2)})
@@ -312,13 +318,7 @@ def run_calibration(lm: LoadedModel, pool: SourcePool, steerer: Steerer, setting
                     n_docs: int, first: int, n: int, seed: int, out: Path, log: Callable[[str], None]) -> None:
     """Every setting with realistic marks on calibration haystacks ``first .. first+n-1``."""
     path = out / "calibration.jsonl"
-    done = _done(path)
-    for i in range(first, first + n):
-        if i in done:
-            continue
-        t0 = time.perf_counter()
-        hs = make_haystack(pool, length=length, n_docs=n_docs, seed=seed, index=i)
-        base = full_kv(lm.model, hs.tokens)
+    for i, t0, hs, base in _pending(lm, pool, path, range(first, first + n), length=length, n_docs=n_docs, seed=seed):
         rec: dict[str, Any] = {"index": i, "tokens": len(hs.tokens),
                                "variants": {"plain": _cells(zip(hs.questions, score(lm, base, hs.tokens, hs.questions)))}}
         marks = marks_for(lm, hs, "realistic", hs.questions[0])
@@ -334,13 +334,7 @@ def run_test(lm: LoadedModel, pool: SourcePool, steerer: Steerer, setting: Setti
              seed: int, out: Path, log: Callable[[str], None], kinds: Sequence[str] = TEST_KINDS) -> None:
     """Plain, the ceiling and ``setting`` with every mark kind on test haystacks ``0 .. n-1``."""
     path = out / "test.jsonl"
-    done = _done(path)
-    for i in range(n):
-        if i in done:
-            continue
-        t0 = time.perf_counter()
-        hs = make_haystack(pool, length=length, n_docs=n_docs, seed=seed, index=i)
-        base = full_kv(lm.model, hs.tokens)
+    for i, t0, hs, base in _pending(lm, pool, path, range(n), length=length, n_docs=n_docs, seed=seed):
         qs = hs.questions
         v: dict[str, Any] = {"plain": _cells(zip(qs, score(lm, base, hs.tokens, qs)))}
         ceiling = []

@@ -1,4 +1,6 @@
-"""The training loop every lab trainer shares (:mod:`kdn.lab.reference`, :mod:`kdn.lab.retrieval`).
+"""The model and the training loop every lab trainer shares (:mod:`kdn.lab.reference`, :mod:`kdn.lab.retrieval`).
+
+:func:`new_llama` builds the fresh model of a trainer config's shape; :func:`fit` trains it.
 
 AdamW with no weight decay on 1-d parameters (norms, biases) and betas (0.9, 0.95), a learning
 rate set per step, gradient clipping at 1.0 and next-token cross-entropy over ``(x, y)`` batches
@@ -14,7 +16,22 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["fit"]
+__all__ = ["fit", "new_llama"]
+
+
+def new_llama(shape: Any, vocab_size: int, eos_id: int, pad_id: int) -> Any:
+    """A fresh Llama of a trainer config's ``shape`` (its ``hidden_size``, ``intermediate_size``,
+    ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim`` and ``max_positions``): tied
+    embeddings, RoPE base 10,000, ``eos_id`` also the BOS token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim, max_position_embeddings=shape.max_positions,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id, tie_word_embeddings=True, rope_theta=10000.0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
 
 
 def fit(

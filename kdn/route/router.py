@@ -260,29 +260,29 @@ class Router:
         engine = host.record.leading(keys, now)
         tiers: list[str] = []
         error = ""
-        timeout = self.config.lookup_timeout_s
         if host.edge is not None and keys:
             self.counters["lookups"] += 1
-            try:
-                async with asyncio.timeout(timeout + 0.25):
-                    tiers = await host.edge.locate(self.fingerprint, chain.namespace, keys, token=token, timeout=timeout)
-            except (KdnError, TimeoutError) as exc:
-                host.counters["lookup_errors"] += 1
-                error = f"{type(exc).__name__}: {exc}"
+            tiers, error = await self._locate(host.edge, host, chain.namespace, keys, token)
         m = max(engine, len(tiers))
         chunks = ["engine"] * engine + tiers[engine:]
         pkeys = chain.pieces_after(m)
         e_pieces = host.record.leading(pkeys, now)
         p_tiers: list[str] = []
         if host.edge is not None and pkeys and not error and len(tiers) == m:
-            try:
-                async with asyncio.timeout(timeout + 0.25):
-                    p_tiers = await host.edge.locate(self.fingerprint, chain.namespace, pkeys, token=token, timeout=timeout)
-            except (KdnError, TimeoutError) as exc:
-                host.counters["lookup_errors"] += 1
-                error = f"{type(exc).__name__}: {exc}"
+            p_tiers, error = await self._locate(host.edge, host, chain.namespace, pkeys, token)
         pieces = ["engine"] * e_pieces + p_tiers[e_pieces:]
         return Holdings(tuple(chunks), tuple(pieces), error)
+
+    async def _locate(self, edge: EdgeView, host: Host, namespace: Namespace, keys: Sequence[ChunkKey],
+                      token: str | None) -> tuple[list[str], str]:
+        """``edge``'s tiers of the leading run of ``keys`` and "", or none and the error (counted at ``host``)."""
+        timeout = self.config.lookup_timeout_s
+        try:
+            async with asyncio.timeout(timeout + 0.25):
+                return await edge.locate(self.fingerprint, namespace, keys, token=token, timeout=timeout), ""
+        except (KdnError, TimeoutError) as exc:
+            host.counters["lookup_errors"] += 1
+            return [], f"{type(exc).__name__}: {exc}"
 
     async def plan(self, req: ParsedRequest, *, token: str | None = None, exclude: Sequence[str] = (),
                    reserve: bool = True) -> Plan:

@@ -98,6 +98,12 @@ class NearestEdge(Policy):
         use, k2, take = ctx.choose(now, e, n_in, keys, h, t_local)
         plan = Plan(e, now, n_in, len(keys), looked_up_local=h, local=h if use else 0, peer=0, origin=k2 if take else 0,
                     origin_offered=k2, edge_ready=t_local if use else now)
+        self.keep(e, keys, plan, now)
+        self.after_serve(keys)
+
+    def keep(self, e: int, keys: list[int], plan: Plan, now: float) -> None:
+        """Finish ``plan``: edge ``e``'s cache keeps the whole chain; the part the origin sent is published."""
+        ctx = self.ctx
         ctx.finish(plan)
         access = self.caches[e].access
         stored = ctx.cost.stored
@@ -106,7 +112,6 @@ class NearestEdge(Policy):
             access(key, stored, parent)
             parent = key
         ctx.origin.publish(e, keys[plan.covered :], now)
-        self.after_serve(keys)
 
     def after_serve(self, keys: list[int]) -> None:
         """Hook for subclasses (popularity counting)."""

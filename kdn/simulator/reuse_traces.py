@@ -61,8 +61,39 @@ def _zipf(rng: np.random.Generator, n: int, s: float, size: int) -> np.ndarray:
     return rng.choice(n, size=size, p=p / p.sum())
 
 
-def _req(chain: tuple[int, ...], extra_tokens: int) -> TraceRequest:
+Chain = tuple[int, ...]
+
+
+def _req(chain: Chain, extra_tokens: int) -> TraceRequest:
     return TraceRequest(len(chain) * BLOCK + extra_tokens, chain)
+
+
+def _sessions(
+    n: int,
+    rng: np.random.Generator,
+    opens: Callable[[int], bool],
+    start: Callable[[], tuple[Chain, int]],
+    turn: Callable[[], Chain],
+    extra_tokens: int,
+    ask: Callable[[], Chain] = tuple,
+) -> list[TraceRequest]:
+    """``n`` requests of interleaved sessions. Before each request, a new session ``start()``
+    (its first chain and its number of turns) joins when ``opens(number of live sessions)``; then
+    a live session drawn at random asks for its chain plus ``ask()`` and, unless that was its last
+    turn, its chain grows by ``turn()``. Every draw is from ``rng``, in that order."""
+    live: list[tuple[Chain, int]] = []
+    out = []
+    while len(out) < n:
+        if opens(len(live)):
+            live.append(start())
+        k = int(rng.integers(len(live)))
+        chain, left = live[k]
+        out.append(_req(chain + ask(), extra_tokens))
+        if left <= 1:
+            live.pop(k)
+        else:
+            live[k] = (chain + turn(), left - 1)
+    return out
 
 
 def documents(n: int = 20_000, seed: int = 1) -> list[TraceRequest]:
@@ -78,44 +109,35 @@ def documents(n: int = 20_000, seed: int = 1) -> list[TraceRequest]:
     return out
 
 
-def conversations(n: int = 20_000, seed: int = 2) -> list[TraceRequest]:
+def _chats(n: int, seed: int, *, system_blocks: int, most_live: int, p_open: float, first: tuple[int, int],
+           turns: tuple[int, int], extra_tokens: int) -> list[TraceRequest]:
+    """Chat sessions behind one system prompt: while fewer than ``most_live`` are live, a new one
+    opens before a request with probability ``p_open`` (always when none is); it starts with
+    ``first`` blocks and lasts ``turns`` turns (``[low, high)`` ranges), each turn adding 1-3 blocks."""
     rng = np.random.default_rng(seed)
     ids = _Ids()
-    system = ids.new(3)
-    live: list[list[tuple[int, ...] | int]] = []  # [chain, turns left]
-    out = []
-    while len(out) < n:
-        if not live or (len(live) < 200 and rng.random() < 0.35):
-            live.append([system + ids.new(int(rng.integers(1, 4))), int(rng.integers(3, 13))])
-        k = int(rng.integers(len(live)))
-        chain, left = live[k]
-        assert isinstance(chain, tuple) and isinstance(left, int)
-        out.append(_req(chain, 300))
-        if left <= 1:
-            live.pop(k)
-        else:
-            live[k] = [chain + ids.new(int(rng.integers(1, 4))), left - 1]
-    return out
+    system = ids.new(system_blocks)
+    return _sessions(
+        n, rng, lambda m: not m or (m < most_live and rng.random() < p_open),
+        lambda: (system + ids.new(int(rng.integers(*first))), int(rng.integers(*turns))),
+        lambda: ids.new(int(rng.integers(1, 4))), extra_tokens,
+    )  # fmt: skip
+
+
+def conversations(n: int = 20_000, seed: int = 2) -> list[TraceRequest]:
+    return _chats(n, seed, system_blocks=3, most_live=200, p_open=0.35, first=(1, 4), turns=(3, 13), extra_tokens=300)
 
 
 def agents(n: int = 20_000, seed: int = 3) -> list[TraceRequest]:
     rng = np.random.default_rng(seed)
     ids = _Ids()
     prompts = [ids.new(int(rng.integers(16, 49))) for _ in range(6)]
-    live: list[tuple[tuple[int, ...], int]] = []
-    out = []
-    while len(out) < n:
-        if len(live) < 24 and (not live or rng.random() < 0.2):
-            p = prompts[int(_zipf(rng, len(prompts), 1.0, 1)[0])]
-            live.append((p + ids.new(1), int(rng.integers(5, 31))))
-        k = int(rng.integers(len(live)))
-        chain, left = live[k]
-        out.append(_req(chain, 100))
-        if left <= 1:
-            live.pop(k)
-        else:
-            live[k] = (chain + ids.new(1), left - 1)
-    return out
+
+    def start() -> tuple[Chain, int]:
+        p = prompts[int(_zipf(rng, len(prompts), 1.0, 1)[0])]
+        return p + ids.new(1), int(rng.integers(5, 31))
+
+    return _sessions(n, rng, lambda m: m < 24 and (not m or rng.random() < 0.2), start, lambda: ids.new(1), 100)
 
 
 def scans(n: int = 20_000, seed: int = 4) -> list[TraceRequest]:
@@ -139,22 +161,15 @@ def coding(n: int = 20_000, seed: int = 5) -> list[TraceRequest]:
     ids = _Ids()
     system = ids.new(2)
     repos = [system + ids.new(int(rng.integers(20, 61))) for _ in range(12)]
-    live: list[list[tuple[int, ...] | int]] = []
-    out = []
-    while len(out) < n:
-        if not live or (len(live) < 60 and rng.random() < 0.15):
-            repo = repos[int(_zipf(rng, len(repos), 1.1, 1)[0])]
-            cut = int(rng.integers(len(repo) // 3, len(repo) + 1))  # the edited file: the rest differs
-            live.append([repo[:cut] + ids.new(int(rng.integers(1, 6))), int(rng.integers(4, 25))])
-        k = int(rng.integers(len(live)))
-        chain, left = live[k]
-        assert isinstance(chain, tuple) and isinstance(left, int)
-        out.append(_req(chain, 250))
-        if left <= 1:
-            live.pop(k)
-        else:
-            live[k] = [chain + ids.new(int(rng.integers(1, 3))), left - 1]
-    return out
+
+    def start() -> tuple[Chain, int]:
+        repo = repos[int(_zipf(rng, len(repos), 1.1, 1)[0])]
+        cut = int(rng.integers(len(repo) // 3, len(repo) + 1))  # the edited file: the rest differs
+        return repo[:cut] + ids.new(int(rng.integers(1, 6))), int(rng.integers(4, 25))
+
+    return _sessions(
+        n, rng, lambda m: not m or (m < 60 and rng.random() < 0.15), start, lambda: ids.new(int(rng.integers(1, 3))), 250
+    )
 
 
 def fewshot(n: int = 20_000, seed: int = 6) -> list[TraceRequest]:
@@ -190,20 +205,11 @@ def bursts(n: int = 20_000, seed: int = 8) -> list[TraceRequest]:
     rng = np.random.default_rng(seed)
     ids = _Ids()
     system = ids.new(1)
-    live: list[list[tuple[int, ...] | int]] = []
-    out = []
-    while len(out) < n:
-        if len(live) < 30 and (not live or rng.random() < 0.3):
-            live.append([system + ids.new(int(rng.integers(3, 16))), int(rng.integers(2, 40))])
-        k = int(rng.integers(len(live)))
-        chain, left = live[k]
-        assert isinstance(chain, tuple) and isinstance(left, int)
-        out.append(_req(chain + ids.new(1), 120))
-        if left <= 1:
-            live.pop(k)
-        else:
-            live[k][1] = left - 1
-    return out
+    return _sessions(
+        n, rng, lambda m: m < 30 and (not m or rng.random() < 0.3),
+        lambda: (system + ids.new(int(rng.integers(3, 16))), int(rng.integers(2, 40))),
+        tuple, 120, ask=lambda: ids.new(1),
+    )  # fmt: skip
 
 
 def mixed(n: int = 20_000, seed: int = 9) -> list[TraceRequest]:
@@ -225,23 +231,7 @@ def mixed(n: int = 20_000, seed: int = 9) -> list[TraceRequest]:
 
 
 def longchat(n: int = 20_000, seed: int = 10) -> list[TraceRequest]:
-    rng = np.random.default_rng(seed)
-    ids = _Ids()
-    system = ids.new(4)
-    live: list[list[tuple[int, ...] | int]] = []
-    out = []
-    while len(out) < n:
-        if not live or (len(live) < 80 and rng.random() < 0.04):
-            live.append([system + ids.new(int(rng.integers(2, 5))), int(rng.integers(10, 41))])
-        k = int(rng.integers(len(live)))
-        chain, left = live[k]
-        assert isinstance(chain, tuple) and isinstance(left, int)
-        out.append(_req(chain, 400))
-        if left <= 1:
-            live.pop(k)
-        else:
-            live[k] = [chain + ids.new(int(rng.integers(1, 4))), left - 1]
-    return out
+    return _chats(n, seed, system_blocks=4, most_live=80, p_open=0.04, first=(2, 5), turns=(10, 41), extra_tokens=400)
 
 
 TRACES: dict[str, Callable[..., list[TraceRequest]]] = {

@@ -68,14 +68,7 @@ class _Routed(NearestEdge):
         use, k2, take = ctx.choose(now, c, n_in, keys, h, t_local)
         plan = Plan(c, now, n_in, len(keys), looked_up_local=h, local=h if use else 0, peer=0, origin=k2 if take else 0,
                     origin_offered=k2, edge_ready=t_local if use else now + detour)
-        ctx.finish(plan)
-        access = self.caches[c].access
-        stored = ctx.cost.stored
-        parent = None
-        for key in keys:
-            access(key, stored, parent)
-            parent = key
-        ctx.origin.publish(c, keys[plan.covered :], now)
+        self.keep(c, keys, plan, now)
 
 
 class PrefixRoute(_Routed):

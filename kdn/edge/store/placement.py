@@ -8,7 +8,8 @@ present, passing over pinned entries and entries whose write is still in flight.
 Writes to a slow tier are *staged*: under the store's lock the entry is indexed and a
 :class:`StagedWrite` recorded (readers are served its bytes); the calling thread then performs the
 write with :meth:`Placement.run_writes` after releasing the lock. At most one write per entry is in
-flight. Every method except :meth:`Placement.run_writes` runs under the store's lock.
+flight. A read of a slow tier (:meth:`Placement.read_slow`) reads and verifies outside the lock, then
+accounts for the hit and promotes the entry under it. Every other method runs under the store's lock.
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from kdn.artifact import verify_artifact
 from kdn.edge.store.index import Entry, StoreIndex
 from kdn.edge.store.tiers import EntryId
 from kdn.errors import KdnError, StorageFull
 
-__all__ = ["Placement", "StagedWrite"]
+__all__ = ["MOVED", "Placement", "StagedWrite"]
+
+MOVED = object()
+"""What :meth:`Placement.read_slow` returns when the entry moved to another tier during the read."""
 
 
 @dataclass(slots=True, eq=False)
@@ -191,6 +196,45 @@ class Placement:
         else:
             ix.attach(src, eid, entry)
             self.shrink(src, writes)  # demotions may have filled it meanwhile
+
+    def read_slow(self, eid: EntryId, entry: Entry, i: int, promote: bool) -> object:
+        """Read and verify tier ``i``'s blob of ``entry`` (caller does NOT hold the lock); then account
+        for it (and promote it) under the lock. The bytes and the tier's name, None, or :data:`MOVED`."""
+        ix = self._ix
+        tier = ix.tiers[i]
+        try:
+            data = tier.get(eid)
+        except OSError:
+            data = None
+        ok = False
+        if data is not None:
+            try:
+                if tier.durable:
+                    verify_artifact(data, expect_key=eid.key)
+                ok = True
+            except KdnError:
+                ok = False
+        writes: list[StagedWrite] = []
+        try:
+            with self._lock:
+                current = ix.entries.get(eid)
+                same = current is entry and entry.tier == i and eid not in self.staging
+                if not ok:
+                    if same:
+                        self.drop(eid, entry)
+                        ix.count["corrupt_dropped" if data is not None else "lost"] += 1
+                    elif current is not None:
+                        return MOVED
+                    ix.record_miss()
+                    return None
+                ix.record_hit(i)
+                if same:
+                    ix.policies[i].touch(eid)
+                    if promote and i > 0:
+                        self.promote(eid, entry, data, writes)  # type: ignore[arg-type]
+                return data, tier.name
+        finally:
+            self.run_writes(writes)
 
     def run_writes(self, writes: list[StagedWrite]) -> BaseException | None:
         """Perform staged writes (caller does NOT hold the lock). Returns the own write's error."""

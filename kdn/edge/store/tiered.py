@@ -1,9 +1,9 @@
 """The :class:`TieredStore`: the public face of the edge's store (see :mod:`kdn.edge.store`).
 
 It owns the lock and composes the parts, each in its own file: the index and its accounting
-(:mod:`.index`), TTL deadlines (:mod:`.expiry`), where bytes go and staged writes
-(:mod:`.placement`), and the retention file (:mod:`.retention`). Reads of slow tiers and their
-verification happen here, outside the lock.
+(:mod:`.index`), TTL deadlines (:mod:`.expiry`), where bytes go, staged writes and the verified
+reads of slow tiers (:mod:`.placement`), and the retention hints (:mod:`.hints`, saved by
+:mod:`.retention`).
 """
 
 from __future__ import annotations
@@ -15,22 +15,18 @@ from kdn.artifact import verify_artifact
 from kdn.edge.clock import Clock, MonotonicClock
 from kdn.edge.eviction import EvictionPolicy, make_policy
 from kdn.edge.store.expiry import check_ttl
+from kdn.edge.store.hints import Hints
 from kdn.edge.store.index import Entry, EntryState, StoreIndex, check_priority
-from kdn.edge.store.placement import Placement, StagedWrite
-from kdn.edge.store.retention import RetentionFile
+from kdn.edge.store.placement import MOVED, Placement, StagedWrite
+from kdn.edge.store.stats import index_stats
 from kdn.edge.store.tiers import EntryId, EntryMeta, StorageTier, check_tenant
-from kdn.errors import InvalidInput, KdnError, StorageFull, Unavailable
+from kdn.errors import InvalidInput, StorageFull, Unavailable
 from kdn.keys import ChunkKey
 
 __all__ = ["PolicyFactory", "TieredStore"]
 
 PolicyFactory = Callable[[int, int], EvictionPolicy]
 """``factory(tier_index, tier_count)`` -> a fresh policy for that tier."""
-
-_COUNTERS = (
-    "hits", "misses", "puts", "duplicate_puts", "evictions", "demotions", "promotions",
-    "corrupt_dropped", "lost", "expired", "deleted", "admission_rejected", "write_failures",
-)  # fmt: skip
 
 
 class TieredStore:
@@ -56,7 +52,7 @@ class TieredStore:
         self._place = Placement(self._ix, self._lock)
         self._closed = False
         state_dirs = [d for d in (t.state_dir() for t in tiers) if d is not None]
-        self._retention = RetentionFile(state_dirs[0] if state_dirs else None)
+        self._hints = Hints(self._ix, self._lock, self._clock, state_dirs[0] if state_dirs else None)
         self._rebuild()
 
     @property
@@ -121,7 +117,7 @@ class TieredStore:
                     if existing is not None:
                         ix.count["duplicate_puts"] += 1
                         ix.policies[existing.tier].touch(eid)
-                        hinted = self._apply_hints(eid, existing, pin, ttl_s, priority, now)
+                        hinted = self._hints.apply(eid, existing, pin, ttl_s, priority, now)
                         return existing.meta
                     wait_for = place.staging.get(eid)
                     if wait_for is None:
@@ -135,14 +131,14 @@ class TieredStore:
                                 ix.set_ttl(eid, entry, ttl_s, now)
                             hinted = eid in ix.hinted
                             if hinted:
-                                self._retention.seq += 1
+                                self._hints.changed()
                         return meta
             finally:
                 error = place.run_writes(writes)
                 if error is not None:
                     raise StorageFull(f"could not store artifact {meta.key.hex()[:16]}…: {error}") from error
                 if hinted:
-                    self._save_hints()
+                    self._hints.save()
             # A deleted copy of this entry is still being written out: let that finish first.
             wait_for.done.wait()
 
@@ -173,18 +169,12 @@ class TieredStore:
                         ix.record_hit(i)
                         ix.policies[i].touch(eid)
                         return data, tier.name
-            result = self._read_slow(eid, entry, i, promote)
-            if result is not _MOVED:
+            result = self._place.read_slow(eid, entry, i, promote)
+            if result is not MOVED:
                 return result  # type: ignore[return-value]
         with self._lock:
             ix.record_miss()
         return None
-
-    def meta(self, key: ChunkKey, *, tenant: str) -> EntryMeta | None:
-        """Metadata of a resident entry (no hit counted, nothing read from disk)."""
-        with self._lock:
-            entry = self._live(EntryId(tenant, key), self._clock.monotonic())
-            return None if entry is None else entry.meta
 
     def lookup(self, keys: Sequence[ChunkKey], *, tenant: str) -> list[str]:
         """Tier names of the leading run of ``keys`` that are resident (stops at the first miss)."""
@@ -260,21 +250,9 @@ class TieredStore:
             return [self._ix.state(e, now) for eid, e in self._ix.entries.items() if tenant is None or eid.tenant == tenant]
 
     def stats(self) -> dict[str, float]:
-        ix = self._ix
+        """The counters of each tier and of the store (see :func:`.stats.index_stats`)."""
         with self._lock:
-            out: dict[str, float] = {}
-            for i, tier in enumerate(ix.tiers):
-                out[f"hits_{tier.name}"] = ix.hits[i]
-                out[f"misses_{tier.name}"] = ix.misses[i]
-                out[f"bytes_{tier.name}"] = ix.used[i]
-                out[f"capacity_{tier.name}"] = tier.capacity_bytes
-                out[f"entries_{tier.name}"] = len(ix.policies[i])
-                out[f"pinned_bytes_{tier.name}"] = ix.pinned_bytes[i]
-            for name in _COUNTERS:
-                out[name] = ix.count[name]
-            out["pinned"] = ix.pinned_count
-            out["entries"] = len(ix.entries)
-            return out
+            return index_stats(self._ix)
 
     def close(self) -> None:
         """Close every tier. Writes already started finish; later calls raise Unavailable.
@@ -289,11 +267,11 @@ class TieredStore:
             self._closed = True
             flushed = self._place.flush_down(writes)
             if flushed and self._ix.hinted:
-                self._retention.seq += 1
+                self._hints.changed()
             pending = [w for w in self._place.staging.values() if w not in writes]
         self._place.run_writes(writes)
         if flushed:
-            self._save_hints()  # pins/TTLs/priorities of the entries that moved to disk
+            self._hints.save()  # pins/TTLs/priorities of the entries that moved to disk
         for w in pending:
             w.done.wait(timeout=30)
         for tier in self._ix.tiers:
@@ -328,7 +306,7 @@ class TieredStore:
                         ix.remember(eid, entry)
                         ix.attach(i, eid, entry)
                 # pins first, so the budget trim below respects them
-                self._retention.restore(ix, self._clock, place.drop)
+                self._hints.restore(place.drop)
                 for i in range(len(ix.tiers)):
                     place.shrink(i, writes)
         finally:
@@ -343,91 +321,14 @@ class TieredStore:
             return None
         return entry
 
-    def _read_slow(self, eid: EntryId, entry: Entry, i: int, promote: bool) -> object:
-        """Read and verify a blob outside the lock; then account for it (and promote) under it."""
-        ix, place = self._ix, self._place
-        tier = ix.tiers[i]
-        try:
-            data = tier.get(eid)
-        except OSError:
-            data = None
-        ok = False
-        if data is not None:
-            try:
-                if tier.durable:
-                    verify_artifact(data, expect_key=eid.key)
-                ok = True
-            except KdnError:
-                ok = False
-        writes: list[StagedWrite] = []
-        try:
-            with self._lock:
-                current = ix.entries.get(eid)
-                same = current is entry and entry.tier == i and eid not in place.staging
-                if not ok:
-                    if same:
-                        place.drop(eid, entry)
-                        ix.count["corrupt_dropped" if data is not None else "lost"] += 1
-                    elif current is not None:
-                        return _MOVED
-                    ix.record_miss()
-                    return None
-                ix.record_hit(i)
-                if same:
-                    ix.policies[i].touch(eid)
-                    if promote and i > 0:
-                        place.promote(eid, entry, data, writes)  # type: ignore[arg-type]
-                return data, tier.name
-        finally:
-            place.run_writes(writes)
-
     def _hint(self, keys: Iterable[ChunkKey], tenant: str, fn: Callable[[EntryId, Entry, float], None]) -> int:
         """Apply ``fn`` to each resident entry of ``keys``; persist the hints if any applied."""
-        n = 0
         with self._lock:
             self._check_open()
-            now = self._clock.monotonic()
-            for key in keys:
-                eid = EntryId(tenant, key)
-                entry = self._live(eid, now)
-                if entry is not None:
-                    fn(eid, entry, now)
-                    n += 1
-            if n:
-                self._retention.seq += 1
+            n = self._hints.apply_each((EntryId(tenant, key) for key in keys), self._live, fn)
         if n:
-            self._save_hints()
+            self._hints.save()
         return n
-
-    def _apply_hints(
-        self, eid: EntryId, entry: Entry, pin: bool, ttl_s: float | None, priority: int | None, now: float
-    ) -> bool:
-        """Apply a put's hints; True (and the persisted hints marked stale) if there were any."""
-        ix = self._ix
-        if pin:
-            ix.set_pinned(eid, entry, True)
-        if ttl_s is not None:
-            ix.set_ttl(eid, entry, ttl_s, now)
-        if priority is not None:
-            ix.set_priority(eid, entry, priority)
-        hinted = pin or ttl_s is not None or priority is not None
-        if hinted:
-            ix.note_hinted(eid, entry)
-            self._retention.seq += 1
-        return hinted
-
-    def _save_hints(self) -> None:
-        """Save the retention hints (called without the lock: snapshot under it, write outside)."""
-        if self._retention.path is None:
-            return
-        with self._lock:
-            seq, records = self._retention.snapshot(self._ix, self._clock)
-        if not self._retention.save(seq, records):
-            with self._lock:
-                self._ix.count["hint_save_failures"] += 1
-
-
-_MOVED = object()
 
 
 def _named_policy(name: str) -> PolicyFactory:
