@@ -37,7 +37,7 @@ from kdn.errors import InvalidInput
 __all__ = [
     "ChunkKey", "DEFAULT_CHUNK_SIZE", "DEFAULT_NAMESPACE", "KEY_BYTES", "ModelFingerprint", "Namespace",
     "PIECE_TOKENS", "ROOT_KEY", "chunk_keys", "next_key", "parse_fingerprint", "parse_key", "piece_keys",
-    "pieces_enabled", "toggled_bos_key",
+    "pieces_enabled", "toggled_bos_key", "tokens_u32",
 ]
 
 ChunkKey = NewType("ChunkKey", bytes)
@@ -89,7 +89,7 @@ def next_key(
     parent: ChunkKey, fingerprint: ModelFingerprint, namespace: Namespace, tokens: Sequence[int] | np.ndarray
 ) -> ChunkKey:
     """The key of one chunk given its parent's key."""
-    return _step(parent, bytes(fingerprint), namespace.encode(), _as_u32(tokens).tobytes())
+    return _step(parent, bytes(fingerprint), namespace.encode(), tokens_u32(tokens).tobytes())
 
 
 def _step(parent: bytes, fingerprint: bytes, namespace: bytes, tokens_le_u32: bytes) -> ChunkKey:
@@ -117,7 +117,7 @@ def chunk_keys(
         raise InvalidInput(f"chunk_size must be positive, got {chunk_size}")
     if len(fingerprint) != KEY_BYTES:
         raise InvalidInput(f"model fingerprint must be {KEY_BYTES} bytes, got {len(fingerprint)}")
-    arr = _as_u32(tokens)
+    arr = tokens_u32(tokens)
     if len(root) != KEY_BYTES:
         raise InvalidInput(f"chain root must be {KEY_BYTES} bytes, got {len(root)}")
     fp, ns = bytes(fingerprint), namespace.encode()
@@ -151,7 +151,7 @@ def piece_keys(
     where the chunk size has no pieces (:func:`pieces_enabled`)."""
     if not pieces_enabled(chunk_size):
         return []
-    arr = _as_u32(tokens[: chunk_size - PIECE_TOKENS])
+    arr = tokens_u32(tokens[: chunk_size - PIECE_TOKENS])
     fp, ns = bytes(fingerprint), namespace.encode()
     keys: list[ChunkKey] = []
     parent = bytes(after)
@@ -203,7 +203,8 @@ def parse_fingerprint(value: bytes | str) -> ModelFingerprint:
         raise InvalidInput(str(exc).replace("chunk key", "model fingerprint")) from None
 
 
-def _as_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+def tokens_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``tokens`` as a one-dimensional uint32 array (what keys hash); refuses other shapes and values."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidInput(f"tokens must be one-dimensional, got shape {arr.shape}")

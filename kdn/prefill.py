@@ -31,7 +31,7 @@ import torch
 from kdn import prompts
 from kdn.errors import InvalidInput
 from kdn.keys import PIECE_TOKENS, pieces_enabled
-from kdn.kv import forward, layers_span, output_cache
+from kdn.kv import forward, layers_to_chunk, output_cache
 from kdn.models import LoadedModel
 
 __all__ = [
@@ -162,9 +162,9 @@ def prefill_document(
     # transformers < 5.20 (the release vLLM 0.32 pins) names the output cache past_key_values
     cache = output_cache(out)
     layers = [(layer.keys, layer.values) for layer in cache.layers]
-    chunks = [layers_span(layers, c * C, (c + 1) * C) for c in range(n)]  # n × (L, 2, H, C, D)
+    chunks = [layers_to_chunk(layers, c * C, (c + 1) * C) for c in range(n)]  # n × (L, 2, H, C, D)
     base = n * C
-    tail = [layers_span(layers, base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS) for j in range(n_pieces)]
+    tail = [layers_to_chunk(layers, base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS) for j in range(n_pieces)]
     return chunks, tail
 
 

@@ -38,7 +38,7 @@ import torch
 
 from kdn.artifact import decode_artifact, encode_artifact
 from kdn.errors import ArtifactCorrupt, InvalidInput
-from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint, Namespace, _as_u32
+from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint, Namespace, tokens_u32
 
 SegmentKey = NewType("SegmentKey", bytes)
 """32-byte digest of a segment's tokens, model fingerprint and namespace (position-free)."""
@@ -51,7 +51,7 @@ MAX_SEGMENT_TOKENS = 1 << 16
 
 def segment_key(tokens: Sequence[int] | np.ndarray, *, fingerprint: ModelFingerprint, namespace: Namespace) -> SegmentKey:
     """The key of a document's segment. Seedless and cryptographic, like chain keys."""
-    arr = _as_u32(tokens)
+    arr = tokens_u32(tokens)
     if arr.size == 0:
         raise InvalidInput("a segment needs at least one token")
     if arr.size > MAX_SEGMENT_TOKENS:

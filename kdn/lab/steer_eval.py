@@ -50,7 +50,7 @@ import torch
 from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.console import plain, report_error
 from kdn.errors import InvalidInput, KdnError
-from kdn.kv import cache_from_layers, forward
+from kdn.kv import cache_from_layers, forward, layers_to_chunk
 from kdn.lab.steer_task import (DEPTHS, MARK_KINDS, NOTE_RULE, QUESTION_BLIND, Haystack, Question, SourcePool,
                                 ceiling_question, char_spans_to_tokens, make_haystack, mark_chars)
 from kdn.models import LoadedModel, load_model
@@ -132,7 +132,7 @@ def score(lm: LoadedModel, stored: torch.Tensor, doc: Sequence[int], questions: 
     if hit < len(doc):
         cache = _cache(kv, lm.config)
         forward(lm.model, input_ids=torch.tensor([list(doc[hit:])]), cache=cache, use_cache=True, logits_to_keep=1)
-        kv = torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers])
+        kv = layers_to_chunk(cache.layers)
     out = []
     for q in questions:
         logits = forward(lm.model, input_ids=torch.tensor([list(q.tail)]), cache=_cache(kv, lm.config), use_cache=True,

@@ -52,6 +52,7 @@ from kdn.blend import Deviation, Glue, blend, check_model, place, prefill_segmen
 from kdn.blend.verdict import read_verdict
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, KdnError, NotFound
 from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint, Namespace, chunk_keys
+from kdn.kv import layers_to_chunk
 from kdn.models import LoadedModel
 from kdn.origin.segments import ANCHOR_TOKENS, SegmentCatalog, store_segment
 from kdn.origin.store import OriginStore
@@ -234,9 +235,7 @@ def compute_variant(lm: LoadedModel, store: OriginStore, catalog: SegmentCatalog
     C = lm.chunk_size
     blobs = []
     for i, key in enumerate(plan.keys):
-        # per layer (1, H, N, D) -> the chunk's (L, 2, H, C, D)
-        kv = torch.stack([torch.stack((layer.keys[0, :, i * C:(i + 1) * C], layer.values[0, :, i * C:(i + 1) * C]))
-                          for layer in cache.layers]).contiguous()
+        kv = layers_to_chunk(cache.layers, i * C, (i + 1) * C)
         blobs.append(encode_artifact(kv, key=key, parent_key=plan.keys[i - 1] if i else plan.root,
                                      fingerprint=lm.fingerprint, codec=codec, chunk_index=i))
     doc_tokens = sum(p.end - p.start for p in plan.pieces)

@@ -42,7 +42,7 @@ import numpy as np
 
 from kdn.blend import prefill_segment
 from kdn.errors import InvalidInput
-from kdn.keys import ModelFingerprint, Namespace, _as_u32
+from kdn.keys import ModelFingerprint, Namespace, tokens_u32
 from kdn.models import LoadedModel
 from kdn.origin.store import DocumentRecord, OriginStore
 from kdn.segments import MAX_SEGMENT_TOKENS, Segment, SegmentKey, encode_segment, segment_key
@@ -73,7 +73,7 @@ CREATE INDEX IF NOT EXISTS segments_by_anchor ON segments (tenant, fingerprint, 
 
 def anchor(tokens: Sequence[int] | np.ndarray) -> bytes:
     """Digest of the first :data:`ANCHOR_TOKENS` tokens (little-endian u32)."""
-    arr = _as_u32(tokens)
+    arr = tokens_u32(tokens)
     if arr.size < ANCHOR_TOKENS:
         raise InvalidInput(f"an anchor needs {ANCHOR_TOKENS} tokens, got {arr.size}")
     return hashlib.blake2b(arr[:ANCHOR_TOKENS].tobytes(), digest_size=16, person=_ANCHOR_PERSON).digest()
@@ -139,7 +139,7 @@ class SegmentCatalog:
     def match(self, tokens: Sequence[int] | np.ndarray, *, fingerprint: ModelFingerprint, namespace: Namespace,
               start: int = 0, end: int | None = None) -> list[Match]:
         """Stored segments found in ``tokens[start:end]``, in order, never overlapping."""
-        arr = _as_u32(tokens)
+        arr = tokens_u32(tokens)
         stop = len(arr) if end is None else min(end, len(arr))
         index = self._anchors(namespace.tenant, fingerprint)
         if not index:

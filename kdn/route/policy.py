@@ -27,7 +27,7 @@ from typing import ClassVar, Sequence
 from kdn.errors import InvalidInput
 from kdn.route.score import Estimate, Holdings
 
-__all__ = ["Candidate", "Policy", "POLICIES", "make_policy"]
+__all__ = ["Candidate", "CostScore", "Policy", "POLICIES", "make_policy"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from kdn.edge.schedules import HintScheduler
 from kdn.simulator.context import Context
 from kdn.simulator.tally import Plan
 
-__all__ = ["POLICIES", "Policy"]
+__all__ = ["NearestEdge", "POLICIES", "Policy"]
 
 
 class Policy(ABC):

@@ -21,7 +21,7 @@ from kdn.simulator.presets import Presets, load_presets
 from kdn.simulator.tcp import TcpModel
 
 __all__ = [
-    "NetworkSpec", "POLICY_NAMES", "PolicyParams", "REPO_ROOT", "Scenario", "SyntheticWorkload", "TraceWorkload",
+    "NetworkSpec", "POLICY_NAMES", "PolicyParams", "REPO_ROOT", "Scenario", "Site", "SyntheticWorkload", "TraceWorkload",
     "load_scenario", "parse_scenario",
 ]
 
@@ -65,7 +65,7 @@ def _resolve_file(v: str, info: ValidationInfo, what: str) -> str:
     raise ValueError(f"{what} not found: {v!r} (tried {tried})")
 
 
-class _Site(_Strict):
+class Site(_Strict):
     """Where a site stands: a ``city`` (looked up), or explicit ``lat``/``lon`` (then ``city`` is
     only a label), and its own one-way access latency if it differs from the topology's."""
 
@@ -83,7 +83,7 @@ class _Site(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _where(self) -> _Site:
+    def _where(self) -> Site:
         if (self.lat is None) != (self.lon is None):
             raise ValueError("give both lat and lon, or neither")
         if self.city is None and self.lat is None:
@@ -91,12 +91,12 @@ class _Site(_Strict):
         return self
 
 
-class OriginSpec(_Site):
+class OriginSpec(Site):
     name: str | None = Field(None, description="name in the RTT table; default: the city string")
     uplink_gbps: float = Field(100.0, gt=0, description="egress bandwidth of the origin's link")
 
 
-class RegionSpec(_Site):
+class RegionSpec(Site):
     name: str
     edges: int = Field(1, ge=1, description="edge sites in this city, each fronting a GPU pool")
     users_weight: float = Field(1.0, gt=0, description="share of users (requests) in this region")

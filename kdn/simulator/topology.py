@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kdn.simulator.geo import City, CityIndex, latency_matrix, read_rtt_table
-from kdn.simulator.scenario import Scenario, _Site
+from kdn.simulator.scenario import Scenario, Site
 
 __all__ = ["Topology", "build_topology", "METRO", "REGIONAL", "LONG_HAUL", "LINK_CLASSES"]
 
@@ -69,7 +69,7 @@ def build_topology(sc: Scenario, cities: CityIndex) -> Topology:
         access.append((topo.access_latency_ms if access_ms is None else access_ms) / 1000.0)
         table_name.append(label)
 
-    def where(s: _Site) -> City:
+    def where(s: Site) -> City:
         if s.lat is not None and s.lon is not None:
             return City(name=s.city or f"{s.lat:.3f},{s.lon:.3f}", country="??", continent="??", lat=s.lat, lon=s.lon, population=0)
         assert s.city is not None

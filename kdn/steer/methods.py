@@ -43,7 +43,7 @@ from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.blobstore import write_file_atomic
 from kdn.config import cache_root
 from kdn.errors import InvalidInput, UnsupportedModel
-from kdn.kv import forward, output_cache
+from kdn.kv import forward, layers_to_chunk, output_cache
 from kdn.steer import SteerSpec
 
 DEFAULT_REACH = 1024  # tokens between a marked key and the query that should still see the boost
@@ -138,7 +138,7 @@ def rotate_at(vec: torch.Tensor, positions: torch.Tensor, rope: RopeSpec) -> tor
 def full_kv(model: Any, tokens: Sequence[int]) -> torch.Tensor:
     """KV ``(L, 2, H, T, D)`` of a prefill of ``tokens`` at positions ``0..T-1``."""
     out = model(input_ids=torch.tensor([list(tokens)], dtype=torch.long), use_cache=True, logits_to_keep=1)
-    return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in output_cache(out).layers])
+    return layers_to_chunk(output_cache(out).layers)
 
 
 @torch.inference_mode()

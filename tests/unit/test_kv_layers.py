@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kdn.kv import layers_span, layers_to_chunk
+from kdn.kv import layers_to_chunk
 
 
 def _layers(L: int = 3, H: int = 2, N: int = 10, D: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -27,7 +27,6 @@ def test_a_token_range_of_pairs_and_of_cache_layers_is_the_same_chunk() -> None:
     for l, (k, v) in enumerate(pairs):
         assert torch.equal(chunk[l, 0], k[0, :, 3:7]) and torch.equal(chunk[l, 1], v[0, :, 3:7])
     assert torch.equal(layers_to_chunk(cache_layers, 3, 7), chunk)
-    assert torch.equal(layers_span(pairs, 3, 7), chunk)
     pairs[0][0].zero_()
     assert chunk[0, 0].any()  # a copy: independent of the source
 
