@@ -20,7 +20,7 @@ Floors (each may import only its own floor and the floors below it):
    ``steer`` (steered variants: their specs, chain roots and the methods the origin runs).
 1. **wire** — ``kdn.wire``: message conversions, the gRPC status ↔ error mapping (clients and the
    one servicer envelope), stream frames, the shm reader, auth, TLS, channels, in-process gRPC.
-2. **parts** — ``kdn.client`` and ``kdn.client_transport`` and ``kdn.integrations`` (the
+2. **parts** — ``kdn.client`` and ``kdn.transport`` and ``kdn.integrations`` (the
    inference host), ``kdn.edge``, ``kdn.origin``, ``kdn.lab`` (reference models and quality
    harnesses), ``kdn.route`` (the KV-aware router in front of inference hosts). Parts never
    import each other, with three stated exceptions: an integration uses ``kdn.client``;

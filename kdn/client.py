@@ -41,7 +41,6 @@ import torch
 from pydantic import Field, model_validator
 
 from kdn.artifact import ArtifactReader, encode_artifact
-from kdn.client_transport import EdgeTransport, FailoverEdgeTransport, GrpcEdgeTransport, is_loopback
 from kdn.config import RoleConfig
 from kdn.errors import ArtifactCorrupt, Unavailable
 from kdn.keys import (
@@ -51,6 +50,7 @@ from kdn.keys import (
 from kdn.kv import DestinationPool, KVShape, layers_span
 from kdn.segments import SEGMENT_PARENT, SegmentKey
 from kdn.steer import SteerSpec, parse_variant, steer_root
+from kdn.transport import EdgeTransport, FailoverEdgeTransport, GrpcEdgeTransport, is_loopback
 from kdn.wire.convert import FetchSpec
 from kdn.wire.tls import TlsFiles
 

@@ -11,7 +11,7 @@ import torch
 
 from kdn.artifact import encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig, KdnClient
-from kdn.client_transport import MemoryEdgeTransport
+from kdn.transport import MemoryEdgeTransport
 from kdn.errors import ConfigError
 from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys
 from kdn.kv import split_cache
@@ -206,7 +206,7 @@ def test_config_validation():
 
 
 def test_failover_moves_to_the_next_edge_and_back(lm):
-    from kdn.client_transport import FailoverEdgeTransport
+    from kdn.transport import FailoverEdgeTransport
 
     local, other = MemoryEdgeTransport(name="local"), MemoryEdgeTransport(name="other")
     cfg = ClientConfig(edge="mem", tenant="acme")
@@ -229,7 +229,7 @@ def test_failover_moves_to_the_next_edge_and_back(lm):
 
 
 def test_failover_does_not_hide_answers_of_a_live_edge(lm):
-    from kdn.client_transport import FailoverEdgeTransport
+    from kdn.transport import FailoverEdgeTransport
 
     local, other = MemoryEdgeTransport(name="local"), MemoryEdgeTransport(name="other")
     cfg = ClientConfig(edge="mem")
@@ -259,7 +259,7 @@ def test_failover_fetch_into_restarts_only_before_the_first_byte(lm):
     import asyncio
 
     from kdn.artifact import ArtifactReader
-    from kdn.client_transport import FailoverEdgeTransport
+    from kdn.transport import FailoverEdgeTransport
     from kdn.errors import Unavailable
     from kdn.wire.convert import FetchSpec
 

@@ -21,7 +21,7 @@ CONTRACTS = {
     "kdn.blend", "kdn.steer", "kdn.pretrained", "kdn.prompts",
 }  # fmt: skip
 WIRE = {"kdn.wire"}
-CLIENT = {"kdn.client", "kdn.client_transport"}
+CLIENT = {"kdn.client", "kdn.transport"}
 
 # part -> what it may import besides itself (contracts and the wire are open to every part)
 ALLOWED: dict[str, set[str]] = {

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kdn.artifact import encode_artifact
-from kdn.client_transport import MemoryEdgeTransport
+from kdn.transport import MemoryEdgeTransport
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace
 
 L, H, C, D, BLOCK, BLOCKS = 4, 2, 16, 8, 16, 4
