@@ -1,7 +1,9 @@
 """The inference host's KDN client: reuse what the local edge holds, write back what was computed.
 
 Public surface: :class:`ClientConfig`, :class:`AsyncKdnClient`, :class:`KdnClient` (the same, for
-synchronous code: it runs the async client on a private event-loop thread) and :class:`Reuse`.
+synchronous code: it runs the async client on a private event-loop thread), :class:`Reuse` and
+:class:`Computed` (what ``write_back`` stores). The client's parts: :class:`Fetches` (verified
+artifacts into their destinations) and :class:`WriteBacks` (background Puts).
 
 One request goes::
 
@@ -699,6 +701,7 @@ class KdnClient:
     put = _blocking(AsyncKdnClient.put)
     reuse = _blocking(AsyncKdnClient.reuse)
     fetch_segments = _blocking(AsyncKdnClient.fetch_segments)
+    fetch_into = _blocking(AsyncKdnClient.fetch_into)  # the sink runs on the client's loop thread
     schedule_put = _blocking(AsyncKdnClient.schedule_put, on_loop=True)
     write_back = _blocking(AsyncKdnClient.write_back)
     schedule_write_back = _blocking(AsyncKdnClient.schedule_write_back, on_loop=True)

@@ -144,10 +144,11 @@ class GrpcEdgeTransport(EdgeTransport):
     async def put(
         self, fingerprint: ModelFingerprint, namespace: Namespace, key: ChunkKey, data: bytes, *, timeout: float
     ) -> bool:
-        where = dict(key=key, fingerprint=fingerprint, namespace=namespace, timeout=timeout)
-        if self.bulk_path is not None and await self.bulk_path.put(data, **where):
-            return True
-        return await self.calls.put(data, **where)
+        bulk = self.bulk_path
+        if bulk is not None and await bulk.put(data, key=key, fingerprint=fingerprint, namespace=namespace,
+                                               timeout=timeout):
+            return True  # else the Put did not land over the bulk path: it goes over gRPC
+        return await self.calls.put(data, key=key, fingerprint=fingerprint, namespace=namespace, timeout=timeout)
 
     async def close(self) -> None:
         if self.bulk_path is not None:

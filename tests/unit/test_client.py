@@ -324,3 +324,31 @@ def test_destination_pool_reuses_a_buffer_only_once_nothing_refers_to_it() -> No
     assert off.reused == 0  # switched off: a fresh mapping every time
     small = pool.empty((2, 2, 2, 4, 4), torch.float16)
     assert small.shape == (2, 2, 2, 4, 4)  # small destinations come from the allocator
+
+
+def test_fetch_into_streams_verified_sections_into_a_sink_after_the_header_check(lm):
+    """The public call an integration loads with: every (layer, K/V) section, verified, in order,
+    handed to the caller's sink; ``check`` sees the header first and its refusal is the fetch's
+    error, before any section reached the sink."""
+    edge = MemoryEdgeTransport(piece=4096)
+    cfg = ClientConfig(edge="mem", tenant="acme")
+    keys, chunks = publish(edge, lm, DOC[:CHUNK], cfg.namespace)
+    got: list[tuple[int, str, torch.Tensor]] = []
+    headers = []
+    with KdnClient(cfg, transport=edge) as client:
+        stats = client.fetch_into(lm.fingerprint, keys[0], lambda s: got.append((s.layer, s.kind, s.tensor.clone())),
+                                  check=headers.append)
+        assert stats.via == "memory" and stats.bytes == len(edge.store[("acme", bytes(keys[0]))])
+        assert len(headers) == 1 and headers[0].token_count == CHUNK
+        L = chunks[0].shape[0]
+        assert [(layer, kind) for layer, kind, _ in got] == [(l, k) for l in range(L) for k in ("k", "v")]
+        for layer, kind, t in got:
+            assert torch.equal(t, chunks[0][layer, 0 if kind == "k" else 1])  # (H, T, D), every bit
+        got.clear()
+
+        def refuse(header) -> None:
+            raise ConfigError("not this one")
+
+        with pytest.raises(ConfigError):
+            client.fetch_into(lm.fingerprint, keys[0], lambda s: got.append(s), check=refuse)
+        assert got == []
