@@ -114,7 +114,7 @@ class Fetcher:
 
     async def _run(self) -> None:
         from kdn.artifact import ArtifactReader
-        from kdn.client_transport import GrpcEdgeTransport
+        from kdn.transport import GrpcEdgeTransport
 
         t = GrpcEdgeTransport(self.address, token=TOK_A)
         try:

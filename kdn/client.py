@@ -1,7 +1,9 @@
 """The inference host's KDN client: reuse what the local edge holds, write back what was computed.
 
 Public surface: :class:`ClientConfig`, :class:`AsyncKdnClient`, :class:`KdnClient` (the same, for
-synchronous code: it runs the async client on a private event-loop thread) and :class:`Reuse`.
+synchronous code: it runs the async client on a private event-loop thread), :class:`Reuse` and
+:class:`Computed` (what ``write_back`` stores). The client's parts: :class:`Fetches` (verified
+artifacts into their destinations) and :class:`WriteBacks` (background Puts).
 
 One request goes::
 
@@ -32,7 +34,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Literal, Sequence, TypeVar
 
@@ -40,21 +42,21 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from kdn.artifact import ArtifactReader, encode_artifact
-from kdn.client_transport import EdgeTransport, FailoverEdgeTransport, GrpcEdgeTransport, is_loopback
+from kdn.artifact import ArtifactReader, Section, encode_artifact
 from kdn.config import RoleConfig
 from kdn.errors import ArtifactCorrupt, Unavailable
 from kdn.keys import (
     DEFAULT_CHUNK_SIZE, PIECE_TOKENS, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys, piece_keys,
     pieces_enabled, toggled_bos_key,
 )
-from kdn.kv import DestinationPool, KVShape, layers_span
+from kdn.kv import DestinationPool, KVShape, layers_to_chunk
 from kdn.segments import SEGMENT_PARENT, SegmentKey
 from kdn.steer import SteerSpec, parse_variant, steer_root
+from kdn.transport import EdgeTransport, FetchStats, connect, is_loopback
 from kdn.wire.convert import FetchSpec
 from kdn.wire.tls import TlsFiles
 
-__all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "LOG"]
+__all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "Computed", "LOG"]
 
 LOG = logging.getLogger("kdn.client")
 T = TypeVar("T")
@@ -140,13 +142,6 @@ class Reuse:
     pieces: int = 0  # tail pieces (kdn.keys.piece_keys) reused after the ``chunks`` full chunks
 
 
-@dataclass(slots=True)
-class _FetchTally:
-    decode_s: float = 0.0
-    bytes: int = 0
-    via: str = ""
-
-
 class AsyncKdnClient:
     """Talks to one edge from inside an asyncio event loop.
 
@@ -158,18 +153,19 @@ class AsyncKdnClient:
         self.config = config or ClientConfig()
         if transport is None and self.config.edge:
             c = self.config
-            edges = [GrpcEdgeTransport(a, token=c.token, shm=c.use_shm(a), bulk=c.bulk, tls=c.tls())
-                     for a in [c.edge, *c.fallback_edges]]
-            transport = edges[0] if len(edges) == 1 else FailoverEdgeTransport(edges, backoff_s=c.edge_backoff_s)
+            transport = connect([c.edge, *c.fallback_edges], token=c.token, shm=c.use_shm, bulk=c.bulk, tls=c.tls(),
+                                backoff_s=c.edge_backoff_s)
         self.transport = transport
         self.destinations = DestinationPool(self.config.destination_pool_bytes)
-        self._pending: set[asyncio.Task[int]] = set()
+        self.fetches = Fetches(self.config, transport, self.destinations)
         self.counters: dict[str, float] = {
             "requests": 0, "reused_chunks": 0, "fetch_errors": 0, "edge_errors": 0,
             "written_back": 0, "write_back_errors": 0, "write_back_dropped": 0, "tokenization_mismatch": 0,
             "reused_pieces": 0, "written_back_pieces": 0, "steer_misses": 0,
         }
         self._mismatch_logged_at = -1e9
+        self.writes = WriteBacks(self.config, self.counters, self.put if transport is not None else None,
+                                 transport.name if transport is not None else "")
 
     async def __aenter__(self) -> "AsyncKdnClient":
         return self
@@ -188,82 +184,19 @@ class AsyncKdnClient:
             self.config.lookup_timeout_s, "Lookup",
         )
 
-    async def fetch_prefix(
-        self,
-        fingerprint: ModelFingerprint,
-        keys: Sequence[ChunkKey],
-        kv_shape: KVShape,
-        *,
-        chunk_size: int,
-        pieces: Sequence[ChunkKey] = (),
-    ) -> tuple[torch.Tensor, int, BaseException | None, _FetchTally]:
-        """Fetch ``keys`` (a chain from the start), then ``pieces`` (the tail pieces after it),
-        into one ``(L, 2, H, n*chunk_size + p*PIECE_TOKENS, D)`` tensor.
+    async def fetch_into(self, fingerprint: ModelFingerprint, key: ChunkKey, sink: Callable[[Section], None], *,
+                         next_keys: Sequence[ChunkKey] = (), check: Callable[[Any], None] | None = None,
+                         steered: bool = False) -> FetchStats:
+        """Stream one artifact's verified sections into ``sink``: :meth:`Fetches.sections`."""
+        return await self.fetches.sections(fingerprint, key, sink, next_keys=next_keys, check=check, steered=steered)
 
-        Returns ``(kv, usable, error, tally)``: the ``usable`` leading artifacts (chunks, then
-        pieces) are verified and in place; ``error`` is the first failure (None when all arrived).
-        """
-        assert self.transport is not None
-        spans = [(lo, lo + chunk_size) for lo in range(0, len(keys) * chunk_size, chunk_size)]
-        base = len(keys) * chunk_size
-        spans += [(base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS) for j in range(len(pieces))]
-        chain = [*keys, *pieces]
-        n = len(chain)
-        # the pages of an earlier request's destination, once nothing refers to it: no faults
-        out = self.destinations.empty(kv_shape.chunk_shape(spans[-1][1] if spans else 0), kv_shape.dtype)  # (L, 2, H, N, D)
-        tally = _FetchTally()
-        sem = asyncio.Semaphore(self.config.fetch_concurrency)
-
-        async def one(i: int) -> None:
-            async with sem:
-                await _deadline(
-                    self._fetch_into(out, i, chain, spans[i], fingerprint, tally),
-                    self.config.fetch_timeout_s, f"Fetch of {'chunk' if i < len(keys) else 'piece'} {i}",
-                )
-
-        results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
-        usable, error = n, None
-        for i, r in enumerate(results):
-            if isinstance(r, BaseException):
-                if not isinstance(r, Exception):
-                    raise r  # cancellation, KeyboardInterrupt
-                usable, error = i, r
-                break
-        return out, usable, error, tally
-
-    async def _fetch_into(
-        self,
-        out: torch.Tensor,
-        i: int,
-        keys: Sequence[ChunkKey],
-        span: tuple[int, int],
-        fingerprint: ModelFingerprint,
-        tally: _FetchTally,
-    ) -> None:
-        assert self.transport is not None
-        lo, hi = span
-        # sections decode straight into chunk i's token range of the prefix KV: (L, 2, H, T, D) view
-        steer = self.config.steer
-        reader = ArtifactReader(
-            expect_fingerprint=fingerprint, expect_key=keys[i], require_lossless=self.config.require_lossless,
-            out=out[:, :, :, lo:hi], expect_steer=None if steer else "",  # plain asked: a steered header is refused
-        )
-        spec = FetchSpec(
-            keys[i], fingerprint, self.config.namespace,
-            codec=self.config.codec, require_lossless=self.config.require_lossless,
-        )
-        # the reader verifies, refuses a geometry other than out's, and writes each complete
-        # section into out (over the bulk path the raw KV is received there in place)
-        stats = await self.transport.fetch_into(
-            spec, reader, timeout=self.config.fetch_timeout_s, next_keys=keys[i + 1 : i + 1 + _PREFETCH_HINT]
-        )
-        tally.decode_s += stats.decode_s
-        tally.bytes += stats.bytes
-        tally.via = stats.via
-        header = reader.finish()
-        if steer and (not header.steer or bytes(steer_root(SteerSpec.from_canonical(header.steer))).hex() != steer):
-            raise ArtifactCorrupt(f"artifact {i} is not steered variant {steer[:16]}... (its header names "
-                                  f"{header.steer[:120] or 'plain KV'!r})")
+    async def fetch_segments(
+        self, fingerprint: ModelFingerprint, wanted: Sequence[tuple[SegmentKey, int]], kv_shape: KVShape
+    ) -> list[tuple[torch.Tensor, int] | Exception]:
+        """Fetch ``(key, tokens)`` segments (:mod:`kdn.segments`), ``fetch_concurrency`` at once: each
+        result is ``(kv, bytes)`` or the KdnError that stopped it (``NotFound`` for a miss). Never
+        raises because the cache failed (:meth:`Fetches.segments`)."""
+        return await self.fetches.segments(fingerprint, wanted, kv_shape)
 
     async def put(self, fingerprint: ModelFingerprint, key: ChunkKey, data: bytes) -> bool:
         """Store one container on the edge."""
@@ -273,73 +206,6 @@ class AsyncKdnClient:
             self.transport.put(fingerprint, self.config.namespace, key, data, timeout=self.config.put_timeout_s),
             self.config.put_timeout_s, "Put",
         )
-
-    async def fetch_segment(
-        self, fingerprint: ModelFingerprint, key: SegmentKey, kv_shape: KVShape, *, tokens: int
-    ) -> tuple[torch.Tensor, int]:
-        """Fetch one segment (:mod:`kdn.segments`) of ``tokens`` tokens into ``(L, 2, H, tokens, D)``.
-
-        Verified like a chunk (checksums, fingerprint, key, lossless when required) and refused
-        unless it is a segment of exactly that length. Returns ``(kv, bytes)``; raises KdnError.
-        """
-        assert self.transport is not None
-        out = self.destinations.empty(kv_shape.chunk_shape(tokens), kv_shape.dtype)  # (L, 2, H, n, D)
-        reader = ArtifactReader(expect_fingerprint=fingerprint, expect_key=ChunkKey(key),
-                                require_lossless=self.config.require_lossless, out=out, expect_steer="")
-        n_bytes = 0
-
-        async def go() -> None:
-            nonlocal n_bytes
-            spec = FetchSpec(ChunkKey(key), fingerprint, self.config.namespace, codec=self.config.codec,
-                             require_lossless=self.config.require_lossless)
-            # a geometry other than out's (another length) is refused by the reader
-            stats = await self.transport.fetch_into(spec, reader, timeout=self.config.fetch_timeout_s)
-            n_bytes += stats.bytes
-            header = reader.finish()
-            if header.parent_key != bytes(SEGMENT_PARENT):
-                raise ArtifactCorrupt("artifact under a segment key is not a segment")
-
-        await _deadline(go(), self.config.fetch_timeout_s, "Fetch of a segment")
-        return out, n_bytes
-
-    async def fetch_segments(
-        self, fingerprint: ModelFingerprint, wanted: Sequence[tuple[SegmentKey, int]], kv_shape: KVShape
-    ) -> list[tuple[torch.Tensor, int] | Exception]:
-        """Fetch ``(key, tokens)`` segments, ``fetch_concurrency`` at once: each result is
-        ``(kv, bytes)`` or the KdnError that stopped it (``NotFound`` for a miss). Never raises
-        because the cache failed."""
-        if self.transport is None:
-            return [Unavailable("no edge configured") for _ in wanted]
-        sem = asyncio.Semaphore(self.config.fetch_concurrency)
-
-        async def one(key: SegmentKey, n: int) -> tuple[torch.Tensor, int]:
-            async with sem:
-                return await self.fetch_segment(fingerprint, key, kv_shape, tokens=n)
-
-        res = await asyncio.gather(*(one(k, n) for k, n in wanted), return_exceptions=True)
-        for r in res:
-            if isinstance(r, BaseException) and not isinstance(r, Exception):
-                raise r
-        return list(res)  # type: ignore[arg-type]
-
-    def schedule_put(self, fingerprint: ModelFingerprint, key: ChunkKey | SegmentKey, data: bytes) -> bool:
-        """Put one container in the background (a segment computed here; call from the loop).
-        False when dropped."""
-        if self.transport is None or not self.config.write_back or len(self._pending) >= self.config.max_pending_puts:
-            return False
-
-        async def put() -> int:
-            try:
-                return int(await self.put(fingerprint, ChunkKey(key), data))
-            except Exception as exc:  # a write-back never raises into the request
-                self.counters["write_back_errors"] += 1
-                LOG.debug("KDN put of segment %s failed: %s", bytes(key).hex()[:16], exc)
-                return 0
-
-        task = asyncio.get_running_loop().create_task(put())
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-        return True
 
     # -- the request-level operations (never fail because the cache did) ----------------------
 
@@ -393,7 +259,7 @@ class AsyncKdnClient:
                            f"{self.config.tenant!r} (another tenant's, or never stored): recomputing the plain prompt")
                 LOG.warning(warning)
             return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=t1 - t0, warning=warning)
-        kv, usable, error, tally = await self.fetch_prefix(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size,
+        kv, usable, error, tally = await self.fetches.prefix(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size,
                                                            pieces=pkeys[:pieces])
         t2 = time.perf_counter()
         warning = None
@@ -468,92 +334,318 @@ class AsyncKdnClient:
             LOG.warning(warning)
         return warning
 
-    async def write_back(
-        self,
-        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        keys: Sequence[ChunkKey],
-        *,
-        fingerprint: ModelFingerprint,
-        chunk_size: int,
-        start: int,
-        tokens: Sequence[int] | np.ndarray | None = None,
-        piece_start: int = 0,
-    ) -> int:
-        """Encode and Put chunks ``start ..`` of ``keys`` cut from per-layer ``(1, H, N, D)`` KV,
-        then, given the ``tokens`` that KV is of, the tail pieces after the last full chunk from
-        ``piece_start`` on (:func:`kdn.keys.piece_keys`).
+    # -- write-back (in the background: WriteBacks) --------------------------------------------
 
-        Returns how many chunks and pieces the edge stored. Failures are counted and logged at
-        debug level: a write-back is an optimisation, never part of the answer.
+    async def write_back(self, *args: Any, **kwargs: Any) -> int:
+        """Encode and Put :class:`Computed` ``(*args, **kwargs)`` now; returns how many chunks and
+        pieces the edge stored. Failures are counted and logged at debug level: a write-back is
+        an optimisation, never part of the answer."""
+        return await self.writes.write_back(Computed(*args, **kwargs))
+
+    def schedule_write_back(self, *args: Any, **kwargs: Any) -> bool:
+        """Start :meth:`write_back` in the background (call from the loop). False when dropped."""
+        return self.writes.schedule(Computed(*args, **kwargs))
+
+    def schedule_put(self, fingerprint: ModelFingerprint, key: ChunkKey | SegmentKey, data: bytes) -> bool:
+        """Put one container in the background (a segment computed here; call from the loop).
+        False when dropped."""
+        return self.writes.schedule_put(fingerprint, key, data)
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait for background write-backs (at most ``timeout`` seconds)."""
+        await self.writes.flush(timeout)
+
+    async def close(self, *, flush_timeout: float = 5.0) -> None:
+        await self.writes.close(flush_timeout)
+        if self.transport is not None:
+            await self.transport.close()
+
+
+class Fetches:
+    """A client's fetches: verified artifacts streamed into their destinations (a prefix's KV, a
+    segment's, a caller's sink), ``fetch_concurrency`` at once. Raises KdnError."""
+
+    def __init__(self, config: ClientConfig, transport: EdgeTransport | None, destinations: DestinationPool) -> None:
+        self.config = config
+        self.transport = transport
+        self.destinations = destinations
+
+    async def prefix(
+        self,
+        fingerprint: ModelFingerprint,
+        keys: Sequence[ChunkKey],
+        kv_shape: KVShape,
+        *,
+        chunk_size: int,
+        pieces: Sequence[ChunkKey] = (),
+    ) -> tuple[torch.Tensor, int, BaseException | None, FetchStats]:
+        """Fetch ``keys`` (a chain from the start), then ``pieces`` (the tail pieces after it),
+        into one ``(L, 2, H, n*chunk_size + p*PIECE_TOKENS, D)`` tensor.
+
+        Returns ``(kv, usable, error, tally)``: the ``usable`` leading artifacts (chunks, then
+        pieces) are verified and in place; ``error`` is the first failure (None when all arrived).
         """
-        if self.transport is None or self.config.steer:  # locally computed KV is plain: never under a variant's keys
-            return 0
-        n_tokens = int(layers[0][0].shape[2]) if layers else 0
-        stop = min(len(keys), n_tokens // chunk_size)
-        spans = [(keys[c], keys[c - 1] if c else ROOT_KEY, c * chunk_size, (c + 1) * chunk_size, c)
-                 for c in range(start, stop)]
-        if tokens is not None:
-            base = stop * chunk_size
-            pkeys = piece_keys(tokens[base:n_tokens], after=keys[stop - 1] if stop else ROOT_KEY,
-                               fingerprint=fingerprint, namespace=self.config.namespace, chunk_size=chunk_size)
+        assert self.transport is not None
+        spans = [(lo, lo + chunk_size) for lo in range(0, len(keys) * chunk_size, chunk_size)]
+        base = len(keys) * chunk_size
+        spans += [(base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS) for j in range(len(pieces))]
+        chain = [*keys, *pieces]
+        n = len(chain)
+        # the pages of an earlier request's destination, once nothing refers to it: no faults
+        out = self.destinations.empty(kv_shape.chunk_shape(spans[-1][1] if spans else 0), kv_shape.dtype)  # (L, 2, H, N, D)
+        tally = FetchStats()
+        sem = asyncio.Semaphore(self.config.fetch_concurrency)
+
+        async def one(i: int) -> None:
+            async with sem:
+                await _deadline(
+                    self._into(out, i, chain, spans[i], fingerprint, tally),
+                    self.config.fetch_timeout_s, f"Fetch of {'chunk' if i < len(keys) else 'piece'} {i}",
+                )
+
+        results = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+        usable, error = n, None
+        for i, r in enumerate(results):
+            if isinstance(r, BaseException):
+                if not isinstance(r, Exception):
+                    raise r  # cancellation, KeyboardInterrupt
+                usable, error = i, r
+                break
+        return out, usable, error, tally
+
+    async def _into(
+        self,
+        out: torch.Tensor,
+        i: int,
+        keys: Sequence[ChunkKey],
+        span: tuple[int, int],
+        fingerprint: ModelFingerprint,
+        tally: FetchStats,
+    ) -> None:
+        assert self.transport is not None
+        lo, hi = span
+        # sections decode straight into chunk i's token range of the prefix KV: (L, 2, H, T, D) view
+        steer = self.config.steer
+        reader = ArtifactReader(
+            expect_fingerprint=fingerprint, expect_key=keys[i], require_lossless=self.config.require_lossless,
+            out=out[:, :, :, lo:hi], expect_steer=None if steer else "",  # plain asked: a steered header is refused
+            pool=self.transport.pool,  # large raw runs are hashed on two threads: this one and the pool's
+        )
+        # the reader verifies, refuses a geometry other than out's, and writes each complete
+        # section into out (over the bulk path the raw KV is received there in place)
+        stats = await self.read(fingerprint, keys[i], reader, keys[i + 1 : i + 1 + _PREFETCH_HINT])
+        tally.decode_s += stats.decode_s
+        tally.bytes += stats.bytes
+        tally.via = stats.via
+        header = reader.finish()
+        if steer and (not header.steer or bytes(steer_root(SteerSpec.from_canonical(header.steer))).hex() != steer):
+            raise ArtifactCorrupt(f"artifact {i} is not steered variant {steer[:16]}... (its header names "
+                                  f"{header.steer[:120] or 'plain KV'!r})")
+
+    async def read(self, fingerprint: ModelFingerprint, key: ChunkKey, reader: ArtifactReader,
+                    next_keys: Sequence[ChunkKey] = ()) -> FetchStats:
+        """Fetch ``key``'s container into ``reader`` (the caller calls ``reader.finish()``)."""
+        assert self.transport is not None
+        spec = FetchSpec(key, fingerprint, self.config.namespace, codec=self.config.codec,
+                         require_lossless=self.config.require_lossless)
+        return await self.transport.fetch_into(spec, reader, timeout=self.config.fetch_timeout_s, next_keys=next_keys)
+
+    def section_reader(self, fingerprint: ModelFingerprint, key: ChunkKey, sink: Callable[[Section], None], *,
+                       check: Callable[[Any], None] | None = None, steered: bool = False) -> ArtifactReader:
+        """A verifying reader of ``key``'s artifact that hands each verified section to ``sink``
+        (its ``(H, T, D)`` tensor borrowed: copy what you need, keep no reference). ``check(header)``
+        runs once, before the first section reaches ``sink`` (raise to refuse the artifact).
+        ``steered``: the caller expects a steered variant (``check`` says which); else a steered
+        header is refused."""
+        checked = False
+
+        def place(section: Section) -> None:
+            nonlocal checked
+            if not checked:
+                assert reader.header is not None
+                if check is not None:
+                    check(reader.header)
+                checked = True
+            sink(section)
+
+        reader = ArtifactReader(expect_fingerprint=fingerprint, expect_key=key,
+                                require_lossless=self.config.require_lossless, sink=place,
+                                expect_steer=None if steered else "")
+        return reader
+
+    async def sections(self, fingerprint: ModelFingerprint, key: ChunkKey, sink: Callable[[Section], None], *,
+                         next_keys: Sequence[ChunkKey] = (), check: Callable[[Any], None] | None = None,
+                         steered: bool = False) -> FetchStats:
+        """Stream one artifact's verified sections into ``sink`` as they arrive (a
+        :meth:`section_reader`; ``next_keys``: the chain's following keys, a prefetch hint). The
+        artifact is whole and verified only once this returns; raises KdnError."""
+        reader = self.section_reader(fingerprint, key, sink, check=check, steered=steered)
+
+        async def go() -> FetchStats:
+            stats = await self.read(fingerprint, key, reader, next_keys)
+            reader.finish()
+            return stats
+
+        return await _deadline(go(), self.config.fetch_timeout_s, "Fetch")
+
+    async def segment(
+        self, fingerprint: ModelFingerprint, key: SegmentKey, kv_shape: KVShape, *, tokens: int
+    ) -> tuple[torch.Tensor, int]:
+        """Fetch one segment (:mod:`kdn.segments`) of ``tokens`` tokens into ``(L, 2, H, tokens, D)``.
+
+        Verified like a chunk (checksums, fingerprint, key, lossless when required) and refused
+        unless it is a segment of exactly that length. Returns ``(kv, bytes)``; raises KdnError.
+        """
+        assert self.transport is not None
+        out = self.destinations.empty(kv_shape.chunk_shape(tokens), kv_shape.dtype)  # (L, 2, H, n, D)
+        reader = ArtifactReader(expect_fingerprint=fingerprint, expect_key=ChunkKey(key),
+                                require_lossless=self.config.require_lossless, out=out, expect_steer="",
+                                pool=self.transport.pool)
+        n_bytes = 0
+
+        async def go() -> None:
+            nonlocal n_bytes
+            # a geometry other than out's (another length) is refused by the reader
+            stats = await self.read(fingerprint, ChunkKey(key), reader)
+            n_bytes += stats.bytes
+            header = reader.finish()
+            if header.parent_key != bytes(SEGMENT_PARENT):
+                raise ArtifactCorrupt("artifact under a segment key is not a segment")
+
+        await _deadline(go(), self.config.fetch_timeout_s, "Fetch of a segment")
+        return out, n_bytes
+
+    async def segments(
+        self, fingerprint: ModelFingerprint, wanted: Sequence[tuple[SegmentKey, int]], kv_shape: KVShape
+    ) -> list[tuple[torch.Tensor, int] | Exception]:
+        """Fetch ``(key, tokens)`` segments, ``fetch_concurrency`` at once: each result is
+        ``(kv, bytes)`` or the KdnError that stopped it (``NotFound`` for a miss). Never raises
+        because the cache failed."""
+        if self.transport is None:
+            return [Unavailable("no edge configured") for _ in wanted]
+        sem = asyncio.Semaphore(self.config.fetch_concurrency)
+
+        async def one(key: SegmentKey, n: int) -> tuple[torch.Tensor, int]:
+            async with sem:
+                return await self.segment(fingerprint, key, kv_shape, tokens=n)
+
+        res = await asyncio.gather(*(one(k, n) for k, n in wanted), return_exceptions=True)
+        for r in res:
+            if isinstance(r, BaseException) and not isinstance(r, Exception):
+                raise r
+        return list(res)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """KV the host computed, to write back: chunks ``start ..`` of ``keys`` cut from per-layer
+    ``(1, H, N, D)`` KV, then, given the ``tokens`` that KV is of, the tail pieces after the last
+    full chunk from ``piece_start`` on (:func:`kdn.keys.piece_keys`)."""
+
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    keys: Sequence[ChunkKey]
+    _: KW_ONLY
+    fingerprint: ModelFingerprint
+    chunk_size: int
+    start: int
+    tokens: Sequence[int] | np.ndarray | None = None
+    piece_start: int = 0
+
+    def anything_new(self) -> bool:
+        n_pieces = 0 if self.tokens is None or not pieces_enabled(self.chunk_size) else \
+            (len(self.tokens) - len(self.keys) * self.chunk_size) // PIECE_TOKENS
+        return self.start < len(self.keys) or self.piece_start < n_pieces
+
+    def spans(self, namespace: Namespace) -> list[tuple[ChunkKey, ChunkKey, int, int, int]]:
+        """``(key, parent, lo, hi, chunk index)`` of every chunk and piece to store, in order."""
+        keys, C = self.keys, self.chunk_size
+        n_tokens = int(self.layers[0][0].shape[2]) if self.layers else 0
+        stop = min(len(keys), n_tokens // C)
+        spans = [(keys[c], keys[c - 1] if c else ROOT_KEY, c * C, (c + 1) * C, c) for c in range(self.start, stop)]
+        if self.tokens is not None:
+            base = stop * C
+            pkeys = piece_keys(self.tokens[base:n_tokens], after=keys[stop - 1] if stop else ROOT_KEY,
+                               fingerprint=self.fingerprint, namespace=namespace, chunk_size=C)
             spans += [(k, pkeys[j - 1] if j else (keys[stop - 1] if stop else ROOT_KEY), base + j * PIECE_TOKENS,
-                       base + (j + 1) * PIECE_TOKENS, stop) for j, k in enumerate(pkeys) if j >= piece_start]
+                       base + (j + 1) * PIECE_TOKENS, stop) for j, k in enumerate(pkeys) if j >= self.piece_start]
+        return spans
+
+
+class WriteBacks:
+    """A client's write-backs: encoded and Put in the background, at most ``max_pending_puts``
+    queued (more are dropped and counted). ``put``: the client's Put (None: no edge, nothing is
+    written); ``where``: the edge's name in log lines."""
+
+    def __init__(self, config: ClientConfig, counters: dict[str, float],
+                 put: Callable[[ModelFingerprint, ChunkKey, bytes], Awaitable[bool]] | None, where: str) -> None:
+        self.config = config
+        self.counters = counters
+        self._put = put
+        self._where = where
+        self.pending: set[asyncio.Task[int]] = set()
+
+    async def write_back(self, job: Computed) -> int:
+        """Encode and Put ``job``'s chunks and pieces; stops at the first failure."""
+        if self._put is None or self.config.steer:  # locally computed KV is plain: never under a variant's keys
+            return 0
         stored = pieces = 0
-        for key, parent, lo, hi, index in spans:
+        for key, parent, lo, hi, index in job.spans(self.config.namespace):
             try:
-                data = await asyncio.to_thread(_encode_span, layers, lo, hi, key, parent, fingerprint,
+                data = await asyncio.to_thread(_encode_span, job.layers, lo, hi, key, parent, job.fingerprint,
                                                self.config.put_codec, index)
-                if await self.put(fingerprint, key, data):
+                if await self._put(job.fingerprint, key, data):
                     stored += 1
-                    pieces += hi - lo != chunk_size
+                    pieces += hi - lo != job.chunk_size
             except Exception as exc:  # KdnError by contract; a write-back never raises into the request
                 self.counters["write_back_errors"] += 1
-                LOG.debug("KDN write-back of tokens %d..%d to %s failed: %s", lo, hi, self.transport.name, exc)
+                LOG.debug("KDN write-back of tokens %d..%d to %s failed: %s", lo, hi, self._where, exc)
                 break
         self.counters["written_back"] += stored - pieces
         self.counters["written_back_pieces"] += pieces
         return stored
 
-    def schedule_write_back(
-        self,
-        layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        keys: Sequence[ChunkKey],
-        *,
-        fingerprint: ModelFingerprint,
-        chunk_size: int,
-        start: int,
-        tokens: Sequence[int] | np.ndarray | None = None,
-        piece_start: int = 0,
-    ) -> bool:
-        """Start :meth:`write_back` in the background (call from the loop). False when dropped."""
-        if self.transport is None or not self.config.write_back or self.config.steer:
+    def schedule(self, job: Computed) -> bool:
+        """Start :meth:`write_back` of ``job`` (call from the loop). False when dropped."""
+        if self._put is None or not self.config.write_back or self.config.steer:
             return False
-        n_pieces = 0 if tokens is None or not pieces_enabled(chunk_size) else \
-            (len(tokens) - len(keys) * chunk_size) // PIECE_TOKENS
-        if start >= len(keys) and piece_start >= n_pieces:
+        if not job.anything_new():
             return False  # nothing new to store
-        if len(self._pending) >= self.config.max_pending_puts:
+        if len(self.pending) >= self.config.max_pending_puts:
             self.counters["write_back_dropped"] += 1
             return False
-        task = asyncio.get_running_loop().create_task(
-            self.write_back(layers, keys, fingerprint=fingerprint, chunk_size=chunk_size, start=start, tokens=tokens,
-                            piece_start=piece_start)
-        )
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        return self._start(self.write_back(job))
+
+    def schedule_put(self, fingerprint: ModelFingerprint, key: ChunkKey | SegmentKey, data: bytes) -> bool:
+        """Put one container (call from the loop). False when dropped."""
+        put = self._put
+        if put is None or not self.config.write_back or len(self.pending) >= self.config.max_pending_puts:
+            return False
+
+        async def one() -> int:
+            try:
+                return int(await put(fingerprint, ChunkKey(key), data))
+            except Exception as exc:  # a write-back never raises into the request
+                self.counters["write_back_errors"] += 1
+                LOG.debug("KDN put of segment %s failed: %s", bytes(key).hex()[:16], exc)
+                return 0
+
+        return self._start(one())
+
+    def _start(self, coro: Coroutine[Any, Any, int]) -> bool:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
         return True
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait for background write-backs (at most ``timeout`` seconds)."""
-        if self._pending:
-            await asyncio.wait(list(self._pending), timeout=timeout)
+        """Wait for the pending write-backs (at most ``timeout`` seconds)."""
+        if self.pending:
+            await asyncio.wait(list(self.pending), timeout=timeout)
 
-    async def close(self, *, flush_timeout: float = 5.0) -> None:
+    async def close(self, flush_timeout: float) -> None:
         await self.flush(flush_timeout)
-        for task in list(self._pending):
+        for task in list(self.pending):
             task.cancel()
-        if self.transport is not None:
-            await self.transport.close()
 
 
 def _blocking(method: Callable[..., Any], *, on_loop: bool = False) -> Callable[..., Any]:
@@ -611,6 +703,7 @@ class KdnClient:
     put = _blocking(AsyncKdnClient.put)
     reuse = _blocking(AsyncKdnClient.reuse)
     fetch_segments = _blocking(AsyncKdnClient.fetch_segments)
+    fetch_into = _blocking(AsyncKdnClient.fetch_into)  # the sink runs on the client's loop thread
     schedule_put = _blocking(AsyncKdnClient.schedule_put, on_loop=True)
     write_back = _blocking(AsyncKdnClient.write_back)
     schedule_write_back = _blocking(AsyncKdnClient.schedule_write_back, on_loop=True)
@@ -640,7 +733,7 @@ def _encode_span(
     index: int,
 ) -> bytes:
     """Tokens ``s..e`` (a chunk or a tail piece) of per-layer KV as one artifact."""
-    kv = layers_span(layers, s, e)  # (L, 2, H, e-s, D)
+    kv = layers_to_chunk(layers, s, e)  # (L, 2, H, e-s, D)
     return encode_artifact(kv, key=key, parent_key=parent, fingerprint=fingerprint, codec=codec, chunk_index=index)
 
 

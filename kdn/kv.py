@@ -146,10 +146,6 @@ def layers_to_chunk(layers: Iterable[Any], start: int = 0, stop: int | None = No
     return torch.stack([torch.stack((k[0, :, start:stop], v[0, :, start:stop])) for k, v in pairs])
 
 
-layers_span = layers_to_chunk
-"""The same helper under the name :mod:`kdn.client` and :mod:`kdn.prefill` call it by."""
-
-
 def split_cache(cache: Any, chunk_size: int, *, start: int = 0, count: int | None = None) -> list[torch.Tensor]:
     """Cut full chunks out of a single-sequence ``DynamicCache``.
 

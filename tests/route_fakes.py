@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kdn.client import AsyncKdnClient, ClientConfig
-from kdn.client_transport import EdgeTransport
+from kdn.transport import EdgeTransport
 from kdn.keys import ModelFingerprint
 from kdn.kv import KVShape
 from kdn.prompts import ByteTokenizer, Tokenizer, chat_tokens
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoConfig
 
-    from kdn.client_transport import GrpcEdgeTransport
+    from kdn.transport import GrpcEdgeTransport
     from kdn.route.model import load_route_model
 
     p = argparse.ArgumentParser()

@@ -8,7 +8,7 @@
 # - the connector reads the paged KV layout from the tensors vLLM registers (the standardized
 #   logical [blocks, H, block, 2*D] view, whatever the backend's physical strides), so the CPU
 #   code path is the CUDA one, except that copies are ordered against the compute stream with
-#   CUDA events (kdn/integrations/vllm.py, _LoadJob._place / wait_layer);
+#   CUDA events (kdn/integrations/vllm/paged.py PagedCache.place, load.py LoadJob.wait_layer);
 # - vLLM's own connector beside KDN on a GPU is the CPU-offloading OffloadingConnector
 #   (benchmarks/vllm_ttft.py picks it when CUDA is available).
 set -euo pipefail

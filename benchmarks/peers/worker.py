@@ -169,18 +169,18 @@ class Client:
 
 
 class KdnClient(Client):
-    """KDN's host transport (``kdn.client_transport.GrpcEdgeTransport``), every checksum verified."""
+    """KDN's host transport (``kdn.transport.GrpcEdgeTransport``), every checksum verified."""
 
     @classmethod
     def preload(cls) -> None:
         import kdn.artifact  # noqa: F401
-        import kdn.client_transport  # noqa: F401
+        import kdn.transport  # noqa: F401
         import kdn.wire.convert  # noqa: F401
 
     async def open(self) -> dict:
         import inspect
 
-        from kdn.client_transport import GrpcEdgeTransport
+        from kdn.transport import GrpcEdgeTransport
 
         # the bulk byte path, once the transport has it, is picked up here without a change
         kw: dict[str, Any] = {"bulk": True} if "bulk" in inspect.signature(GrpcEdgeTransport).parameters else {}
@@ -189,7 +189,7 @@ class KdnClient(Client):
         return {"transport_kwargs": sorted(kw)}
 
     def attach(self, transport: Any, shm_transport: Any) -> None:
-        """Use these transports (``kdn.client_transport.EdgeTransport``s; tests pass in-memory ones)."""
+        """Use these transports (``kdn.transport.EdgeTransport``s; tests pass in-memory ones)."""
         import torch
 
         from kdn.keys import ModelFingerprint, Namespace
@@ -217,7 +217,8 @@ class KdnClient(Client):
         from kdn.wire.convert import FetchSpec
 
         key = objs.keys[i]
-        reader = ArtifactReader(expect_fingerprint=self.fp, expect_key=key, out=self.out[(objs.name, slot)])
+        reader = ArtifactReader(expect_fingerprint=self.fp, expect_key=key, out=self.out[(objs.name, slot)],
+                                pool=transport.pool)
         # the inference client's path (kdn.client): over the bulk socket the raw KV is received
         # straight into out and verified there; shm and gRPC feed the reader
         via = (await transport.fetch_into(FetchSpec(key, self.fp, self.ns), reader, timeout=60)).via

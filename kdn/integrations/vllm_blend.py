@@ -59,7 +59,7 @@ class BlendRequests:
     """The scheduler-side state of blend requests and the worker side's origin clients.
 
     ``conn``: the connector (its config, loop thread, counters and request states); ``new_state``
-    builds a request state (the connector's ``_ReqState``); ``namespace_of`` is the connector's
+    builds a request state (the connector's ``ReqState``); ``namespace_of`` is the connector's
     ``request_namespace``."""
 
     def __init__(self, conn: Any, new_state: Callable[..., Any], namespace_of: Callable[..., Namespace | None]) -> None:

@@ -15,11 +15,8 @@ from typing import Any, Sequence
 
 from kdn.errors import Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
-from kdn.proto import kdn_pb2 as pb
-from kdn.proto import kdn_pb2_grpc as pb_grpc
-from kdn.wire.channel import aio_channel, auth_metadata
-from kdn.wire.convert import lookup_request, parse_stats
-from kdn.wire.errors import rpc_errors
+from kdn.wire.channel import aio_channel
+from kdn.wire.client_calls import EdgeCalls
 from kdn.wire.tls import TlsFiles
 
 __all__ = ["EdgeView", "GrpcEdgeView"]
@@ -54,25 +51,20 @@ class GrpcEdgeView(EdgeView):
         self.address = address
         self.token = token
         self._channel = channel if channel is not None else aio_channel(address, tls=tls)
-        self._stub = pb_grpc.EdgeServiceStub(self._channel)
+        self._calls = EdgeCalls(self._channel, address, token=token)
 
     async def locate(self, fingerprint: ModelFingerprint, namespace: Namespace, keys: Sequence[ChunkKey], *,
                      token: str | None, timeout: float) -> list[str]:
         if not keys:
             return []
-        req = lookup_request(keys, fingerprint=fingerprint, namespace=namespace)
-        with rpc_errors(self.address):
-            resp = await self._stub.Lookup(req, timeout=timeout, metadata=auth_metadata(token or self.token))
-        n = min(int(resp.available), len(keys))
-        tiers = [loc.tier if loc.tier in _TIERS else "origin" for loc in resp.locations[:n]]
+        n, named = await self._calls.locate(keys, fingerprint, namespace, timeout=timeout, token=token or self.token)
+        tiers = [tier if tier in _TIERS else "origin" for tier in named]
         if len(tiers) < n:  # an edge that counts without naming: the slowest tier
             tiers += ["origin"] * (n - len(tiers))
         return tiers
 
     async def counters(self, *, timeout: float) -> dict[str, float]:
-        with rpc_errors(self.address):
-            resp = await self._stub.Stats(pb.StatsRequest(), timeout=timeout, metadata=auth_metadata(self.token))
-        stats = parse_stats(resp)
+        stats = await self._calls.stats(timeout=timeout)
         if "tenant_entries" in stats.counters and not any(k.startswith("kdn_edge_") for k in stats.counters):
             raise Unavailable(f"edge {self.address} answers Stats for a tenant only: give the router an operator "
                               "token ('*') for node-wide counters")

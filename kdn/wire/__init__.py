@@ -1,7 +1,7 @@
 """The wire: everything that crosses between a host, an edge, a peer edge and the origin.
 
 The only place protobuf messages meet KDN's types and gRPC statuses meet KDN's errors; the host
-client (:mod:`kdn.client_transport`), the edge's upstreams (:mod:`kdn.edge.upstream`) and the
+client (:mod:`kdn.transport`), the edge's upstreams (:mod:`kdn.edge.upstream`) and the
 admin client (:mod:`kdn.edge.admin`) are thin adapters over it, and the edge's and origin's
 servicers only parse, authorize and call.
 

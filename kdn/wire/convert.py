@@ -272,3 +272,36 @@ class NodeStats:
 
 def parse_stats(resp: pb.StatsResponse) -> NodeStats:
     return NodeStats(resp.node_id, dict(resp.counters), json.loads(resp.json) if resp.json else {})
+
+
+# -- client side: what a host client sends and reads -------------------------------------------
+
+
+def fetch_request_bytes(spec: FetchSpec, next_keys: Sequence[ChunkKey] = (), *, shm: bool = False) -> bytes:
+    """``spec``'s ``FetchRequest``, serialized: the request the bulk byte path carries."""
+    return spec.to_proto(next_keys, shm=shm).SerializeToString()
+
+
+def put_header_bytes(data: bytes | memoryview, *, key: ChunkKey, fingerprint: ModelFingerprint,
+                     namespace: Namespace) -> bytes:
+    """The ``PutHeader`` of ``data``, serialized: the bulk byte path's Put request."""
+    return put_header(data, key=key, fingerprint=fingerprint, namespace=namespace).SerializeToString()
+
+
+@dataclass(frozen=True, slots=True)
+class BulkOffer:
+    """An ``OpenBulk`` answer: the bulk listener's port (0: the path is not offered), a ticket
+    standing for the caller's token, and how long the ticket lives."""
+
+    port: int
+    ticket: bytes
+    ttl_s: float
+
+
+def parse_bulk_offer(resp: pb.BulkOffer) -> BulkOffer:
+    return BulkOffer(int(resp.port), bytes(resp.ticket), float(resp.ttl_s))
+
+
+def parse_locations(resp: pb.LookupResponse, n: int) -> list[str]:
+    """The tier named for each of the ``n`` leading available keys of a ``Lookup`` answer, as sent."""
+    return [loc.tier for loc in resp.locations[:n]]

@@ -12,7 +12,7 @@ reader:
   of the size the edge announced. In a directory anyone may create files in (``/dev/shm`` is
   1777), a file made under a recycled name by someone else is thereby refused, not mapped. A
   segment already recycled, or another file in its place, is ``Unavailable`` (fetch again); a
-  link in its place, or a size that disagrees, is ``ArtifactCorrupt``. The host client (:mod:`kdn.client_transport`) maps with this and verifies
+  link in its place, or a size that disagrees, is ``ArtifactCorrupt``. The host client (:mod:`kdn.transport`) maps with this and verifies
   with its own ``ArtifactReader``.
 - :func:`open_segment` also verifies every checksum (and the expected key/fingerprint) and returns a
   :class:`ShmArtifact` whose ``data`` is a zero-copy memoryview; ``close()`` releases the mapping.

@@ -18,7 +18,7 @@ import pytest
 
 from kdn import errors as e
 from kdn.artifact import ArtifactReader
-from kdn.client_transport import GrpcEdgeTransport
+from kdn.transport import GrpcEdgeTransport
 from kdn.edge.config import EdgeConfig
 from kdn.edge.server import EdgeServer
 from kdn.edge.testing import Chain, make_chain
@@ -89,13 +89,13 @@ def test_put_and_fetch_over_bulk_match_the_stored_bytes_and_reuse_buffers() -> N
                     got, via = await fetch_verified(t, chain, i)
                     assert via == "bulk" and got == blob
             # every fetch after the first of a size class reused a buffer; connections were kept
-            assert t.buffers.allocated == 1 and t.buffers.reused == 3 * len(chain.blobs) - 1
-            assert t._bulk is not None and t._bulk.connections == 1
+            assert t.bulk_path.buffers.allocated == 1 and t.bulk_path.buffers.reused == 3 * len(chain.blobs) - 1
+            assert t.bulk_path.client is not None and t.bulk_path.client.connections == 1
             # a miss is NotFound, and the connection stays usable
             with pytest.raises(e.NotFound):
                 await fetch_verified(t, make_chain(1, seed=77), 0)
             assert (await fetch_verified(t, chain, 0))[0] == chain.blobs[0]
-            assert t._bulk.connections == 1
+            assert t.bulk_path.client.connections == 1
             # the edge's thread counts a fetch's bytes once its sendall returns, which may be
             # just after the client has them all
             want = 3 * sum(map(len, chain.blobs)) + len(chain.blobs[0])
@@ -124,7 +124,7 @@ def test_bulk_enforces_the_same_tokens_and_tenants_as_grpc() -> None:
                 # a valid token for another tenant gets a ticket, but no request for acme passes
                 with pytest.raises(e.Unauthorized):
                     await fetch_verified(other, acme, 0)
-                assert other._bulk is not None  # it was refused on the bulk path, not on gRPC
+                assert other.bulk_path.client is not None  # it was refused on the bulk path, not on gRPC
                 with pytest.raises(e.Unauthorized):
                     await other.put(acme.fingerprint, acme.namespace, acme.keys[0], acme.blobs[0], timeout=TIMEOUT)
                 # an unknown token gets no ticket: refused, whichever path
@@ -252,7 +252,7 @@ def test_tls_edge_does_not_offer_bulk_and_switched_off_edge_streams_over_grpc() 
             assert srv.bulk is None
             assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
             assert (await fetch_verified(t, chain, 0)) == (chain.blobs[0], "grpc")
-            assert t.bulk is False  # asked once, told no
+            assert t.bulk_path is not None and t.bulk_path.offered is False  # asked once, told no
 
     asyncio.run(main())
 
@@ -297,8 +297,8 @@ async def half_answer_listener(t: GrpcEdgeTransport, blob: bytes) -> AsyncIterat
 
     task = asyncio.create_task(liar())
     try:
-        t._bulk = wb.BulkClient("127.0.0.1", lsock.getsockname()[1], b"x" * 32, peer="liar")
-        t._bulk_expires = float("inf")
+        t.bulk_path.client = wb.BulkClient("127.0.0.1", lsock.getsockname()[1], b"x" * 32, peer="liar")
+        t.bulk_path.expires = float("inf")
         yield
     finally:
         await task
@@ -342,8 +342,8 @@ def test_same_host_segment_named_over_the_bulk_socket_is_verified_and_falls_back
                     assert await fetch_verified(t, chain, i) == (blob, "shm")
             assert srv.shm is not None and srv.shm.created == 2 and srv.shm.reused == 2
             # named over one bulk socket (a failed bulk call would have dropped it for gRPC)
-            assert t._bulk is not None and t._bulk.connections == 1
-            assert t._maps is not None and len(t._maps) == 2  # and mapped once each
+            assert t.bulk_path.client is not None and t.bulk_path.client.connections == 1
+            assert t.shm_path.maps is not None and len(t.shm_path.maps) == 2  # and mapped once each
             # a flipped bit in the published segment: the cached mapping sees it and the reader
             # refuses it; the edge sees the file changed and names a fresh segment with the bytes
             seg = srv.shm._segments[("default", bytes(chain.keys[0]))]
@@ -354,7 +354,7 @@ def test_same_host_segment_named_over_the_bulk_socket_is_verified_and_falls_back
                 f.seek(-1, 1)
                 f.write(bytes([b[0] ^ 0x08]))
             with pytest.raises(e.ArtifactCorrupt):
-                t._maps.open(seg.ref, expect_key=chain.keys[0])
+                t.shm_path.maps.open(seg.ref, expect_key=chain.keys[0])
             assert await fetch_verified(t, chain, 0) == (chain.blobs[0], "shm") and srv.shm.changed == 1
             # the segment is recycled (unlinked) after it was named: asked again, still right
             srv.shm.forget("default", chain.keys[0])
@@ -369,27 +369,6 @@ def test_same_host_segment_named_over_the_bulk_socket_is_verified_and_falls_back
                 assert await t.put(chain.fingerprint, chain.namespace, chain.keys[0], chain.blobs[0], timeout=TIMEOUT)
                 assert srv.shm is None
                 assert await fetch_verified(t, chain, 0) == (chain.blobs[0], "bulk")
-            finally:
-                await t.close()
-        # an edge from before the SHM request refuses it and hangs up: the client names segments
-        # over gRPC from then on, and the call that was refused still gets its bytes
-        async with served(cfg.model_copy(update={"node_id": "bulk-old"})) as (srv, _t):
-            assert srv.bulk is not None
-            listener, serve_fetch = srv.bulk, srv.bulk._fetch
-
-            def old_edge(sock, body, token, *, shm=False):  # noqa: ANN001
-                if shm:
-                    listener._refuse(sock, "bulk", e.InvalidInput(f"bad bulk request (op {wb.SHM}, {len(body)} bytes)"))
-                    raise ConnectionResetError("an old edge closes after an unknown op")
-                serve_fetch(sock, body, token)
-
-            listener._fetch = old_edge  # type: ignore[method-assign]
-            t = GrpcEdgeTransport(srv.address, shm=True)
-            try:
-                assert await t.put(chain.fingerprint, chain.namespace, chain.keys[1], chain.blobs[1], timeout=TIMEOUT)
-                for _ in range(2):
-                    assert await fetch_verified(t, chain, 1) == (chain.blobs[1], "shm")
-                assert t._bulk_shm is False
             finally:
                 await t.close()
 
@@ -415,7 +394,7 @@ def test_received_in_place_equals_fed_and_a_torn_or_corrupt_answer_is_refused(in
 
     async def main() -> None:
         async with served(edge_config()) as (srv, t):
-            t.land_min_bytes = 0 if in_place else 1 << 30
+            t.bulk_path.land_min_bytes = 0 if in_place else 1 << 30
             for key, blob in zip(chain.keys, chain.blobs):
                 assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
             for _round in range(2):
@@ -425,7 +404,7 @@ def test_received_in_place_equals_fed_and_a_torn_or_corrupt_answer_is_refused(in
                     r.finish()
                     assert stats.via == "bulk" and stats.bytes == len(blob) and stats.decode_s > 0
                     assert r.kv is not None and torch.equal(r.kv, decode_artifact(blob).kv)
-            assert t._bulk is not None and t._bulk.connections == 1  # one connection, kept
+            assert t.bulk_path.client is not None and t.bulk_path.client.connections == 1  # one connection, kept
             with pytest.raises(e.NotFound):
                 await t.fetch_into(big_chain(1, seed=12).spec(0), reader_for(0), timeout=TIMEOUT)
             # the edge serves a flipped bit: refused, and that connection is dropped
@@ -446,7 +425,7 @@ def test_received_in_place_equals_fed_and_a_torn_or_corrupt_answer_is_refused(in
             r = reader_for(0)
             await t.fetch_into(chain.spec(0), r, timeout=TIMEOUT)
             r.finish()
-            assert t._bulk.connections == (2 if in_place else 1)  # unread bytes: that connection closed
+            assert t.bulk_path.client.connections == (2 if in_place else 1)  # unread bytes: that connection closed
 
             # a listener that dies half-way through the answer
             blob = chain.blobs[0]
@@ -525,12 +504,12 @@ def test_shared_memory_read_ahead_counts_only_once_the_edge_says_yes() -> None:
                 for i in range(2):
                     out, via = await fetch_kv(t, i)
                     assert via == "shm" and torch.equal(out, want[i])
-            assert t.read_ahead == 4  # the first fetch of each key maps, the next ones read ahead
+            assert t.shm_path.read_ahead == 4  # the first fetch of each key maps, the next ones read ahead
             assert srv.shm is not None and srv.shm.created == 2 and srv.shm.reused == 4  # all 6 asked
 
             # the bulk socket breaks after the request went out and the segment was read:
             # the fetch is confirmed over gRPC instead
-            bulk = t._bulk
+            bulk = t.bulk_path.client
             assert bulk is not None
 
             async def broken(*_a: object, **_kw: object) -> Any:
@@ -538,13 +517,13 @@ def test_shared_memory_read_ahead_counts_only_once_the_edge_says_yes() -> None:
 
             bulk._answer = broken  # type: ignore[method-assign]
             out, via = await fetch_kv(t, 1)
-            assert via == "shm" and torch.equal(out, want[1]) and t.read_ahead == 5
+            assert via == "shm" and torch.equal(out, want[1]) and t.shm_path.read_ahead == 5
             # the edge got the request before the break, and the confirmation over gRPC
-            assert t._bulk is None and srv.shm.reused == 6
-            t._bulk_rest_until = 0.0
+            assert t.bulk_path.client is None and srv.shm.reused == 6
+            t.bulk_path.backoff.clear()
 
             # it breaks before anything was read (a refused connection): the usual path
-            bulk = await t._bulk_client(TIMEOUT)
+            bulk = await t.bulk_path.connect(TIMEOUT)
             assert bulk is not None
 
             async def unreachable(*_a: object, **_kw: object) -> Any:
@@ -552,9 +531,9 @@ def test_shared_memory_read_ahead_counts_only_once_the_edge_says_yes() -> None:
 
             bulk.fetch_shm_ahead = unreachable  # type: ignore[method-assign]
             out, via = await fetch_kv(t, 1)
-            assert via == "shm" and torch.equal(out, want[1]) and t.read_ahead == 5
+            assert via == "shm" and torch.equal(out, want[1]) and t.shm_path.read_ahead == 5
             assert srv.shm.reused == 7
-            t._bulk_rest_until = 0.0
+            t.bulk_path.backoff.clear()
 
             # a flipped bit in the mapping the client reads ahead from: refused; then the edge,
             # which sees the file changed, names a fresh segment holding the stored bytes
@@ -572,9 +551,9 @@ def test_shared_memory_read_ahead_counts_only_once_the_edge_says_yes() -> None:
             # the edge no longer holds key 1 (its segment is still mapped here): NotFound
             assert srv.node is not None and srv.node.store.delete(chain.keys[1], tenant="default")
             srv.shm.forget("default", chain.keys[1])
-            ahead = t.read_ahead
+            ahead = t.shm_path.read_ahead
             with pytest.raises(e.NotFound):
                 await fetch_kv(t, 1)
-            assert t.read_ahead == ahead
+            assert t.shm_path.read_ahead == ahead
 
     asyncio.run(main())

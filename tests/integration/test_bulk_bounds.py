@@ -21,7 +21,7 @@ import pytest
 
 from kdn import errors as e
 from kdn.artifact import ArtifactReader
-from kdn.client_transport import GrpcEdgeTransport
+from kdn.transport import GrpcEdgeTransport
 from kdn.edge.config import EdgeConfig
 from kdn.edge.server import EdgeServer
 from kdn.edge.testing import Chain, make_chain
@@ -126,8 +126,8 @@ def test_one_tenants_open_bulk_calls_never_evict_another_tenants_ticket() -> Non
             t = GrpcEdgeTransport(srv.address, token="tok-a")
             try:
                 assert await t.put(a.fingerprint, a.namespace, a.keys[0], a.blobs[0], timeout=TIMEOUT)
-                assert t._bulk is not None
-                ticket_a = t._bulk.ticket
+                assert t.bulk_path.client is not None
+                ticket_a = t.bulk_path.client.ticket
                 flood = GrpcEdgeTransport(srv.address, token="tok-b")
                 try:  # 4,200 OpenBulk calls by tenant B, as a client makes them
                     from kdn.proto import kdn_pb2_grpc as pbg
@@ -142,8 +142,8 @@ def test_one_tenants_open_bulk_calls_never_evict_another_tenants_ticket() -> Non
                 _r, writer, status = await hello(srv.bulk.port, ticket_a)  # A's ticket still opens a connection
                 writer.close()
                 assert status == 0
-                t._bulk.close()  # only new connections present the ticket
-                assert await fetch_via(t, a) == "bulk" and t._bulk.renewed == 0
+                t.bulk_path.client.close()  # only new connections present the ticket
+                assert await fetch_via(t, a) == "bulk" and t.bulk_path.client.renewed == 0
             finally:
                 await t.close()
 
@@ -159,13 +159,13 @@ def test_a_ticket_the_edge_forgot_is_renewed_once_and_refused_again_means_grpc()
             t = GrpcEdgeTransport(srv.address, token="tok-a")
             try:
                 assert await t.put(a.fingerprint, a.namespace, a.keys[0], a.blobs[0], timeout=TIMEOUT)
-                assert t._bulk is not None
-                t._bulk.close()
+                assert t.bulk_path.client is not None
+                t.bulk_path.client.close()
                 srv.bulk._tickets.clear()  # the edge forgot every ticket (restarted listener, expiry)
                 vias = await asyncio.gather(*(fetch_via(t, a) for _ in range(24)))  # concurrent, new connections
-                assert vias == ["bulk"] * 24 and t._bulk.renewed == 1
+                assert vias == ["bulk"] * 24 and t.bulk_path.client.renewed == 1
                 # an edge that refuses the renewed ticket too: this call and the next go over gRPC
-                t._bulk.close()
+                t.bulk_path.client.close()
                 real = srv.bulk._redeem
                 srv.bulk._redeem = lambda ticket: (_ for _ in ()).throw(e.Unauthorized("unknown or expired bulk ticket"))
                 try:
@@ -191,7 +191,7 @@ def test_idle_connections_lying_lengths_and_readers_that_never_read_take_no_slot
             try:
                 for c in (a, big):
                     assert await t.put(c.fingerprint, c.namespace, c.keys[0], c.blobs[0], timeout=TIMEOUT)
-                t._bulk.close()
+                t.bulk_path.client.close()
                 threads0 = threading.active_count()
                 idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(300)]  # no hello, ever
                 await asyncio.sleep(0.2)

@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from kdn.client_transport import GrpcEdgeTransport
+from kdn.transport import GrpcEdgeTransport
 from kdn.edge.testing import make_chain
 
 pytestmark = pytest.mark.integration

@@ -249,7 +249,7 @@ def test_a_flood_of_offers_holds_a_bounded_number_of_connections_for_a_bounded_t
 
         async def tenant_a_fetch() -> int:
             from kdn.artifact import ArtifactReader
-            from kdn.client_transport import GrpcEdgeTransport
+            from kdn.transport import GrpcEdgeTransport
             from kdn.wire.convert import FetchSpec
 
             t = GrpcEdgeTransport(edge.address, token=TOK_A, bulk=False)

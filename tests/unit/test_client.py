@@ -11,7 +11,7 @@ import torch
 
 from kdn.artifact import encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig, KdnClient
-from kdn.client_transport import MemoryEdgeTransport
+from kdn.transport import MemoryEdgeTransport
 from kdn.errors import ConfigError
 from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys
 from kdn.kv import split_cache
@@ -206,7 +206,7 @@ def test_config_validation():
 
 
 def test_failover_moves_to_the_next_edge_and_back(lm):
-    from kdn.client_transport import FailoverEdgeTransport
+    from kdn.transport import FailoverEdgeTransport
 
     local, other = MemoryEdgeTransport(name="local"), MemoryEdgeTransport(name="other")
     cfg = ClientConfig(edge="mem", tenant="acme")
@@ -229,7 +229,7 @@ def test_failover_moves_to_the_next_edge_and_back(lm):
 
 
 def test_failover_does_not_hide_answers_of_a_live_edge(lm):
-    from kdn.client_transport import FailoverEdgeTransport
+    from kdn.transport import FailoverEdgeTransport
 
     local, other = MemoryEdgeTransport(name="local"), MemoryEdgeTransport(name="other")
     cfg = ClientConfig(edge="mem")
@@ -259,7 +259,7 @@ def test_failover_fetch_into_restarts_only_before_the_first_byte(lm):
     import asyncio
 
     from kdn.artifact import ArtifactReader
-    from kdn.client_transport import FailoverEdgeTransport
+    from kdn.transport import FailoverEdgeTransport
     from kdn.errors import Unavailable
     from kdn.wire.convert import FetchSpec
 
@@ -324,3 +324,31 @@ def test_destination_pool_reuses_a_buffer_only_once_nothing_refers_to_it() -> No
     assert off.reused == 0  # switched off: a fresh mapping every time
     small = pool.empty((2, 2, 2, 4, 4), torch.float16)
     assert small.shape == (2, 2, 2, 4, 4)  # small destinations come from the allocator
+
+
+def test_fetch_into_streams_verified_sections_into_a_sink_after_the_header_check(lm):
+    """The public call an integration loads with: every (layer, K/V) section, verified, in order,
+    handed to the caller's sink; ``check`` sees the header first and its refusal is the fetch's
+    error, before any section reached the sink."""
+    edge = MemoryEdgeTransport(piece=4096)
+    cfg = ClientConfig(edge="mem", tenant="acme")
+    keys, chunks = publish(edge, lm, DOC[:CHUNK], cfg.namespace)
+    got: list[tuple[int, str, torch.Tensor]] = []
+    headers = []
+    with KdnClient(cfg, transport=edge) as client:
+        stats = client.fetch_into(lm.fingerprint, keys[0], lambda s: got.append((s.layer, s.kind, s.tensor.clone())),
+                                  check=headers.append)
+        assert stats.via == "memory" and stats.bytes == len(edge.store[("acme", bytes(keys[0]))])
+        assert len(headers) == 1 and headers[0].token_count == CHUNK
+        L = chunks[0].shape[0]
+        assert [(layer, kind) for layer, kind, _ in got] == [(l, k) for l in range(L) for k in ("k", "v")]
+        for layer, kind, t in got:
+            assert torch.equal(t, chunks[0][layer, 0 if kind == "k" else 1])  # (H, T, D), every bit
+        got.clear()
+
+        def refuse(header) -> None:
+            raise ConfigError("not this one")
+
+        with pytest.raises(ConfigError):
+            client.fetch_into(lm.fingerprint, keys[0], lambda s: got.append(s), check=refuse)
+        assert got == []

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kdn.artifact import decode_artifact
-from kdn.client_transport import MemoryEdgeTransport
+from kdn.transport import MemoryEdgeTransport
 from kdn.edge.testing import make_chain
 from kdn.errors import ArtifactCorrupt
 

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 import httpx
 import pytest
 
-from kdn.client_transport import GrpcEdgeTransport
+from kdn.transport import GrpcEdgeTransport
 from kdn.edge.testing import InMemoryOverlay, InProcessEdge
 from kdn.route.app import build_app
 from kdn.route.config import RouteConfig

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kdn.client import AsyncKdnClient, ClientConfig
-from kdn.client_transport import GrpcEdgeTransport
+from kdn.transport import GrpcEdgeTransport
 from kdn.edge.admin import AsyncEdgeClient, hint_request
 from kdn.edge.cli import main as edge_main
 from kdn.edge.testing import InProcessEdge

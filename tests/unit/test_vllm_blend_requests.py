@@ -24,7 +24,7 @@ C = 64
 
 
 @dataclass
-class State:  # the fields of the connector's _ReqState that blending sets
+class State:  # the fields of the connector's ReqState that blending sets
     ns: Namespace
     keys: list
     n_prompt: int

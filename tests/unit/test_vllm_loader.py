@@ -2,9 +2,10 @@
 artifact's whole geometry (layers, KV heads, tokens, head dim, dtype) is the engine's.
 
 No vLLM here: the connector module imports only vLLM's connector base classes at import time, so
-a stand-in for that one module is enough to run the real ``_LoadJob`` (the scheduler and worker
+a stand-in for that one module is enough to run the real ``LoadJob`` (the scheduler and worker
 sides that need a real engine are tested in ``tests/vllm``). The engine's paged KV is a real
-tensor in the ``FLASH_ATTN`` layout the connector knows; the edge is the in-memory transport.
+tensor in the ``FLASH_ATTN`` layout the connector knows; the edge is the in-memory transport
+behind a real client.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from kdn.artifact import encode_artifact
-from kdn.client_transport import MemoryEdgeTransport
+from kdn.client import AsyncKdnClient, ClientConfig
+from kdn.transport import MemoryEdgeTransport
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace
 
 L, H, C, D, BLOCK, BLOCKS = 4, 2, 16, 8, 16, 4
@@ -29,7 +31,7 @@ OLD = 7.0  # what the blocks hold from the previous request
 
 @pytest.fixture
 def vllm_module(monkeypatch):
-    """``kdn.integrations.vllm``, imported over a stand-in for vLLM's connector base module
+    """``kdn.integrations.vllm`` (and its modules), imported over a stand-in for vLLM's connector base module
     when vLLM itself is not installed; dropped again afterwards."""
     try:
         import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
@@ -50,30 +52,30 @@ def vllm_module(monkeypatch):
 
         metrics.KVConnectorStats = KVConnectorStats
         monkeypatch.setitem(sys.modules, metrics.__name__, metrics)
-    monkeypatch.delitem(sys.modules, "kdn.integrations.vllm", raising=False)
+    def drop() -> None:
+        for name in [n for n in sys.modules if n == "kdn.integrations.vllm" or n.startswith("kdn.integrations.vllm.")]:
+            sys.modules.pop(name)
+
+    drop()
     import kdn.integrations.vllm as mod
 
     yield mod
-    sys.modules.pop("kdn.integrations.vllm", None)
+    drop()
 
 
 def _engine(mod):
-    """A connector's worker side as ``_LoadJob`` sees it: L layers of paged KV
+    """A connector's worker side as ``LoadJob`` sees it (a ``LoadContext``): L layers of paged KV
     ``[blocks, H, block, 2*D]`` filled with another request's values, a client on the memory edge."""
     edge = MemoryEdgeTransport()
     caches = [torch.full((BLOCKS, H, BLOCK, 2 * D), OLD) for _ in range(L)]
-    conn = SimpleNamespace(
-        num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32, block_size=BLOCK, fingerprint=FP,
-        config=SimpleNamespace(chunk_size=C, fetch_timeout_s=5.0, fetch_concurrency=2),
-        _kv=[mod.PagedKV.of(kv, "FLASH_ATTN", None, D) for kv in caches], _kernel_block=BLOCK, _ratio=1,
-        _device=torch.device("cpu"), counters={"loaded_chunks": 0, "load_failures": 0},
-        _loop=mod._LoopThread("kdn-vllm-test"),
-    )
-    conn._kernel_blocks = types.MethodType(mod.KdnConnector._kernel_blocks, conn)
-    conn._count = types.MethodType(mod.KdnConnector._count, conn)
-    client = SimpleNamespace(transport=edge, config=SimpleNamespace(namespace=NS))
-    conn._clients_for = lambda tenant, salt: client
-    return conn, edge, caches
+    paged = mod.PagedCache.of(mod.EngineGeometry(L, H, D, torch.float32, BLOCK, C), caches, "FLASH_ATTN", None)
+    counters = {"loaded_chunks": 0, "load_failures": 0}
+    client = AsyncKdnClient(ClientConfig(tenant=NS.tenant, fetch_timeout_s=5.0), transport=edge)
+    loop = mod.LoopThread("kdn-vllm-test")
+    ctx = mod.LoadContext(FP, paged, loop, fetch_timeout_s=5.0, fetch_concurrency=2,
+                          client_for=lambda tenant, salt: client, origin_stream=None,
+                          count=lambda name: counters.__setitem__(name, counters[name] + 1))
+    return SimpleNamespace(ctx=ctx, counters=counters, loop=loop), edge, caches
 
 
 def _artifact(layers=L, heads=H, tokens=C, head_dim=D, dtype=torch.float32) -> tuple[bytes, torch.Tensor]:
@@ -81,26 +83,25 @@ def _artifact(layers=L, heads=H, tokens=C, head_dim=D, dtype=torch.float32) -> t
     return encode_artifact(kv, key=KEY, parent_key=ROOT_KEY, fingerprint=FP, codec="raw", chunk_index=0), kv
 
 
-def _load(mod, conn, blob: bytes):
-    edge = conn._clients_for("", "").transport
+def _load(mod, conn, edge, blob: bytes):
     edge.store[(NS.tenant, bytes(KEY))] = blob
-    job = mod._LoadJob(conn, [mod.LoadSpec("req-1", NS.tenant, "", 0, [bytes(KEY)], 0, [0])])
+    job = mod.LoadJob(conn.ctx, [mod.LoadSpec("req-1", NS.tenant, "", 0, [bytes(KEY)], 0, [0])])
     job.start()
     job.finish()
     return job
 
 
 def test_an_artifact_of_the_engines_geometry_is_loaded_into_its_blocks(vllm_module):
-    conn, _edge, caches = _engine(vllm_module)
+    conn, edge, caches = _engine(vllm_module)
     try:
         blob, kv = _artifact()
-        job = _load(vllm_module, conn, blob)
+        job = _load(vllm_module, conn, edge, blob)
         assert not job.failed_blocks and conn.counters == {"loaded_chunks": 1, "load_failures": 0}
         for layer in range(L):
             assert torch.equal(caches[layer][0, :, :, :D], kv[layer, 0])  # K: [H, T, D] of block 0
             assert torch.equal(caches[layer][0, :, :, D:], kv[layer, 1])  # V
     finally:
-        conn._loop.close()
+        conn.loop.close()
 
 
 @pytest.mark.parametrize("what,geometry", [
@@ -115,15 +116,15 @@ def test_an_artifact_of_any_other_geometry_goes_to_the_load_errors_and_writes_no
     """Under the right key and model: a 1-layer artifact passed every check the reader makes, and
     layers 1..L-1 kept the previous request's KV. Now the chunk's blocks are reported for
     recompute and no block was written."""
-    conn, _edge, caches = _engine(vllm_module)
+    conn, edge, caches = _engine(vllm_module)
     try:
         blob, _kv = _artifact(**geometry)
-        job = _load(vllm_module, conn, blob)
+        job = _load(vllm_module, conn, edge, blob)
         assert job.failed_blocks == {0} and job.failed_reqs == {"req-1"}, what
         assert conn.counters == {"loaded_chunks": 0, "load_failures": 1}, what
         assert all(torch.all(kv == OLD) for kv in caches), f"{what}: a block was written"
     finally:
-        conn._loop.close()
+        conn.loop.close()
 
 
 def test_a_tail_piece_lands_inside_its_block_and_nowhere_else(vllm_module):
@@ -138,7 +139,7 @@ def test_a_tail_piece_lands_inside_its_block_and_nowhere_else(vllm_module):
         edge.store[(NS.tenant, bytes(piece))] = encode_artifact(kv, key=piece, parent_key=KEY, fingerprint=FP,
                                                                 codec="raw", chunk_index=1)
         spec = vllm_module.LoadSpec("req-1", NS.tenant, "", 1, [], 16, [0, 1, 2], [bytes(piece)])
-        job = vllm_module._LoadJob(conn, [spec])
+        job = vllm_module.LoadJob(conn.ctx, [spec])
         job.start()
         job.finish()
         assert not job.failed_blocks and conn.counters["loaded_chunks"] == 1
@@ -148,4 +149,4 @@ def test_a_tail_piece_lands_inside_its_block_and_nowhere_else(vllm_module):
             assert torch.all(caches[layer][2, :, PIECE_TOKENS - BLOCK :] == OLD)  # tokens 48.. untouched
             assert torch.all(caches[layer][0] == OLD) and torch.all(caches[layer][3] == OLD)
     finally:
-        conn._loop.close()
+        conn.loop.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdn.client import AsyncKdnClient, ClientConfig
-from kdn.client_transport import GrpcEdgeTransport
+from kdn.transport import GrpcEdgeTransport
 from kdn.edge.admin import AsyncEdgeClient
 from kdn.edge.testing import InProcessEdge
 from kdn.edge.upstream import OriginUpstream
