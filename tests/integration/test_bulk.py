@@ -19,6 +19,7 @@ import pytest
 from kdn import errors as e
 from kdn.artifact import ArtifactReader
 from kdn.client_transport import GrpcEdgeTransport
+from kdn.edge.bulk import BulkConnection
 from kdn.edge.config import EdgeConfig
 from kdn.edge.server import EdgeServer
 from kdn.edge.testing import Chain, make_chain
@@ -375,15 +376,15 @@ def test_same_host_segment_named_over_the_bulk_socket_is_verified_and_falls_back
         # over gRPC from then on, and the call that was refused still gets its bytes
         async with served(cfg.model_copy(update={"node_id": "bulk-old"})) as (srv, _t):
             assert srv.bulk is not None
-            listener, serve_fetch = srv.bulk, srv.bulk._fetch
+            serve_fetch = BulkConnection.fetch
 
-            def old_edge(sock, body, token, *, shm=False):  # noqa: ANN001
+            def old_edge(conn, body, *, shm=False):  # noqa: ANN001
                 if shm:
-                    listener._refuse(sock, "bulk", e.InvalidInput(f"bad bulk request (op {wb.SHM}, {len(body)} bytes)"))
+                    conn.refuse("bulk", e.InvalidInput(f"bad bulk request (op {wb.SHM}, {len(body)} bytes)"))
                     raise ConnectionResetError("an old edge closes after an unknown op")
-                serve_fetch(sock, body, token)
+                serve_fetch(conn, body)
 
-            listener._fetch = old_edge  # type: ignore[method-assign]
+            BulkConnection.fetch = old_edge  # type: ignore[method-assign]
             t = GrpcEdgeTransport(srv.address, shm=True)
             try:
                 assert await t.put(chain.fingerprint, chain.namespace, chain.keys[1], chain.blobs[1], timeout=TIMEOUT)
@@ -391,6 +392,7 @@ def test_same_host_segment_named_over_the_bulk_socket_is_verified_and_falls_back
                     assert await fetch_verified(t, chain, 1) == (chain.blobs[1], "shm")
                 assert t._bulk_shm is False
             finally:
+                BulkConnection.fetch = serve_fetch  # type: ignore[method-assign]
                 await t.close()
 
     asyncio.run(main())
