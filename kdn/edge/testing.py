@@ -271,3 +271,9 @@ class InProcessEdge:
 
     async def stop(self) -> None:
         await self.node.stop()
+
+    async def __aenter__(self) -> "InProcessEdge":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
