@@ -7,8 +7,8 @@ first, :meth:`EdgeFront.authorizer`), asks the front, and frames what comes back
 fails, the transport hands the exception to :meth:`EdgeFront.refuse`, which decides what the
 caller is told (the status and message of :func:`kdn.wire.errors.status_for`, the one mapping),
 logs an exception that is not a KdnError (a bug) and counts the refusal
-(``kdn_edge_refused{rpc,code}``); the transport only frames that answer: a gRPC status, the bulk
-socket's error answer, the data channel's ERROR message.
+(``kdn_edge_refused{rpc,reason}``, the reason being the status name); the transport only frames
+that answer: a gRPC status, the bulk socket's error answer, the data channel's ERROR message.
 
 Counting of served requests is the front's too: bytes out per path and Fetch latency per source
 (:meth:`EdgeFront.served`), Lookup latency and probes that found KV.

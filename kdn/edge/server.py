@@ -31,11 +31,10 @@ import grpc
 from kdn.edge.budget import PutBudget
 from kdn.edge.bulk import BulkListener
 from kdn.edge.clock import Clock, MonotonicClock
-from kdn.edge.compose import ComposedEdge, compose_edge
+from kdn.edge.compose import compose_edge
 from kdn.edge.config import EdgeConfig
 from kdn.edge.front import EdgeFront
 from kdn.edge.node import EdgeNode
-from kdn.edge.operator_hints import HintService
 from kdn.edge.overlay import Member, MembershipProvider
 from kdn.edge.shm import ShmPool
 from kdn.edge.store import TieredStore, build_store
@@ -165,38 +164,17 @@ class EdgeServer:
         self._connect_override = connect
         self._members = members
         self._store = store
-        self.edge: ComposedEdge | None = None
+        # the composed parts (compose_edge), once started
+        self.front: EdgeFront | None = None
+        self.node: EdgeNode | None = None
+        self.shm: ShmPool | None = None
+        self.put_budget: PutBudget | None = None  # shared by gRPC and bulk Puts
+        self.metrics_port: int | None = None
         self.bulk: BulkListener | None = None
         self.rtc: Any = None  # kdn.edge.rtc.EdgeRtc when rtc_signal is configured
         self._server: grpc.aio.Server | None = None
         self._health: Health | None = None
         self.port = 0
-
-    # the composed parts, once started
-    @property
-    def front(self) -> EdgeFront | None:
-        return self.edge.front if self.edge is not None else None
-
-    @property
-    def node(self) -> EdgeNode | None:
-        return self.edge.node if self.edge is not None else None
-
-    @property
-    def shm(self) -> ShmPool | None:
-        return self.edge.front.shm if self.edge is not None else None
-
-    @property
-    def hints(self) -> HintService | None:
-        return self.edge.hints if self.edge is not None else None
-
-    @property
-    def put_budget(self) -> PutBudget | None:
-        """The bound on bytes in-flight Puts hold, shared by gRPC and bulk Puts."""
-        return self.edge.front.put_budget if self.edge is not None else None
-
-    @property
-    def metrics_port(self) -> int | None:
-        return self.edge.front.metrics_port if self.edge is not None else None
 
     @property
     def address(self) -> str:
@@ -226,12 +204,13 @@ class EdgeServer:
             if self._store is None:
                 await asyncio.to_thread(store.close)
             raise OSError(f"cannot bind {c.listen}: the port is in use or the host is not an address of this machine")
-        edge = self.edge = compose_edge(
+        edge = compose_edge(
             c, address=self.address, auth=self.auth, clock=self.clock, store=store, members=self._members,
             connect=self._connect_override,
             **({"origin": self._origin_override} if self._origin_override is not None else {}),
         )
-        self.rtc = edge.rtc
+        self.front, self.node, self.rtc = edge.front, edge.node, edge.rtc
+        self.shm, self.put_budget = edge.front.shm, edge.front.put_budget
         add_servicer(self._server, EdgeServicer(edge.front), "EdgeService")
         self._health = Health(self._server)
         await edge.node.start()
@@ -247,7 +226,7 @@ class EdgeServer:
             edge.front.bulk = self.bulk
         await self._server.start()
         if c.metrics_port is not None:
-            edge.front.metrics_port = edge.node.metrics.serve(
+            self.metrics_port = edge.front.metrics_port = edge.node.metrics.serve(
                 c.metrics_host, c.metrics_port, token=c.metrics_token, max_connections=c.metrics_max_connections,
                 timeout_s=c.metrics_timeout_s,
             )
@@ -272,9 +251,9 @@ class EdgeServer:
         if self.node is not None:
             await self.node.stop()
             self.node.metrics.close()
-        if self.edge is not None and self.edge.front.shm is not None:
-            self.edge.front.shm.close()
-            self.edge.front.shm = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
     async def wait(self) -> None:
         if self._server is not None:

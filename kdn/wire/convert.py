@@ -288,6 +288,16 @@ def _message(cls: Any, body: bytes) -> Any:
         raise InvalidInput(f"malformed {cls.__name__}: {type(exc).__name__}") from exc
 
 
+def _named(cls: Any, request: Any, authorize: Callable[[Namespace], None]) -> tuple[Any, Namespace]:
+    """The request (parsed when it came as bytes: the bulk socket, a data channel) and its
+    namespace, once ``authorize(namespace)`` said yes."""
+    if isinstance(request, (bytes, bytearray, memoryview)):
+        request = _message(cls, bytes(request))
+    ns = parse_namespace(request.namespace)
+    authorize(ns)
+    return request, ns
+
+
 HintAction = enum.IntEnum("HintAction", dict(pb.HintRequest.Action.items()))  # type: ignore[misc]
 """A Hint's action (``HintAction.PIN`` ...), the wire's numbers."""
 
@@ -302,11 +312,8 @@ class FetchAsk:
 
 
 def parse_fetch(request: Any, *, limit: int, authorize: Callable[[Namespace], None]) -> FetchAsk:
-    """A ``FetchRequest`` (a message, or its bytes from the bulk socket or a data channel)."""
-    if isinstance(request, (bytes, bytearray, memoryview)):
-        request = _message(pb.FetchRequest, bytes(request))
-    ns = parse_namespace(request.namespace)
-    authorize(ns)
+    """A ``FetchRequest`` (a message, or its bytes)."""
+    request, ns = _named(pb.FetchRequest, request, authorize)
     spec = FetchSpec.from_proto(request, ns)
     return FetchAsk(spec, parse_keys(request.next_keys, limit=limit), request.shm)
 
@@ -322,10 +329,7 @@ class LookupAsk:
 
 def parse_lookup(request: Any, *, limit: int, authorize: Callable[[Namespace], None]) -> LookupAsk:
     """A ``LookupRequest`` (a message, or its bytes)."""
-    if isinstance(request, (bytes, bytearray, memoryview)):
-        request = _message(pb.LookupRequest, bytes(request))
-    ns = parse_namespace(request.namespace)
-    authorize(ns)
+    request, ns = _named(pb.LookupRequest, request, authorize)
     fp = parse_fingerprint(request.fingerprint)
     return LookupAsk(parse_keys(request.keys, limit=limit), fp, ns, request.local_only, request.probe)
 
@@ -361,8 +365,7 @@ class PrefetchAsk:
 
 
 def parse_prefetch(request: pb.PrefetchRequest, *, limit: int, authorize: Callable[[Namespace], None]) -> PrefetchAsk:
-    ns = parse_namespace(request.namespace)
-    authorize(ns)
+    request, ns = _named(pb.PrefetchRequest, request, authorize)
     fp = parse_fingerprint(request.fingerprint)
     return PrefetchAsk(parse_keys(request.keys, limit=limit), request.document, fp, ns, request.codec)
 
@@ -385,8 +388,7 @@ class HintAsk:
 
 
 def parse_hint(request: pb.HintRequest, *, limit: int, authorize: Callable[[Namespace], None]) -> HintAsk:
-    ns = parse_namespace(request.namespace)
-    authorize(ns)
+    request, ns = _named(pb.HintRequest, request, authorize)
     return HintAsk(
         request.action, ns, parse_keys(request.keys, limit=limit), request.fingerprint, request.document,
         request.ttl_s, request.priority, request.cron, request.schedule_id, request.emphasis,
