@@ -102,6 +102,7 @@ def child_serve(relay: str, link_codec: str) -> None:
     from kdn.artifact import transcode
     from kdn.simulator.natlab import PUBLIC_IP
     from kdn.proto import kdn_pb2 as pb
+    from kdn.wire.errors import status_for, status_value
     from kdn.wire.rtc import RtcEndpoint
     from kdn.wire.signal import SignalClient
 
@@ -118,6 +119,10 @@ def child_serve(relay: str, link_codec: str) -> None:
             if link_codec and codec:
                 return await asyncio.to_thread(transcode, blob, codec), "memory"
             return blob, "memory"
+
+        def refuse(self, rpc, exc):
+            code, message = status_for(exc)
+            return status_value(code), message
 
     async def main() -> None:
         sig = SignalClient(f"{PUBLIC_IP}:{SIGNAL_PORT}")

@@ -19,15 +19,14 @@ import asyncio
 from typing import Any, Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kdn.errors import ArtifactCorrupt, MessageTooLarge, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
-from kdn.proto import kdn_pb2 as pb
-from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.calls import collect_fetch, fetch_method
 from kdn.wire.channel import DEFAULT_DEADLINE_S, MAX_MESSAGE, STREAM_PIECE, aio_channel, auth_metadata, sync_channel
+from kdn.wire import health
 from kdn.wire.convert import (
+    HintAction,
     NodeStats,
     fetch_request,
     hint_request,
@@ -35,15 +34,17 @@ from kdn.wire.convert import (
     parse_stats,
     prefetch_request,
     put_messages,
+    stats_request,
 )
 from kdn.wire.errors import rpc_errors
+from kdn.wire.service import service_stub
 from kdn.wire.frames import decode_chunk
 from kdn.wire.shm import DEFAULT_SHM_DIR, SegmentCache, ShmArtifact
 from kdn.wire.tls import TlsFiles
 
 __all__ = ["Action", "AsyncEdgeClient", "EdgeClient", "EdgeStats", "fetch_request", "hint_request"]
 
-Action = pb.HintRequest.Action
+Action = HintAction
 
 
 EdgeStats = NodeStats
@@ -63,7 +64,7 @@ class AsyncEdgeClient:
         self._md = auth_metadata(token)
         self._deadline = deadline_s
         self._channel = channel if channel is not None else aio_channel(address, tls=tls, max_message=max_message)
-        self._stub = pbg.EdgeServiceStub(self._channel)
+        self._stub = service_stub(self._channel, "EdgeService")
         self._fetch = fetch_method(self._channel)
         self.segments = SegmentCache(shm_dir)
 
@@ -79,14 +80,12 @@ class AsyncEdgeClient:
 
     async def wait_ready(self, timeout: float = 10.0) -> None:
         """Poll the standard health service until SERVING (or raise Unavailable)."""
-        stub = health_pb2_grpc.HealthStub(self._channel)
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         last: Exception | None = None
         while loop.time() < end:
             try:
-                r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                if await health.check(self._channel, timeout=1.0):
                     return
             except grpc.RpcError as exc:
                 last = exc
@@ -133,7 +132,7 @@ class AsyncEdgeClient:
         return (await self._call(self._stub.Put, messages)).stored
 
     async def lookup(self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace,
-                     local_only: bool = False) -> pb.LookupResponse:
+                     local_only: bool = False) -> Any:
         req = lookup_request(keys, fingerprint=fingerprint, namespace=namespace, local_only=local_only)
         return await self._call(self._stub.Lookup, req)
 
@@ -142,11 +141,11 @@ class AsyncEdgeClient:
         req = prefetch_request(keys, fingerprint=fingerprint, namespace=namespace, document=document)
         return (await self._call(self._stub.Prefetch, req)).queued
 
-    async def hint(self, request: pb.HintRequest) -> pb.HintResponse:
+    async def hint(self, request: Any) -> Any:
         return await self._call(self._stub.Hint, request)
 
     async def stats(self) -> EdgeStats:
-        return parse_stats(await self._call(self._stub.Stats, pb.StatsRequest()))
+        return parse_stats(await self._call(self._stub.Stats, stats_request()))
 
 
 class EdgeClient:
@@ -160,7 +159,7 @@ class EdgeClient:
         self._md = auth_metadata(token)
         self._deadline = deadline_s
         self._channel = sync_channel(address, tls=tls, max_message=max_message)
-        self._stub = pbg.EdgeServiceStub(self._channel)
+        self._stub = service_stub(self._channel, "EdgeService")
         self._fetch = fetch_method(self._channel)
 
     def __enter__(self) -> "EdgeClient":
@@ -193,7 +192,7 @@ class EdgeClient:
     def put(self, data: bytes, *, key: ChunkKey, fingerprint: ModelFingerprint, namespace: Namespace) -> bool:
         return self._call(self._stub.Put, put_messages(data, key=key, fingerprint=fingerprint, namespace=namespace)).stored
 
-    def lookup(self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace) -> pb.LookupResponse:
+    def lookup(self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace) -> Any:
         return self._call(self._stub.Lookup, lookup_request(keys, fingerprint=fingerprint, namespace=namespace))
 
     def prefetch(self, keys: Sequence[ChunkKey] = (), *, fingerprint: ModelFingerprint, namespace: Namespace,
@@ -201,12 +200,12 @@ class EdgeClient:
         req = prefetch_request(keys, fingerprint=fingerprint, namespace=namespace, document=document)
         return self._call(self._stub.Prefetch, req).queued
 
-    def hint(self, request: pb.HintRequest) -> pb.HintResponse:
+    def hint(self, request: Any) -> Any:
         return self._call(self._stub.Hint, request)
 
     def stats(self) -> EdgeStats:
-        return parse_stats(self._call(self._stub.Stats, pb.StatsRequest()))
+        return parse_stats(self._call(self._stub.Stats, stats_request()))
 
     def origin_stats(self) -> EdgeStats:
         """The same address asked as an origin (``OriginService.Stats``): ``kdn stats`` of an origin."""
-        return parse_stats(self._call(pbg.OriginServiceStub(self._channel).Stats, pb.StatsRequest()))
+        return parse_stats(self._call(service_stub(self._channel, "OriginService").Stats, stats_request()))

@@ -1,5 +1,6 @@
 """The edge's end of the bulk byte path (:mod:`kdn.wire.bulk`): tickets, a TCP listener, and the
-Fetch/Put requests it serves with the same node, auth and checks as the gRPC servicer.
+Fetch/Put requests it frames over the edge's front (:class:`kdn.edge.front.EdgeFront`), as the
+gRPC servicer does: the same parsing, auth, checks and refusals; only the framing is this path's.
 
 A Fetch answer is the stored container sent with one ``sendall`` of a view of the stored bytes:
 the container is already its own wire form (sections with their checksums), so nothing is framed
@@ -41,16 +42,12 @@ import socket
 import threading
 import time
 from collections import Counter, OrderedDict
-from typing import Any, Protocol
+from typing import Any
 
-import grpc
-
-from kdn.errors import InvalidInput, KdnError, StorageFull, Unauthorized, Unavailable
-from kdn.proto import kdn_pb2 as pb
+from kdn.edge.front import EdgeFront, Refusal
+from kdn.errors import KdnError, StorageFull, Unauthorized, Unavailable, InvalidInput
 from kdn.wire import bulk as wb
-from kdn.wire.auth import TokenAuth
-from kdn.wire.convert import FetchSpec, parse_keys, parse_namespace, parse_put_header
-from kdn.wire.errors import status_for, status_value
+from kdn.wire.convert import parse_bulk_put, parse_fetch
 
 log = logging.getLogger(__name__)
 
@@ -62,23 +59,13 @@ _FIRST_STEP = 1 << 20  # a Put's first reserved and received step; each next one
 _MAX_STEP = 16 << 20  # ... up to this
 
 
-class BulkHost(Protocol):
-    """What the listener needs of its :class:`~kdn.edge.server.EdgeServer`."""
-
-    config: Any  # EdgeConfig
-    node: Any  # EdgeNode, once started
-    auth: TokenAuth
-    put_budget: Any  # PutBudget
-    shm: Any  # ShmPool | None
-
-
 class BulkListener:
-    """Serves :mod:`kdn.wire.bulk` for one :class:`~kdn.edge.server.EdgeServer` (bounds: the
-    module docstring; their values come from the server's config)."""
+    """Serves :mod:`kdn.wire.bulk` over one edge's front (bounds: the module docstring; their
+    values come from the edge's config). Each accepted connection is a :class:`BulkConnection`."""
 
-    def __init__(self, server: BulkHost, host: str, port: int = 0, *, ttl_s: float = 600.0) -> None:
-        c = server.config
-        self._s = server
+    def __init__(self, front: EdgeFront, host: str, port: int = 0, *, ttl_s: float = 600.0) -> None:
+        c = front.config
+        self.front = front
         self.host = host
         self.port = port
         self.ttl_s = ttl_s
@@ -107,7 +94,7 @@ class BulkListener:
         """A new ticket for ``token``; the token's own oldest go past its table's bound."""
         now = time.monotonic()
         ticket = secrets.token_bytes(wb.TICKET_BYTES)
-        key, cap = (token, self._per_table) if self._s.auth.enabled else (None, OPEN_TICKETS)
+        key, cap = (token, self._per_table) if self.front.auth.enabled else (None, OPEN_TICKETS)
         with self._lock:
             table = self._tables.setdefault(key, OrderedDict())
             while table and (len(table) >= cap or self._tickets.get(next(iter(table)), (None, 0.0))[1] < now):
@@ -185,7 +172,7 @@ class BulkListener:
             try:
                 conn, _ = await loop.sock_accept(self._sock)
             except OSError as exc:  # EMFILE and friends: say so, pause, go on
-                log.warning("%s: bulk accept failed: %s", self._s.config.node_id, exc)
+                log.warning("%s: bulk accept failed: %s", self.front.node_id, exc)
                 await asyncio.sleep(0.1)
                 continue
             task = loop.create_task(self._hello(conn))
@@ -209,8 +196,7 @@ class BulkListener:
                     token = self._redeem(wb.parse_hello(bytes(head)))
                     self._admit(token)
                 except KdnError as exc:
-                    self._count_refusal("OpenBulk", exc)
-                    await loop.sock_sendall(conn, _refusal(exc))
+                    await loop.sock_sendall(conn, _refusal(self.front.refuse("OpenBulk", exc, via="bulk")))
                     conn.shutdown(socket.SHUT_WR)
                     while await loop.sock_recv(conn, 65536):  # what the client still sends, until it closes
                         pass
@@ -218,7 +204,7 @@ class BulkListener:
             conn.setblocking(True)
             conn.settimeout(self.timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=self._serve, args=(conn, token), name="kdn-bulk", daemon=True)
+            t = threading.Thread(target=BulkConnection(self, conn, token).serve, name="kdn-bulk", daemon=True)
             with self._lock:
                 self._conns.add(conn)
                 self._threads.add(t)
@@ -248,21 +234,37 @@ class BulkListener:
                 raise StorageFull(f"this token holds {self.max_per_token} bulk connections already; use gRPC")
             self._of_token[token] += 1
 
-    def _count_refusal(self, rpc: str, exc: BaseException) -> None:
-        if self._s.node is not None:
-            self._s.node.metrics.refused.labels(rpc, status_for(exc)[0].name).inc()
+    def _gone(self, sock: socket.socket, token: str | None) -> None:
+        """A served connection ended (on its thread)."""
+        with self._lock:
+            self._conns.discard(sock)
+            self._threads.discard(threading.current_thread())
+            self._of_token[token] -= 1
+            if self._of_token[token] <= 0:
+                del self._of_token[token]
 
-    # -- one connection, on its own thread ------------------------------------------------------
-    #
-    # Parsing, auth and the bytes' send/receive run here (the socket calls release the GIL, so
-    # several connections move bytes at once, beside the event loop); the node's coroutines and
-    # the Put budget run on the edge's event loop (:meth:`_on_loop`).
+
+class BulkConnection:
+    """One accepted connection, served on its own thread: its requests framed over the front.
+
+    Parsing, auth and the bytes' send/receive run here (the socket calls release the GIL, so
+    several connections move bytes at once, beside the event loop); the node's coroutines and
+    the Put budget run on the edge's event loop (:meth:`_on_loop`)."""
+
+    def __init__(self, listener: BulkListener, sock: socket.socket, token: str | None) -> None:
+        assert listener._loop is not None
+        self.listener = listener
+        self.front = listener.front
+        self.sock = sock
+        self.token = token
+        self.timeout_s = listener.timeout_s
+        self._loop = listener._loop
 
     def _on_loop(self, coro: Any) -> Any:
-        assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def _serve(self, sock: socket.socket, token: str | None) -> None:
+    def serve(self) -> None:
+        sock = self.sock
         try:
             sock.sendall(wb.answer(0))  # the hello was accepted
             while True:
@@ -272,7 +274,7 @@ class BulkListener:
                         first = sock.recv(wb.REQUEST.size)
                         break
                     except TimeoutError:
-                        if time.monotonic() - idle_since >= self.idle_s:
+                        if time.monotonic() - idle_since >= self.listener.idle_s:
                             return
                 if not first:
                     return  # the client closed between requests: the normal end
@@ -280,88 +282,52 @@ class BulkListener:
                 rest = _recv_exactly(sock, wb.REQUEST.size - len(first), _deadline(wb.REQUEST.size, self.timeout_s))
                 op, length = wb.REQUEST.unpack(first + rest)
                 if op not in (wb.FETCH, wb.PUT, wb.SHM) or length > wb.MAX_REQUEST:
-                    self._refuse(sock, "bulk", InvalidInput(f"bad bulk request (op {op}, {length} bytes)"))
+                    self.refuse("bulk", InvalidInput(f"bad bulk request (op {op}, {length} bytes)"))
                     return
                 body = bytes(_recv_exactly(sock, length, _deadline(length, self.timeout_s)))
                 if op != wb.PUT:
-                    self._fetch(sock, body, token, shm=op == wb.SHM)
-                elif not self._put(sock, body, token):
+                    self.fetch(body, shm=op == wb.SHM)
+                elif not self.put(body):
                     return  # the payload was not read whole: the stream cannot go on
         except (OSError, RuntimeError, concurrent.futures.CancelledError):
             return  # connection reset or too slow (TimeoutError), or the edge is stopping (its loop gone)
         finally:
             _close_gently(sock)
-            with self._lock:
-                self._conns.discard(sock)
-                self._threads.discard(threading.current_thread())
-                self._of_token[token] -= 1
-                if self._of_token[token] <= 0:
-                    del self._of_token[token]
+            self.listener._gone(sock, self.token)
 
-    def _refuse(self, sock: socket.socket, rpc: str, exc: BaseException) -> None:
-        if not isinstance(exc, KdnError):
-            log.error("%s: bulk %s crashed", self._s.config.node_id, rpc, exc_info=exc)
-        self._count_refusal(rpc, exc)
-        sock.sendall(_refusal(exc))
+    def refuse(self, rpc: str, exc: BaseException) -> None:
+        """Send the front's refusal of ``exc`` as this path's error answer."""
+        self.sock.sendall(_refusal(self.front.refuse(rpc, exc, via="bulk")))
 
-    def _fetch(self, sock: socket.socket, body: bytes, token: str | None, *, shm: bool = False) -> None:
+    def fetch(self, body: bytes, *, shm: bool = False) -> None:
         t0 = time.perf_counter()
-        node = self._s.node
-        assert node is not None
+        front, sock = self.front, self.sock
         try:
-            try:
-                request = pb.FetchRequest.FromString(body)
-            except Exception as exc:  # protobuf's DecodeError and friends
-                raise InvalidInput(f"malformed FetchRequest: {type(exc).__name__}") from exc
-            ns = parse_namespace(request.namespace)
-            self._s.auth.check(token, ns.tenant)
-            spec = FetchSpec.from_proto(request, ns)
-            next_keys = parse_keys(request.next_keys, limit=self._s.config.max_chain_keys)
-            assert self._loop is not None
-            held = node.fetch_held(spec, self._loop, token=token, next_keys=next_keys)
-            data, source = held if held is not None else \
-                self._on_loop(node.fetch_bytes(spec, token=token, next_keys=next_keys))
+            ask = parse_fetch(body, limit=front.config.max_chain_keys, authorize=front.authorizer(self.token))
+            data, source = front.fetch_blocking(ask, self.token, self._loop)
         except Exception as exc:
-            self._refuse(sock, "Fetch", exc)
+            self.refuse("Fetch", exc)
             return
-        pool = self._s.shm if shm else None
-        if pool is not None:
-            try:
-                name = pool.publish(ns.tenant, spec.key, data)  # written once per key, then reused
-            except Unavailable as exc:  # no room in shared memory: send the bytes instead
-                log.info("%s: shm refused (%s); sending the bytes", self._s.config.node_id, exc)
-            else:
-                sock.sendall(wb.answer(0, name, len(data), flags=wb.SHM_ANSWER))
-                node.metrics.bytes_out.labels("shm").inc(len(data))
-                node.metrics.latency.labels("Fetch", source).observe(time.perf_counter() - t0)
-                return
+        name = front.publish(ask.spec.namespace.tenant, ask.spec.key, data) if shm else ""
+        if name:
+            sock.sendall(wb.answer(0, name, len(data), flags=wb.SHM_ANSWER))
+            front.served("shm", len(data), source, t0)
+            return
         view = memoryview(data)
         try:
             # the answer's head and the stored bytes themselves in one system call: no framing, no copy
             _send_all(sock, [memoryview(wb.answer(0, source, len(view))), view], _deadline(len(view), self.timeout_s))
         finally:
             view.release()
-        node.metrics.bytes_out.labels("bulk").inc(len(data))
-        node.metrics.latency.labels("Fetch", source).observe(time.perf_counter() - t0)
+        front.served("bulk", len(data), source, t0)
 
-    def _put(self, sock: socket.socket, body: bytes, token: str | None) -> bool:
+    def put(self, body: bytes) -> bool:
         """False when the payload was not read whole (the connection must close)."""
-        node = self._s.node
-        assert node is not None
-        c = self._s.config
+        front, sock = self.front, self.sock
         try:
-            try:
-                msg = pb.PutHeader.FromString(body)
-            except Exception as exc:
-                raise InvalidInput(f"malformed PutHeader: {type(exc).__name__}") from exc
-            header = parse_put_header(
-                pb.PutChunk(header=msg), limit=c.max_artifact_bytes,
-                authorize=lambda ns: self._s.auth.check(token, ns.tenant),
-            )
-            if not header.total_size:
-                raise InvalidInput("a bulk Put must declare total_size")
+            header = parse_bulk_put(body, limit=front.config.max_artifact_bytes, authorize=front.authorizer(self.token))
         except Exception as exc:
-            self._refuse(sock, "Put", exc)
+            self.refuse("Put", exc)
             return False
         n = header.total_size
         # A key the tenant already holds stores nothing new (the store verifies the bytes and keeps
@@ -369,8 +335,8 @@ class BulkListener:
         # of the edge's work on a 32 MiB Put. A new key's buffer is kept by the store as it is
         # (take): one copy per byte on the edge, the socket's. Neither is written before the bytes
         # land: its pages come as they do.
-        held = node.store.contains(header.key, tenant=header.namespace.tenant)
-        pooled = self._put_buffers.take(n) if held else None
+        buffers = self.listener._put_buffers
+        pooled = buffers.take(n) if front.held(header) else None
         buf = pooled if pooled is not None else _unfilled(n)
         reserved = 0
         try:
@@ -382,7 +348,7 @@ class BulkListener:
                 try:
                     self._on_loop(self._reserve(k))  # the edge's bound on bytes held by Puts
                 except StorageFull as exc:
-                    self._refuse(sock, "Put", exc)
+                    self.refuse("Put", exc)
                     return False  # the rest of the payload is unread
                 reserved += k
                 with memoryview(buf) as whole, whole[got : got + k] as part:
@@ -391,16 +357,16 @@ class BulkListener:
                 step = min(2 * step, _MAX_STEP, max(got, _FIRST_STEP))
             data = memoryview(buf)[:n] if pooled is not None else buf
             try:  # the store verifies every checksum before it keeps a byte
-                self._on_loop(node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key,
-                                       take=pooled is None))  # a pooled buffer is copied if the key went meanwhile
+                # a pooled buffer is copied if the key went meanwhile
+                self._on_loop(front.put(header, data, take=pooled is None))
             except Exception as exc:
-                self._refuse(sock, "Put", exc)
+                self.refuse("Put", exc)
                 return True
             finally:
                 del data
         finally:
             if pooled is not None:
-                self._put_buffers.give(pooled)
+                buffers.give(pooled)
             del buf
             if reserved:
                 self._on_loop(self._release(reserved))
@@ -408,10 +374,10 @@ class BulkListener:
         return True
 
     async def _reserve(self, n: int) -> None:
-        self._s.put_budget.take(n)
+        self.front.put_budget.take(n)
 
     async def _release(self, n: int) -> None:
-        self._s.put_budget.give(n)
+        self.front.put_budget.give(n)
 
 
 def _unfilled(n: int) -> bytearray:
@@ -436,10 +402,9 @@ def _bytearray_resize() -> Any:
 _resize = _bytearray_resize()
 
 
-def _refusal(exc: BaseException) -> bytes:
-    """The answer that carries ``exc`` as its gRPC status and message."""
-    code, message = status_for(exc)
-    return wb.answer(status_value(code) or status_value(grpc.StatusCode.UNKNOWN), message)
+def _refusal(refused: Refusal) -> bytes:
+    """This path's error answer: the refusal's status and message."""
+    return wb.answer(refused.status, refused.message)
 
 
 def _deadline(n: int, timeout_s: float) -> float:

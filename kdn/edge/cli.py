@@ -266,7 +266,7 @@ def _hint_parser(command: str) -> argparse.ArgumentParser:
 def _hint(command: str, argv: list[str]) -> int:
     from kdn.edge.admin import EdgeClient, hint_request
     from kdn.keys import ModelFingerprint, Namespace, parse_fingerprint, parse_key
-    from kdn.proto import kdn_pb2 as pb
+    from kdn.wire.convert import HintAction as A
 
     args = _hint_parser(command).parse_args(argv)
     # the name goes as typed: `kdn ingest` ids a document by its absolute path on the ingest host
@@ -293,9 +293,8 @@ def _hint(command: str, argv: list[str]) -> int:
                 result: dict[str, Any] = {"command": command, "queued": queued}
             else:
                 action = {
-                    "pin": pb.HintRequest.PIN, "unpin": pb.HintRequest.UNPIN, "ttl": pb.HintRequest.SET_TTL,
-                    "priority": pb.HintRequest.SET_PRIORITY, "schedule": pb.HintRequest.SCHEDULE_PREFETCH,
-                    "cancel": pb.HintRequest.CANCEL_SCHEDULE, "emphasize": pb.HintRequest.EMPHASIZE,
+                    "pin": A.PIN, "unpin": A.UNPIN, "ttl": A.SET_TTL, "priority": A.SET_PRIORITY,
+                    "schedule": A.SCHEDULE_PREFETCH, "cancel": A.CANCEL_SCHEDULE, "emphasize": A.EMPHASIZE,
                 }[command]
                 resp = client.hint(hint_request(
                     action, fingerprint=fp, namespace=ns, keys=keys, document=args.document,

@@ -31,14 +31,14 @@ from kdn.edge.clock import Clock, MonotonicClock
 from kdn.edge.schedules import HintScheduler, schedules_file
 from kdn.errors import ConfigError, InvalidInput, NotFound
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, parse_key
-from kdn.proto import kdn_pb2 as pb
+from kdn.wire.convert import HintAction, HintAsk
 
 if TYPE_CHECKING:
     from kdn.edge.node import EdgeNode
 
 log = logging.getLogger(__name__)
 
-A = pb.HintRequest
+A = HintAction
 PREFETCH_ACTION = "prefetch"
 _SID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
@@ -122,7 +122,7 @@ class HintService:
                 *(node.fetch_bytes(FetchSpec(k, fp, ns), token=token) for k in missing[start : start + 8])
             )
 
-    async def _emphasize(self, req: pb.HintRequest, ns: Namespace, token: str | None) -> tuple[int, str]:
+    async def _emphasize(self, req: HintAsk, ns: Namespace, token: str | None) -> tuple[int, str]:
         """EMPHASIZE: the origin computes (or finds) the steered variant of ``req.document`` and
         this edge fetches it; returns (chunks now held, variant id). The edge only stores keys."""
         if not req.document or not req.emphasis:
@@ -140,7 +140,7 @@ class HintService:
     # -- the RPC -------------------------------------------------------------------------------
 
     async def apply(
-        self, req: pb.HintRequest, ns: Namespace, token: str | None, keys: list[ChunkKey]
+        self, req: HintAsk, ns: Namespace, token: str | None, keys: list[ChunkKey]
     ) -> tuple[int, str]:
         node = self._node
         store = node.store

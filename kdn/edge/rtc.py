@@ -37,22 +37,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from kdn.artifact import read_header, transcode
 from kdn.edge.overlay import Member
 from kdn.edge.tasks import cancel_and_wait
-from kdn.edge.upstream import FetchSpec, PeerUpstream, Upstream
+from kdn.edge.upstream import FetchSpec, PeerUpstream, Upstream, peer_upstream
 from kdn.errors import KdnError
-from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint
-from kdn.proto import kdn_pb2 as pb
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.wire.auth import TokenAuth
-from kdn.wire.convert import lookup_request, parse_keys, parse_namespace
+from kdn.wire.convert import lookup_request, lookup_response, parse_fetch, parse_lookup
 from kdn.wire.rtc import IceServer, RtcEndpoint
 from kdn.wire.signal import SignalClient
 
 if TYPE_CHECKING:
     from kdn.edge.config import EdgeConfig
+    from kdn.edge.front import EdgeFront
     from kdn.edge.metrics import EdgeMetrics
     from kdn.edge.node import EdgeNode
 
@@ -70,40 +70,37 @@ def ice_servers(config: "EdgeConfig") -> list[IceServer]:
 
 
 class EdgeRtcHandler:
-    """Serves another edge's Lookup/Fetch arriving on a data channel: the gRPC servicer's rules
-    (token granted the request's tenant, bounded key chains), this node's logic."""
+    """Serves another edge's Lookup/Fetch arriving on a data channel, framed over the front: the
+    gRPC servicer's rules (token granted the request's tenant, bounded key chains), the front's
+    refusals."""
 
-    def __init__(self, node: "EdgeNode", auth: TokenAuth, *, max_chain_keys: int, link_codec: str = "") -> None:
-        self.node = node
-        self.auth = auth
-        self.max_chain_keys = max_chain_keys
+    def __init__(self, front: "EdgeFront", *, link_codec: str = "") -> None:
+        self.front = front
         self.link_codec = link_codec
 
-    async def lookup(self, request: pb.LookupRequest, token: str | None) -> pb.LookupResponse:
-        ns = parse_namespace(request.namespace)
-        self.auth.check(token, ns.tenant)
-        fp = parse_fingerprint(request.fingerprint)
-        keys = parse_keys(request.keys, limit=self.max_chain_keys)
-        found = await self.node.lookup(keys, fingerprint=fp, namespace=ns, local_only=request.local_only, token=token)
-        return pb.LookupResponse(
-            available=len(found),
-            locations=[pb.Location(tier=f.tier, node_id=f.node_id, address=f.address) for f in found],
-            node_id=self.node.node_id,
-        )
+    def _ask(self, parse: Callable[..., Any], request: Any, token: str | None) -> Any:
+        front = self.front
+        return parse(request, limit=front.config.max_chain_keys, authorize=front.authorizer(token))
+
+    async def lookup(self, request: Any, token: str | None) -> Any:
+        found = await self.front.lookup(self._ask(parse_lookup, request, token), token)
+        return lookup_response(found, node_id=self.front.node_id)
 
     async def fetch(
-        self, request: pb.FetchRequest, token: str | None, *, forwarded: bool, link_codec: bool = False
+        self, request: Any, token: str | None, *, forwarded: bool, link_codec: bool = False
     ) -> tuple[bytes, str]:
         """The container as this node serves it; when the asker takes the link codec and asked for
         no codec of its own, a raw container goes out in ``link_codec`` (lossless: the asker
         restores the same KV), transcoded on a worker thread so the event loop keeps serving."""
-        ns = parse_namespace(request.namespace)
-        self.auth.check(token, ns.tenant)
-        spec = FetchSpec.from_proto(request, ns)
-        data, source = await self.node.fetch_bytes(spec, token=token, forwarded=forwarded)
-        if link_codec and self.link_codec and not request.codec and read_header(data).codec == "raw":
+        ask = self._ask(parse_fetch, request, token)
+        data, source = await self.front.fetch(ask, token, forwarded=forwarded)
+        if link_codec and self.link_codec and not ask.spec.codec and read_header(data).codec == "raw":
             data = await asyncio.to_thread(transcode, data, self.link_codec)
         return data, source
+
+    def refuse(self, rpc: str, exc: BaseException) -> tuple[int, str]:
+        refused = self.front.refuse(rpc, exc, via="rtc")
+        return refused.status, refused.message
 
 
 class RtcPeerUpstream(Upstream):
@@ -325,10 +322,9 @@ class EdgeRtc:
         except KdnError as exc:
             log.info("%s: pre-warming %s: %s", self.config.node_id, up.name, exc)
 
-    async def start(self, node: "EdgeNode", address: str) -> None:
-        self._node = node
-        self.endpoint.handler = EdgeRtcHandler(node, self.auth, max_chain_keys=self.config.max_chain_keys,
-                                               link_codec=self.config.rtc_link_codec)
+    async def start(self, front: "EdgeFront", address: str) -> None:
+        self._node = front.node
+        self.endpoint.handler = EdgeRtcHandler(front, link_codec=self.config.rtc_link_codec)
         self.address = self.config.rtc_advertise or address
         try:
             await self.announce()  # members known before the first request, when the origin answers
@@ -342,11 +338,7 @@ class EdgeRtc:
         key = self.edge_key  # with a cluster key, a peer gets one-use edge tokens, never upstream_token
         token = None if key is not None else c.upstream_token
         credential = key.credential(member.node_id) if key is not None else None
-        grpc_up = PeerUpstream(
-            member.node_id, member.address, tls=c.upstream_tls, token=token, credential=credential,
-            fetch_deadline_s=c.peer_deadline_s * 4, call_deadline_s=c.peer_deadline_s,
-            max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
-        )
+        grpc_up = peer_upstream(c, key, member)
         rtc_up = RtcPeerUpstream(
             member.node_id, member.address, self.endpoint, self.metrics, token=token, credential=credential,
             call_deadline_s=c.peer_deadline_s, fetch_deadline_s=c.peer_deadline_s * 4, max_artifact=c.max_artifact_bytes,

@@ -1,4 +1,4 @@
-"""The edge's gRPC server: ``EdgeService`` + the standard health service, over :class:`EdgeNode`.
+"""The edge's gRPC server: ``EdgeService`` + the standard health service, over :class:`EdgeFront`.
 
 In-process::
 
@@ -10,12 +10,13 @@ In-process::
 As a process: ``python -m edge.cli --listen 127.0.0.1:0 ...`` (or ``kdn edge``) prints one JSON
 line ``{"event": "ready", "address": ..., "port": ..., "node_id": ..., "metrics_port": ...}``.
 
-The servicer only translates: it parses and bounds every field (malformed keys/fingerprints ->
-INVALID_ARGUMENT, oversized declarations -> RESOURCE_EXHAUSTED), checks the caller's token for the
-request's tenant (:mod:`kdn.wire.auth`) and calls the node; conversions are
-:mod:`kdn.wire.convert`'s, and the :func:`kdn.wire.service.rpc` envelope turns KdnErrors into
-statuses (the one mapping). An unexpected exception becomes INTERNAL for that call and is logged;
-the server keeps serving.
+The servicer only frames: each handler parses its request with :mod:`kdn.wire.convert` (malformed
+keys/fingerprints -> INVALID_ARGUMENT, oversized declarations -> RESOURCE_EXHAUSTED, the caller's
+token checked for the request's tenant first), asks the front (:class:`kdn.edge.front.EdgeFront`)
+and converts the answer back with :mod:`kdn.wire.convert`. A failed call's status is the front's
+refusal (:meth:`EdgeFront.refuse`), applied by the :func:`kdn.wire.service.rpc` envelope; an
+unexpected exception becomes INTERNAL for that call and is logged; the server keeps serving.
+The edge's parts are built by :func:`kdn.edge.compose.compose_edge`.
 """
 
 from __future__ import annotations
@@ -23,249 +24,123 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import contextmanager
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 
-from kdn.wire.auth import TokenAuth
+from kdn.edge.budget import PutBudget
 from kdn.edge.bulk import BulkListener
 from kdn.edge.clock import Clock, MonotonicClock
+from kdn.edge.compose import compose_edge
 from kdn.edge.config import EdgeConfig
-from kdn.edge.metrics import EdgeMetrics
+from kdn.edge.front import EdgeFront
 from kdn.edge.node import EdgeNode
-from kdn.edge.operator_hints import HintService
-from kdn.edge.overlay import Member, MembershipProvider, Overlay, file_members, static_members
+from kdn.edge.overlay import Member, MembershipProvider
 from kdn.edge.shm import ShmPool
 from kdn.edge.store import TieredStore, build_store
-from kdn.edge.upstream import FORWARDED_HEADER, FetchSpec, OriginUpstream, PeerUpstream, Upstream
-from kdn.errors import StorageFull, Unavailable
-from kdn.keys import ChunkKey, parse_fingerprint
-from kdn.proto import kdn_pb2 as pb
-from kdn.proto import kdn_pb2_grpc as pbg
+from kdn.edge.upstream import FORWARDED_HEADER, Upstream
+from kdn.wire import convert as wc
+from kdn.wire.auth import TokenAuth
 from kdn.wire.channel import bearer_token, check_bindable, grpc_options
-from kdn.wire.convert import parse_keys, receive_put
 from kdn.wire.frames import encode_chunk, encode_frames
+from kdn.wire.health import Health
 from kdn.wire.service import Servicer, add_servicer, rpc
+
+__all__ = ["EdgeServer", "EdgeServicer", "PutBudget", "SERVICE_NAME"]
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "kdn.v1.EdgeService"
 
 
-class PutBudget:
-    """Bytes held by in-flight Puts, bounded across all of them (``EdgeConfig.put_buffer_bytes``).
+class EdgeServicer(Servicer):
+    """``EdgeService`` framed over the front: every handler runs in the :func:`kdn.wire.service.rpc`
+    envelope, whose status is the front's refusal."""
 
-    Each Put takes a lease; every piece it buffers is reserved first, and a reservation that would
-    pass the bound refuses that Put with ``StorageFull`` (RESOURCE_EXHAUSTED) and frees what it
-    held. Runs on the event loop only (no lock)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.peak = 0
-        self._trim: asyncio.TimerHandle | None = None
-
-    def refused(self) -> None:
-        """A Put was refused: gRPC frees what it buffered for the stream when the call is torn
-        down, just after this; give that heap back to the OS then (once per burst of refusals)."""
-        if self._trim is None:
-            self._trim = asyncio.get_running_loop().call_later(0.25, self._trim_when_idle)
-
-    def _trim_when_idle(self) -> None:
-        self._trim = None
-        if self.used == 0:
-            _trim_heap()
-        else:
-            self.refused()  # Puts in flight hold the heap now: try again a little later
-
-    def take(self, n: int) -> None:
-        """Hold ``n`` more bytes, or refuse with ``StorageFull``."""
-        if self.used + n > self.limit:
-            raise StorageFull(
-                f"in-flight Puts hold {self.used} bytes; {n} more would pass the {self.limit}-byte budget"
-            )
-        self.used += n
-        self.peak = max(self.peak, self.used)
-
-    def give(self, n: int) -> None:
-        """Give back ``n`` bytes a finished (or refused) Put held."""
-        self.used -= n
-        if n >= _TRIM_AFTER and self.used == 0:
-            _trim_heap()
-
-    @contextmanager
-    def lease(self) -> Iterator[Callable[[int], None]]:
-        held = 0
-
-        def reserve(n: int) -> None:
-            nonlocal held
-            self.take(n)
-            held += n
-
-        try:
-            yield reserve
-        finally:
-            self.give(held)
-
-
-_TRIM_AFTER = 64 << 20  # a Put that held this much: give the freed heap back once no Put holds any
-
-
-def _trim_heap() -> None:
-    """Return freed heap to the OS (glibc ``malloc_trim``). A big Put's pieces (and gRPC's buffers
-    for them) are freed when it ends, but glibc keeps freed arena memory mapped: without this, a
-    flood of large refused Puts leaves the edge's RSS at its peak. A no-op where there is no glibc."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            import ctypes
-
-            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
-
-
-_MALLOC_TRIM: Any = None
-
-
-class EdgeServicer(Servicer, pbg.EdgeServiceServicer):
-    """``EdgeService`` over the node: every handler runs in the :func:`kdn.wire.service.rpc` envelope."""
-
-    def __init__(self, server: "EdgeServer") -> None:
-        self._s = server
-
-    @property
-    def node(self) -> EdgeNode:
-        assert self._s.node is not None
-        return self._s.node
-
-    @property
-    def put_budget(self) -> PutBudget:
-        return self._s.put_budget
+    def __init__(self, front: EdgeFront) -> None:
+        self.front = front
 
     @property
     def auth(self) -> TokenAuth:
-        return self._s.auth
+        return self.front.auth
 
     @property
     def label(self) -> str:
-        return self._s.config.node_id
+        return self.front.node_id
 
-    def refused(self, rpc_name: str, code: grpc.StatusCode, exc: BaseException) -> None:
-        self.node.metrics.refused.labels(rpc_name, code.name).inc()
-        if rpc_name == "Put":
-            self.put_budget.refused()
+    def refusal(self, rpc: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        refused = self.front.refuse(rpc, exc, via="grpc")
+        if rpc == "Put":
+            # gRPC frees what it buffered for the stream when the call is torn down, just after this
+            self.front.put_budget.refused()
+        return refused.code, refused.message
 
-    def _keys(self, raw: Any) -> list[ChunkKey]:
-        return parse_keys(raw, limit=self._s.config.max_chain_keys)
+    @staticmethod
+    def _token(context: grpc.aio.ServicerContext) -> str | None:
+        return bearer_token(context.invocation_metadata())
+
+    def _parse(self, parse: Callable[..., Any], request: Any, context: grpc.aio.ServicerContext) -> tuple[Any, str | None]:
+        token = self._token(context)
+        return parse(request, limit=self.front.config.max_chain_keys, authorize=self.front.authorizer(token)), token
 
     # -- RPCs ----------------------------------------------------------------------------------
 
     @rpc
-    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+    async def Fetch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         t0 = time.perf_counter()
-        ns, token = self.authorize(context, request.namespace)
-        spec = FetchSpec.from_proto(request, ns)
-        next_keys = self._keys(request.next_keys)
+        front = self.front
+        ask, token = self._parse(wc.parse_fetch, request, context)
         forwarded = any(k == FORWARDED_HEADER for k, _ in context.invocation_metadata() or ())
-        data, source = await self.node.fetch_bytes(spec, token=token, next_keys=next_keys, forwarded=forwarded)
-        shm_name = ""
-        if request.shm and self._s.shm is not None:
-            try:
-                shm_name = await asyncio.to_thread(self._s.shm.publish, ns.tenant, spec.key, data) \
-                    if len(data) > (4 << 20) else self._s.shm.publish(ns.tenant, spec.key, data)
-            except Unavailable as exc:  # no room in shared memory: stream the bytes instead
-                log.info("%s: shm refused (%s); streaming", self._s.config.node_id, exc)
-        metrics = self.node.metrics
+        data, source = await front.fetch(ask, token, forwarded=forwarded)
+        shm_name = await front.publish_async(ask.spec.namespace.tenant, ask.spec.key, data) if ask.shm else ""
         if shm_name:
-            metrics.bytes_out.labels("shm").inc(len(data))
+            front.served("shm", len(data), source, t0)
             yield encode_chunk(b"", total_size=len(data), source=source, shm_name=shm_name)
-        else:
-            # pre-encoded FetchChunk frames straight from the stored bytes: one copy per byte
-            for frame in encode_frames(data, piece=self._s.config.stream_piece_bytes, source=source):
-                yield frame
-            metrics.bytes_out.labels("grpc").inc(len(data))
-        metrics.latency.labels("Fetch", source).observe(time.perf_counter() - t0)
+            return
+        # pre-encoded FetchChunk frames straight from the stored bytes: one copy per byte
+        for frame in encode_frames(data, piece=front.config.stream_piece_bytes, source=source):
+            yield frame
+        front.served("grpc", len(data), source, t0)
 
     @rpc
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        t0 = time.perf_counter()
-        ns, token = self.authorize(context, request.namespace)
-        fp = parse_fingerprint(request.fingerprint)
-        keys = self._keys(request.keys)
-        found = await self.node.lookup(keys, fingerprint=fp, namespace=ns, local_only=request.local_only, token=token)
-        if request.probe and found:
-            self.node.metrics.tokenization_mismatch.inc()
-        self.node.metrics.latency.labels("Lookup", "").observe(time.perf_counter() - t0)
-        return pb.LookupResponse(
-            available=len(found),
-            locations=[pb.Location(tier=f.tier, node_id=f.node_id, address=f.address) for f in found],
-            node_id=self._s.config.node_id,
-        )
+    async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        ask, token = self._parse(wc.parse_lookup, request, context)
+        found = await self.front.lookup(ask, token)
+        return wc.lookup_response(found, node_id=self.front.node_id)
 
     @rpc
-    async def Put(self, request_iterator: AsyncIterator[pb.PutChunk], context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        with self._s.put_budget.lease() as reserve:
-            header, data = await receive_put(
-                request_iterator, limit=self._s.config.max_artifact_bytes,
-                authorize=lambda ns: self.auth.check(bearer_token(context.invocation_metadata()), ns.tenant),
-                reserve=reserve, check_container=True,
+    async def Put(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        front = self.front
+        with front.put_lease() as reserve:
+            header, data = await wc.receive_put(
+                request_iterator, limit=front.config.max_artifact_bytes,
+                authorize=front.authorizer(self._token(context)), reserve=reserve, check_container=True,
             )
-            await self.node.put(data, namespace=header.namespace, fingerprint=header.fingerprint, key=header.key)
+            await front.put(header, data)
             del data
-        return pb.PutResponse(stored=True)
+        return wc.put_response()
 
     @rpc
-    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
-        ns, token = self.authorize(context, request.namespace)
-        fp = parse_fingerprint(request.fingerprint)
-        keys = await self.node.resolve_keys(
-            self._keys(request.keys), request.document, fingerprint=fp, namespace=ns, token=token
-        )
-        queued = self.node.prefetch(keys, fingerprint=fp, namespace=ns, codec=request.codec, token=token)
-        return pb.PrefetchResponse(queued=queued)
+    async def Prefetch(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        ask, token = self._parse(wc.parse_prefetch, request, context)
+        return wc.prefetch_response(await self.front.prefetch(ask, token))
 
     @rpc
-    async def Hint(self, request: pb.HintRequest, context: grpc.aio.ServicerContext) -> pb.HintResponse:
-        ns, token = self.authorize(context, request.namespace)
-        affected, name = await self._s.hints.apply(request, ns, token, self._keys(request.keys))
-        if request.action == pb.HintRequest.EMPHASIZE:
-            return pb.HintResponse(affected=affected, steer_variant=name)
-        return pb.HintResponse(affected=affected, schedule_id=name)
+    async def Hint(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        ask, token = self._parse(wc.parse_hint, request, context)
+        affected, name = await self.front.hint(ask, token)
+        return wc.hint_response(ask, affected, name)
 
     @rpc
-    async def OpenBulk(self, request: pb.BulkRequest, context: grpc.aio.ServicerContext) -> pb.BulkOffer:
-        """A ticket for the bulk byte path (:mod:`kdn.edge.bulk`), standing for the caller's token;
-        port 0 when the path is not offered. Any valid token: tenants are checked per request."""
-        token = bearer_token(context.invocation_metadata())
-        self.auth.check_admin(token)
-        bulk = self._s.bulk
-        if bulk is None:
-            return pb.BulkOffer()
-        return pb.BulkOffer(port=bulk.port, ticket=bulk.grant(token), ttl_s=bulk.ttl_s)
+    async def OpenBulk(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """A ticket for the bulk byte path (:mod:`kdn.edge.bulk`); port 0 when it is not offered."""
+        offer = self.front.open_bulk(self._token(context))
+        return wc.bulk_offer(*offer) if offer is not None else wc.bulk_offer()
 
     @rpc
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        self.authorize_admin(context)
-        scope = self.auth.scope(bearer_token(context.invocation_metadata()))
-        counters, details = await self.node.stats(tenants=scope)
-        if scope is not None:  # a tenant's token: its own figures only (EdgeNode.stats)
-            return pb.StatsResponse(
-                node_id=self._s.config.node_id, role="edge", counters=counters, json=EdgeNode.details_json(details)
-            )
-        if self._s.shm is not None:
-            counters["shm_segments"] = float(len(self._s.shm))
-            counters["shm_bytes"] = float(self._s.shm.bytes_used)
-        if self._s.metrics_port is not None:
-            details["metrics_port"] = self._s.metrics_port
-        return pb.StatsResponse(
-            node_id=self._s.config.node_id, role="edge", counters=counters, json=EdgeNode.details_json(details)
-        )
+    async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        counters, details = await self.front.stats(self._token(context))
+        return wc.stats_response(self.front.node_id, counters, details)
 
 
 class EdgeServer:
@@ -289,15 +164,16 @@ class EdgeServer:
         self._connect_override = connect
         self._members = members
         self._store = store
+        # the composed parts (compose_edge), once started
+        self.front: EdgeFront | None = None
         self.node: EdgeNode | None = None
         self.shm: ShmPool | None = None
-        self.hints: HintService | None = None
+        self.put_budget: PutBudget | None = None  # shared by gRPC and bulk Puts
         self.metrics_port: int | None = None
-        self.put_budget = PutBudget(config.put_buffer_bytes)  # shared by gRPC and bulk Puts
         self.bulk: BulkListener | None = None
         self.rtc: Any = None  # kdn.edge.rtc.EdgeRtc when rtc_signal is configured
         self._server: grpc.aio.Server | None = None
-        self._health: health_aio.HealthServicer | None = None
+        self._health: Health | None = None
         self.port = 0
 
     @property
@@ -306,16 +182,6 @@ class EdgeServer:
         if host in ("0.0.0.0", "[::]", "::"):
             host = "127.0.0.1"
         return f"{host}:{self.port}"
-
-    def _connect(self, member: Member) -> Upstream:
-        c = self.config
-        key = self.edge_key  # with a cluster key, peers get one-use edge tokens, never upstream_token
-        return PeerUpstream(
-            member.node_id, member.address, tls=c.upstream_tls, token=None if key else c.upstream_token,
-            fetch_deadline_s=c.peer_deadline_s * 4, call_deadline_s=c.peer_deadline_s,
-            max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
-            credential=key.credential(member.node_id) if key else None,
-        )
 
     async def start(self) -> "EdgeServer":
         c = self.config
@@ -338,66 +204,41 @@ class EdgeServer:
             if self._store is None:
                 await asyncio.to_thread(store.close)
             raise OSError(f"cannot bind {c.listen}: the port is in use or the host is not an address of this machine")
-        self_member = Member(c.node_id, self.address, c.weight)
-        metrics = EdgeMetrics(c.node_id)
-        members: Any = (
-            self._members if self._members is not None
-            else file_members(c.peers_file, c.peer_weights) if c.peers_file
-            else static_members(c.peers, c.peer_weights)
+        edge = compose_edge(
+            c, address=self.address, auth=self.auth, clock=self.clock, store=store, members=self._members,
+            connect=self._connect_override,
+            **({"origin": self._origin_override} if self._origin_override is not None else {}),
         )
-        connect = self._connect_override or self._connect
-        if c.rtc_signal:  # edges behind NAT: discovery at the origin, WebRTC where gRPC cannot dial
-            from kdn.edge.rtc import EdgeRtc
-
-            self.rtc = EdgeRtc(c, self.auth, metrics, members if callable(members) else list(members))
-            members = self.rtc.members
-            connect = self._connect_override or self.rtc.connect
-        overlay = Overlay(
-            self_member, members, replicas=c.replicas, backoff_s=c.peer_backoff_s, clock=self.clock,
-        )
-        origin = self._origin_override
-        if origin is None and c.origin:
-            origin = OriginUpstream(
-                c.origin, tls=c.upstream_tls, token=c.upstream_token,
-                fetch_deadline_s=c.fetch_deadline_s, call_deadline_s=c.admin_deadline_s,
-                max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
-            )
-        self.node = EdgeNode(
-            c, store=store, overlay=overlay, connect=connect, origin=origin,
-            metrics=metrics, clock=self.clock,
-        )
-        self.node.address = self.address
-        self.hints = HintService(self.node, disk_dir=c.disk_dir, clock=self.clock)
-        self.node.scheduler = self.hints
-        if c.shm:
-            self.shm = ShmPool(c.node_id, directory=c.shm_dir, max_segments=c.shm_max_segments, max_bytes=c.shm_max_bytes)
-        add_servicer(self._server, EdgeServicer(self), "EdgeService")
-        self._health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        await self.node.start()
+        self.front, self.node, self.rtc = edge.front, edge.node, edge.rtc
+        self.shm, self.put_budget = edge.front.shm, edge.front.put_budget
+        add_servicer(self._server, EdgeServicer(edge.front), "EdgeService")
+        self._health = Health(self._server)
+        await edge.node.start()
         if self.rtc is not None:
-            await self.rtc.start(self.node, self.address)
+            await self.rtc.start(edge.front, self.address)
         if c.bulk and tls is None:  # plain TCP: never where the operator asked for TLS
-            self.bulk = BulkListener(self, c.listen.rpartition(":")[0], c.bulk_port)
+            self.bulk = BulkListener(edge.front, c.listen.rpartition(":")[0], c.bulk_port)
             try:
                 await self.bulk.start()
             except OSError as exc:
                 log.warning("%s: bulk byte path not offered (cannot bind port %s: %s)", c.node_id, c.bulk_port, exc)
                 self.bulk = None
+            edge.front.bulk = self.bulk
         await self._server.start()
         if c.metrics_port is not None:
-            self.metrics_port = metrics.serve(c.metrics_host, c.metrics_port, token=c.metrics_token,
-                                              max_connections=c.metrics_max_connections, timeout_s=c.metrics_timeout_s)
+            self.metrics_port = edge.front.metrics_port = edge.node.metrics.serve(
+                c.metrics_host, c.metrics_port, token=c.metrics_token, max_connections=c.metrics_max_connections,
+                timeout_s=c.metrics_timeout_s,
+            )
             if c.metrics_token is None and c.metrics_host not in ("127.0.0.1", "localhost", "::1"):
                 log.warning("%s: /metrics on %s answers anyone who can reach it (set metrics_token)",
                             c.node_id, c.metrics_host)
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.serving(SERVICE_NAME)
         return self
 
     async def stop(self, grace: float | None = 1.0) -> None:
         if self._health is not None:
-            await self._health.enter_graceful_shutdown()
+            await self._health.shutdown()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

@@ -74,7 +74,7 @@ class Aborted(Exception):
 
 
 class FakeServicerContext:
-    """Just enough of ``grpc.aio.ServicerContext`` to call an :class:`kdn.edge.server.EdgeServicer`
+    """Just enough of ``grpc.aio.ServicerContext`` to call a :class:`kdn.edge.server.EdgeServicer`
     method directly: the caller's bearer ``token`` (none: no metadata), and ``code``/``details``
     of the abort, if any (``code`` stays None on success)."""
 
@@ -183,11 +183,10 @@ def reseal(blob: bytes, *, header: Any = None, payloads: Any = None) -> bytes:
 
     import xxhash
 
-    from kdn.artifact import section_infos
-    from kdn.proto import kdn_pb2 as pb
+    from kdn.artifact import read_header, section_infos
 
     magic, version, flags, hlen = struct.unpack_from("<4sHHI", blob)
-    h = pb.ArtifactHeader.FromString(blob[12 : 12 + hlen])
+    h = read_header(blob)
     pos = 12 + hlen + 8
     sections = []
     for _ in section_infos(h):
@@ -222,9 +221,10 @@ def origin_with(chains: Sequence[Chain], **kw: object) -> InMemoryUpstream:
 class InProcessEdge:
     """One real :class:`EdgeNode` behind its real servicer, reachable through :meth:`channel`.
 
-    Plays the part of :class:`kdn.edge.server.EdgeServer` for the servicer (config, auth, node,
-    hints; no shared memory, no metrics port), without binding anything. ``node``: serve that node
-    (one of an :class:`InMemoryOverlay`, with its peers) instead of a new node without peers::
+    Composed as :class:`kdn.edge.server.EdgeServer` composes its edge
+    (:func:`kdn.edge.compose.compose_edge`), without binding anything: a memory-only store, no
+    peers, no shared memory, no metrics port, no bulk byte path. ``node``: serve that node (one
+    of an :class:`InMemoryOverlay`, with its peers) instead of a new node without peers::
 
         edge = InProcessEdge(origin=OriginUpstream("inproc", channel=origin_server.channel()))
         await edge.start()
@@ -235,8 +235,8 @@ class InProcessEdge:
         self, *, origin: Upstream | None = None, clock: Clock | None = None, memory_bytes: int = 1 << 24,
         node: EdgeNode | None = None, **config: object,
     ) -> None:
-        from kdn.edge.operator_hints import HintService
-        from kdn.edge.server import EdgeServicer, PutBudget
+        from kdn.edge.compose import compose_edge
+        from kdn.edge.server import EdgeServicer
         from kdn.edge.store import build_store
         from kdn.wire.auth import TokenAuth
         from kdn.wire.inproc import InProcessServer
@@ -245,28 +245,18 @@ class InProcessEdge:
         self.clock = clock or (node.clock if node is not None else FakeClock())
         if node is not None:  # a node of an InMemoryOverlay: served here, its peers as it has them
             self.config = node.config
-            self.node = node
         else:
             self.config = EdgeConfig.build({"node_id": "e0", "memory_bytes": memory_bytes, **config})
-            me = Member(self.config.node_id, f"inproc://{self.config.node_id}")
-            self.node = EdgeNode(
-                self.config,
-                store=build_store(self.config.model_copy(update={"disk_dir": None}), clock=self.clock),  # memory only
-                overlay=Overlay(me, [me], replicas=1, clock=self.clock),
-                connect=self._no_peers,
-                origin=origin,
-                clock=self.clock,
-            )
-            self.node.address = me.address
         self.auth = TokenAuth.from_config(self.config.tokens)
-        self.hints = HintService(self.node, disk_dir=None, clock=self.clock)
-        self.node.scheduler = self.hints
-        self.shm = None
-        self.bulk = None  # no sockets: the bulk byte path is not offered
-        self.put_budget = PutBudget(self.config.put_buffer_bytes)
-        self.metrics_port: int | None = None
+        store = None if node is not None else build_store(self.config.model_copy(update={"disk_dir": None}),
+                                                          clock=self.clock)  # memory only
+        edge = compose_edge(
+            self.config, address=f"inproc://{self.config.node_id}", auth=self.auth, clock=self.clock, store=store,
+            node=node, members=(), connect=self._no_peers, origin=origin, hints_dir=None, shm=False,
+        )
+        self.node, self.front, self.hints = edge.node, edge.front, edge.hints
         self.server = InProcessServer()
-        add_servicer(self.server, EdgeServicer(self), "EdgeService")  # type: ignore[arg-type]
+        add_servicer(self.server, EdgeServicer(self.front), "EdgeService")  # type: ignore[arg-type]
 
     @staticmethod
     def _no_peers(member: Member) -> Upstream:
@@ -281,3 +271,9 @@ class InProcessEdge:
 
     async def stop(self) -> None:
         await self.node.stop()
+
+    async def __aenter__(self) -> "InProcessEdge":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

@@ -32,15 +32,15 @@ import asyncio
 from abc import ABC, abstractmethod
 from typing import Any, Awaitable, Callable, Generic, Hashable, Mapping, Protocol, Sequence, TypeVar
 
-import grpc
 
 from kdn.errors import InvalidInput, NotFound, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
-from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.calls import collect_fetch, fetch_method
 from kdn.wire.channel import MAX_MESSAGE, aio_channel, auth_metadata
 from kdn.wire.convert import FetchSpec, chain_keys, document_request, lookup_request
+from kdn.wire import health
 from kdn.wire.errors import rpc_errors
+from kdn.wire.service import service_stub
 from kdn.wire.tls import TlsFiles
 
 __all__ = [
@@ -169,9 +169,7 @@ class GrpcUpstream(Upstream):
         self._call_deadline = call_deadline_s
         self._max_artifact = max_artifact
         self._channel = channel if channel is not None else aio_channel(address, tls=tls, max_message=max_message)
-        self._stub: pbg.EdgeServiceStub | pbg.OriginServiceStub = (
-            pbg.EdgeServiceStub(self._channel) if kind == "peer" else pbg.OriginServiceStub(self._channel)
-        )
+        self._stub = service_stub(self._channel, "EdgeService" if kind == "peer" else "OriginService")
         self._peer = f"{kind} {name}"
         # Fetch answers are read as frames (kdn.wire.calls): zero-copy views, joined once
         self._fetch = fetch_method(self._channel, "EdgeService" if kind == "peer" else "OriginService")
@@ -205,7 +203,7 @@ class GrpcUpstream(Upstream):
             return await super().document(document, fingerprint=fingerprint, namespace=namespace, token=token)
         req = document_request(document, fingerprint=fingerprint, namespace=namespace)
         with rpc_errors(self._peer):
-            resp = await self._stub.Document(req, timeout=self._call_deadline,  # type: ignore[union-attr]
+            resp = await self._stub.Document(req, timeout=self._call_deadline,
                                              metadata=self._md(token, namespace.tenant))
         return chain_keys(resp.keys)
 
@@ -217,20 +215,12 @@ class GrpcUpstream(Upstream):
             return await super().emphasize(document, emphasis, fingerprint=fingerprint, namespace=namespace, token=token)
         req = document_request(document, fingerprint=fingerprint, namespace=namespace, emphasis=emphasis)
         with rpc_errors(self._peer):  # the origin computes: the compute deadline, not a lookup's
-            resp = await self._stub.Document(req, timeout=self._fetch_deadline,  # type: ignore[union-attr]
+            resp = await self._stub.Document(req, timeout=self._fetch_deadline,
                                              metadata=self._md(token, namespace.tenant))
         return chain_keys(resp.keys), resp.steer_variant
 
     async def healthy(self) -> bool:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        try:
-            resp = await health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=min(1.0, self._call_deadline)
-            )
-        except grpc.RpcError:
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+        return await health.healthy(self._channel, timeout=min(1.0, self._call_deadline))
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
@@ -241,6 +231,18 @@ class PeerUpstream(GrpcUpstream):
 
     def __init__(self, name: str, address: str, **kw: object) -> None:
         super().__init__(name, address, kind="peer", **kw)  # type: ignore[arg-type]
+
+
+def peer_upstream(config: Any, edge_key: Any, member: Any) -> PeerUpstream:
+    """gRPC to the edge ``member`` as ``config`` (an ``EdgeConfig``) says: with a cluster key
+    (``edge_key``), one-use edge tokens per request, never the config's ``upstream_token``."""
+    c = config
+    return PeerUpstream(
+        member.node_id, member.address, tls=c.upstream_tls, token=None if edge_key else c.upstream_token,
+        fetch_deadline_s=c.peer_deadline_s * 4, call_deadline_s=c.peer_deadline_s,
+        max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
+        credential=edge_key.credential(member.node_id) if edge_key else None,
+    )
 
 
 class OriginUpstream(GrpcUpstream):

@@ -20,6 +20,7 @@ answer is not converted here at all (it is hand-framed by :mod:`kdn.wire.frames`
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterable, Callable, Iterator, Sequence
@@ -305,3 +306,152 @@ def parse_bulk_offer(resp: pb.BulkOffer) -> BulkOffer:
 def parse_locations(resp: pb.LookupResponse, n: int) -> list[str]:
     """The tier named for each of the ``n`` leading available keys of a ``Lookup`` answer, as sent."""
     return [loc.tier for loc in resp.locations[:n]]
+
+
+# ---------------------------------------------------------------------------------------------
+# The edge's side: what its transports (gRPC, the bulk socket, the data channel) receive and
+# answer. Each parser names the tenant first and calls ``authorize(namespace)`` before any other
+# field is read, so a refused token is refused whatever else the request holds.
+
+
+def _message(cls: Any, body: bytes) -> Any:
+    try:
+        return cls.FromString(body)
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise InvalidInput(f"malformed {cls.__name__}: {type(exc).__name__}") from exc
+
+
+def _named(cls: Any, request: Any, authorize: Callable[[Namespace], None]) -> tuple[Any, Namespace]:
+    """The request (parsed when it came as bytes: the bulk socket, a data channel) and its
+    namespace, once ``authorize(namespace)`` said yes."""
+    if isinstance(request, (bytes, bytearray, memoryview)):
+        request = _message(cls, bytes(request))
+    ns = parse_namespace(request.namespace)
+    authorize(ns)
+    return request, ns
+
+
+HintAction = enum.IntEnum("HintAction", dict(pb.HintRequest.Action.items()))  # type: ignore[misc]
+"""A Hint's action (``HintAction.PIN`` ...), the wire's numbers."""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchAsk:
+    """A parsed Fetch: the spec, the chain's next keys (read-ahead) and whether shm is asked."""
+
+    spec: FetchSpec
+    next_keys: list[ChunkKey]
+    shm: bool = False
+
+
+def parse_fetch(request: Any, *, limit: int, authorize: Callable[[Namespace], None]) -> FetchAsk:
+    """A ``FetchRequest`` (a message, or its bytes)."""
+    request, ns = _named(pb.FetchRequest, request, authorize)
+    spec = FetchSpec.from_proto(request, ns)
+    return FetchAsk(spec, parse_keys(request.next_keys, limit=limit), request.shm)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupAsk:
+    keys: list[ChunkKey]
+    fingerprint: ModelFingerprint
+    namespace: Namespace
+    local_only: bool = False
+    probe: bool = False
+
+
+def parse_lookup(request: Any, *, limit: int, authorize: Callable[[Namespace], None]) -> LookupAsk:
+    """A ``LookupRequest`` (a message, or its bytes)."""
+    request, ns = _named(pb.LookupRequest, request, authorize)
+    fp = parse_fingerprint(request.fingerprint)
+    return LookupAsk(parse_keys(request.keys, limit=limit), fp, ns, request.local_only, request.probe)
+
+
+def lookup_response(found: Sequence[Any], *, node_id: str) -> pb.LookupResponse:
+    """The Lookup answer for ``found`` (each with ``tier``, ``node_id``, ``address``)."""
+    return pb.LookupResponse(
+        available=len(found),
+        locations=[pb.Location(tier=f.tier, node_id=f.node_id, address=f.address) for f in found],
+        node_id=node_id,
+    )
+
+
+def lookup_response_bytes(found: Sequence[Any], *, node_id: str) -> bytes:
+    return lookup_response(found, node_id=node_id).SerializeToString()
+
+
+def parse_bulk_put(body: bytes, *, limit: int, authorize: Callable[[Namespace], None]) -> PutHeader:
+    """The bulk socket's Put request (a ``PutHeader``'s bytes), which must declare its size."""
+    header = parse_put_header(pb.PutChunk(header=_message(pb.PutHeader, body)), limit=limit, authorize=authorize)
+    if not header.total_size:
+        raise InvalidInput("a bulk Put must declare total_size")
+    return header
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchAsk:
+    keys: list[ChunkKey]
+    document: str
+    fingerprint: ModelFingerprint
+    namespace: Namespace
+    codec: str = ""
+
+
+def parse_prefetch(request: pb.PrefetchRequest, *, limit: int, authorize: Callable[[Namespace], None]) -> PrefetchAsk:
+    request, ns = _named(pb.PrefetchRequest, request, authorize)
+    fp = parse_fingerprint(request.fingerprint)
+    return PrefetchAsk(parse_keys(request.keys, limit=limit), request.document, fp, ns, request.codec)
+
+
+@dataclass(frozen=True, slots=True)
+class HintAsk:
+    """A parsed Hint. ``fingerprint`` stays the raw bytes (empty when the request names no model:
+    each action says whether it needs one)."""
+
+    action: int
+    namespace: Namespace
+    keys: list[ChunkKey]
+    fingerprint: bytes = b""
+    document: str = ""
+    ttl_s: float = 0.0
+    priority: int = 0
+    cron: str = ""
+    schedule_id: str = ""
+    emphasis: str = ""
+
+
+def parse_hint(request: pb.HintRequest, *, limit: int, authorize: Callable[[Namespace], None]) -> HintAsk:
+    request, ns = _named(pb.HintRequest, request, authorize)
+    return HintAsk(
+        request.action, ns, parse_keys(request.keys, limit=limit), request.fingerprint, request.document,
+        request.ttl_s, request.priority, request.cron, request.schedule_id, request.emphasis,
+    )
+
+
+def hint_response(ask: HintAsk, affected: int, name: str) -> pb.HintResponse:
+    """``name``: the steered variant of an EMPHASIZE, else the schedule id."""
+    if ask.action == HintAction.EMPHASIZE:
+        return pb.HintResponse(affected=affected, steer_variant=name)
+    return pb.HintResponse(affected=affected, schedule_id=name)
+
+
+def put_response() -> pb.PutResponse:
+    return pb.PutResponse(stored=True)
+
+
+def prefetch_response(queued: int) -> pb.PrefetchResponse:
+    return pb.PrefetchResponse(queued=queued)
+
+
+def bulk_offer(port: int = 0, ticket: bytes = b"", ttl_s: float = 0.0) -> pb.BulkOffer:
+    """The OpenBulk answer; the empty offer (port 0) says the path is not offered."""
+    return pb.BulkOffer(port=port, ticket=ticket, ttl_s=ttl_s) if port else pb.BulkOffer()
+
+
+def stats_request() -> pb.StatsRequest:
+    return pb.StatsRequest()
+
+
+def stats_response(node_id: str, counters: dict[str, float], details: dict[str, Any], *, role: str = "edge") -> pb.StatsResponse:
+    return pb.StatsResponse(node_id=node_id, role=role, counters=counters,
+                            json=json.dumps(details, sort_keys=True, default=str))

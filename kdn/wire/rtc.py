@@ -31,7 +31,8 @@ Requests and answers on the channel (one message each; ``!BI`` = kind, request i
     LOOKUP_OK       a LookupResponse
     HEAD            u64 total size, source (utf-8)      then DATA pieces, then END
     DATA            up to PIECE bytes of the artifact container
-    ERROR           u32 gRPC status value, message — the same mapping as gRPC (kdn.wire.errors)
+    ERROR           u32 gRPC status value, message — the handler's refusal (:meth:`RtcHandler.refuse`;
+                    the edge's front decides it with the same mapping as gRPC, kdn.wire.errors)
 
 The bearer token travels with every request and the answering edge checks it against the
 request's tenant exactly as its gRPC servicer does: a data channel is not a way around auth.
@@ -58,7 +59,7 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from kdn.errors import ConfigError, InvalidInput, KdnError, MessageTooLarge, Unavailable
 from kdn.proto import kdn_pb2 as pb
-from kdn.wire.errors import error_from_status, status_for, status_value
+from kdn.wire.errors import error_from_status
 from kdn.wire.signal import SignalClient
 
 __all__ = [
@@ -111,13 +112,17 @@ class IceServer:
 
 
 class RtcHandler(Protocol):
-    """What the answering side serves (the edge's Lookup/Fetch logic, auth included)."""
+    """What the answering side serves (the edge's Lookup/Fetch logic, auth included), and what a
+    failed request is answered with: ``refuse(rpc, exc)`` -> (gRPC status value, message), the
+    handler's decision (the edge's front counts it); the channel only frames it as ERROR."""
 
     async def lookup(self, request: pb.LookupRequest, token: str | None) -> pb.LookupResponse: ...
 
     async def fetch(
         self, request: pb.FetchRequest, token: str | None, *, forwarded: bool, link_codec: bool = False
     ) -> tuple[bytes, str]: ...
+
+    def refuse(self, rpc: str, exc: BaseException) -> tuple[int, str]: ...
 
 
 def _request(kind: int, rid: int, token: str | None, flags: int, body: bytes) -> bytes:
@@ -564,7 +569,9 @@ class RtcEndpoint:
             @channel.on("message")
             def on_message(msg: bytes | str) -> None:
                 if isinstance(msg, bytes):
-                    self._spawn(self._serve(peer, sender, msg, session))
+                    assert self.handler is not None
+                    self._spawn(serve_request(self.handler, peer, sender, msg,
+                                              lambda n: self._on_served(self._paths.get(session, "unknown"), n)))
 
             def opened() -> None:
                 served.opened = True
@@ -591,46 +598,50 @@ class RtcEndpoint:
             log.info("%s: cannot answer %s's offer: %s", self.node_id, peer[:40], exc or "timed out")
             self._forget(session, served)
 
-    async def _serve(self, peer: str, sender: _Sender, msg: bytes, session: str) -> None:
-        assert self.handler is not None
-        rid = 0
-        try:
-            kind, rid, token, flags, body = _parse_request(msg)
-            if kind == LOOKUP:
-                resp = await self.handler.lookup(pb.LookupRequest.FromString(body), token)
-                await sender.send(_HDR.pack(LOOKUP_OK, rid) + resp.SerializeToString())
-            elif kind == FETCH:
-                data, source = await self.handler.fetch(
-                    pb.FetchRequest.FromString(body), token, forwarded=bool(flags & FLAG_FORWARDED),
-                    link_codec=bool(flags & FLAG_LINK_CODEC),
-                )
-                await sender.send(_HDR.pack(HEAD, rid) + struct.pack("!Q", len(data)) + source.encode())
-                view = memoryview(data)
-                for at in range(0, len(view), PIECE):
-                    await sender.send(_HDR.pack(DATA, rid) + view[at : at + PIECE].tobytes())
-                await sender.send(_HDR.pack(END, rid))
-                self._on_served(self._paths.get(session, "unknown"), len(data))
-            else:
-                raise InvalidInput(f"unknown data channel request kind {kind}")
-        except asyncio.CancelledError:
-            raise
-        except Unavailable as exc:
-            if "data channel closed" in str(exc):
-                return
-            await self._send_error(sender, rid, exc)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an answer; bugs are logged
-            if not isinstance(exc, KdnError):
-                from google.protobuf.message import DecodeError
 
-                if isinstance(exc, DecodeError):
-                    exc = InvalidInput(f"malformed request from {peer}: {exc}")
-                else:
-                    log.error("%s: rtc request from %s crashed", self.node_id, peer, exc_info=exc)
-            await self._send_error(sender, rid, exc)
-
-    async def _send_error(self, sender: _Sender, rid: int, exc: BaseException) -> None:
-        code, message = status_for(exc)
+async def serve_request(
+    handler: RtcHandler, peer: str, sender: _Sender, msg: bytes, served: Callable[[int], None],
+) -> None:
+    """Answer one request that arrived on a channel answered for ``peer``: LOOKUP_OK, or HEAD, DATA
+    pieces and END (then ``served(nbytes)``), or ERROR with the handler's refusal."""
+    rid = 0
+    rpc = "rtc"
+    try:
+        kind, rid, token, flags, body = _parse_request(msg)
+        if kind == LOOKUP:
+            rpc = "Lookup"
+            resp = await handler.lookup(_message(pb.LookupRequest, body, peer), token)
+            await sender.send(_HDR.pack(LOOKUP_OK, rid) + resp.SerializeToString())
+        elif kind == FETCH:
+            rpc = "Fetch"
+            data, source = await handler.fetch(
+                _message(pb.FetchRequest, body, peer), token, forwarded=bool(flags & FLAG_FORWARDED),
+                link_codec=bool(flags & FLAG_LINK_CODEC),
+            )
+            await sender.send(_HDR.pack(HEAD, rid) + struct.pack("!Q", len(data)) + source.encode())
+            view = memoryview(data)
+            for at in range(0, len(view), PIECE):
+                await sender.send(_HDR.pack(DATA, rid) + view[at : at + PIECE].tobytes())
+            await sender.send(_HDR.pack(END, rid))
+            served(len(data))
+        else:
+            raise InvalidInput(f"unknown data channel request kind {kind}")
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
+        if isinstance(exc, Unavailable) and "data channel closed" in str(exc):
+            return  # nobody is left to answer
+        status, message = handler.refuse(rpc, exc)
         try:
-            await sender.send(_HDR.pack(ERROR, rid) + struct.pack("!I", status_value(code)) + message.encode()[:4096])
+            await sender.send(_HDR.pack(ERROR, rid) + struct.pack("!I", status) + message.encode()[:4096])
         except Exception:  # noqa: BLE001 - the channel went away: nobody is left to tell
             pass
+
+
+def _message(cls: Any, body: bytes, peer: str) -> Any:
+    from google.protobuf.message import DecodeError
+
+    try:
+        return cls.FromString(body)
+    except DecodeError as exc:
+        raise InvalidInput(f"malformed request from {peer}: {exc}") from exc

@@ -8,7 +8,8 @@ exceptions. The envelope, the same for the edge's, the origin's and the hint RPC
   aborts the call with it; the server keeps serving;
 - logs an exception that is not a KdnError (a bug: the caller sees ``INTERNAL``, no details);
 - lets the servicer translate exceptions of its own first (:meth:`Servicer.translate`: the origin
-  turns a compute timeout into ``Unavailable``) and count refusals (:meth:`Servicer.refused`).
+  turns a compute timeout into ``Unavailable``) and count refusals (:meth:`Servicer.refused`), or
+  decide the whole refusal itself (:meth:`Servicer.refusal`: the edge's front).
 
 Streaming handlers (async generators) are covered too: an error before or between pieces aborts
 the stream with its status.
@@ -27,6 +28,7 @@ import grpc
 from kdn.errors import KdnError
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb
+from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.auth import TokenAuth
 from kdn.wire.channel import bearer_token
 from kdn.wire.convert import parse_namespace
@@ -66,12 +68,19 @@ class Servicer:
     def refused(self, rpc: str, code: grpc.StatusCode, exc: BaseException) -> None:
         """Called once per refused call (metrics, counters). Default: nothing."""
 
-    async def abort(self, context: grpc.aio.ServicerContext, rpc: str, exc: BaseException) -> None:
+    def refusal(self, rpc: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        """The status a failed call answers with. Default: :meth:`translate`, the one mapping
+        (:func:`kdn.wire.errors.status_for`), a log line for a non-KdnError, :meth:`refused`.
+        A servicer whose refusals are decided elsewhere (the edge's front) overrides this."""
         exc = self.translate(exc)
         code, message = status_for(exc)
         if not isinstance(exc, KdnError):
             log.error("%s: %s crashed", self.label, rpc, exc_info=exc)
         self.refused(rpc, code, exc)
+        return code, message
+
+    async def abort(self, context: grpc.aio.ServicerContext, rpc: str, exc: BaseException) -> None:
+        code, message = self.refusal(rpc, exc)
         # the finished frames of the failed handler hold its request (a Put's pieces: megabytes);
         # the exception, its traceback and those frames form a cycle that only a full collection
         # would free: drop their locals now
@@ -128,3 +137,10 @@ def add_servicer(server: grpc.aio.Server, servicer: object, service: str) -> Non
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
     server.add_registered_method_handlers(desc.full_name, handlers)
+
+
+def service_stub(channel: Any, service: str) -> Any:
+    """The generated client stub of ``service`` (``"EdgeService"``, ``"OriginService"``) on
+    ``channel``: callers outside :mod:`kdn.wire` never import the generated modules."""
+    stubs = {"EdgeService": pbg.EdgeServiceStub, "OriginService": pbg.OriginServiceStub}
+    return stubs[service](channel)

@@ -21,6 +21,7 @@ pytest.importorskip("aiortc")
 from kdn.errors import NotFound, Unauthorized, Unavailable  # noqa: E402
 from kdn.proto import kdn_pb2 as pb  # noqa: E402
 from kdn.wire.auth import TokenAuth  # noqa: E402
+from kdn.wire.errors import status_for, status_value  # noqa: E402
 from kdn.wire.rtc import HIGH_WATER, RtcEndpoint  # noqa: E402
 from kdn.wire.service import add_servicer  # noqa: E402
 from kdn.wire.signal import SignalBoard, SignalClient, SignalServicer  # noqa: E402
@@ -60,6 +61,10 @@ class Handler:
         if data is None:
             raise NotFound(f"no artifact {bytes(request.key).hex()[:16]}")
         return data, "memory"
+
+    def refuse(self, rpc: str, exc: BaseException) -> tuple[int, str]:
+        code, message = status_for(exc)  # the one mapping, as the edge's front applies it
+        return status_value(code), message
 
 
 async def _pair(artifacts, *, tokens=None, timeout_s: float = 10.0):

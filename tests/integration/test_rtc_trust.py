@@ -131,8 +131,8 @@ def test_tenant_b_cannot_join_the_overlay_and_tenant_a_gets_exactly_its_own_kv(t
         for name in ("a", "b"):
             edges[name] = EdgeServer(_edge_config(tmp_path, name, origin.address))
             loop.run(edges[name].start())
-        seen_at_b = SeenTokens(edges["b"].auth)
-        edges["b"].auth = seen_at_b  # type: ignore[assignment]
+        seen_at_b = SeenTokens(edges["b"].front.auth)
+        edges["b"].front.auth = seen_at_b  # type: ignore[assignment]
 
         deadline = time.monotonic() + 10
         while len(edges["a"].node.overlay.members) < 2 and time.monotonic() < deadline:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
 
 from kdn.wire.auth import TokenAuth
+from kdn.edge.compose import compose_edge
+from kdn.edge.front import EdgeFront
 from kdn.edge.server import EdgeServicer
 from kdn.wire.frames import decode_chunk
 from kdn.edge.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
@@ -17,6 +18,11 @@ from kdn.errors import Unauthorized
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb
 
+
+
+def _front(node: Any, auth: TokenAuth) -> EdgeFront:
+    return compose_edge(node.config, address=node.address, auth=auth, clock=node.clock, node=node, hints_dir=None,
+                        shm=False).front
 
 def test_token_grants() -> None:
     auth = TokenAuth.from_config({"tok-a": ["acme"], "tok-ops": ["*"]})
@@ -54,8 +60,7 @@ def test_foreign_namespace_refused_identically_whether_or_not_it_exists() -> Non
             node = ov.nodes["e0"]
             node.store.put(acme.blobs[0], tenant="acme")  # chunk 0 exists here, chunk 1 only at the origin
             cfg = node.config
-            server = SimpleNamespace(config=cfg, auth=TokenAuth.from_config(cfg.tokens), node=node, shm=None)
-            servicer = EdgeServicer(server)  # type: ignore[arg-type]
+            servicer = EdgeServicer(_front(node, TokenAuth.from_config(cfg.tokens)))
 
             code, _, out = await call(servicer, _fetch_req(acme, 0, "acme"), "tok-acme")
             assert code is None and b"".join(out) == acme.blobs[0]
@@ -85,8 +90,7 @@ def test_malformed_input_is_invalid_argument() -> None:
     async def main() -> None:
         async with InMemoryOverlay(1, origin=origin_with([])) as ov:
             node = ov.nodes["e0"]
-            server = SimpleNamespace(config=node.config, auth=TokenAuth(), node=node, shm=None)
-            servicer = EdgeServicer(server)  # type: ignore[arg-type]
+            servicer = EdgeServicer(_front(node, TokenAuth()))
             chain = make_chain(1)
             bad = [
                 pb.FetchRequest(fingerprint=bytes(chain.fingerprint), namespace=pb.Namespace(tenant="default"), key=b"short"),

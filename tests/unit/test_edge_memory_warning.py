@@ -20,7 +20,7 @@ def test_a_memory_tier_holding_few_documents_of_a_model_warns_once(caplog) -> No
     # (L, H, T, D) = (30, 3, 8, 64) in fp16: 23 KB of KV per token, SmolLM2-135M's shape
     chain = make_chain(3, shape=(30, 3, 8, 64))
     edge = InProcessEdge(memory_bytes=64 << 20)
-    with caplog.at_level(logging.WARNING, logger="kdn.edge.node"):
+    with caplog.at_level(logging.WARNING, logger="kdn.edge.sources"):
         _put_all(edge, chain)
     warned = [r.getMessage() for r in caplog.records if "memory tier" in r.getMessage()]
     assert len(warned) == 1, warned  # once for the model, not per artifact
@@ -30,6 +30,6 @@ def test_a_memory_tier_holding_few_documents_of_a_model_warns_once(caplog) -> No
 def test_a_memory_tier_large_enough_says_nothing(caplog) -> None:
     chain = make_chain(2, shape=(2, 2, 8, 8))  # 128 bytes per token: 1 GiB holds millions of tokens
     edge = InProcessEdge(memory_bytes=1 << 30)
-    with caplog.at_level(logging.WARNING, logger="kdn.edge.node"):
+    with caplog.at_level(logging.WARNING, logger="kdn.edge.sources"):
         _put_all(edge, chain)
     assert not [r for r in caplog.records if "memory tier" in r.getMessage()]

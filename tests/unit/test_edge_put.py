@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import Any, AsyncIterator
 
 import grpc
 
+from kdn.edge.compose import compose_edge
 from kdn.edge.server import EdgeServicer, PutBudget
 from kdn.edge.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
 from kdn.keys import Namespace
@@ -17,8 +17,8 @@ from kdn.wire.convert import put_messages
 
 
 def _servicer(node: Any) -> EdgeServicer:
-    return EdgeServicer(SimpleNamespace(config=node.config, auth=TokenAuth(), node=node, shm=None,
-                                        put_budget=PutBudget(node.config.put_buffer_bytes)))  # type: ignore[arg-type]
+    return EdgeServicer(compose_edge(node.config, address=node.address, auth=TokenAuth(), clock=node.clock, node=node,
+                                     hints_dir=None, shm=False).front)
 
 
 async def _put(servicer: EdgeServicer, messages: AsyncIterator[pb.PutChunk]) -> tuple[Any, str]:
@@ -62,7 +62,7 @@ def test_a_junk_put_is_refused_after_its_first_message_and_the_rest_is_never_rea
             code, details = await _put(servicer, junk(300))
             assert code == grpc.StatusCode.DATA_LOSS and "magic" in details
             assert pulled == 1  # refused at the first message: the other 299 MiB were never read
-            assert servicer.put_budget.used == 0 and servicer.put_budget.peak == 0
+            assert servicer.front.put_budget.used == 0 and servicer.front.put_budget.peak == 0
             pulled = 0
             code, details = await _put(servicer, newer_version())
             assert code == grpc.StatusCode.DATA_LOSS and "version" in details and pulled == 1
@@ -94,8 +94,8 @@ def test_concurrent_large_puts_cannot_buffer_past_the_budget() -> None:
                 await asyncio.sleep(0)
             gate.set()
             results = await asyncio.gather(*tasks)
-            assert servicer.put_budget.peak <= budget
-            assert servicer.put_budget.used == 0  # every lease was given back, refused or not
+            assert servicer.front.put_budget.peak <= budget
+            assert servicer.front.put_budget.used == 0  # every lease was given back, refused or not
             codes = [c for c, _ in results]
             assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes  # some were refused, with a clear status
             assert None in codes  # and some were stored

@@ -7,14 +7,14 @@ import asyncio
 import json
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kdn.edge.operator_hints import HintService
 from kdn.edge.schedules import SCHEDULES_FILE
-from kdn.edge.server import EdgeServicer
+from kdn.edge.front import EdgeFront
+from kdn.edge.server import EdgeServicer, PutBudget
 from kdn.edge.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
 from kdn.errors import NotFound
 from kdn.keys import Namespace
@@ -42,9 +42,9 @@ def test_schedule_ids_are_per_tenant_and_stats_show_a_tenant_only_its_own() -> N
                     node.store.put(b, tenant=c.namespace.tenant)
             hints = HintService(node, disk_dir=None, clock=ov.clock)
             node.scheduler = hints
-            server = SimpleNamespace(config=node.config, auth=TokenAuth.from_config(TOKENS), node=node, shm=None,
-                                     hints=hints, metrics_port=None)
-            servicer = EdgeServicer(server)  # type: ignore[arg-type]
+            front = EdgeFront(node, auth=TokenAuth.from_config(TOKENS), put_budget=PutBudget(node.config.put_buffer_bytes),
+                              hints=hints)
+            servicer = EdgeServicer(front)
 
             async def hint(req: pb.HintRequest, token: str) -> Any:
                 ctx = FakeServicerContext(token)

@@ -20,11 +20,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, NamedTuple, TypeVar
 
 from kdn.errors import InvalidInput
 from kdn.keys import KEY_BYTES, ROOT_KEY, ChunkKey, Namespace
-from kdn.proto import kdn_pb2 as pb
+
+if TYPE_CHECKING:
+    from kdn.proto.kdn_pb2 import ArtifactHeader
 
 __all__ = ["EntryId", "EntryMeta", "Ledger", "StorageTier", "check_key", "check_tenant"]
 
@@ -65,7 +67,7 @@ class EntryMeta:
         return EntryId(self.tenant, self.parent)
 
     @classmethod
-    def from_header(cls, header: pb.ArtifactHeader, *, tenant: str, size: int) -> "EntryMeta":
+    def from_header(cls, header: ArtifactHeader, *, tenant: str, size: int) -> "EntryMeta":
         codec = f"{header.codec}:{header.codec_level}" if header.codec_level else header.codec
         return cls(
             key=ChunkKey(bytes(header.key)),
