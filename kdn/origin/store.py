@@ -36,13 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal, Sequence
 
-from kdn.artifact import verify_artifact
+from kdn.artifact import ArtifactHeader, verify_artifact
 from kdn.blobstore import BlobStore
 from kdn.codecs import get_codec
 from kdn.errors import ArtifactError, ConfigError, InvalidInput, NotFound, UnknownCodec
 from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint
 from kdn.origin.config import OriginConfig
-from kdn.proto import kdn_pb2 as pb
 
 __all__ = ["DocumentRecord", "OriginStore", "StoredArtifact"]
 
@@ -123,7 +122,7 @@ class StoreCheck:
     unknown_codec: int = 0  # blobs in a codec this version does not know: kept on disk, not served
 
 
-def codec_spec_of(header: pb.ArtifactHeader) -> str:
+def codec_spec_of(header: ArtifactHeader) -> str:
     return f"{header.codec}:{header.codec_level}" if header.codec_level else header.codec
 
 
