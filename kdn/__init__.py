@@ -34,7 +34,7 @@ Floors (each may import only its own floor and the floors below it):
 Order within a floor, lowest first (a module imports only those before it; a package is one place):
 
 - contracts: errors, console, procs, proto, config, blobstore, keys, kv, prompts, codecs, placement, pretrained, models, prefill, artifact
-- wire: errors, frames, auth, tls, health, inproc, shm, channel, convert, calls, bulk, client_calls, service, signal, rtc
+- wire: errors, frames, auth, tls, health, inproc, shm, channel, convert, calls, bulk, client_calls, service, origin, signal, rtc
 - KV operations: segments, blend, steer
 
 ``tests/unit/test_layering.py`` enforces these rules and orders over every ``import`` in the tree

@@ -14,37 +14,18 @@ decay). Segments themselves stay ordinary artifacts, held and served by edges li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
-from kdn.proto import kdn_pb2 as pb
-from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.calls import fetch_method
 from kdn.wire.channel import aio_channel, auth_metadata
-from kdn.wire.convert import fetch_request, namespace_msg
+from kdn.wire.convert import fetch_request
 from kdn.wire.errors import rpc_errors
 from kdn.wire.frames import decode_chunk
+from kdn.wire.origin import BlendAnswer, OriginCalls
 from kdn.wire.tls import TlsFiles
 
 __all__ = ["BlendAnswer", "StoreBlend"]
-
-
-@dataclass(frozen=True, slots=True)
-class BlendAnswer:
-    """The origin's answer: the variant's chunk keys (covering ``covered`` prompt tokens), or
-    ``refused`` (a short code) and ``reason`` when it blended nothing."""
-
-    keys: tuple[ChunkKey, ...]
-    covered: int
-    variant: str = ""
-    documents: int = 0
-    document_tokens: int = 0
-    recomputed: int = 0
-    ratio: float = 0.0
-    cached: bool = False
-    refused: str = ""
-    reason: str = ""
 
 
 class StoreBlend:
@@ -57,19 +38,13 @@ class StoreBlend:
         self._blend_timeout = blend_timeout_s
         self._fetch_timeout = fetch_timeout_s
         self._channel = aio_channel(address, tls=tls)
-        self._stub = pbg.OriginServiceStub(self._channel)
-        self._fetch = fetch_method(self._channel, "OriginService")
         self._peer = f"origin {address}"
+        self._calls = OriginCalls(self._channel, self._peer, token=token)
+        self._fetch = fetch_method(self._channel, "OriginService")
 
     async def blend(self, fingerprint: ModelFingerprint, namespace: Namespace, tokens: Sequence[int],
                     documents: Sequence[tuple[int, int]] = ()) -> BlendAnswer:
-        req = pb.BlendRequest(fingerprint=bytes(fingerprint), namespace=namespace_msg(namespace),
-                              tokens=[int(t) for t in tokens], documents=[int(x) for s in documents for x in s])
-        with rpc_errors(self._peer):
-            r = await self._stub.Blend(req, timeout=self._blend_timeout, metadata=auth_metadata(self._token))
-        return BlendAnswer(tuple(ChunkKey(bytes(k)) for k in r.keys), int(r.covered_tokens), r.variant, int(r.documents),
-                           int(r.document_tokens), int(r.recomputed_tokens), float(r.ratio), bool(r.cached), r.refused,
-                           r.reason)
+        return await self._calls.blend(fingerprint, namespace, tokens, documents, timeout=self._blend_timeout)
 
     async def fetch(self, fingerprint: ModelFingerprint, namespace: Namespace, key: ChunkKey,
                     timeout: float | None = None) -> AsyncIterator[tuple[Any, str]]:

@@ -35,14 +35,13 @@ Auth: ``OriginConfig.tokens`` maps bearer tokens to tenants (same rule as the ed
 checked before anything is looked up; a key of another tenant is ``NOT_FOUND``.
 
 Errors: handlers raise KdnErrors; the :func:`kdn.wire.service.rpc` envelope turns them into statuses
-(a compute timeout is ``UNAVAILABLE``). Requests are parsed by :mod:`kdn.wire.convert` (an empty
-tenant is ``INVALID_ARGUMENT``, as at the edge); Fetch answers are framed by :mod:`kdn.wire.frames`.
+(a compute timeout is ``UNAVAILABLE``). Requests are parsed and answers built by :mod:`kdn.wire.origin`
+(an empty tenant is ``INVALID_ARGUMENT``, as at the edge); Fetch answers are framed by :mod:`kdn.wire.frames`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -51,22 +50,23 @@ from typing import Any, AsyncIterator
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 
 from kdn.wire.auth import SIGNAL_NODE, EdgeKey, TokenAuth
 from kdn.artifact import read_header, transcode
 from kdn.codecs import get_codec
 from kdn.errors import (
-    ConfigError, FingerprintMismatch, InvalidInput, KdnError, LossyRefused, MessageTooLarge, NotFound, Unavailable,
+    ConfigError, FingerprintMismatch, InvalidInput, KdnError, LossyRefused, NotFound, Unavailable,
 )
-from kdn.keys import ChunkKey, ModelFingerprint, Namespace, parse_fingerprint, parse_key
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.models import LoadedModel
-from kdn.proto import kdn_pb2 as pb
-from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.channel import STREAM_PIECE, check_bindable, grpc_options
-from kdn.wire.convert import key_bytes, parse_keys
 from kdn.wire.frames import encode_frames
+from kdn.wire.health import Health
+from kdn.wire.origin import (
+    BlendResponse, StatsResponse, blend_refusal, blend_response, compute_response, document_response,
+    origin_lookup_response, origin_stats_response, parse_blend, parse_compute, parse_document, parse_origin_fetch,
+    parse_origin_lookup,
+)
 from kdn.wire.service import Servicer, add_servicer, rpc
 from kdn.wire.signal import SignalBoard, SignalServicer
 from kdn.origin.blend import BlendCache, Refusal, check_spans, plan_blend
@@ -86,7 +86,7 @@ SERVICE_NAME = "kdn.v1.OriginService"
 _MAX_CHAIN_KEYS = 1 << 16
 
 
-class OriginServicer(Servicer, pbg.OriginServiceServicer):
+class OriginServicer(Servicer):
     """``OriginService`` over the origin: every handler runs in the :func:`kdn.wire.service.rpc` envelope."""
 
     def __init__(self, server: "OriginServer") -> None:
@@ -116,83 +116,74 @@ class OriginServicer(Servicer, pbg.OriginServiceServicer):
     # -- RPCs ----------------------------------------------------------------------------------
 
     @rpc
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        ns, _ = self.authorize(context, request.namespace)
-        keys = parse_keys(request.keys, limit=_MAX_CHAIN_KEYS)
-        stored = await self._run(lambda: self._s.store.stored_keys(keys, tenant=ns.tenant))
+    async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        ask = parse_origin_lookup(request, limit=_MAX_CHAIN_KEYS, authorize=self.authorizer(context))
+        keys = ask.keys
+        stored = await self._run(lambda: self._s.store.stored_keys(keys, tenant=ask.namespace.tenant))
         n = 0
         while n < len(keys) and keys[n] in stored:
             n += 1
         self._s.count("lookups")
-        loc = pb.Location(tier="origin", node_id=self._s.config.node_id, address=self._s.address or "")
-        return pb.LookupResponse(available=n, locations=[loc] * n, node_id=self._s.config.node_id)
+        return origin_lookup_response(n, node_id=self._s.config.node_id, address=self._s.address or "")
 
     @rpc
-    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        ns, _ = self.authorize(context, request.namespace)
-        key = parse_key(request.key)
-        fp = parse_fingerprint(request.fingerprint) if request.fingerprint else None
-        data = await self._run(self._s.artifact_bytes, key, ns, fp, request.codec, request.require_lossless)
+    async def Fetch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        ask = parse_origin_fetch(request, authorize=self.authorizer(context))
+        data = await self._run(self._s.artifact_bytes, ask.key, ask.namespace, ask.fingerprint, ask.codec,
+                               ask.require_lossless)
         self._s.count("fetches")
         self._s.count("fetch_bytes", len(data))
         for frame in encode_frames(data, piece=STREAM_PIECE, source="origin"):
             yield frame
 
     @rpc
-    async def Compute(self, request: pb.ComputeRequest, context: grpc.aio.ServicerContext) -> pb.ComputeResponse:
-        ns, _ = self.authorize(context, request.namespace)
-        fp = parse_fingerprint(request.fingerprint)
-        if len(request.tokens) > self._s.config.max_compute_tokens:
-            raise MessageTooLarge(
-                f"compute of {len(request.tokens)} tokens (limit {self._s.config.max_compute_tokens})"
-            )
-        tokens = np.asarray(request.tokens, dtype=np.int64)  # (N,)
-        codecs = self._s.codecs_for(request.codec)
+    async def Compute(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        ask = parse_compute(request, max_tokens=self._s.config.max_compute_tokens, authorize=self.authorizer(context))
+        codecs = self._s.codecs_for(ask.codec)
         t0 = time.perf_counter()
         res = await asyncio.wait_for(
-            self._run(self._s.compute.compute, fp, tokens, ns, codecs), timeout=self._s.config.compute_timeout_s
+            self._run(self._s.compute.compute, ask.fingerprint, ask.tokens, ask.namespace, codecs),
+            timeout=self._s.config.compute_timeout_s,
         )
         self._s.count("computes")
         self._s.count("computed_chunks", res.computed)
         self._s.count("compute_seconds", time.perf_counter() - t0)
-        return pb.ComputeResponse(keys=key_bytes(res.keys), computed=res.computed, already_stored=res.already_stored)
+        return compute_response(res.keys, computed=res.computed, already_stored=res.already_stored)
 
     @rpc
-    async def Document(self, request: pb.DocumentRequest, context: grpc.aio.ServicerContext) -> pb.DocumentResponse:
-        ns, _ = self.authorize(context, request.namespace)
-        fp = parse_fingerprint(request.fingerprint) if request.fingerprint else self._s.default_fingerprint
-        rec = await self._run(self._s.store.document, ns.tenant, fp, request.document)
+    async def Document(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        ask = parse_document(request, authorize=self.authorizer(context))
+        ns, document = ask.namespace, ask.document
+        fp = ask.fingerprint if ask.fingerprint is not None else self._s.default_fingerprint
+        rec = await self._run(self._s.store.document, ns.tenant, fp, document)
         if rec is None:
             ids = await self._run(self._s.store.document_ids, ns.tenant, fp)
-            matches = document_matches(request.document, ids)
+            matches = document_matches(document, ids)
             if len(matches) != 1:
-                raise NotFound(not_ingested(request.document, matches, ids))
+                raise NotFound(not_ingested(document, matches, ids))
             rec = await self._run(self._s.store.document, ns.tenant, fp, matches[0])
             if rec is None:  # removed in between
-                raise NotFound(not_ingested(request.document, [], ids))
-        if request.emphasis:
+                raise NotFound(not_ingested(document, [], ids))
+        if ask.emphasis:
             t0 = time.perf_counter()
             keys, variant = await asyncio.wait_for(
-                self._run(self._s.emphasize, rec.doc_id, rec.content_hash, request.emphasis, ns, fp),
+                self._run(self._s.emphasize, rec.doc_id, rec.content_hash, ask.emphasis, ns, fp),
                 timeout=self._s.config.compute_timeout_s)
             self._s.count("emphasized")
             self._s.count("compute_seconds", time.perf_counter() - t0)
-            return pb.DocumentResponse(keys=key_bytes(keys), steer_variant=variant)
-        return pb.DocumentResponse(keys=key_bytes(rec.keys))
+            return document_response(keys, steer_variant=variant)
+        return document_response(rec.keys)
 
     @rpc
-    async def Blend(self, request: pb.BlendRequest, context: grpc.aio.ServicerContext) -> pb.BlendResponse:
-        ns, _ = self.authorize(context, request.namespace)
-        fp = parse_fingerprint(request.fingerprint)
-        if len(request.tokens) > self._s.config.max_compute_tokens:
-            raise MessageTooLarge(f"blend of {len(request.tokens)} tokens (limit {self._s.config.max_compute_tokens})")
-        tokens = np.asarray(request.tokens, dtype=np.int64)  # (N,)
-        spans = check_spans(request.documents)
-        return await asyncio.wait_for(self._run(self._s.blend, fp, tokens, ns, spans, request.codec),
-                                      timeout=self._s.config.compute_timeout_s)
+    async def Blend(self, request: Any, context: grpc.aio.ServicerContext) -> BlendResponse:
+        ask = parse_blend(request, max_tokens=self._s.config.max_compute_tokens, authorize=self.authorizer(context))
+        spans = check_spans(ask.documents)
+        return await asyncio.wait_for(
+            self._run(self._s.blend, ask.fingerprint, ask.tokens, ask.namespace, spans, ask.codec),
+            timeout=self._s.config.compute_timeout_s)
 
     @rpc
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+    async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> StatsResponse:
         self.authorize_admin(context)
         return await self._run(self._s.stats)
 
@@ -220,7 +211,7 @@ class OriginServer:
         self._counters: Counter[str] = Counter()
         self._counter_lock = threading.Lock()
         self._server: grpc.aio.Server | None = None
-        self._health: Any = None
+        self._health: Health | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started_at = time.time()
@@ -281,7 +272,7 @@ class OriginServer:
         return [ChunkKey(bytes.fromhex(k)) for k in res.steer_keys], res.steer_variant
 
     def blend(self, fingerprint: ModelFingerprint, tokens: np.ndarray, ns: Namespace,
-              spans: list[tuple[int, int]] | None = None, codec: str = "") -> pb.BlendResponse:
+              spans: list[tuple[int, int]] | None = None, codec: str = "") -> BlendResponse:
         """The blend variant of ``tokens`` (see :mod:`kdn.origin.blend`): computed unless every chunk
         of it is still in memory; a refusal is a response with ``refused`` set, counted."""
         t0 = time.perf_counter()
@@ -310,16 +301,16 @@ class OriginServer:
         else:
             self.count("blend_cached")
         self.count("blend_seconds", time.perf_counter() - t0)
-        return pb.BlendResponse(
-            keys=key_bytes(plan.keys), covered_tokens=plan.covered, variant=bytes(plan.root).hex(),
+        return blend_response(
+            plan.keys, covered_tokens=plan.covered, variant=bytes(plan.root).hex(),
             documents=len(plan.pieces), document_tokens=sum(p.end - p.start for p in plan.pieces),
             recomputed_tokens=int(stats.get("recomputed", 0)), ratio=plan.ratio, cached=cached)
 
-    def _refused(self, r: Refusal) -> pb.BlendResponse:
+    def _refused(self, r: Refusal) -> BlendResponse:
         self.count("blend_refused")
         self.count(f"blend_refused_{r.code}")
         log.warning("origin %s: blend refused (%s): %s", self.config.node_id, r.code, r.reason)
-        return pb.BlendResponse(refused=r.code, reason=r.reason)
+        return blend_refusal(r.code, r.reason)
 
     def codecs_for(self, requested: str) -> list[str]:
         specs = list(self.config.codecs)
@@ -376,7 +367,7 @@ class OriginServer:
         with self._counter_lock:
             self._counters[name] += n
 
-    def stats(self) -> pb.StatsResponse:
+    def stats(self) -> StatsResponse:
         totals = self.store.totals()
         with self._counter_lock:
             counters = {**{k: float(v) for k, v in self._counters.items()}, **{f"store_{k}": float(v) for k, v in totals.items()}}
@@ -390,7 +381,7 @@ class OriginServer:
                 f: getattr(self.store.check, f) for f in self.store.check.__dataclass_fields__
             },
         }
-        return pb.StatsResponse(node_id=self.config.node_id, role="origin", counters=counters, json=json.dumps(details))
+        return origin_stats_response(self.config.node_id, counters, details)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -400,8 +391,7 @@ class OriginServer:
         add_servicer(server, OriginServicer(self), "OriginService")
         # WebRTC signalling for edges behind NAT (kdn.wire.signal): every edge can dial the origin
         add_servicer(server, SignalServicer(self.signal_board, self.auth, "origin", edges=self.edge_key), "SignalService")
-        self._health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        health = self._health = Health(server)
         listen = self.config.listen
         tls = self.config.server_tls
         try:
@@ -422,8 +412,7 @@ class OriginServer:
             causes = "the port is in use or the address is not local" + (", or the TLS key and cert do not match" if tls else "")
             raise ConfigError(f"cannot listen on {listen}: {causes}" + (f" ({why})" if why else ""))
         await server.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health.serving(SERVICE_NAME)
         self._server = server
         host = listen.rsplit(":", 1)[0]
         self.port = port
@@ -434,7 +423,7 @@ class OriginServer:
     async def astop(self, grace_s: float = 1.0) -> None:
         if self._server is not None:
             if self._health is not None:
-                await self._health.enter_graceful_shutdown()
+                await self._health.shutdown()
             await self._server.stop(grace_s)
             self._server = None
 

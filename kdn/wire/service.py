@@ -57,6 +57,12 @@ class Servicer:
         self.auth.check(token, ns.tenant)
         return ns, token
 
+    def authorizer(self, context: grpc.aio.ServicerContext) -> Callable[[Namespace], None]:
+        """The check a request's parser runs once it named its tenant (:meth:`authorize` for the
+        parsers of :mod:`kdn.wire.convert` and :mod:`kdn.wire.origin`): the caller's token is
+        granted it, else ``Unauthorized``."""
+        return lambda ns: self.auth.check(bearer_token(context.invocation_metadata()), ns.tenant)
+
     def authorize_admin(self, context: grpc.aio.ServicerContext) -> None:
         """Node-wide calls (Stats): any valid token."""
         self.auth.check_admin(bearer_token(context.invocation_metadata()))

@@ -25,7 +25,7 @@ CONTRACTS_ORDER = [
 WIRE_ORDER = [
     "kdn.wire", "kdn.wire.errors", "kdn.wire.frames", "kdn.wire.auth", "kdn.wire.tls", "kdn.wire.health",
     "kdn.wire.inproc", "kdn.wire.shm", "kdn.wire.channel", "kdn.wire.convert", "kdn.wire.calls", "kdn.wire.bulk",
-    "kdn.wire.client_calls", "kdn.wire.service", "kdn.wire.signal", "kdn.wire.rtc",
+    "kdn.wire.client_calls", "kdn.wire.service", "kdn.wire.origin", "kdn.wire.signal", "kdn.wire.rtc",
 ]  # fmt: skip
 KVOPS_ORDER = ["kdn.segments", "kdn.blend", "kdn.steer"]
 CONTRACTS = set(CONTRACTS_ORDER)
