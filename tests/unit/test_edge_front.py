@@ -1,9 +1,9 @@
 """The edge's one front door (kdn.edge.front): its structure, and refusals and hits through it.
 
-Structure (read off the source): nothing in kdn/edge imports the generated protobuf or health
-modules (kdn.wire converts every message); one function composes an edge, and both the served
-edge and the in-process one use it; the three transports ask the front and decide no refusal of
-their own. Behaviour: a refused Fetch reads the same, and is counted the same, over gRPC, the
+Structure (read off the source): nothing in kdn/ outside kdn/wire/, kdn/proto/ and the artifact
+container's format imports the generated protobuf or health modules (kdn.wire converts every
+message); one function composes an edge, and both the served edge and the in-process one use it;
+the three transports ask the front and decide no refusal of their own. Behaviour: a refused Fetch reads the same, and is counted the same, over gRPC, the
 bulk socket, a data channel and the front itself; a hit returns the same bytes through each.
 """
 
@@ -84,18 +84,57 @@ def _edge_files() -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in (KDN / "edge").rglob("*.py"))
 
 
+def _kdn_files() -> list[str]:
+    return sorted(str(p.relative_to(ROOT)) for p in KDN.rglob("*.py"))
+
+
+# where generated messages may be imported: the wire converts them, the stubs are them, and the
+# artifact container's header is one; an edge store tier annotates with the header (typing only)
+MESSAGE_HOMES = ("kdn/wire/", "kdn/proto/")
+MESSAGE_FILES = {"kdn/artifact/format.py"}
+TYPING_ONLY_FILES = {"kdn/edge/store/tiers.py"}
+
+
+def _is_message_module(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return name.startswith("kdn.proto") or leaf in {"kdn_pb2", "kdn_pb2_grpc", "health_pb2", "health_pb2_grpc"}
+
+
+def _message_imports(rel: str, tree: ast.Module) -> list[str]:
+    """``rel``'s imports of generated messages that its place does not allow."""
+    if rel.startswith(MESSAGE_HOMES) or rel in MESSAGE_FILES:
+        return []
+    typing_only = _type_checking_only(tree) if rel in TYPING_ONLY_FILES else set()
+    return [f"{rel}:{line} {name}" for line, name in _imports(tree) if _is_message_module(name) and line not in typing_only]
+
+
 # -- structure ---------------------------------------------------------------------------------
 
 
-def test_nothing_in_the_edge_imports_generated_messages() -> None:
-    bad = []
-    for rel in _edge_files():
-        tree = _tree(rel)
-        typing_only = _type_checking_only(tree)
-        for line, name in _imports(tree):
-            if (name.startswith("kdn.proto") or "health_pb2" in name) and line not in typing_only:
-                bad.append(f"{rel}:{line} {name}")
+def test_nothing_outside_the_wire_imports_generated_messages() -> None:
+    bad = [hit for rel in _kdn_files() for hit in _message_imports(rel, _tree(rel))]
     assert not bad, f"kdn.wire converts messages; these import them: {bad}"
+
+
+@pytest.mark.parametrize("src", [
+    "from kdn.proto import kdn_pb2 as pb",
+    "import kdn.proto.kdn_pb2_grpc",
+    "from grpc_health.v1 import health_pb2",
+    "from grpc_health.v1 import health_pb2_grpc as hg",
+    "def f():\n    from kdn.proto.kdn_pb2 import BlendRequest",
+    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kdn.proto.kdn_pb2 import ArtifactHeader",
+])
+def test_the_message_check_catches_a_new_importer(src: str) -> None:
+    assert _message_imports("kdn/origin/new.py", ast.parse(src))
+    assert not _message_imports("kdn/wire/new.py", ast.parse(src))
+    assert not _message_imports("kdn/artifact/format.py", ast.parse(src))
+
+
+def test_the_message_check_lets_only_the_named_file_import_for_typing() -> None:
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kdn.proto.kdn_pb2 import ArtifactHeader"
+    assert not _message_imports("kdn/edge/store/tiers.py", ast.parse(src))
+    assert _message_imports("kdn/edge/store/tiers.py", ast.parse("from kdn.proto import kdn_pb2"))
+    assert _message_imports("kdn/edge/store/other.py", ast.parse(src))
 
 
 def test_one_function_composes_an_edge_and_both_edges_use_it() -> None:
