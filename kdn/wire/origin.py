@@ -108,15 +108,18 @@ def parse_compute(request: Any, *, max_tokens: int, authorize: Authorize) -> Com
 
 @dataclass(frozen=True, slots=True)
 class DocumentAsk:
+    """``fingerprint`` ``None``: the request names no model. ``emphasis``: the steered variant
+    asked for (JSON, :class:`kdn.steer.Emphasis`), empty for the plain document."""
+
     document: str
-    namespace: Namespace
     fingerprint: ModelFingerprint | None
+    namespace: Namespace
     emphasis: str = ""
 
 
 def parse_document(request: Any, *, authorize: Authorize) -> DocumentAsk:
     ns = _authorized(request, authorize)
-    return DocumentAsk(request.document, ns, _optional_fingerprint(request.fingerprint), request.emphasis)
+    return DocumentAsk(request.document, _optional_fingerprint(request.fingerprint), ns, request.emphasis)
 
 
 @dataclass(frozen=True, slots=True)
