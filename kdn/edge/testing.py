@@ -226,7 +226,7 @@ class InProcessEdge:
     peers, no shared memory, no metrics port, no bulk byte path. ``node``: serve that node (one
     of an :class:`InMemoryOverlay`, with its peers) instead of a new node without peers::
 
-        edge = InProcessEdge(origin=OriginUpstream("inproc", channel=origin_server.channel()))
+        edge = InProcessEdge(origin=origin_upstream(EdgeConfig(), address="inproc", channel=origin_server.channel()))
         await edge.start()
         transport = GrpcEdgeTransport("inproc:e0", channel=edge.channel())
     """
