@@ -102,7 +102,6 @@ class InMemoryOverlay:
         n: int,
         *,
         origin: InMemoryUpstream | None = None,
-        replicas: int = 2,
         memory_bytes: int = 1 << 24,
         clock: Clock | None = None,
         **config: object,
@@ -117,8 +116,9 @@ class InMemoryOverlay:
         self.down: set[str] = set()
         members = [Member(i, f"mem://{i}") for i in self.ids]
         for nid in self.ids:
-            cfg = EdgeConfig.build({"node_id": nid, "replicas": replicas, "memory_bytes": memory_bytes, **config})
-            overlay = Overlay(members[self.ids.index(nid)], members, replicas=replicas, clock=self.clock)
+            cfg = EdgeConfig.build({"node_id": nid, "memory_bytes": memory_bytes, **config})
+            overlay = Overlay(members[self.ids.index(nid)], members, replicas=cfg.replicas,
+                              backoff_s=cfg.peer_backoff_s, clock=self.clock)
             node = EdgeNode(
                 cfg,
                 store=build_store(cfg.model_copy(update={"disk_dir": None}), clock=self.clock),  # memory only
