@@ -473,10 +473,11 @@ def lookup_and_overlay(address: str, small: Chain, quick: bool) -> dict:
             return n_lookups / (time.perf_counter() - t0)
 
     lookup_rps = asyncio.run(lookups())
+    from kdn.edge.config import EdgeConfig
     from kdn.edge.overlay import Member, Overlay
 
     members = [Member(f"e{i}", f"h{i}:1") for i in range(10)]
-    ov = Overlay(members[0], members, replicas=2)
+    ov = Overlay(members[0], members, replicas=2, backoff_s=EdgeConfig.default("peer_backoff_s"))
     keys = [os.urandom(32) for _ in range(20_000)]
     t0 = time.perf_counter()
     for k in keys:

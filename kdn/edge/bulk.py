@@ -63,7 +63,7 @@ class BulkListener:
     """Serves :mod:`kdn.wire.bulk` over one edge's front (bounds: the module docstring; their
     values come from the edge's config). Each accepted connection is a :class:`BulkConnection`."""
 
-    def __init__(self, front: EdgeFront, host: str, port: int = 0, *, ttl_s: float = 600.0) -> None:
+    def __init__(self, front: EdgeFront, host: str, port: int, *, ttl_s: float = 600.0) -> None:
         c = front.config
         self.front = front
         self.host = host

@@ -22,7 +22,7 @@ from kdn.edge.operator_hints import HintService
 from kdn.edge.overlay import Member, MembershipProvider, Overlay, file_members, static_members
 from kdn.edge.shm import ShmPool
 from kdn.edge.store import TieredStore
-from kdn.edge.upstream import OriginUpstream, Upstream, peer_upstream
+from kdn.edge.upstream import Upstream, origin_upstream, peer_upstream
 from kdn.wire.auth import TokenAuth
 
 if TYPE_CHECKING:
@@ -45,14 +45,7 @@ class ComposedEdge:
 
 
 def _origin(config: EdgeConfig) -> Upstream | None:
-    c = config
-    if not c.origin:
-        return None
-    return OriginUpstream(
-        c.origin, tls=c.upstream_tls, token=c.upstream_token,
-        fetch_deadline_s=c.fetch_deadline_s, call_deadline_s=c.admin_deadline_s,
-        max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes,
-    )
+    return origin_upstream(config) if config.origin else None
 
 
 def _members(config: EdgeConfig) -> MembershipProvider | Sequence[Member]:

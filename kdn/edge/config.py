@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from kdn.config import RoleConfig, cluster_key_rule
 from kdn.wire.channel import MAX_MESSAGE, STREAM_PIECE
+from kdn.wire.shm import DEFAULT_SHM_DIR
 from kdn.wire.tls import TlsFiles
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ class EdgeConfig(RoleConfig):
         64, ge=1, le=65536, description="bulk tickets outstanding per bearer token; the token's oldest goes first"
     )
     shm: bool = Field(True, description="offer the same-host shared-memory path")
-    shm_dir: str = Field("/dev/shm", description="where shared-memory segments live")
+    shm_dir: str = Field(DEFAULT_SHM_DIR, description="where shared-memory segments live")
     shm_max_segments: int = Field(64, ge=1, description="bound on live shm segments; oldest unlinked first")
     shm_max_bytes: int = Field(1 << 30, ge=1 << 20, description="bound on the bytes of live shm segments")
     schedule_tick_s: float = Field(1.0, gt=0, description="how often scheduled prefetches are checked")

@@ -24,13 +24,18 @@ import re
 import socket
 import threading
 from collections import OrderedDict
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import h11
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kdn.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from kdn.edge.config import EdgeConfig
 
 log = logging.getLogger(__name__)
 
@@ -107,17 +112,20 @@ class EdgeMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
-              max_connections: int = 64, timeout_s: float = 5.0) -> int:
-        """Serve ``/metrics`` over HTTP; returns the bound port.
+    def serve(self, config: "EdgeConfig") -> int:
+        """Serve ``/metrics`` over HTTP as ``config`` says; returns the bound port.
 
+        It listens on ``metrics_host``:``metrics_port`` (0 = ephemeral; None = off, refused here).
         The figures are the node's, all tenants together (see ``EdgeNode.stats``), so the endpoint
-        binds to loopback by default (``EdgeConfig.metrics_host``); with ``token`` every scrape
-        must send ``Authorization: Bearer <token>`` (else 401), for a scraper on another host.
-        Bounds: see :class:`MetricsHttp`."""
-        self._http = MetricsHttp(self.exposition, token=token, max_connections=max_connections, timeout_s=timeout_s,
-                                 name=f"metrics-{self.node_id}")
-        self.port = self._http.start(host, port)
+        binds to loopback by default (``EdgeConfig.metrics_host``); with ``metrics_token`` every
+        scrape must send ``Authorization: Bearer <token>`` (else 401), for a scraper on another
+        host. Bounds (``metrics_max_connections``, ``metrics_timeout_s``): see :class:`MetricsHttp`."""
+        c = config
+        if c.metrics_port is None:
+            raise InvalidInput("metrics_port is None: /metrics is off")
+        self._http = MetricsHttp(self.exposition, token=c.metrics_token, max_connections=c.metrics_max_connections,
+                                 timeout_s=c.metrics_timeout_s, name=f"metrics-{self.node_id}")
+        self.port = self._http.start(c.metrics_host, c.metrics_port)
         return self.port
 
     def close(self) -> None:

@@ -46,11 +46,14 @@ class Overlay:
         self_member: Member,
         members: Iterable[Member] | MembershipProvider = (),
         *,
-        replicas: int = 2,
-        backoff_s: float = 2.0,
+        replicas: int,
+        backoff_s: float,
         max_backoff_s: float = 60.0,
         clock: Clock | None = None,
     ) -> None:
+        """``replicas``: owners per key (``EdgeConfig.replicas``); a peer marked down is offered
+        again after ``backoff_s`` (``EdgeConfig.peer_backoff_s``), doubling on each further
+        failure up to ``max_backoff_s``."""
         self.self_member = self_member
         self._provider: MembershipProvider | None = members if callable(members) else None
         self._static: tuple[Member, ...] = () if callable(members) else tuple(members)

@@ -226,10 +226,7 @@ class EdgeServer:
             edge.front.bulk = self.bulk
         await self._server.start()
         if c.metrics_port is not None:
-            self.metrics_port = edge.front.metrics_port = edge.node.metrics.serve(
-                c.metrics_host, c.metrics_port, token=c.metrics_token, max_connections=c.metrics_max_connections,
-                timeout_s=c.metrics_timeout_s,
-            )
+            self.metrics_port = edge.front.metrics_port = edge.node.metrics.serve(c)
             if c.metrics_token is None and c.metrics_host not in ("127.0.0.1", "localhost", "::1"):
                 log.warning("%s: /metrics on %s answers anyone who can reach it (set metrics_token)",
                             c.node_id, c.metrics_host)

@@ -62,9 +62,9 @@ class _Segment:
 class ShmPool:
     """The edge's bounded set of shared-memory segments, one per (tenant, key)."""
 
-    def __init__(
-        self, node_id: str, *, directory: str = DEFAULT_SHM_DIR, max_segments: int = 64, max_bytes: int = 1 << 30
-    ) -> None:
+    def __init__(self, node_id: str, *, directory: str, max_segments: int, max_bytes: int) -> None:
+        """Segments under ``directory``, at most ``max_segments`` of them and ``max_bytes`` together
+        (``EdgeConfig.shm_dir``, ``shm_max_segments``, ``shm_max_bytes``)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._node = _SAFE.sub("_", node_id)[:64] or "edge"

@@ -102,7 +102,6 @@ class InMemoryOverlay:
         n: int,
         *,
         origin: InMemoryUpstream | None = None,
-        replicas: int = 2,
         memory_bytes: int = 1 << 24,
         clock: Clock | None = None,
         **config: object,
@@ -117,8 +116,9 @@ class InMemoryOverlay:
         self.down: set[str] = set()
         members = [Member(i, f"mem://{i}") for i in self.ids]
         for nid in self.ids:
-            cfg = EdgeConfig.build({"node_id": nid, "replicas": replicas, "memory_bytes": memory_bytes, **config})
-            overlay = Overlay(members[self.ids.index(nid)], members, replicas=replicas, clock=self.clock)
+            cfg = EdgeConfig.build({"node_id": nid, "memory_bytes": memory_bytes, **config})
+            overlay = Overlay(members[self.ids.index(nid)], members, replicas=cfg.replicas,
+                              backoff_s=cfg.peer_backoff_s, clock=self.clock)
             node = EdgeNode(
                 cfg,
                 store=build_store(cfg.model_copy(update={"disk_dir": None}), clock=self.clock),  # memory only
@@ -226,7 +226,7 @@ class InProcessEdge:
     peers, no shared memory, no metrics port, no bulk byte path. ``node``: serve that node (one
     of an :class:`InMemoryOverlay`, with its peers) instead of a new node without peers::
 
-        edge = InProcessEdge(origin=OriginUpstream("inproc", channel=origin_server.channel()))
+        edge = InProcessEdge(origin=origin_upstream(EdgeConfig(), address="inproc", channel=origin_server.channel()))
         await edge.start()
         transport = GrpcEdgeTransport("inproc:e0", channel=edge.channel())
     """

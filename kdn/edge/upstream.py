@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable, Generic, Hashable, Mapping, Protoco
 from kdn.errors import InvalidInput, NotFound, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.wire.calls import collect_fetch, fetch_method
-from kdn.wire.channel import MAX_MESSAGE, aio_channel, auth_metadata
+from kdn.wire.channel import aio_channel, auth_metadata
 from kdn.wire.convert import FetchSpec, chain_keys, document_request, lookup_request
 from kdn.wire import health
 from kdn.wire.errors import rpc_errors
@@ -45,7 +45,7 @@ from kdn.wire.tls import TlsFiles
 
 __all__ = [
     "FORWARDED_HEADER", "FetchSpec", "GrpcUpstream", "InMemoryUpstream", "NodeUpstream", "OriginUpstream",
-    "PeerUpstream", "SingleFlight", "Upstream",
+    "PeerUpstream", "SingleFlight", "Upstream", "origin_upstream", "peer_upstream",
 ]
 
 K = TypeVar("K", bound=Hashable)
@@ -151,15 +151,17 @@ class GrpcUpstream(Upstream):
         kind: str = "peer",
         tls: TlsFiles | None = None,
         token: str | None = None,
-        fetch_deadline_s: float = 30.0,
-        call_deadline_s: float = 5.0,
-        max_message: int = MAX_MESSAGE,
-        max_artifact: int = 512 << 20,
+        fetch_deadline_s: float,
+        call_deadline_s: float,
+        max_message: int,
+        max_artifact: int,
         channel: Any = None,
         credential: Callable[[str], str] | None = None,
     ) -> None:
-        """``channel`` replaces the socket to ``address`` (an in-process channel in unit tests).
-        ``credential``: ``tenant -> token`` minted per call (edge tokens); it wins over ``token``."""
+        """The deadlines and size bounds come from the edge's config (:func:`peer_upstream`,
+        :func:`origin_upstream`). ``channel`` replaces the socket to ``address`` (an in-process
+        channel in unit tests). ``credential``: ``tenant -> token`` minted per call (edge tokens);
+        it wins over ``token``."""
         if kind not in ("peer", "origin"):
             raise InvalidInput(f"upstream kind must be peer or origin, got {kind!r}")
         self.name, self.address, self.kind = name, address, kind
@@ -250,6 +252,17 @@ class OriginUpstream(GrpcUpstream):
 
     def __init__(self, address: str, **kw: object) -> None:
         super().__init__("origin", address, kind="origin", **kw)  # type: ignore[arg-type]
+
+
+def origin_upstream(config: Any, *, address: str | None = None, channel: Any = None) -> OriginUpstream:
+    """gRPC to the origin as ``config`` (an ``EdgeConfig``) says: at ``address`` (default: its
+    ``origin``), or over ``channel`` (an in-process one in tests) instead of a socket."""
+    c = config
+    return OriginUpstream(
+        address or c.origin, tls=c.upstream_tls, token=c.upstream_token,
+        fetch_deadline_s=c.fetch_deadline_s, call_deadline_s=c.admin_deadline_s,
+        max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes, channel=channel,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,12 +32,12 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
 import numpy as np
 
 from kdn.errors import InvalidInput
-from kdn.keys import ChunkKey, Namespace
+from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -48,6 +48,26 @@ LOG = logging.getLogger("kdn.vllm")
 BLEND_SALT_PREFIX = "kdn-blend"
 
 
+@dataclass(frozen=True, slots=True)
+class BlendHost:
+    """What the connector lends its blend requests, handed over when it builds them.
+
+    ``config``: its ``KdnConnectorConfig``; ``fingerprint`` and ``block_size``: the engine's;
+    ``states``: its request states by request id (the same dict: a variant's state is put there);
+    ``count(name, n)``: bumps one of its counters; ``submit(coro)``: runs ``coro`` on its loop
+    thread, a ``concurrent.futures.Future``; ``new_state``: builds a request state (its
+    ``ReqState``); ``namespace_of``: its ``request_namespace``."""
+
+    config: Any
+    fingerprint: ModelFingerprint
+    block_size: int
+    states: dict[str, Any]
+    count: Callable[..., None]
+    submit: Callable[[Coroutine[Any, Any, Any]], concurrent.futures.Future]
+    new_state: Callable[..., Any]
+    namespace_of: Callable[..., Namespace | None]
+
+
 @dataclass(slots=True)
 class _Pending:
     future: concurrent.futures.Future
@@ -56,16 +76,11 @@ class _Pending:
 
 
 class BlendRequests:
-    """The scheduler-side state of blend requests and the worker side's origin clients.
+    """The scheduler-side state of blend requests and the worker side's origin clients, over what
+    the connector lends them (:class:`BlendHost`)."""
 
-    ``conn``: the connector (its config, loop thread, counters and request states); ``new_state``
-    builds a request state (the connector's ``ReqState``); ``namespace_of`` is the connector's
-    ``request_namespace``."""
-
-    def __init__(self, conn: Any, new_state: Callable[..., Any], namespace_of: Callable[..., Namespace | None]) -> None:
-        self.conn = conn
-        self._new_state = new_state
-        self._namespace_of = namespace_of
+    def __init__(self, host: BlendHost) -> None:
+        self.host = host
         self._pending: dict[str, _Pending] = {}
         self._settled: set[str] = set()  # asked and answered (a variant or a refusal)
         self._clients: dict[str, "StoreBlend"] = {}
@@ -74,7 +89,7 @@ class BlendRequests:
 
     def wants(self, request: "Request") -> bool:
         params = request.kv_transfer_params or {}
-        return params.get("kdn") is not False and bool(params.get("kdn_blend", self.conn.config.blend))
+        return params.get("kdn") is not False and bool(params.get("kdn_blend", self.host.config.blend))
 
     @staticmethod
     def blend_salted(request: "Request") -> bool:
@@ -90,7 +105,7 @@ class BlendRequests:
         """True while the store computes the request's variant (vLLM asks again later). When the
         variant arrives the request's state is made here; on any failure the plain path runs."""
         rid = request.request_id
-        if rid in self.conn._reqs or rid in self._settled or not self.wants(request):
+        if rid in self.host.states or rid in self._settled or not self.wants(request):
             return False
         p = self._pending.get(rid)
         if p is None:
@@ -100,20 +115,20 @@ class BlendRequests:
                 return False
             self._pending[rid] = p
         try:
-            answer = p.future.result(self.conn.config.blend_poll_s)
+            answer = p.future.result(self.host.config.blend_poll_s)
         except concurrent.futures.TimeoutError:
-            if time.monotonic() - p.started < self.conn.config.blend_timeout_s:
+            if time.monotonic() - p.started < self.host.config.blend_timeout_s:
                 return True
             p.future.cancel()
             return self._give_up(rid, "blend_timeouts", f"the store did not answer within "
-                                 f"{self.conn.config.blend_timeout_s:g}s")
+                                 f"{self.host.config.blend_timeout_s:g}s")
         except Exception as exc:  # KdnError from the call, or the loop went away: plain path
             return self._give_up(rid, "blend_errors", f"{type(exc).__name__}: {exc}")
         del self._pending[rid]
         self._settled.add(rid)
         if answer.refused:
-            self.conn._count("blend_refused")
-            self.conn._count(f"blend_refused_{answer.refused}")
+            self.host.count("blend_refused")
+            self.host.count(f"blend_refused_{answer.refused}")
             LOG.warning("KDN: blend refused for request %s (%s: %s); serving exact KV", rid, answer.refused,
                         answer.reason)
             return False
@@ -123,53 +138,53 @@ class BlendRequests:
     def _give_up(self, rid: str, counter: str, why: str) -> bool:
         self._pending.pop(rid, None)
         self._settled.add(rid)
-        self.conn._count(counter)
+        self.host.count(counter)
         LOG.warning("KDN: blend for request %s failed (%s); serving exact KV", rid, why)
         return False
 
     def _start(self, request: "Request") -> _Pending | None:
-        conn = self.conn
+        host = self.host
         rid = request.request_id
-        if not conn.config.blend_origin:
-            conn._count("blend_no_origin")
+        if not host.config.blend_origin:
+            host.count("blend_no_origin")
             LOG.warning("KDN: request %s asks for a blend but the connector has no blend_origin; serving exact KV", rid)
             return None
         if not self.blend_salted(request):
-            conn._count("blend_no_salt")
+            host.count("blend_no_salt")
             LOG.warning("KDN: request %s asks for a blend without a cache_salt beginning with %r (vLLM's prefix cache "
                         "would hand its blended blocks to plain requests); serving exact KV", rid, BLEND_SALT_PREFIX)
             return None
         params = request.kv_transfer_params or {}
         try:  # the namespace of the documents: kv_transfer_params or the default, never the blend salt
-            ns = self._namespace_of(None, params, conn.config.namespace)
+            ns = host.namespace_of(None, params, host.config.namespace)
             docs = [(int(s), int(e)) for s, e in params.get("kdn_documents") or ()]
         except (InvalidInput, TypeError, ValueError) as exc:
-            conn._count("blend_errors")
+            host.count("blend_errors")
             LOG.warning("KDN: request %s has malformed blend parameters (%s); serving exact KV", rid, exc)
             return None
         if ns is None:
             return None
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
-        conn._count("blend_requests")
+        host.count("blend_requests")
 
         async def ask() -> Any:
-            return await self._client(ns.tenant).blend(conn.fingerprint, ns, tokens.tolist(), docs)
+            return await self._client(ns.tenant).blend(host.fingerprint, ns, tokens.tolist(), docs)
 
-        return _Pending(conn._loop.submit(ask()), ns, time.monotonic())
+        return _Pending(host.submit(ask()), ns, time.monotonic())
 
     def _adopt(self, request: "Request", ns: Namespace, answer: Any) -> None:
-        conn = self.conn
-        C, bs = conn.config.chunk_size, conn.block_size
+        host = self.host
+        C, bs = host.config.chunk_size, host.block_size
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
         keys = list(answer.keys)
-        st = self._new_state(ns, keys, len(tokens), len(keys), saved=len(keys), first_saved=len(keys), tokens=tokens,
+        st = host.new_state(ns, keys, len(tokens), len(keys), saved=len(keys), first_saved=len(keys), tokens=tokens,
                              pieces_saved=True, blend=True)
         st.end = min(len(keys) * C, (max(0, len(tokens) - 1) // C) * C) // bs * bs
-        conn._reqs[request.request_id] = st
-        conn._count("blend_variants")
-        conn._count("blend_variant_tokens", st.end)
+        host.states[request.request_id] = st
+        host.count("blend_variants")
+        host.count("blend_variant_tokens", st.end)
         LOG.info("KDN: request %s: blend variant %s… from %s: %d documents (%d tokens, %d recomputed at ratio %g)%s",
-                 request.request_id, answer.variant[:16], conn.config.blend_origin, answer.documents,
+                 request.request_id, answer.variant[:16], host.config.blend_origin, answer.documents,
                  answer.document_tokens, answer.recomputed, answer.ratio, " (held from before)" if answer.cached else "")
 
     def finished(self, request_id: str) -> None:
@@ -186,7 +201,7 @@ class BlendRequests:
 
         c = self._clients.get(tenant)
         if c is None:
-            cfg = self.conn.config
+            cfg = self.host.config
             c = self._clients[tenant] = StoreBlend(cfg.blend_origin or "", token=cfg.tokens.get(tenant, cfg.token),
                                                    tls=cfg.tls(), blend_timeout_s=cfg.blend_timeout_s,
                                                    fetch_timeout_s=cfg.fetch_timeout_s)
@@ -194,8 +209,8 @@ class BlendRequests:
 
     def fetch_stream(self, tenant: str, salt: str, key: ChunkKey) -> Any:
         """``(piece, via)`` of one chunk of a variant, from the origin (worker side, loop thread)."""
-        return self._client(tenant).fetch(self.conn.fingerprint, Namespace(tenant, salt), key,
-                                          self.conn.config.fetch_timeout_s)
+        return self._client(tenant).fetch(self.host.fingerprint, Namespace(tenant, salt), key,
+                                          self.host.config.fetch_timeout_s)
 
     async def close(self) -> None:
         for c in self._clients.values():

@@ -26,7 +26,7 @@ def test_metrics_require_the_token_when_one_is_set() -> None:
     assert EdgeConfig().metrics_host == "127.0.0.1"  # loopback unless the operator says otherwise
     m = EdgeMetrics("m0")
     m.misses.inc()
-    port = m.serve("127.0.0.1", 0, token="scrape-secret")
+    port = m.serve(EdgeConfig(metrics_port=0, metrics_token="scrape-secret"))
     try:
         for token in (None, "wrong", "scrape-secre"):
             assert _get(port, token)[0] == 401
@@ -35,7 +35,7 @@ def test_metrics_require_the_token_when_one_is_set() -> None:
     finally:
         m.close()
     open_metrics = EdgeMetrics("m1")
-    port = open_metrics.serve("127.0.0.1", 0)
+    port = open_metrics.serve(EdgeConfig(metrics_port=0))
     try:
         assert _get(port)[0] == 200  # no token configured: loopback scrapes as before
     finally:
@@ -57,7 +57,8 @@ def test_idle_connections_take_no_thread_and_go_and_scrapes_keep_working() -> No
     import time
 
     m = EdgeMetrics("m2")
-    port = m.serve("127.0.0.1", 0, token="scrape-secret", max_connections=32, timeout_s=1.0)
+    port = m.serve(EdgeConfig(metrics_port=0, metrics_token="scrape-secret", metrics_max_connections=32,
+                                metrics_timeout_s=1.0))
     idle: list[socket.socket] = []
     try:
         threads0 = threading.active_count()

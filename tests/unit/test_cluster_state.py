@@ -80,9 +80,11 @@ def test_suggested_commands_name_a_non_default_state_dir(tmp_path, monkeypatch):
 
 POOL = """
 import sys, time
+from kdn.edge.config import EdgeConfig
 from kdn.edge.shm import ShmPool
 from kdn.keys import ChunkKey
-pool = ShmPool("edge-0", directory=sys.argv[1])
+c = EdgeConfig()
+pool = ShmPool("edge-0", directory=sys.argv[1], max_segments=c.shm_max_segments, max_bytes=c.shm_max_bytes)
 for i in range(3):
     pool.publish("acme", ChunkKey(bytes([i]) * 32), b"x" * 4096)
 print("ready", flush=True)

@@ -196,7 +196,7 @@ async def _over_bulk(front: Any, body: bytes) -> bytes:
     """One Fetch over a bulk connection (a socket pair: no network), served by the edge's own
     :class:`BulkConnection` on its thread, read with the client's own answer parsing."""
     loop = asyncio.get_running_loop()
-    listener = BulkListener(front, "127.0.0.1")  # never started: only its connection serves
+    listener = BulkListener(front, "127.0.0.1", 0)  # never started: only its connection serves
     listener._loop = loop
     ours, theirs = socket.socketpair()
     theirs.settimeout(5.0)

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from kdn.edge.clock import FakeClock
+from kdn.edge.config import EdgeConfig
 from kdn.edge.overlay import Member, Overlay
 from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.edge.upstream import FetchSpec, NodeUpstream
@@ -16,7 +17,9 @@ MEMBERS = [Member(f"n{i}", f"mem://n{i}") for i in range(5)]
 
 
 def _overlay(clock: FakeClock, members=MEMBERS, **kw) -> Overlay:  # type: ignore[no-untyped-def]
-    return Overlay(members[0], members, clock=clock, **kw)
+    """n0's overlay over ``members`` (a list or a provider), with the config's settings except those given."""
+    c = EdgeConfig()
+    return Overlay(MEMBERS[0], members, clock=clock, **{"replicas": c.replicas, "backoff_s": c.peer_backoff_s, **kw})
 
 
 def test_owners_distinct_and_stable() -> None:
@@ -57,7 +60,7 @@ def test_down_member_keys_move_to_next_owner_and_come_back() -> None:
 
 def test_never_marks_itself_down_and_provider_refresh() -> None:
     members = list(MEMBERS[:2])
-    ov = Overlay(members[0], lambda: list(members), clock=FakeClock())
+    ov = _overlay(FakeClock(), lambda: list(members))
     ov.mark_down("n0")
     assert ov.is_up("n0")
     assert set(ov.members) == {"n0", "n1"}

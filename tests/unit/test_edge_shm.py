@@ -10,10 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from kdn.edge.config import EdgeConfig
 from kdn.edge.shm import ShmPool, open_segment
 from kdn.edge.testing import make_chain
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, KdnError, Unavailable
 from tests.reframe import frame, split
+
+
+def _pool(tmp_path: Path, node_id: str, **bounds: int) -> ShmPool:
+    """A pool under ``tmp_path`` with the config's bounds, except those given."""
+    c = EdgeConfig()
+    return ShmPool(node_id, directory=str(tmp_path),
+                   **{"max_segments": c.shm_max_segments, "max_bytes": c.shm_max_bytes, **bounds})
 
 
 def _file(tmp_path: Path, ref: str) -> Path:
@@ -31,7 +39,7 @@ def _forgery(blob: bytes) -> bytes:
 
 def test_publish_open_verify_and_reuse(tmp_path: Path) -> None:
     chain = make_chain(2)
-    pool = ShmPool("e0", directory=str(tmp_path), max_segments=4)
+    pool = _pool(tmp_path, "e0", max_segments=4)
     name = pool.publish("default", chain.keys[0], chain.blobs[0])
     assert pool.publish("default", chain.keys[0], chain.blobs[0]) == name  # reused, not rewritten
     assert pool.created == 1 and pool.reused == 1
@@ -46,7 +54,7 @@ def test_publish_open_verify_and_reuse(tmp_path: Path) -> None:
 
 def test_reader_detects_corruption_and_wrong_model(tmp_path: Path) -> None:
     chain = make_chain(1)
-    pool = ShmPool("e0", directory=str(tmp_path))
+    pool = _pool(tmp_path, "e0")
     name = pool.publish("default", chain.keys[0], chain.blobs[0])
     with pytest.raises(FingerprintMismatch):
         open_segment(name, directory=str(tmp_path), expect_fingerprint=bytes(32))  # type: ignore[arg-type]
@@ -64,7 +72,7 @@ def test_reader_detects_corruption_and_wrong_model(tmp_path: Path) -> None:
 
 def test_bounded_count_and_gone_segment(tmp_path: Path) -> None:
     chain = make_chain(5)
-    pool = ShmPool("e0", directory=str(tmp_path), max_segments=2)
+    pool = _pool(tmp_path, "e0", max_segments=2)
     names = [pool.publish("default", k, b) for k, b in zip(chain.keys, chain.blobs)]
     assert len(pool) == 2 and len(list(tmp_path.iterdir())) == 2
     with pytest.raises(Unavailable):
@@ -85,7 +93,7 @@ def test_names_cannot_escape_and_dead_writers_are_swept(tmp_path: Path) -> None:
     stale.write_bytes(b"x")
     live = tmp_path / f"kdn-e0-{os.getpid()}-0123456789abcdef"
     live.write_bytes(b"y")
-    pool = ShmPool("e1", directory=str(tmp_path))
+    pool = _pool(tmp_path, "e1")
     assert pool.swept == 1 and not stale.exists() and live.exists()
 
 
@@ -93,7 +101,7 @@ def test_segment_cache_maps_once_and_still_verifies(tmp_path: Path) -> None:
     from kdn.edge.shm import SegmentCache
 
     chain = make_chain(3)
-    pool = ShmPool("e0", directory=str(tmp_path))
+    pool = _pool(tmp_path, "e0")
     cache = SegmentCache(str(tmp_path), max_maps=2)
     names = [pool.publish("default", k, b) for k, b in zip(chain.keys, chain.blobs)]
     for _ in range(3):
@@ -117,7 +125,7 @@ def test_segment_cache_bounds_the_bytes_it_keeps_mapped(tmp_path: Path) -> None:
 
     chain = make_chain(4, shape=(2, 2, 64, 64))
     size = len(chain.blobs[0])
-    pool = ShmPool("e0", directory=str(tmp_path))
+    pool = _pool(tmp_path, "e0")
     cache = SegmentCache(str(tmp_path), max_maps=32, max_bytes=2 * size + size // 2)
     for k, b in zip(chain.keys, chain.blobs):
         cache.open(pool.publish("default", k, b)).close()
@@ -130,7 +138,7 @@ def test_a_segment_rewritten_in_place_is_not_handed_out_again(tmp_path: Path) ->
     """A process of the edge's uid rewrites a published segment with a checksum-valid forgery of
     the same size: the edge's next answer names a fresh segment holding the real bytes."""
     chain = make_chain(1)
-    pool = ShmPool("e0", directory=str(tmp_path))
+    pool = _pool(tmp_path, "e0")
     ref = pool.publish("default", chain.keys[0], chain.blobs[0])
     path = _file(tmp_path, ref)
     forged = _forgery(chain.blobs[0])
@@ -152,7 +160,7 @@ def test_the_reader_refuses_whatever_else_lies_under_a_recycled_name(tmp_path: P
     name in the shared directory (a link to a checksum-valid artifact, such a file itself, a FIFO
     that would block an open): the reader refuses it and opens no other file."""
     chain = make_chain(1)
-    pool = ShmPool("e0", directory=str(tmp_path))
+    pool = _pool(tmp_path, "e0")
     ref = pool.publish("default", chain.keys[0], chain.blobs[0])
     pool.forget("default", chain.keys[0])  # recycled: unlinked
     path = _file(tmp_path, ref)
@@ -195,7 +203,7 @@ def test_the_sweep_leaves_other_users_files_and_links_alone(tmp_path: Path) -> N
     link.symlink_to(target)
     mine = tmp_path / f"kdn-e0-{dead_pid}-fedcba9876543210"
     mine.write_bytes(b"y")
-    pool = ShmPool("e1", directory=str(tmp_path))
+    pool = _pool(tmp_path, "e1")
     assert pool.swept == 1 and not mine.exists()
     assert theirs.exists() and link.is_symlink() and target.exists()
     pool.close()
@@ -204,7 +212,7 @@ def test_the_sweep_leaves_other_users_files_and_links_alone(tmp_path: Path) -> N
 def test_a_changed_segment_is_not_unlinked_by_the_pool(tmp_path: Path) -> None:
     """The pool removes only the file it made: one replaced under the name stays."""
     chain = make_chain(1)
-    pool = ShmPool("e0", directory=str(tmp_path), max_segments=1)
+    pool = _pool(tmp_path, "e0", max_segments=1)
     ref = pool.publish("default", chain.keys[0], chain.blobs[0])
     path = _file(tmp_path, ref)
     path.unlink()

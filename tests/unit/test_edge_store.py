@@ -21,6 +21,7 @@ from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from tests.children import reap
 
 FP = ModelFingerprint(bytes(range(32)))
+POLICY = EdgeConfig.default("policy")  # the edge's own eviction policy
 OTHER_FP = ModelFingerprint(bytes(32))
 
 
@@ -48,7 +49,7 @@ assert all(len(d) == SIZE for _, d in CHAIN)
 
 def mem_disk(tmp_path: Path, mem_items: int, disk_items: int, *, policy: str = "lru", clock=None) -> TieredStore:
     return TieredStore(
-        [MemoryTier(mem_items * SIZE), DiskTier(tmp_path / "disk", disk_items * SIZE, fsync=False)],
+        [MemoryTier(mem_items * SIZE), DiskTier(tmp_path / "disk", disk_items * SIZE, fsync=False, verify_on_open=False)],
         policy=policy,
         clock=clock or FakeClock(),
     )
@@ -88,16 +89,18 @@ def test_a_graceful_close_keeps_every_acknowledged_memory_entry_across_a_restart
 
     # a disk budget smaller than memory: what fits is kept, and nothing breaks
     small = tmp_path / "small"
-    store = TieredStore([MemoryTier(50 * SIZE), DiskTier(small, 10 * SIZE, fsync=False)], policy="lru", clock=FakeClock())
+    store = TieredStore([MemoryTier(50 * SIZE), DiskTier(small, 10 * SIZE, fsync=False, verify_on_open=False)],
+                        policy="lru", clock=FakeClock())
     put_all(store, chain[:40])
     store.close()
-    back = TieredStore([MemoryTier(50 * SIZE), DiskTier(small, 10 * SIZE, fsync=False)], policy="lru", clock=FakeClock())
+    back = TieredStore([MemoryTier(50 * SIZE), DiskTier(small, 10 * SIZE, fsync=False, verify_on_open=False)],
+                       policy="lru", clock=FakeClock())
     assert len(back.entries(tenant="acme")) == 10
     back.close()
 
 
 def test_put_get_roundtrip_and_meta() -> None:
-    store = TieredStore([MemoryTier(10 * SIZE)], clock=FakeClock())
+    store = TieredStore([MemoryTier(10 * SIZE)], policy=POLICY, clock=FakeClock())
     key, data = CHAIN[1]
     meta = store.put(data, tenant="acme", expect_fingerprint=FP)
     assert meta.key == key and meta.parent == CHAIN[0][0] and meta.size == SIZE
@@ -109,7 +112,7 @@ def test_put_get_roundtrip_and_meta() -> None:
 
 
 def test_put_refuses_corrupt_and_foreign_model_artifacts_and_stores_nothing() -> None:
-    store = TieredStore([MemoryTier(10 * SIZE)], clock=FakeClock())
+    store = TieredStore([MemoryTier(10 * SIZE)], policy=POLICY, clock=FakeClock())
     key, data = CHAIN[0]
     flipped = bytearray(data)
     flipped[len(data) // 2] ^= 0x01
@@ -128,7 +131,7 @@ def test_put_refuses_corrupt_and_foreign_model_artifacts_and_stores_nothing() ->
 
 
 def test_duplicate_put_is_idempotent() -> None:
-    store = TieredStore([MemoryTier(10 * SIZE)], clock=FakeClock())
+    store = TieredStore([MemoryTier(10 * SIZE)], policy=POLICY, clock=FakeClock())
     key, data = CHAIN[0]
     store.put(data, tenant="acme")
     store.put(memoryview(data), tenant="acme")
@@ -185,14 +188,15 @@ def test_disk_hit_is_verified_and_promoted(tmp_path: Path) -> None:
 
 def test_artifact_bigger_than_a_tier_skips_it(tmp_path: Path) -> None:
     store = TieredStore(
-        [MemoryTier(SIZE - 1), DiskTier(tmp_path / "d", 3 * SIZE, fsync=False)], policy="lru", clock=FakeClock()
+        [MemoryTier(SIZE - 1), DiskTier(tmp_path / "d", 3 * SIZE, fsync=False, verify_on_open=False)],
+        policy="lru", clock=FakeClock(),
     )
     key, data = CHAIN[0]
     store.put(data, tenant="acme")
     assert store.get(key, tenant="acme") == (data, "disk")  # and no promotion into a too-small tier
     assert tiers_of(store, [key]) == ["disk"]
     with pytest.raises(StorageFull):
-        TieredStore([MemoryTier(SIZE - 1)], clock=FakeClock()).put(data, tenant="acme")
+        TieredStore([MemoryTier(SIZE - 1)], policy=POLICY, clock=FakeClock()).put(data, tenant="acme")
 
 
 @pytest.mark.parametrize("policy", ["lru", "s3fifo", "sieve", "prefix"])
@@ -230,9 +234,9 @@ def test_unknown_policy_and_bad_tiers_are_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidInput, match="unknown eviction policy"):
         TieredStore([MemoryTier(10)], policy="nope")
     with pytest.raises(InvalidInput):
-        TieredStore([])
+        TieredStore([], policy=POLICY)
     with pytest.raises(InvalidInput):
-        TieredStore([MemoryTier(10), MemoryTier(10)])
+        TieredStore([MemoryTier(10), MemoryTier(10)], policy=POLICY)
     with pytest.raises(InvalidInput):
         MemoryTier(-1)
     store = TieredStore([MemoryTier(10 * SIZE)], policy=lambda i, n: make_policy("sieve"))
@@ -435,7 +439,8 @@ def test_restart_drops_partial_and_foreign_files_and_never_shows_a_killed_writer
 
 
 def test_disk_full_raises_storage_full_and_keeps_old_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = TieredStore([DiskTier(tmp_path / "d", 20 * SIZE, fsync=True)], policy="lru", clock=FakeClock())
+    store = TieredStore([DiskTier(tmp_path / "d", 20 * SIZE, fsync=True, verify_on_open=False)], policy="lru",
+                        clock=FakeClock())
     put_all(store, CHAIN[:3])
 
     def enospc(fd: int) -> None:
@@ -572,7 +577,7 @@ def stall(fd):
     print("in-fsync", flush=True)  # the bytes are written to the temp file; the rename has not happened
     time.sleep(60)
 
-store = TieredStore([DiskTier(sys.argv[1], 1 << 30, fsync=True)], policy="lru")
+store = TieredStore([DiskTier(sys.argv[1], 1 << 30, fsync=True, verify_on_open=False)], policy="lru")
 blobstore.os.fsync = stall
 store.put(sys.stdin.buffer.read(), tenant="acme")
 print("finished", flush=True)
@@ -585,7 +590,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_visible(tmp_path: Path) -> Non
     import sys
 
     root = tmp_path / "disk"
-    store = TieredStore([DiskTier(root, 1 << 30, fsync=False)], policy="lru", clock=FakeClock())
+    store = TieredStore([DiskTier(root, 1 << 30, fsync=False, verify_on_open=False)], policy="lru", clock=FakeClock())
     store.put(CHAIN[0][1], tenant="acme")
     store.close()
     child = subprocess.Popen(
@@ -603,7 +608,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_visible(tmp_path: Path) -> Non
         child.wait(timeout=30)
     finally:
         reap(child)
-    again = TieredStore([DiskTier(root, 1 << 30, fsync=False)], policy="lru", clock=FakeClock())
+    again = TieredStore([DiskTier(root, 1 << 30, fsync=False, verify_on_open=False)], policy="lru", clock=FakeClock())
     assert again.get(CHAIN[1][0], tenant="acme") is None
     assert again.get(CHAIN[0][0], tenant="acme") == (CHAIN[0][1], "disk")
     assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]

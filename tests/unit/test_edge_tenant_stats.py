@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kdn.edge.config import EdgeConfig
 from kdn.edge.operator_hints import HintService
 from kdn.edge.schedules import SCHEDULES_FILE
 from kdn.edge.front import EdgeFront
@@ -115,7 +116,8 @@ def test_a_tenant_named_like_a_state_file_cannot_touch_it(tmp_path: Path) -> Non
     from kdn.errors import InvalidInput
 
     def store() -> TieredStore:
-        return TieredStore([MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20, fsync=False)])
+        return TieredStore([MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20, fsync=False, verify_on_open=False)],
+                           policy=EdgeConfig.default("policy"))
 
     chain = make_chain(1, namespace=Namespace(TENANT))
     s = store()

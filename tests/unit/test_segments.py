@@ -70,6 +70,7 @@ def test_corrupt_wrong_model_wrong_length_and_chain_chunks_are_refused() -> None
 
 def test_origin_ingests_a_segment_once_and_an_edge_store_serves_and_pins_it(tiny_model, tmp_path) -> None:
     from kdn.blend import prefill_segment
+    from kdn.edge.config import EdgeConfig
     from kdn.edge.store import MemoryTier, TieredStore
     from kdn.origin.segments import ingest_segments
     from kdn.origin.store import OriginStore
@@ -85,7 +86,7 @@ def test_origin_ingests_a_segment_once_and_an_edge_store_serves_and_pins_it(tiny
     toks = document_tokens(tiny_model, text)
     seg = decode_segment(data, toks, key=first[0].key, fingerprint=tiny_model.fingerprint)
     assert torch.equal(seg.kv, prefill_segment(tiny_model.model, toks))
-    edge = TieredStore([MemoryTier(len(data) * 4)])
+    edge = TieredStore([MemoryTier(len(data) * 4)], policy=EdgeConfig.default("policy"))
     edge.put(data, tenant=NS.tenant)
     assert edge.pin([ChunkKey(first[0].key)], tenant=NS.tenant) == 1
     assert edge.get(ChunkKey(first[0].key), tenant=NS.tenant)[0] == data

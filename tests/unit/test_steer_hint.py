@@ -13,8 +13,9 @@ from kdn.client import AsyncKdnClient, ClientConfig
 from kdn.transport import GrpcEdgeTransport
 from kdn.edge.admin import AsyncEdgeClient, hint_request
 from kdn.edge.cli import main as edge_main
+from kdn.edge.config import EdgeConfig
 from kdn.edge.testing import InProcessEdge
-from kdn.edge.upstream import InMemoryUpstream, OriginUpstream
+from kdn.edge.upstream import InMemoryUpstream, origin_upstream
 from kdn.errors import InvalidInput, NotFound
 from kdn.keys import ChunkKey, Namespace
 from kdn.models import load_model
@@ -52,7 +53,8 @@ def test_emphasize_hint_has_the_origin_compute_and_the_edge_serve_the_variant(lm
     emphasis = Emphasis("re-read", regex="^POLICY").to_json()
 
     async def main() -> None:
-        upstream = OriginUpstream("inproc:origin", token=MD_TOKEN, channel=origin_rpc.channel())
+        upstream = origin_upstream(EdgeConfig(upstream_token=MD_TOKEN), address="inproc:origin",
+                                   channel=origin_rpc.channel())
         edge = await InProcessEdge(origin=upstream).start()
         async with AsyncEdgeClient("inproc:e0", token=MD_TOKEN, channel=edge.channel()) as admin:
             resp = await admin.hint(hint_request(pb.HintRequest.EMPHASIZE, fingerprint=lm.fingerprint, namespace=NS,

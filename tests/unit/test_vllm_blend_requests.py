@@ -2,8 +2,8 @@
 answers "not yet" while the store blends, adopts the variant's keys once they arrive (whole
 chunks, before the last prompt token, no write-back), and serves anything else exactly, counted.
 
-The connector is a stand-in with the attributes BlendRequests uses; the store is a fake whose
-answer the test releases. The real engine runs the same code in tests/vllm/test_vllm_blend.py.
+The connector is a stand-in that lends BlendRequests what the real one does (a BlendHost); the
+store is a fake whose answer the test releases. The real engine runs the same code in tests/vllm/test_vllm_blend.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kdn.integrations.store_blend import BlendAnswer
-from kdn.integrations.vllm_blend import BlendRequests
+from kdn.integrations.vllm_blend import BlendHost, BlendRequests
 from kdn.keys import ChunkKey, Namespace
 
 C = 64
@@ -68,17 +68,17 @@ class FakeStore:
 class Conn:
     config: Any
     loop: Loop
-    _reqs: dict = field(default_factory=dict)
+    reqs: dict = field(default_factory=dict)
     counters: dict = field(default_factory=dict)
     fingerprint: bytes = bytes(32)
     block_size: int = 32
 
-    @property
-    def _loop(self):
-        return self.loop
-
-    def _count(self, name: str, n: int = 1) -> None:
+    def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
+
+    def host(self) -> BlendHost:
+        return BlendHost(self.config, self.fingerprint, self.block_size, states=self.reqs,  # type: ignore[arg-type]
+                         count=self.count, submit=self.loop.submit, new_state=State, namespace_of=_namespace)
 
 
 def _namespace(salt, params, default):
@@ -93,7 +93,7 @@ def setup():
                           namespace=Namespace("default"), tokens={}, token=None, fetch_timeout_s=1.0,
                           chunk_size=C, tls=lambda: None)
     conn = Conn(cfg, loop)
-    blends = BlendRequests(conn, State, _namespace)
+    blends = BlendRequests(conn.host())
     yield conn, blends
     loop.close()
 
@@ -115,7 +115,7 @@ def test_the_scheduler_waits_for_the_store_then_loads_the_variants_whole_chunks(
     for _ in range(200):
         if not blends.pending(req):
             break
-    st = conn._reqs["r1"]
+    st = conn.reqs["r1"]
     assert st.blend and st.keys == list(keys) and st.end == 4 * C  # whole chunks, before the last prompt token
     assert st.saved == st.first_saved == len(keys) and st.pieces_saved  # nothing is ever written back
     assert conn.counters["blend_variants"] == 1 and not blends.pending(req)
@@ -131,7 +131,7 @@ def test_the_last_prompt_token_is_left_to_vllm(setup) -> None:
     req = _request(n=4 * C)  # the variant covers every prompt token: the last chunk is vLLM's to compute
     while blends.pending(req):
         pass
-    assert conn._reqs["r1"].end == 3 * C
+    assert conn.reqs["r1"].end == 3 * C
 
 
 @pytest.mark.parametrize("case", ["refused", "no_salt", "plain_salt", "no_origin", "error", "timeout"])
@@ -153,7 +153,7 @@ def test_anything_else_is_served_exactly_and_counted(setup, case) -> None:
     for _ in range(500):
         if not blends.pending(req):
             break
-    assert "r1" not in conn._reqs and not blends.pending(req)  # the plain path runs next
+    assert "r1" not in conn.reqs and not blends.pending(req)  # the plain path runs next
     want = {"refused": "blend_refused_no_segments", "no_salt": "blend_no_salt", "plain_salt": "blend_no_salt",
             "no_origin": "blend_no_origin", "error": "blend_errors", "timeout": "blend_timeouts"}[case]
     assert conn.counters[want] == 1

@@ -12,8 +12,9 @@ import torch
 from kdn.client import AsyncKdnClient, ClientConfig
 from kdn.transport import GrpcEdgeTransport
 from kdn.edge.admin import AsyncEdgeClient
+from kdn.edge.config import EdgeConfig
 from kdn.edge.testing import InProcessEdge
-from kdn.edge.upstream import OriginUpstream
+from kdn.edge.upstream import origin_upstream
 from kdn.errors import InvalidInput, NotFound, Unauthorized
 from kdn.keys import ChunkKey, Namespace
 from kdn.kv import split_cache
@@ -59,7 +60,8 @@ def test_host_reuses_through_a_real_edge_from_a_real_origin_without_sockets(lm, 
                                                  tokens=TOKENS), metadata=md)
         assert r.computed == 4
 
-        upstream = OriginUpstream("inproc:origin", token="tok-acme", channel=origin_rpc.channel())
+        upstream = origin_upstream(EdgeConfig(upstream_token="tok-acme"), address="inproc:origin",
+                                   channel=origin_rpc.channel())
         edge = await InProcessEdge(origin=upstream).start()
         transport = GrpcEdgeTransport("inproc:e0", channel=edge.channel())
         async with AsyncKdnClient(ClientConfig(edge="inproc:e0", tenant="acme"), transport=transport) as client:

@@ -44,9 +44,10 @@ class DiskTier(StorageTier):
         capacity_bytes: int,
         *,
         name: str = "disk",
-        fsync: bool = True,
-        verify_on_open: bool = False,
+        fsync: bool,
+        verify_on_open: bool,
     ) -> None:
+        """``fsync`` and ``verify_on_open``: ``EdgeConfig.disk_fsync`` and ``disk_verify_on_open``."""
         super().__init__(name, capacity_bytes)
         self.root = Path(root)
         self._blobs = BlobStore(self.root, fsync=fsync)

@@ -36,9 +36,10 @@ class TieredStore:
         self,
         tiers: Sequence[StorageTier],
         *,
-        policy: str | PolicyFactory = "adaptive",
+        policy: str | PolicyFactory,
         clock: Clock | None = None,
     ) -> None:
+        """``policy``: an eviction policy's name (``EdgeConfig.policy``) or a factory of one per tier."""
         if not tiers:
             raise InvalidInput("a tiered store needs at least one tier")
         names = [t.name for t in tiers]

@@ -66,7 +66,7 @@ from kdn.integrations.vllm.load import Clients, LoadContext, LoadJob, LoadSpec, 
 from kdn.integrations.vllm.paged import EngineGeometry, PagedCache
 from kdn.integrations.vllm.plan import ReqState, SaveSpec, load_of, saves_of
 from kdn.integrations.vllm.save import Saver
-from kdn.integrations.vllm_blend import BlendRequests
+from kdn.integrations.vllm_blend import BlendHost, BlendRequests
 from kdn.integrations.vllm_steer import requested_variant, variant_namespace
 from kdn.keys import DEFAULT_CHUNK_SIZE, PIECE_TOKENS, ROOT_KEY, ModelFingerprint, Namespace, chunk_keys, piece_keys
 from kdn.models import DTYPES, dir_fingerprint
@@ -223,7 +223,10 @@ class KdnConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, ReqState] = {}
         self._lookup_off_until = 0.0
-        self._blend = BlendRequests(self, ReqState, request_namespace)  # requests that opted in to the store's blend
+        self._blend = BlendRequests(BlendHost(  # requests that opted in to the store's blend
+            self.config, self.fingerprint, self.block_size, states=self._reqs, count=self._count,
+            submit=self._loop.submit, new_state=ReqState, namespace_of=request_namespace,
+        ))
         # worker side
         self.geometry = EngineGeometry(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.block_size, C)
         self._paged: PagedCache | None = None  # the engine's paged KV, once registered
