@@ -78,6 +78,16 @@ class Namespace:
         tenant, _, salt = text.partition(":")
         return cls(tenant, salt)
 
+    @classmethod
+    def from_cache_salt(cls, salt: str) -> "Namespace":
+        """An OpenAI ``cache_salt``: ``tenant[:salt]`` when it parses as one, else a tenant of its
+        own named by the salt's digest. The vLLM connector and the router both map salts here, so a
+        request lands in the same namespace on either side."""
+        try:
+            return cls.parse(salt)
+        except InvalidInput:
+            return cls("salt-" + hashlib.blake2b(salt.encode(), digest_size=16).hexdigest())
+
     def __str__(self) -> str:
         return self.tenant
 

@@ -16,7 +16,6 @@ the router's default; ``kv_transfer_params: {"kdn": false}`` opts out of KDN.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -52,10 +51,7 @@ def request_namespace(body: dict[str, Any], default: Namespace) -> Namespace | N
     if salt is not None and not isinstance(salt, str):
         raise InvalidInput("cache_salt must be a string")
     if salt:
-        try:
-            return Namespace.parse(salt)
-        except InvalidInput:
-            return Namespace("salt-" + hashlib.blake2b(salt.encode(), digest_size=16).hexdigest())
+        return Namespace.from_cache_salt(salt)
     return default
 
 

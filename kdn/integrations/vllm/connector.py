@@ -49,7 +49,6 @@ The engine's paged KV (slot mapping, block gather and scatter, the backends' lay
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -136,10 +135,7 @@ def request_namespace(cache_salt: str | None, params: dict[str, Any] | None, def
     if params.get("kdn_tenant"):
         return Namespace(str(params["kdn_tenant"]), str(params.get("kdn_salt", "")))
     if cache_salt:
-        try:
-            return Namespace.parse(cache_salt)
-        except InvalidInput:
-            return Namespace("salt-" + hashlib.blake2b(cache_salt.encode(), digest_size=16).hexdigest())
+        return Namespace.from_cache_salt(cache_salt)
     return default
 
 
