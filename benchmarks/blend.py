@@ -173,7 +173,7 @@ def part_quality(argv: list[str], load_start: float, budget_s: float | None) -> 
 def part_ttft(argv: list[str], load_start: float, rounds: int, doc_tokens: int = 512) -> dict[str, Any]:
     from kdn.blend import Deviation
     from kdn.client import ClientConfig, KdnClient
-    from kdn.transport import MemoryEdgeTransport
+    from kdn.testing import MemoryEdgeTransport
     from kdn.integrations.blend import BlendOptions
     from kdn.integrations.transformers import generate, prepare
     from kdn.lab.blend_tasks import chat_parts
@@ -224,7 +224,7 @@ def part_ttft(argv: list[str], load_start: float, rounds: int, doc_tokens: int =
 def part_decay(argv: list[str], load_start: float, queries: int = 200) -> dict[str, Any]:
     from kdn.blend import Deviation
     from kdn.client import ClientConfig, KdnClient
-    from kdn.transport import MemoryEdgeTransport
+    from kdn.testing import MemoryEdgeTransport
     from kdn.integrations.blend import BlendOptions
     from kdn.integrations.transformers import generate, prepare
     from kdn.lab.blend_tasks import chat_parts

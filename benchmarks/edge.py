@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from kdn.edge.admin import AsyncEdgeClient  # noqa: E402
-from kdn.edge.testing import Chain, make_chain  # noqa: E402
+from kdn.testing import Chain, make_chain  # noqa: E402
 from kdn.wire.channel import free_port  # noqa: E402
 
 PEERS = REPO / ".peers"

@@ -236,7 +236,7 @@ def main() -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, n + 4096), hard))
     rec = None if args.no_write else Record(__file__, "floods", "One tenant floods an edge; another keeps fetching")
 
-    from kdn.edge.testing import make_chain
+    from kdn.testing import make_chain
     from kdn.keys import Namespace
     from kdn.origin.config import OriginConfig
     from kdn.origin.server import OriginServer

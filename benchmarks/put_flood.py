@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 from _results import Record  # noqa: E402
 
-from kdn.edge.testing import make_chain  # noqa: E402
+from kdn.testing import make_chain  # noqa: E402
 from kdn.proto import kdn_pb2 as pb  # noqa: E402
 from kdn.proto import kdn_pb2_grpc as pbg  # noqa: E402
 from kdn.wire.channel import grpc_options  # noqa: E402

@@ -17,7 +17,7 @@ edge does (every candidate, and a relay-only attempt beside it after ``rtc_relay
 1.5 s), so its setup time is what an edge meets; a connection that does not come up is reported
 as such.
 
-The artifact is a KV container (random fp16 KV, ``kdn.edge.testing.make_chain``, raw codec). In
+The artifact is a KV container (random fp16 KV, ``kdn.testing.make_chain``, raw codec). In
 every lab site A fetches it twice over: as stored (the wire's own rate) and with the edges' link
 codec (``--link-codec``, default ``zstd:1``, the edge default ``rtc_link_codec``): site B
 transcodes each fetch on a worker thread as an edge does, site A verifies and restores the raw
@@ -93,7 +93,7 @@ def _ice(relay: bool) -> list:
 
 
 def _container() -> bytes:
-    from kdn.edge.testing import make_chain
+    from kdn.testing import make_chain
 
     return make_chain(1, shape=SHAPE, seed=18).blobs[0]
 

@@ -31,6 +31,10 @@ Floors (each may import only its own floor and the floors below it):
 4. **ops** — ``kdn.ops``: the ``kdn`` command, ``kdn up``/``down``, the Ray roles and registry,
    the demo. Only ops imports every part; nothing imports ops.
 
+Beside them, ``kdn.testing`` holds the test doubles (an edge in a dict, in-process edges and
+overlays, a dict origin, a fake clock): it may use the client and the edge, and nothing but tests
+imports it.
+
 Order within a floor, lowest first (a module imports only those before it; a package is one place):
 
 - contracts: errors, console, procs, proto, config, blobstore, keys, kv, prompts, codecs, placement, pretrained, models, prefill, artifact

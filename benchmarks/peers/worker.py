@@ -27,7 +27,7 @@ With ``--fork N`` the process imports the client's stack once, forks N clients a
 ``{"ok": true, "results": [...]}`` (the scaling run: K client processes, one shared start time).
 
 ``DATA_DIR`` holds ``manifest.json`` and the objects (``big_000.bin`` ...): KDN artifact containers,
-built by ``kdn.edge.testing.make_chain``. KDN, Redis and raw TCP store the containers as they are;
+built by ``kdn.testing.make_chain``. KDN, Redis and raw TCP store the containers as they are;
 LMCache stores a KV tensor of the shape in the manifest (exactly the KV payload's bytes: LMCache
 keeps no checksums or header). Every KDN GET verifies every checksum, as an inference host does:
 the bytes go through ``kdn.artifact.ArtifactReader(expect_fingerprint=, expect_key=, out=)`` by

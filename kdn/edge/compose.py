@@ -1,7 +1,7 @@
 """How an edge is put together from its :class:`~kdn.edge.config.EdgeConfig`: :func:`compose_edge`.
 
 Both the served edge (:class:`kdn.edge.server.EdgeServer`, once its port is bound) and the
-in-process one of the tests (:class:`kdn.edge.testing.InProcessEdge`) are built here, so the
+in-process one of the tests (:class:`kdn.testing.InProcessEdge`) are built here, so the
 parts they serve (node, overlay, upstreams, operator hints, shared memory, the front) are the
 same parts wired the same way. The caller brings what depends on where the edge runs: the store
 (built from the config, or one of its own), its address, its token table, and any overrides.

@@ -17,10 +17,8 @@ request to them is authenticated with the cluster key; what they return is verif
 upstream's bytes (:meth:`kdn.edge.node.EdgeNode._admit`). A tenant can put KV only under its own
 namespace, which no other tenant's keys reach, so a peer's store holds for a tenant only what
 that tenant or the origin put there.
-- :class:`InMemoryUpstream` — a dict of artifacts with a fetch counter, latency and an on/off
-  switch: the fake origin of unit tests (httpx ``MockTransport`` style);
-- :class:`NodeUpstream` — another in-process :class:`kdn.edge.node.EdgeNode` called directly: the
-  in-memory peer transport, so overlay, coalescing and prefetch logic run without sockets.
+The in-memory doubles of unit tests (a dict origin, an in-process peer) are in
+:mod:`kdn.testing.upstream`.
 
 :class:`SingleFlight` coalesces concurrent requests: any number of concurrent ``do(key, fn)`` for
 one key run ``fn`` once and all get its result (or its exception).
@@ -30,10 +28,10 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from typing import Any, Awaitable, Callable, Generic, Hashable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Hashable, Sequence, TypeVar
 
 
-from kdn.errors import InvalidInput, NotFound, Unavailable
+from kdn.errors import InvalidInput, NotFound
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.wire.calls import collect_fetch, fetch_method
 from kdn.wire.channel import aio_channel, auth_metadata
@@ -44,7 +42,7 @@ from kdn.wire.service import service_stub
 from kdn.wire.tls import TlsFiles
 
 __all__ = [
-    "FORWARDED_HEADER", "FetchSpec", "GrpcUpstream", "InMemoryUpstream", "NodeUpstream", "OriginUpstream",
+    "FORWARDED_HEADER", "FetchSpec", "GrpcUpstream", "OriginUpstream",
     "PeerUpstream", "SingleFlight", "Upstream", "origin_upstream", "peer_upstream",
 ]
 
@@ -263,123 +261,3 @@ def origin_upstream(config: Any, *, address: str | None = None, channel: Any = N
         fetch_deadline_s=c.fetch_deadline_s, call_deadline_s=c.admin_deadline_s,
         max_message=c.max_message_bytes, max_artifact=c.max_artifact_bytes, channel=channel,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# In-memory transports for unit tests (no sockets)
-
-
-class InMemoryUpstream(Upstream):
-    """Artifacts in a dict: a fake origin. ``fetches`` counts calls; ``up=False`` makes it Unavailable."""
-
-    def __init__(
-        self,
-        artifacts: Mapping[bytes, bytes] | None = None,
-        *,
-        name: str = "origin",
-        kind: str = "origin",
-        delay_s: float = 0.0,
-        documents: Mapping[str, Sequence[ChunkKey]] | None = None,
-        tenants: Mapping[bytes, str] | None = None,
-    ) -> None:
-        self.name, self.kind = name, kind
-        self.artifacts: dict[bytes, bytes] = dict(artifacts or {})
-        self.tenants: dict[bytes, str] = dict(tenants or {})  # key -> owning tenant (absent = any)
-        self.documents: dict[str, list[ChunkKey]] = {d: list(ks) for d, ks in (documents or {}).items()}
-        self.delay_s = delay_s
-        self.up = True
-        self.fetches = 0
-        self.fetched: list[ChunkKey] = []
-
-    def _check_up(self) -> None:
-        if not self.up:
-            raise Unavailable(f"{self.kind} {self.name} is down")
-
-    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
-        self._check_up()
-        self.fetches += 1
-        self.fetched.append(spec.key)
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
-        self._check_up()
-        data = self.artifacts.get(bytes(spec.key))
-        owner = self.tenants.get(bytes(spec.key), spec.namespace.tenant)
-        if data is None or owner != spec.namespace.tenant:
-            raise NotFound(f"{self.name} has no artifact {bytes(spec.key).hex()[:16]}")
-        return data
-
-    async def lookup(
-        self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
-    ) -> int:
-        self._check_up()
-        n = 0
-        for k in keys:
-            if bytes(k) not in self.artifacts:
-                break
-            n += 1
-        return n
-
-    async def document(
-        self, document: str, *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
-    ) -> list[ChunkKey]:
-        self._check_up()
-        if document not in self.documents:
-            raise NotFound(f"no document {document!r}")
-        return list(self.documents[document])
-
-    async def emphasize(
-        self, document: str, emphasis: str, *, fingerprint: ModelFingerprint, namespace: Namespace,
-        token: str | None = None,
-    ) -> tuple[list[ChunkKey], str]:
-        """The fake: ``documents[document + "#steer"]``, variant id = the emphasis' digest; every call
-        is recorded in ``emphasized``."""
-        import hashlib
-
-        self._check_up()
-        self.emphasized = getattr(self, "emphasized", []) + [(document, emphasis)]
-        keys = self.documents.get(document + "#steer")
-        if keys is None:
-            raise NotFound(f"no document {document!r}")
-        return list(keys), hashlib.blake2b(emphasis.encode(), digest_size=32).hexdigest()
-
-    async def healthy(self) -> bool:
-        return self.up
-
-
-class _PeerNode(Protocol):
-    """What :class:`NodeUpstream` needs of an :class:`kdn.edge.node.EdgeNode`."""
-
-    async def fetch_bytes(
-        self, spec: FetchSpec, *, token: str | None = None, forwarded: bool = False
-    ) -> tuple[bytes, str]: ...
-
-    async def lookup_local(self, keys: Sequence[ChunkKey], *, tenant: str) -> list[str]: ...
-
-
-class NodeUpstream(Upstream):
-    """Another in-process edge node as a peer: the in-memory peer transport. ``up=False`` = killed."""
-
-    kind = "peer"
-
-    def __init__(self, name: str, node: _PeerNode) -> None:
-        self.name = name
-        self.node = node
-        self.up = True
-        self.fetches = 0
-
-    async def fetch(self, spec: FetchSpec, *, token: str | None = None) -> bytes:
-        if not self.up:
-            raise Unavailable(f"peer {self.name} is down")
-        self.fetches += 1
-        data, _source = await self.node.fetch_bytes(spec, token=token, forwarded=not spec.local_only)
-        return data
-
-    async def lookup(
-        self, keys: Sequence[ChunkKey], *, fingerprint: ModelFingerprint, namespace: Namespace, token: str | None = None
-    ) -> int:
-        if not self.up:
-            raise Unavailable(f"peer {self.name} is down")
-        return len(await self.node.lookup_local(keys, tenant=namespace.tenant))
-
-    async def healthy(self) -> bool:
-        return self.up

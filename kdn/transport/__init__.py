@@ -1,12 +1,13 @@
-"""How an inference host talks to its edge: one small interface, a gRPC and an in-memory transport.
+"""How an inference host talks to its edge: one small interface and its gRPC transport.
 
 - :mod:`~kdn.transport.base` — :class:`EdgeTransport` (``lookup``, ``fetch``, ``put``,
   ``fetch_into``), :class:`FetchStats` and what the transports share (deadlines, back-off);
 - :mod:`~kdn.transport.grpc` — :class:`GrpcEdgeTransport`: ``EdgeService`` over gRPC and the
   choice of a byte path per fetch, one module per byte path: :mod:`~kdn.transport.bulk` (the
   bulk TCP listener) and :mod:`~kdn.transport.shm` (shared memory on the edge's host);
-- :mod:`~kdn.transport.failover` — :class:`FailoverEdgeTransport`: edges in preference order;
-- :mod:`~kdn.transport.memory` — :class:`MemoryEdgeTransport`: an edge in a dict, for unit tests.
+- :mod:`~kdn.transport.failover` — :class:`FailoverEdgeTransport`: edges in preference order.
+
+The in-memory transport of unit tests is :class:`kdn.testing.MemoryEdgeTransport`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from typing import Callable, Sequence
 from kdn.transport.base import Backoff, EdgeTransport, FetchStats, is_loopback
 from kdn.transport.failover import FailoverEdgeTransport
 from kdn.transport.grpc import GrpcEdgeTransport
-from kdn.transport.memory import MemoryEdgeTransport
 from kdn.wire.tls import TlsFiles
 
 __all__ = [
-    "Backoff", "EdgeTransport", "FailoverEdgeTransport", "FetchStats", "GrpcEdgeTransport", "MemoryEdgeTransport",
+    "Backoff", "EdgeTransport", "FailoverEdgeTransport", "FetchStats", "GrpcEdgeTransport",
     "is_loopback", "connect",
 ]
 

@@ -21,7 +21,7 @@ from kdn.artifact import ArtifactReader
 from kdn.transport import GrpcEdgeTransport
 from kdn.edge.config import EdgeConfig
 from kdn.edge.server import EdgeServer
-from kdn.edge.testing import Chain, make_chain
+from kdn.testing import Chain, make_chain
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.wire import bulk as wb

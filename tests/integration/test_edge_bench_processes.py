@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 
 from kdn.transport import GrpcEdgeTransport
-from kdn.edge.testing import make_chain
+from kdn.testing import make_chain
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from kdn.edge.admin import AsyncEdgeClient
-from kdn.edge.testing import Chain, make_chain
+from kdn.testing import Chain, make_chain
 from kdn import errors as e
 from kdn.keys import ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from kdn.edge.admin import AsyncEdgeClient
-from kdn.edge.testing import make_chain
+from kdn.testing import make_chain
 from tests.children import reap
 
 REPO = Path(__file__).resolve().parents[2]

@@ -448,7 +448,7 @@ def test_sink_gets_verified_sections_borrowed_from_the_fed_bytes() -> None:
     import torch
 
     from kdn.artifact import ArtifactReader, decode_artifact
-    from kdn.edge.testing import make_chain
+    from kdn.testing import make_chain
 
     blob = make_chain(1, shape=(3, 2, 8, 4)).blobs[0]
     whole = decode_artifact(blob).kv  # (L, 2, H, T, D)

@@ -15,7 +15,7 @@ import torch
 from kdn.blend import Deviation, FirstK, Glue, Naive, Random, blend, place, prefill_segment, rope_spec
 from kdn.blend.verdict import Verdict, read_verdict, write_verdict
 from kdn.client import ClientConfig, KdnClient
-from kdn.transport import MemoryEdgeTransport
+from kdn.testing import MemoryEdgeTransport
 from kdn.errors import UnsupportedModel
 from kdn.integrations.blend import BlendOptions
 from kdn.integrations.transformers import generate, prepare

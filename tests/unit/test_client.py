@@ -11,7 +11,7 @@ import torch
 
 from kdn.artifact import encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig, KdnClient
-from kdn.transport import MemoryEdgeTransport
+from kdn.testing import MemoryEdgeTransport
 from kdn.errors import ConfigError
 from kdn.keys import ROOT_KEY, ChunkKey, Namespace, chunk_keys
 from kdn.kv import split_cache

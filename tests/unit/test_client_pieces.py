@@ -7,7 +7,7 @@ import torch
 import pytest
 
 from kdn.client import ClientConfig, KdnClient
-from kdn.transport import MemoryEdgeTransport
+from kdn.testing import MemoryEdgeTransport
 from kdn.integrations.transformers import generate
 from kdn.keys import PIECE_TOKENS, ROOT_KEY, Namespace, chunk_keys, piece_keys
 from kdn.models import load_model

@@ -7,7 +7,7 @@ import torch
 
 from kdn.artifact import encode_artifact
 from kdn.client import ClientConfig, KdnClient
-from kdn.transport import MemoryEdgeTransport
+from kdn.testing import MemoryEdgeTransport
 from kdn.errors import ConfigError, InvalidInput
 from kdn.keys import chunk_keys
 from kdn.models import load_model

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kdn.client import ClientConfig, KdnClient
-from kdn.transport import MemoryEdgeTransport
+from kdn.testing import MemoryEdgeTransport
 from kdn.integrations.transformers import generate, prepare
 from kdn.models import load_model
 

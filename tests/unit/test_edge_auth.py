@@ -13,7 +13,7 @@ from kdn.edge.compose import compose_edge
 from kdn.edge.front import EdgeFront
 from kdn.edge.server import EdgeServicer
 from kdn.wire.frames import decode_chunk
-from kdn.edge.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
+from kdn.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
 from kdn.errors import Unauthorized
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb

@@ -75,7 +75,7 @@ def test_the_edge_refuses_a_nan_ttl_instead_of_clearing_ttls() -> None:
     import asyncio
 
     from kdn.edge.operator_hints import HintService
-    from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
+    from kdn.testing import InMemoryOverlay, make_chain, origin_with
     from kdn.errors import InvalidInput
     from kdn.proto import kdn_pb2 as pb
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.edge.upstream import SingleFlight
 from kdn.errors import NotFound, Unavailable
 

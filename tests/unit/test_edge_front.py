@@ -23,7 +23,7 @@ from kdn import errors as e
 from kdn.edge.admin import AsyncEdgeClient
 from kdn.edge.bulk import BulkConnection, BulkListener
 from kdn.edge.rtc import EdgeRtcHandler
-from kdn.edge.testing import InProcessEdge, make_chain
+from kdn.testing import InProcessEdge, make_chain
 from kdn.wire import bulk as wb
 from kdn.wire import rtc as wr
 from kdn.wire.convert import FetchAsk, fetch_request
@@ -144,7 +144,7 @@ def test_one_function_composes_an_edge_and_both_edges_use_it() -> None:
     for rel, name in (("kdn/edge/compose.py", "HintService"), ("kdn/edge/compose.py", "ShmPool")):
         assert all(not _functions_calling(_tree(f), name) for f in _edge_files() if f != rel), name
     assert "EdgeServer.start" in _functions_calling(_tree("kdn/edge/server.py"), "compose_edge")
-    assert "InProcessEdge.__init__" in _functions_calling(_tree("kdn/edge/testing.py"), "compose_edge")
+    assert "InProcessEdge.__init__" in _functions_calling(_tree("kdn/testing/edge.py"), "compose_edge")
 
 
 def test_the_transports_ask_the_front_and_map_no_refusal_of_their_own() -> None:

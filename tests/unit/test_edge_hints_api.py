@@ -10,7 +10,7 @@ import pytest
 from kdn.edge.clock import FakeClock
 from kdn.edge.operator_hints import HintService
 from kdn.edge.schedules import SCHEDULES_FILE
-from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.errors import InvalidInput, NotFound
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from kdn.edge.testing import InProcessEdge, make_chain
+from kdn.testing import InProcessEdge, make_chain
 
 
 def _put_all(edge: InProcessEdge, chain) -> None:

@@ -9,8 +9,9 @@ import pytest
 from kdn.edge.clock import FakeClock
 from kdn.edge.config import EdgeConfig
 from kdn.edge.overlay import Member, Overlay
-from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
-from kdn.edge.upstream import FetchSpec, NodeUpstream
+from kdn.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.edge.upstream import FetchSpec
+from kdn.testing import NodeUpstream
 from kdn.errors import NotFound, Unavailable
 
 MEMBERS = [Member(f"n{i}", f"mem://n{i}") for i in range(5)]
@@ -211,7 +212,7 @@ class _FixedPeer(NodeUpstream):
 
 
 def _hostile_peer_blobs() -> dict[str, bytes]:
-    from kdn.edge.testing import reseal
+    from kdn.testing import reseal
 
     honest = make_chain(1).blobs[0]
     kvq = make_chain(1, codec="kvq").blobs[0]

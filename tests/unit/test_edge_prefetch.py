@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from kdn.edge.prefetch import Prefetcher, PrefetchJob
-from kdn.edge.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.testing import InMemoryOverlay, make_chain, origin_with
 from kdn.keys import Namespace
 
 

@@ -9,7 +9,7 @@ import grpc
 
 from kdn.edge.compose import compose_edge
 from kdn.edge.server import EdgeServicer, PutBudget
-from kdn.edge.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
+from kdn.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.wire.auth import TokenAuth
@@ -111,7 +111,7 @@ def test_concurrent_large_puts_cannot_buffer_past_the_budget() -> None:
 
 def _poisoned(blob: bytes) -> bytes:
     """Checksum-valid (every check recomputed) but undecodable: the first section is cut short."""
-    from kdn.edge.testing import reseal
+    from kdn.testing import reseal
 
     return reseal(blob, payloads=lambda ps: [ps[0][: len(ps[0]) // 2], *ps[1:]])
 

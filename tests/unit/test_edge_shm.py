@@ -12,7 +12,7 @@ import pytest
 
 from kdn.edge.config import EdgeConfig
 from kdn.edge.shm import ShmPool, open_segment
-from kdn.edge.testing import make_chain
+from kdn.testing import make_chain
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, KdnError, Unavailable
 from tests.reframe import frame, split
 

@@ -16,7 +16,7 @@ from kdn.edge.operator_hints import HintService
 from kdn.edge.schedules import SCHEDULES_FILE
 from kdn.edge.front import EdgeFront
 from kdn.edge.server import EdgeServicer, PutBudget
-from kdn.edge.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
+from kdn.testing import Aborted, FakeServicerContext, InMemoryOverlay, make_chain, origin_with
 from kdn.errors import NotFound
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb

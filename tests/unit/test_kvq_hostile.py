@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kdn.artifact import decode_artifact, iter_sections, verify_artifact
-from kdn.edge.testing import make_chain, reseal
+from kdn.testing import make_chain, reseal
 from kdn.errors import KdnError
 
 HOSTILE = [
@@ -54,7 +54,7 @@ def test_hostile_kvq_meta_through_put_is_a_clear_status_not_internal() -> None:
     import grpc
 
     from tests.unit.test_edge_put import _put, _servicer
-    from kdn.edge.testing import InMemoryOverlay, origin_with
+    from kdn.testing import InMemoryOverlay, origin_with
     from kdn.keys import Namespace
     from kdn.wire.convert import put_messages
 

@@ -48,6 +48,8 @@ ALLOWED: dict[str, set[str]] = {
     "route": {"contracts", "wire", "kvops", "client"},
     "simulator": {"contracts", "wire", "kvops", "edge", "route"},
     "ops": {"contracts", "wire", "kvops", "client", "integrations", "edge", "origin", "lab", "simulator", "route"},
+    # the test doubles stand beside the parts they stand in for; no part, and not ops, imports them
+    "testing": {"contracts", "wire", "kvops", "client", "edge"},
 }
 
 
@@ -129,6 +131,14 @@ def test_imports_only_go_down_or_sideways_as_allowed() -> None:
 def test_nothing_imports_ops() -> None:
     users = {src for src, targets in imports().items() if part_of(src) != "ops" and any(part_of(t) == "ops" for t in targets)}
     assert not users
+
+
+def test_nothing_a_user_runs_imports_the_test_doubles() -> None:
+    users = {src for src, targets in imports().items()
+             if part_of(src) != "testing" and any(part_of(t) == "testing" for t in targets)}
+    assert not users, f"imports kdn.testing outside tests: {sorted(users)}"
+    assert violations({"kdn.ops.demo": {"kdn.testing.edge"}}) == [
+        "kdn.ops.demo (ops) imports kdn.testing.edge (testing)"]
 
 
 def test_no_import_cycles_between_files() -> None:

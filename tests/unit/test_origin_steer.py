@@ -131,7 +131,7 @@ def test_emphasis_round_trips():
 def test_an_ingested_variant_is_reused_only_by_a_client_that_names_it(tmp_path, capsys, monkeypatch):
     """Origin (kdn ingest --emphasize) -> edge (bytes by key) -> the transformers integration."""
     from kdn.client import KdnClient
-    from kdn.transport import MemoryEdgeTransport
+    from kdn.testing import MemoryEdgeTransport
     from kdn.integrations.transformers import generate
 
     monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))

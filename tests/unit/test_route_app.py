@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kdn.transport import GrpcEdgeTransport
-from kdn.edge.testing import InMemoryOverlay, InProcessEdge
+from kdn.testing import InMemoryOverlay, InProcessEdge
 from kdn.route.app import build_app
 from kdn.route.config import RouteConfig
 from kdn.route.edges import GrpcEdgeView

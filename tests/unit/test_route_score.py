@@ -232,7 +232,7 @@ def test_host_specs() -> None:
 
 def test_edge_counters_of_a_real_edge_give_peer_and_memory_rates() -> None:
     from kdn.transport import GrpcEdgeTransport
-    from kdn.edge.testing import InMemoryOverlay, InProcessEdge, make_chain
+    from kdn.testing import InMemoryOverlay, InProcessEdge, make_chain
     from kdn.route.edges import GrpcEdgeView
     from kdn.wire.convert import FetchSpec
 

@@ -14,8 +14,9 @@ from kdn.transport import GrpcEdgeTransport
 from kdn.edge.admin import AsyncEdgeClient, hint_request
 from kdn.edge.cli import main as edge_main
 from kdn.edge.config import EdgeConfig
-from kdn.edge.testing import InProcessEdge
-from kdn.edge.upstream import InMemoryUpstream, origin_upstream
+from kdn.testing import InProcessEdge
+from kdn.edge.upstream import origin_upstream
+from kdn.testing import InMemoryUpstream
 from kdn.errors import InvalidInput, NotFound
 from kdn.keys import ChunkKey, Namespace
 from kdn.models import load_model

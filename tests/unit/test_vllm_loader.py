@@ -19,7 +19,7 @@ import torch
 
 from kdn.artifact import encode_artifact
 from kdn.client import AsyncKdnClient, ClientConfig
-from kdn.transport import MemoryEdgeTransport
+from kdn.testing import MemoryEdgeTransport
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace
 
 L, H, C, D, BLOCK, BLOCKS = 4, 2, 16, 8, 16, 4

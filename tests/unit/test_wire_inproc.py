@@ -13,7 +13,7 @@ from kdn.client import AsyncKdnClient, ClientConfig
 from kdn.transport import GrpcEdgeTransport
 from kdn.edge.admin import AsyncEdgeClient
 from kdn.edge.config import EdgeConfig
-from kdn.edge.testing import InProcessEdge
+from kdn.testing import InProcessEdge
 from kdn.edge.upstream import origin_upstream
 from kdn.errors import InvalidInput, NotFound, Unauthorized
 from kdn.keys import ChunkKey, Namespace
@@ -115,7 +115,7 @@ def test_empty_tenant_is_refused_at_the_edge_too() -> None:
 
 
 def test_put_then_fetch_round_trips_bytes(lm) -> None:
-    from kdn.edge.testing import make_chain
+    from kdn.testing import make_chain
 
     chain = make_chain(2, shape=(2, 2, 64, 32))  # ~32 KiB per artifact
 

@@ -48,7 +48,7 @@ def test_reused_chunks_give_the_logits_of_a_full_prefill(lm) -> None:
 
 def test_generate_after_a_written_back_prefix_is_the_full_prefill_answer(km) -> None:
     from kdn.client import ClientConfig, KdnClient
-    from kdn.transport import MemoryEdgeTransport
+    from kdn.testing import MemoryEdgeTransport
 
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(100, 40000, (3 * km.chunk_size + 50,), generator=g).tolist()

@@ -2,7 +2,7 @@
 
 :func:`make_chain` encodes a chain of small, real artifact containers (random KV, real keys).
 :class:`InMemoryOverlay` wires N :class:`kdn.edge.node.EdgeNode`s to each other through
-:class:`kdn.edge.upstream.NodeUpstream` and to one :class:`kdn.edge.upstream.InMemoryUpstream` origin, so
+:class:`kdn.testing.upstream.NodeUpstream` and to one :class:`kdn.testing.upstream.InMemoryUpstream` origin, so
 overlay, coalescing and prefetch logic run exactly as in production, minus gRPC.
 :class:`InProcessEdge` serves one real node through its real :class:`kdn.edge.server.EdgeServicer`
 on a :class:`kdn.wire.inproc.InProcessServer`: clients (the host's ``GrpcEdgeTransport``, the
@@ -22,7 +22,8 @@ from kdn.edge.clock import Clock, FakeClock
 from kdn.edge.config import EdgeConfig
 from kdn.edge.node import EdgeNode
 from kdn.edge.overlay import Member, Overlay
-from kdn.edge.upstream import FetchSpec, InMemoryUpstream, NodeUpstream, Upstream
+from kdn.edge.upstream import FetchSpec, Upstream
+from kdn.testing.upstream import InMemoryUpstream, NodeUpstream
 from kdn.artifact import encode_artifact
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 
