@@ -44,6 +44,7 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any
 
+from kdn.edge.accept import Accepted, listen
 from kdn.edge.front import EdgeFront, Refusal
 from kdn.errors import KdnError, StorageFull, Unauthorized, Unavailable, InvalidInput
 from kdn.wire import bulk as wb
@@ -73,7 +74,6 @@ class BulkListener:
         self.idle_s = float(c.bulk_idle_s)
         self.max_connections = int(c.bulk_max_connections)
         self.max_per_token = int(c.bulk_max_connections_per_token)
-        self.max_pending = int(c.bulk_max_pending)
         self._per_table = int(c.bulk_tickets_per_token)
         self._tickets: dict[bytes, tuple[str | None, float]] = {}  # ticket -> (token, expires)
         self._tables: dict[str | None, OrderedDict[bytes, None]] = {}  # token -> its tickets, oldest first
@@ -81,12 +81,11 @@ class BulkListener:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accept: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
-        self._pending: OrderedDict[socket.socket, asyncio.Task[None]] = OrderedDict()  # waiting for a hello
+        self._pending = Accepted(int(c.bulk_max_pending), what=f"{front.node_id}: bulk")  # waiting for a hello
         self._conns: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._of_token: Counter[str | None] = Counter()  # connections served, per token
         self._put_buffers = wb.BufferPool(max_idle_bytes=256 << 20, allocate=_unfilled)  # Puts of keys already held
-        self.evicted = 0  # waiting connections closed to make room
 
     # -- tickets -------------------------------------------------------------------------------
 
@@ -113,21 +112,10 @@ class BulkListener:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> int:
-        host = self.host.strip("[]") or "0.0.0.0"
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, self.port))
-            sock.listen(128)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        self._sock = sock
+        sock = self._sock = listen(self.host.strip("[]") or "0.0.0.0", self.port)
         self.port = sock.getsockname()[1]
         self._loop = asyncio.get_running_loop()
-        self._accept = self._loop.create_task(self._accept_loop())
+        self._accept = self._loop.create_task(self._pending.forever(sock, self._hello))
         return self.port
 
     async def stop(self) -> None:
@@ -138,7 +126,7 @@ class BulkListener:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        waiting = list(self._pending.values())
+        waiting = list(self._pending.tasks.values())
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
@@ -165,24 +153,10 @@ class BulkListener:
         """Connections waiting for their hello now."""
         return len(self._pending)
 
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._sock is not None
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(self._sock)
-            except OSError as exc:  # EMFILE and friends: say so, pause, go on
-                log.warning("%s: bulk accept failed: %s", self.front.node_id, exc)
-                await asyncio.sleep(0.1)
-                continue
-            task = loop.create_task(self._hello(conn))
-            self._pending[conn] = task
-            if len(self._pending) > self.max_pending:  # the oldest waiter goes: a client sends at once
-                while len(self._pending) > self.max_pending:
-                    _, oldest = self._pending.popitem(last=False)
-                    oldest.cancel()
-                    self.evicted += 1
-                await asyncio.sleep(0)  # they close their sockets before the next one is taken
+    @property
+    def evicted(self) -> int:
+        """Waiting connections closed to make room."""
+        return self._pending.evicted
 
     async def _hello(self, conn: socket.socket) -> None:
         """Read and check the hello on the loop; hand an accepted connection to a thread."""
@@ -220,8 +194,7 @@ class BulkListener:
         except (OSError, TimeoutError, asyncio.CancelledError):
             pass  # gone, silent, or evicted: nothing to answer
         finally:
-            if self._pending.get(conn) is asyncio.current_task():
-                del self._pending[conn]
+            self._pending.done(conn)
             if not handed:
                 conn.close()
 

@@ -23,7 +23,6 @@ import logging
 import re
 import socket
 import threading
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import h11
@@ -32,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kdn.edge.accept import Accepted, listen
 from kdn.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -156,36 +156,23 @@ class MetricsHttp:
                  name: str = "metrics") -> None:
         self._body = body
         self._expected = f"Bearer {token}".encode() if token else None
-        self.max_connections = max_connections
         self.timeout_s = timeout_s
         self._name = name
-        self._open: OrderedDict[asyncio.Task[None], None] = OrderedDict()  # one task per connection, oldest first
+        self._open = Accepted(max_connections, what=f"{name}: /metrics")  # one task per connection, oldest first
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sock: socket.socket | None = None
         self._accept: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
-        self.evicted = 0
 
     def start(self, host: str, port: int) -> int:
         """Bind and serve from a thread of its own; returns the port (OSError when it cannot bind)."""
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, addr = infos[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(128)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        self._sock = sock
+        sock = self._sock = listen(host, port)
         loop = self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=loop.run_forever, name=self._name, daemon=True)
         self._thread.start()
 
         async def begin() -> None:
-            self._accept = asyncio.get_running_loop().create_task(self._accept_loop(sock))
+            self._accept = asyncio.get_running_loop().create_task(self._open.forever(sock, self._serve))
 
         asyncio.run_coroutine_threadsafe(begin(), loop).result(10)
         return int(sock.getsockname()[1])
@@ -196,7 +183,7 @@ class MetricsHttp:
             return
 
         async def shut() -> None:
-            tasks = [t for t in (self._accept, *self._open) if t is not None]
+            tasks = [t for t in (self._accept, *self._open.tasks.values()) if t is not None]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -219,22 +206,10 @@ class MetricsHttp:
     def connections(self) -> int:
         return len(self._open)
 
-    async def _accept_loop(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(sock)
-            except OSError as exc:  # EMFILE and friends: say so, pause, go on
-                log.warning("%s: /metrics accept failed: %s", self._name, exc)
-                await asyncio.sleep(0.1)
-                continue
-            self._open[loop.create_task(self._serve(conn))] = None
-            if len(self._open) > self.max_connections:  # the oldest goes: a live scraper has sent by now
-                while len(self._open) > self.max_connections:
-                    oldest, _ = self._open.popitem(last=False)
-                    oldest.cancel()
-                    self.evicted += 1
-                await asyncio.sleep(0)  # they close their sockets before the next one is taken
+    @property
+    def evicted(self) -> int:
+        """Connections closed to make room."""
+        return self._open.evicted
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -247,7 +222,7 @@ class MetricsHttp:
         except (TimeoutError, OSError, h11.ProtocolError, asyncio.CancelledError):
             pass  # slow, gone, not HTTP, or evicted: nothing more to say
         finally:
-            self._open.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            self._open.done(conn)
             conn.close()
 
     @staticmethod
