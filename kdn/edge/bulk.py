@@ -153,11 +153,6 @@ class BulkListener:
         """Connections waiting for their hello now."""
         return len(self._pending)
 
-    @property
-    def evicted(self) -> int:
-        """Waiting connections closed to make room."""
-        return self._pending.evicted
-
     async def _hello(self, conn: socket.socket) -> None:
         """Read and check the hello on the loop; hand an accepted connection to a thread."""
         loop = asyncio.get_running_loop()

@@ -206,11 +206,6 @@ class MetricsHttp:
     def connections(self) -> int:
         return len(self._open)
 
-    @property
-    def evicted(self) -> int:
-        """Connections closed to make room."""
-        return self._open.evicted
-
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         try:
