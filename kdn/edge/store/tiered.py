@@ -68,15 +68,8 @@ class TieredStore:
     # public API
 
     def put(
-        self,
-        data: bytes | bytearray | memoryview,
-        *,
-        tenant: str,
-        expect_fingerprint: bytes | None = None,
-        pin: bool = False,
-        ttl_s: float | None = None,
-        priority: int | None = None,
-        take: bool = False,
+        self, data: bytes | bytearray | memoryview, *, tenant: str, expect_fingerprint: bytes | None = None,
+        pin: bool = False, ttl_s: float | None = None, priority: int | None = None, take: bool = False,
     ) -> EntryMeta:
         """Verify and store one artifact for ``tenant``; returns its metadata.
 

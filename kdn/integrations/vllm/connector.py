@@ -181,6 +181,24 @@ def _log_with_vllm() -> None:
         kdn_log.propagate = False
 
 
+def check_engine(vllm_config: "VllmConfig", chunk_size: int) -> None:
+    """ValueError, saying what to change, for an engine this connector cannot serve correctly."""
+    ktc, block = vllm_config.kv_transfer_config, int(vllm_config.cache_config.block_size)
+    if chunk_size % block:
+        raise ValueError(
+            f"KDN chunk_size {chunk_size} is not a multiple of vLLM's block size {block}: set "
+            f"kv_connector_extra_config.chunk_size to a multiple of {block} (or --block-size to a divisor of {chunk_size})"
+        )
+    if ktc.kv_load_failure_policy != "recompute":
+        raise ValueError(
+            'the KDN connector needs kv_load_failure_policy "recompute" in --kv-transfer-config, so that a failed '
+            f'cache load is recomputed instead of failing the request (got {ktc.kv_load_failure_policy!r})'
+        )
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None) and str(cache_dtype) != _DTYPE_NAMES.get(vllm_config.model_config.dtype):
+        raise ValueError(f"KDN stores KV in the model dtype; kv_cache_dtype {cache_dtype!r} is not supported")
+
+
 class KdnConnector(KVConnectorBase_V1):
     """vLLM v1 KV connector backed by a KDN edge (see the module docstring)."""
 
@@ -190,20 +208,8 @@ class KdnConnector(KVConnectorBase_V1):
         self.config = KdnConnectorConfig.build(dict(ktc.kv_connector_extra_config or {}), source="kv_connector_extra_config")
         self.block_size = int(vllm_config.cache_config.block_size)
         C = self.config.chunk_size
-        if C % self.block_size:
-            raise ValueError(
-                f"KDN chunk_size {C} is not a multiple of vLLM's block size {self.block_size}: set "
-                f"kv_connector_extra_config.chunk_size to a multiple of {self.block_size} (or --block-size to a divisor of {C})"
-            )
-        if ktc.kv_load_failure_policy != "recompute":
-            raise ValueError(
-                'the KDN connector needs kv_load_failure_policy "recompute" in --kv-transfer-config, so that a failed '
-                f'cache load is recomputed instead of failing the request (got {ktc.kv_load_failure_policy!r})'
-            )
+        check_engine(vllm_config, C)
         mc = vllm_config.model_config
-        cache_dtype = vllm_config.cache_config.cache_dtype
-        if cache_dtype not in ("auto", None) and str(cache_dtype) != _DTYPE_NAMES.get(mc.dtype):
-            raise ValueError(f"KDN stores KV in the model dtype; kv_cache_dtype {cache_dtype!r} is not supported")
         self.dtype: torch.dtype = mc.dtype
         model_dir = self.config.model_dir or mc.model
         self.fingerprint = engine_fingerprint(model_dir, self.dtype, C)
