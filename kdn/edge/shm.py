@@ -108,7 +108,9 @@ class ShmPool:
 
     def publish(self, tenant: str, key: ChunkKey, data: bytes | memoryview) -> str:
         """Reference of a segment holding ``data`` (created once per key, then reused while its
-        file is unchanged)."""
+        file is unchanged). Concurrent first calls for one key may each write a file, but all get
+        the reference of the one that landed first: a reference handed out is never unlinked by
+        another publication of its key."""
         ident = (tenant, bytes(key))
         with self._lock:
             seg = self._segments.get(ident)
@@ -139,8 +141,17 @@ class ShmPool:
             raise Unavailable(f"cannot write shared-memory segment: {exc.strerror or exc}") from exc
         os.close(fd)
         with self._lock:
-            old = self._segments.pop(ident, None)
+            old = self._segments.get(ident)
+            if old is not None and old.size == len(data) and self._unchanged(old):
+                # a concurrent first fetch of this key published while we wrote: its reference may
+                # be in a client's hands already, so it stays and ours goes
+                os.close(pin)
+                _unlink(path)
+                self._segments.move_to_end(ident)
+                self.reused += 1
+                return old.ref
             if old is not None:
+                del self._segments[ident]
                 self._drop(old)
             ref = segment_ref(name, made)
             self._segments[ident] = _Segment(name, len(data), ref, _identity(made), pin)
@@ -176,6 +187,11 @@ class ShmPool:
     @property
     def bytes_used(self) -> int:
         return self._bytes
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(segments, bytes) this pool keeps live at most: what a same-host client sizes its mappings to."""
+        return self._max_segments, self._max_bytes
 
     def close(self) -> None:
         with self._lock:

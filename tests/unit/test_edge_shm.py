@@ -221,3 +221,32 @@ def test_a_changed_segment_is_not_unlinked_by_the_pool(tmp_path: Path) -> None:
     assert path.read_bytes() == b"someone else's"
     with pytest.raises(KdnError):
         open_segment(ref, directory=str(tmp_path))
+
+
+def test_concurrent_first_publications_of_a_key_all_get_a_live_segment(tmp_path: Path) -> None:
+    """Two first fetches of one key may both write a segment; neither reference handed out may be
+    unlinked by the other's publication (a client maps it after the answer)."""
+    import threading
+
+    chain = make_chain(1, shape=(4, 8, 128, 64))  # 1 MiB: writing it takes long enough to overlap
+    pool = _pool(tmp_path, "race")
+    for attempt in range(20):
+        pool.forget("default", chain.keys[0])
+        start = threading.Barrier(4)
+        refs: list[str] = []
+
+        def publish() -> None:
+            start.wait()
+            refs.append(pool.publish("default", chain.keys[0], chain.blobs[0]))
+
+        threads = [threading.Thread(target=publish) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(set(refs)) == 1, f"attempt {attempt}: {len(set(refs))} segments handed out for one key"
+        art = open_segment(refs[0], directory=str(tmp_path))
+        assert bytes(art.data) == chain.blobs[0]
+        art.close()
+        assert len(list(tmp_path.iterdir())) == 1  # the files that lost were removed
+    pool.close()
