@@ -164,7 +164,10 @@ class EdgeConfig(RoleConfig):
     )
     shm: bool = Field(True, description="offer the same-host shared-memory path")
     shm_dir: str = Field(DEFAULT_SHM_DIR, description="where shared-memory segments live")
-    shm_max_segments: int = Field(64, ge=1, description="bound on live shm segments; oldest unlinked first")
+    shm_max_segments: int = Field(
+        256, ge=1, le=65536,
+        description="bound on live shm segments (one descriptor each; same-host clients map as many); oldest unlinked first",
+    )
     shm_max_bytes: int = Field(1 << 30, ge=1 << 20, description="bound on the bytes of live shm segments")
     schedule_tick_s: float = Field(1.0, gt=0, description="how often scheduled prefetches are checked")
     rtc_signal: str | None = Field(

@@ -29,7 +29,7 @@ from kdn.edge.store import EntryMeta
 from kdn.errors import KdnError, Unavailable
 from kdn.keys import ChunkKey, Namespace
 from kdn.wire.auth import TokenAuth
-from kdn.wire.convert import FetchAsk, HintAsk, LookupAsk, PrefetchAsk, PutHeader
+from kdn.wire.convert import BulkOffer, FetchAsk, HintAsk, LookupAsk, PrefetchAsk, PutHeader
 from kdn.wire.errors import status_for, status_value
 
 if TYPE_CHECKING:
@@ -169,13 +169,14 @@ class EdgeFront:
     async def hint(self, ask: HintAsk, token: str | None) -> tuple[int, str]:
         return await self.hints.apply(ask, ask.namespace, token, ask.keys)
 
-    def open_bulk(self, token: str | None) -> tuple[int, bytes, float] | None:
+    def open_bulk(self, token: str | None) -> BulkOffer | None:
         """A ticket for the bulk byte path standing for ``token`` (any valid token: tenants are
-        checked per request): (port, ticket, ttl); None when the path is not offered."""
+        checked per request), with the shared-memory bounds; None when the path is not offered."""
         self.auth.check_admin(token)
         if self.bulk is None:
             return None
-        return self.bulk.port, self.bulk.grant(token), self.bulk.ttl_s
+        segments, size = self.shm.bounds if self.shm is not None else (0, 0)
+        return BulkOffer(self.bulk.port, self.bulk.grant(token), self.bulk.ttl_s, segments, size)
 
     async def stats(self, token: str | None) -> tuple[dict[str, float], dict[str, Any]]:
         """(counters, details): the node's for an operator, a tenant's own for its token

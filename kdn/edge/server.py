@@ -134,8 +134,7 @@ class EdgeServicer(Servicer):
     @rpc
     async def OpenBulk(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """A ticket for the bulk byte path (:mod:`kdn.edge.bulk`); port 0 when it is not offered."""
-        offer = self.front.open_bulk(self._token(context))
-        return wc.bulk_offer(*offer) if offer is not None else wc.bulk_offer()
+        return wc.bulk_offer(self.front.open_bulk(self._token(context)))
 
     @rpc
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -233,14 +233,18 @@ class BulkRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BulkOffer(_message.Message):
-    __slots__ = ("port", "ticket", "ttl_s")
+    __slots__ = ("port", "ticket", "ttl_s", "shm_segments", "shm_bytes")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SHM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
     port: int
     ticket: bytes
     ttl_s: float
-    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    shm_segments: int
+    shm_bytes: int
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., shm_segments: _Optional[int] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -34,8 +34,10 @@ class BulkPath:
     (``OpenBulk``). Use inside one event loop."""
 
     def __init__(self, address: str, offer: Callable[..., Awaitable[BulkOffer]], *,
-                 buffers: BufferPool | None = None, backoff_s: float = 5.0) -> None:
+                 buffers: BufferPool | None = None, backoff_s: float = 5.0,
+                 on_offer: Callable[[BulkOffer], None] | None = None) -> None:
         self.address = address
+        self.on_offer = on_offer  # told every offer the edge makes (the shared-memory path sizes itself)
         self.offered = True  # False once the edge said it does not offer the path
         self.buffers = buffers or BufferPool()
         self.land_min_bytes = LAND_MIN_BYTES  # answers this large are received in place by fetch_into
@@ -62,6 +64,8 @@ class BulkPath:
         if not offer.port:
             self.offered = False
             return None
+        if self.on_offer is not None:
+            self.on_offer(offer)
         if self.client is not None:
             self.client.close()
         host = self.address.rsplit(":", 1)[0] if not self.address.startswith("unix:") else "127.0.0.1"

@@ -53,9 +53,10 @@ class GrpcEdgeTransport(EdgeTransport):
         self.shm = shm
         self._channel = channel if channel is not None else aio_channel(address, tls=tls)
         self.calls = EdgeCalls(self._channel, address, token=token)
-        self.bulk_path = (BulkPath(address, self.calls.open_bulk, buffers=buffers, backoff_s=bulk_backoff_s)
-                          if bulk and tls is None and channel is None else None)
         self.shm_path = ShmPath(address) if shm else None
+        self.bulk_path = (BulkPath(address, self.calls.open_bulk, buffers=buffers, backoff_s=bulk_backoff_s,
+                                   on_offer=self.shm_path.fit if self.shm_path is not None else None)
+                          if bulk and tls is None and channel is None else None)
         self.pool = reader_pool()
 
     async def lookup(

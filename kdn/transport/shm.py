@@ -21,7 +21,7 @@ from kdn.keys import ChunkKey
 from kdn.transport.base import FetchStats, deadline
 from kdn.transport.bulk import BulkPath
 from kdn.wire.bulk import BulkProtocolError
-from kdn.wire.convert import FetchSpec, fetch_request_bytes
+from kdn.wire.convert import BulkOffer, FetchSpec, fetch_request_bytes
 from kdn.wire.shm import SegmentCache
 
 log = logging.getLogger(__name__)
@@ -33,11 +33,16 @@ class ShmPath:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.maps = SegmentCache(max_maps=32)
+        self.maps = SegmentCache()  # grown to the edge's bounds when its bulk offer states them (fit)
         # the segment each recent spec was last answered with: the next fetch of it reads that
         # mapping while the edge confirms (see fetch_ahead)
         self._segment_of: OrderedDict[FetchSpec, str] = OrderedDict()
         self.read_ahead = 0  # shared-memory fetches read while the edge answered
+
+    def fit(self, offer: BulkOffer) -> None:
+        """Map as many segments as the edge keeps live (its offer's bounds): with fewer, every
+        fetch past them would map its segment afresh."""
+        self.maps.fit(offer.shm_segments, offer.shm_bytes)
 
     def map(self, spec: FetchSpec, name: str, size: int | None) -> Any:
         """The mapped segment ``name`` (close it after use), remembered as ``spec``'s; None when it

@@ -292,15 +292,19 @@ def put_header_bytes(data: bytes | memoryview, *, key: ChunkKey, fingerprint: Mo
 @dataclass(frozen=True, slots=True)
 class BulkOffer:
     """An ``OpenBulk`` answer: the bulk listener's port (0: the path is not offered), a ticket
-    standing for the caller's token, and how long the ticket lives."""
+    standing for the caller's token, how long the ticket lives, and the bounds of the edge's
+    shared-memory segments (0, 0: it serves none)."""
 
     port: int
     ticket: bytes
     ttl_s: float
+    shm_segments: int = 0
+    shm_bytes: int = 0
 
 
 def parse_bulk_offer(resp: pb.BulkOffer) -> BulkOffer:
-    return BulkOffer(int(resp.port), bytes(resp.ticket), float(resp.ttl_s))
+    return BulkOffer(int(resp.port), bytes(resp.ticket), float(resp.ttl_s), int(resp.shm_segments),
+                     int(resp.shm_bytes))
 
 
 def parse_locations(resp: pb.LookupResponse, n: int) -> list[str]:
@@ -443,9 +447,12 @@ def prefetch_response(queued: int) -> pb.PrefetchResponse:
     return pb.PrefetchResponse(queued=queued)
 
 
-def bulk_offer(port: int = 0, ticket: bytes = b"", ttl_s: float = 0.0) -> pb.BulkOffer:
-    """The OpenBulk answer; the empty offer (port 0) says the path is not offered."""
-    return pb.BulkOffer(port=port, ticket=ticket, ttl_s=ttl_s) if port else pb.BulkOffer()
+def bulk_offer(offer: BulkOffer | None = None) -> pb.BulkOffer:
+    """The OpenBulk answer; the empty offer (None, or port 0) says the path is not offered."""
+    if offer is None or not offer.port:
+        return pb.BulkOffer()
+    return pb.BulkOffer(port=offer.port, ticket=offer.ticket, ttl_s=offer.ttl_s, shm_segments=offer.shm_segments,
+                        shm_bytes=offer.shm_bytes)
 
 
 def stats_request() -> pb.StatsRequest:

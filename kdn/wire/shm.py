@@ -166,6 +166,18 @@ class SegmentCache:
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._lock = threading.Lock()
 
+    def fit(self, max_maps: int, max_bytes: int) -> None:
+        """Keep at least ``max_maps`` mappings and ``max_bytes`` mapped (never fewer than now):
+        the edge's own bounds, so that every segment it keeps live stays mapped here."""
+        with self._lock:
+            self._max = max(self._max, max_maps)
+            self._max_bytes = max(self._max_bytes, max_bytes)
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(mappings, bytes) kept at most."""
+        return self._max, self._max_bytes
+
     def open(
         self,
         name: str,

@@ -335,12 +335,14 @@ def test_same_host_segment_named_over_the_bulk_socket_is_verified_and_falls_back
     chain = big_chain(2, seed=9)
 
     async def main() -> None:
-        cfg = edge_config(node_id="bulk-shm").model_copy(update={"shm": True})
+        cfg = edge_config(node_id="bulk-shm")
         async with shm_edge("bulk-shm", chain) as (srv, t):
             for _round in range(2):
                 for i, blob in enumerate(chain.blobs):
                     assert await fetch_verified(t, chain, i) == (blob, "shm")
             assert srv.shm is not None and srv.shm.created == 2 and srv.shm.reused == 2
+            # the edge's offer stated its segment bounds and the client keeps that many mapped
+            assert t.shm_path.maps.bounds == srv.shm.bounds == (cfg.shm_max_segments, cfg.shm_max_bytes)
             # named over one bulk socket (a failed bulk call would have dropped it for gRPC)
             assert t.bulk_path.client is not None and t.bulk_path.client.connections == 1
             assert t.shm_path.maps is not None and len(t.shm_path.maps) == 2  # and mapped once each

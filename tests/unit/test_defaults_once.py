@@ -80,7 +80,7 @@ def test_no_constructor_restates_a_config_default(package: str, config: type[Rol
 def test_the_check_sees_a_restated_default() -> None:
     source = '''
 class Pool:
-    def __init__(self, node: str, *, max_segments: int = 64, max_bytes: int = 1 << 30, fsync: bool = True,
+    def __init__(self, node: str, *, max_segments: int = 256, max_bytes: int = 1 << 30, fsync: bool = True,
                  replicas: int = 3, origin: str | None = None, directory: str = "/tmp") -> None:
         pass
 
