@@ -17,6 +17,7 @@ command on stdin with one line: ``{"ok": true, ...}`` or ``{"ok": false, "error"
 - ``{"op": "burst", "set": S, "n": N, "inflight": F, "start_at": T}``: N GETs, F in flight, starting
   at ``time.monotonic() == T`` (a shared start across processes): ``{"t0", "t1", "lat": [...]}``;
 - ``{"op": "shm", "set": S, "n": N}`` (kdn only): N fetches over same-host shared memory;
+- ``{"op": "shm_burst", ...}`` (kdn only): ``burst`` over the default host path (``shm=True``);
 - ``{"op": "unread", "set": S, "n": N}`` (kdn only, diagnostic): N fetches whose pieces are dropped
   unread — the byte path's own cost, without the checks and the copy into the destination;
 - ``{"op": "memcpy", "set": S, "n": N}``: N copies of the stored bytes into one reused buffer;
@@ -199,6 +200,7 @@ class KdnClient(Client):
         self.ns = Namespace(self.manifest["tenant"])
         self.transport = transport
         self.shm_transport = shm_transport
+        self.via_shm = False  # get_one goes over shm_transport (shm_burst)
         self.out: dict[tuple[str, int], Any] = {}
         self.vias: dict[str, int] = {}
 
@@ -226,7 +228,15 @@ class KdnClient(Client):
         reader.finish()  # the whole-artifact digest
 
     async def get_one(self, objs: Objects, i: int, slot: int = 0) -> None:
-        await self._fetch(self.transport, objs, i, slot)
+        await self._fetch(self.shm_transport if self.via_shm else self.transport, objs, i, slot)
+
+    async def op_shm_burst(self, objs: Objects, n: int, inflight: int, start_at: float) -> dict:
+        """``burst`` over the path a co-located inference host takes by default: shared memory."""
+        self.via_shm = True
+        try:
+            return await self.op_burst(objs, n, inflight, start_at)
+        finally:
+            self.via_shm = False
 
     async def put_one(self, objs: Objects, i: int) -> None:
         ok = await self.transport.put(self.fp, self.ns, objs.keys[i], objs.blobs[i], timeout=60)

@@ -80,6 +80,23 @@ def test_kdn_get_decodes_into_the_reused_buffer(edge_bench: ModuleType, worker: 
     assert client.vias["memory"] >= 3  # pieces, each fed to the verifying reader
 
 
+def test_the_shm_burst_goes_over_the_same_host_transport_only(edge_bench: ModuleType, worker: ModuleType,
+                                                             tmp_path: Path) -> None:
+    client, chain, mem = _kdn_client(edge_bench, worker, tmp_path)
+    shm = MemoryEdgeTransport(store=mem.store)  # the same edge, as the shm=True transport sees it
+    client.attach(mem, shm)
+    objs = client.sets["small"]
+
+    async def go() -> tuple[dict, dict]:
+        await client.load(objs)
+        return (await client.op_shm_burst(objs, n=6, inflight=2, start_at=0),
+                await client.op_burst(objs, n=4, inflight=2, start_at=0))
+
+    over_shm, plain = asyncio.run(go())
+    assert len(over_shm["lat"]) == 6 and len(plain["lat"]) == 4
+    assert shm.calls["fetch"] == 6 and mem.calls["fetch"] == 4  # and the flag does not outlive the burst
+
+
 def test_kdn_get_of_a_flipped_bit_fails(edge_bench: ModuleType, worker: ModuleType, tmp_path: Path) -> None:
     client, chain, mem = _kdn_client(edge_bench, worker, tmp_path)
     objs = client.sets["small"]
