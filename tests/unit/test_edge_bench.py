@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from kdn.artifact import decode_artifact
-from kdn.testing import MemoryEdgeTransport
-from kdn.testing import make_chain
+from kdn.testing import MemoryEdgeTransport, make_chain
 from kdn.errors import ArtifactCorrupt
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"

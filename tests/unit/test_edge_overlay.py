@@ -9,9 +9,8 @@ import pytest
 from kdn.edge.clock import FakeClock
 from kdn.edge.config import EdgeConfig
 from kdn.edge.overlay import Member, Overlay
-from kdn.testing import InMemoryOverlay, make_chain, origin_with
+from kdn.testing import InMemoryOverlay, NodeUpstream, make_chain, origin_with
 from kdn.edge.upstream import FetchSpec
-from kdn.testing import NodeUpstream
 from kdn.errors import NotFound, Unavailable
 
 MEMBERS = [Member(f"n{i}", f"mem://n{i}") for i in range(5)]

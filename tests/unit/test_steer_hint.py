@@ -14,9 +14,8 @@ from kdn.transport import GrpcEdgeTransport
 from kdn.edge.admin import AsyncEdgeClient, hint_request
 from kdn.edge.cli import main as edge_main
 from kdn.edge.config import EdgeConfig
-from kdn.testing import InProcessEdge
+from kdn.testing import InMemoryUpstream, InProcessEdge
 from kdn.edge.upstream import origin_upstream
-from kdn.testing import InMemoryUpstream
 from kdn.errors import InvalidInput, NotFound
 from kdn.keys import ChunkKey, Namespace
 from kdn.models import load_model
