@@ -192,9 +192,9 @@ class AsyncKdnClient:
 
     async def fetch_segments(
         self, fingerprint: ModelFingerprint, wanted: Sequence[tuple[SegmentKey, int]], kv_shape: KVShape
-    ) -> list[tuple[torch.Tensor, int] | Exception]:
+    ) -> list[tuple[torch.Tensor, int, int] | Exception]:
         """Fetch ``(key, tokens)`` segments (:mod:`kdn.segments`), ``fetch_concurrency`` at once: each
-        result is ``(kv, bytes)`` or the KdnError that stopped it (``NotFound`` for a miss). Never
+        result is ``(kv, bytes, start)`` or the KdnError that stopped it (``NotFound`` for a miss). Never
         raises because the cache failed (:meth:`Fetches.segments`)."""
         return await self.fetches.segments(fingerprint, wanted, kv_shape)
 
@@ -490,42 +490,44 @@ class Fetches:
 
     async def segment(
         self, fingerprint: ModelFingerprint, key: SegmentKey, kv_shape: KVShape, *, tokens: int
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, int, int]:
         """Fetch one segment (:mod:`kdn.segments`) of ``tokens`` tokens into ``(L, 2, H, tokens, D)``.
 
         Verified like a chunk (checksums, fingerprint, key, lossless when required) and refused
-        unless it is a segment of exactly that length. Returns ``(kv, bytes)``; raises KdnError.
+        unless it is a segment of exactly that length. Returns ``(kv, bytes, start)``, ``start``
+        the position its first token was prefilled at; raises KdnError.
         """
         assert self.transport is not None
         out = self.destinations.empty(kv_shape.chunk_shape(tokens), kv_shape.dtype)  # (L, 2, H, n, D)
         reader = ArtifactReader(expect_fingerprint=fingerprint, expect_key=ChunkKey(key),
                                 require_lossless=self.config.require_lossless, out=out, expect_steer="",
                                 pool=self.transport.pool)
-        n_bytes = 0
+        n_bytes = start = 0
 
         async def go() -> None:
-            nonlocal n_bytes
+            nonlocal n_bytes, start
             # a geometry other than out's (another length) is refused by the reader
             stats = await self.read(fingerprint, ChunkKey(key), reader)
             n_bytes += stats.bytes
             header = reader.finish()
             if header.parent_key != bytes(SEGMENT_PARENT):
                 raise ArtifactCorrupt("artifact under a segment key is not a segment")
+            start = int(header.chunk_index)
 
         await _deadline(go(), self.config.fetch_timeout_s, "Fetch of a segment")
-        return out, n_bytes
+        return out, n_bytes, start
 
     async def segments(
         self, fingerprint: ModelFingerprint, wanted: Sequence[tuple[SegmentKey, int]], kv_shape: KVShape
-    ) -> list[tuple[torch.Tensor, int] | Exception]:
+    ) -> list[tuple[torch.Tensor, int, int] | Exception]:
         """Fetch ``(key, tokens)`` segments, ``fetch_concurrency`` at once: each result is
-        ``(kv, bytes)`` or the KdnError that stopped it (``NotFound`` for a miss). Never raises
+        ``(kv, bytes, start)`` or the KdnError that stopped it (``NotFound`` for a miss). Never raises
         because the cache failed."""
         if self.transport is None:
             return [Unavailable("no edge configured") for _ in wanted]
         sem = asyncio.Semaphore(self.config.fetch_concurrency)
 
-        async def one(key: SegmentKey, n: int) -> tuple[torch.Tensor, int]:
+        async def one(key: SegmentKey, n: int) -> tuple[torch.Tensor, int, int]:
             async with sem:
                 return await self.segment(fingerprint, key, kv_shape, tokens=n)
 

@@ -1,7 +1,8 @@
 """Blending: join independently computed segments into one context's KV, recomputing a few tokens.
 
 A prompt is laid out as ``[prefix][segment_1] … [segment_n][question]``. The prefix's KV is exact
-(a prefix-chain hit or computed here); each segment's KV was computed alone at positions ``0..``
+(a prefix-chain hit or computed here); each segment's KV was computed on its own, after the model's
+lead token (:mod:`kdn.segments`) at positions ``start..``
 (:mod:`kdn.segments`). :func:`place` rotates each segment's keys to where it now sits
 (:mod:`kdn.blend.rope`) and concatenates: that is *naive concatenation* — right positions, but
 every segment token read only its own document, not what now precedes it. :func:`blend` then
@@ -16,7 +17,7 @@ KV, so the tokens whose KV depends most on the missing context get it:
   ``ratio`` share, and only those tokens go on through the remaining layers. Every token whose KV
   was computed fresh at a layer gets that fresh KV there; the rest keep the re-placed cached KV.
 - ``FirstK(k)`` — EPIC's baseline: the first ``k`` tokens of each segment (the "attention sinks"
-  each segment grew when it was computed alone), recomputed at every layer.
+  each segment grows when it is computed on its own), recomputed at every layer.
 - ``Naive()`` — nothing recomputed.
 - ``Random(ratio, check_layer, seed)`` — the control for ``Deviation``: the same passes and the
   same number of tokens, chosen at random.
@@ -54,7 +55,7 @@ import torch
 from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.errors import InvalidInput, UnsupportedModel
 from kdn.kv import cache_from_layers, forward, layers_to_chunk, output_cache
-from kdn.segments import Segment
+from kdn.segments import Segment, segment_lead
 
 
 # -- selection policies ---------------------------------------------------------------------------
@@ -416,9 +417,22 @@ def _describe(policy: Policy) -> str:
 
 @torch.inference_mode()
 def prefill_segment(model: Any, tokens: Sequence[int]) -> torch.Tensor:
-    """A segment's KV ``(L, 2, H, n, D)``: the document prefilled alone at positions ``0..n-1``."""
+    """KV ``(L, 2, H, n, D)`` of ``tokens`` prefilled alone at positions ``0..n-1`` (an exact
+    prompt prefix; a segment's own KV comes from :func:`prefill_document`)."""
     if not tokens:
         raise InvalidInput("a segment needs at least one token")
     ids = torch.tensor([list(tokens)], dtype=torch.long)  # (1, n)
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     return layers_to_chunk(output_cache(out).layers)  # (L, 2, H, n, D)
+
+
+@torch.inference_mode()
+def prefill_document(model: Any, tokens: Sequence[int]) -> tuple[torch.Tensor, int]:
+    """A segment's KV ``(L, 2, H, n, D)`` and start ``a``: the document prefilled after the model's
+    lead (:func:`kdn.segments.segment_lead`) at positions ``a..a+n-1``, the lead's KV dropped."""
+    if not tokens:
+        raise InvalidInput("a segment needs at least one token")
+    lead = list(segment_lead(model.config))
+    a = len(lead)
+    kv = prefill_segment(model, lead + list(tokens))  # (L, 2, H, a+n, D)
+    return (kv[:, :, :, a:].contiguous() if a else kv), a

@@ -3,8 +3,8 @@
 One request, laid out ``[prefix][document_1] … [document_n][question]``::
 
     each document ─► segment key (kdn.segments) ─► Fetch from the edge, all at once
-       hit  ─► verified segment KV, computed alone at positions 0..n-1
-       miss ─► prefill that document alone here, Put it as a segment (background), use it
+       hit  ─► verified segment KV, computed after the model's lead (kdn.segments)
+       miss ─► prefill that document after the lead here, Put it as a segment (background), use it
     prefix ─► prefilled here (it sits at position 0, so its KV is exact)
     kdn.blend.place  ─► keys rotated to where each document now sits (naive concatenation)
     kdn.blend.blend  ─► recompute the share of document tokens the model's verdict names
@@ -15,7 +15,7 @@ blended KV is specific to it. An engine that only loads KV (vLLM) gets the same 
 store instead (:mod:`kdn.origin.blend`, :mod:`kdn.integrations.vllm_blend`).
 
 Invariants:
-- blended KV is never written back: only segments (each document's own KV, computed alone) are
+- blended KV is never written back: only segments (each document's own KV, computed after the lead) are
   Put, so 200 prompts over 50 documents store 50 segments, not 200 contexts;
 - blending needs a passing verdict for the model (``kdn eval-blend``, :mod:`kdn.blend.verdict`):
   without one the request falls back to prefix reuse of the concatenated prompt and says so in
@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kdn.blend import Deviation, Policy, blend, check_model, place, prefill_segment
+from kdn.blend import Deviation, Policy, blend, check_model, place, prefill_document, prefill_segment
 from kdn.blend.verdict import read_verdict
 from kdn.client import LOG, KdnClient
 from kdn.errors import InvalidInput, KdnError, NotFound
@@ -133,8 +133,8 @@ def generate_with_documents(
     with torch.inference_mode():
         for key, d, r in zip(keys, docs, results):
             if isinstance(r, NotFound):
-                kv = prefill_segment(km.model, d).to(shape.dtype)  # (L, 2, H, n, D), computed alone
-                seg = Segment(key, tuple(d), kv)
+                kv, start = prefill_document(km.model, d)  # (L, 2, H, n, D) after the model's lead
+                seg = Segment(key, tuple(d), kv.to(shape.dtype), start)
                 missed += 1
                 if options.put_segments:
                     written |= client.schedule_put(km.fingerprint, key, encode_segment(seg, fingerprint=km.fingerprint,
@@ -143,7 +143,7 @@ def generate_with_documents(
                 return fallback(f"KDN segment fetch failed ({type(r).__name__}: {r}); recomputing the whole prompt "
                                 "locally", use_client=False)
             else:
-                seg = Segment(key, tuple(d), r[0])
+                seg = Segment(key, tuple(d), r[0], r[2])
                 fetched += 1
                 n_bytes += r[1]
             segments.append(seg)

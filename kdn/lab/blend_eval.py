@@ -7,10 +7,16 @@ For held-out prompts ``[prefix][doc_1 … doc_n][question]`` it runs, on the sam
   longest chunk prefix an earlier prompt computed (keys of :func:`kdn.keys.chunk_keys`) and
   computes the rest. Exact; its reuse share is measured on every prompt, its logits (a prefill in
   two parts: the hit, then the rest over it) on the first ``--prefix-prompts``;
-- ``naive`` — segments re-placed (keys rotated) and concatenated, nothing recomputed;
-- ``first-k`` — EPIC-style: the first ``k`` tokens of each segment recomputed;
-- ``blend@r`` — CacheBlend's deviation rule at recompute ratios ``r`` (default 5/15/30%);
-- ``random@0.15`` — the control: as many tokens as blend@15%, the same passes, chosen at random;
+- ``naive`` — each document prefilled alone (nothing before it: what a store of independently
+  computed chunks holds, as in LMCache's CacheBlend and EPIC), re-placed (keys rotated) and
+  concatenated, nothing recomputed;
+- ``first-k`` — EPIC-style: the first ``k`` tokens of each alone-prefilled document recomputed;
+- ``naive+lead`` — KDN's segments (each document prefilled after the model's lead token,
+  :func:`kdn.segments.segment_lead`) concatenated, nothing recomputed;
+- ``blend@r`` — CacheBlend's deviation rule at recompute ratios ``r`` (default 5/15/30%) over
+  KDN's segments;
+- ``random@0.15`` — the control: as many tokens as blend@15%, the same segments and passes,
+  chosen at random;
 - ``blend@1`` — every token recomputed: must equal full prefill (a correctness check, on the
   first ``--check-prompts``; its largest logit difference to full is reported).
 
@@ -54,7 +60,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kdn.blend import Deviation, FirstK, Naive, Policy, Random, blend, place, prefill_segment
+from kdn.blend import Deviation, FirstK, Naive, Policy, Random, blend, place, prefill_document, prefill_segment
 from kdn.blend.verdict import MIN_ACCURACY_KEPT, MIN_AGREEMENT, Verdict, write_verdict
 from kdn.console import plain, report_error
 from kdn.errors import InvalidInput, KdnError
@@ -203,16 +209,19 @@ def needle_cases(lm: LoadedModel, n: int, n_docs: int, doc_tokens: int, seed: in
 @dataclass(frozen=True, slots=True)
 class Method:
     """One way of answering a prompt. ``policy``: how segments are blended (None: ``full`` or
-    ``prefix-only``); ``subset``: which prompts it runs on (``all``, ``check``, ``prefix``)."""
+    ``prefix-only``); ``subset``: which prompts it runs on (``all``, ``check``, ``prefix``);
+    ``alone``: over documents prefilled alone instead of KDN's segments (after the lead)."""
 
     name: str
     policy: Callable[[Case], Policy] | None = None
     subset: str = "all"
+    alone: bool = False  # blend segments prefilled with nothing before them (the baselines' segments)
 
 
 def methods(ratios: Sequence[float] = DEFAULT_RATIOS, *, first_k: int = 16, check_layer: int = 1) -> list[Method]:
-    out = [Method("full"), Method("prefix-only", subset="prefix"), Method("naive", lambda c: Naive()),
-           Method(f"first-{first_k}", lambda c: FirstK(first_k))]
+    out = [Method("full"), Method("prefix-only", subset="prefix"), Method("naive", lambda c: Naive(), alone=True),
+           Method(f"first-{first_k}", lambda c: FirstK(first_k), alone=True),
+           Method("naive+lead", lambda c: Naive())]
     out += [Method(f"blend@{r:g}", lambda c, r=r: Deviation(r, check_layer)) for r in ratios]
     out.append(Method(f"random@{CONTROL_RATIO:g}",
                       lambda c: Random(CONTROL_RATIO, check_layer, seed=int(c.id[:8], 16))))
@@ -242,22 +251,30 @@ class EvalStore:
                     except (ValueError, KeyError, TypeError):
                         continue  # a line cut by a killed run: that result is computed again
 
-    def segment(self, doc: tuple[int, ...]) -> Segment:
-        seg = self._segs.get(doc)
+    def segment(self, doc: tuple[int, ...], *, alone: bool = False) -> Segment:
+        """KDN's segment of ``doc`` (after the model's lead), or with ``alone`` the document
+        prefilled with nothing before it (the baselines')."""
+        seg = self._segs.get((doc, alone))
         if seg is not None:
             return seg
         key = segment_key(doc, fingerprint=self.lm.fingerprint, namespace=DEFAULT_NAMESPACE)
-        path = self.root / "segments" / f"{bytes(key).hex()}.safetensors" if self.root is not None else None
-        kv = None
+        name = f"{'alone-' if alone else ''}{bytes(key).hex()}.safetensors"
+        path = self.root / "segments" / name if self.root is not None else None
+        kv = start = None
         if path is not None and path.is_file():
             from safetensors.torch import load_file
 
-            kv = load_file(str(path)).get("kv")
-        if kv is None or tuple(kv.shape[3:4]) != (len(doc),):
-            kv = prefill_segment(self.lm.model, doc)  # (L, 2, H, n, D), alone at positions 0..n-1
+            got = load_file(str(path))
+            kv, start = got.get("kv"), got.get("start")
+        if kv is None or start is None or tuple(kv.shape[3:4]) != (len(doc),):
+            if alone:
+                kv, s0 = prefill_segment(self.lm.model, doc), 0  # (L, 2, H, n, D) at positions 0..n-1
+            else:
+                kv, s0 = prefill_document(self.lm.model, doc)  # (L, 2, H, n, D) after the lead
+            start = torch.tensor(s0)
             if path is not None:
-                _save_tensors(path, {"kv": kv})
-        seg = self._segs[doc] = Segment(key, doc, kv)
+                _save_tensors(path, {"kv": kv, "start": start})
+        seg = self._segs[(doc, alone)] = Segment(key, doc, kv, int(start))
         return seg
 
     def full(self, case: Case) -> tuple[torch.Tensor, float]:
@@ -294,8 +311,9 @@ def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     tmp.replace(path)
 
 
-def _blended(lm: LoadedModel, case: Case, store: EvalStore, policy: Policy) -> tuple[torch.Tensor, Any, float]:
-    segments = [store.segment(d) for d in case.docs]
+def _blended(lm: LoadedModel, case: Case, store: EvalStore, policy: Policy, *, alone: bool = False
+             ) -> tuple[torch.Tensor, Any, float]:
+    segments = [store.segment(d, alone=alone) for d in case.docs]
     pre = list(case.prefix)
     pkv = prefill_segment(lm.model, pre) if pre else None  # position 0: exact (a prefix hit in practice)
     t0 = time.perf_counter()
@@ -384,7 +402,7 @@ def evaluate(lm: LoadedModel, cases: Sequence[Case], *, store: EvalStore | None 
                 reu = hits[i] / prompt_tokens
             else:
                 assert m.policy is not None
-                logits, stats, secs = _blended(lm, case, store, m.policy(case))
+                logits, stats, secs = _blended(lm, case, store, m.policy(case), alone=m.alone)
                 rec, cmp_ = stats.recompute_fraction, stats.layer_token_fraction
                 reu = (doc_tokens - stats.selected) / prompt_tokens
             right, exact, agree, kl = _score(logits, ref, case)
@@ -560,9 +578,10 @@ def run(model: str, *, prompts: int, docs: int, doc_tokens: int, ratios: Sequenc
         digest = hashlib.blake2b(json.dumps([task, docs, doc_tokens, seed, split, answer_tokens]).encode(),
                                  digest_size=6).hexdigest()
         cache = cache_root() / "blend-eval" / bytes(lm.fingerprint).hex()[:16] / f"{task}-{digest}"
-    # segments and full-prefill logits do not depend on the blend settings; results do
+    # segments and full-prefill logits do not depend on the blend settings; results do, and on
+    # how segments are prefilled (seg2: after the model's lead token)
     store = EvalStore(lm, cache if isinstance(cache, Path) else None,
-                      results=f"results-cl{check_layer}-k{first_k}.jsonl")
+                      results=f"results-seg2-cl{check_layer}-k{first_k}.jsonl")
     t0 = time.perf_counter()
     done = evaluate(lm, cases, store=store, method_list=mlist, check_prompts=check_prompts,
                     prefix_prompts=prefix_prompts, budget_s=budget_s, progress=progress)

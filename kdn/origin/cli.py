@@ -83,7 +83,7 @@ def main_ingest(argv: list[str]) -> int:
                         "needs marks and the model's calibration from `kdn eval-steer`) or re-read (the model reads "
                         "the document, or its marked lines, twice). Clients get it only by naming its variant id")
     p.add_argument("--segments", action="store_true",
-                   help="also store each document as a segment: its KV computed alone, reusable anywhere in a prompt "
+                   help="also store each document as a segment: its KV computed on its own, reusable anywhere in a prompt "
                         "and in any order; the origin then blends prompts made of stored documents (docs/blend.md)")
     p.add_argument("--emphasize-regex", metavar="RX", default="", help="mark the lines that match RX")
     p.add_argument("--emphasize-spans", metavar="S:E,...", default="", help="mark token spans [S, E)")

@@ -1,7 +1,7 @@
-"""Origin-side segments: each document's KV prefilled alone, stored once, and recognised in prompts.
+"""Origin-side segments: each document's KV prefilled on its own, stored once, and recognised in prompts.
 
 Beside the prefix chains of :mod:`kdn.origin.ingest`, a document meant to be reused anywhere in a
-prompt (:mod:`kdn.segments`) is prefilled **alone**, at positions ``0..n-1``, and stored as one
+prompt (:mod:`kdn.segments`) is prefilled after the model's lead token and nothing else, and stored as one
 artifact under its segment key. The origin store and the edges keep it as opaque bytes by key, so
 ``Fetch``/``Lookup``/``Put`` and every hint (pin, TTL, priority, scheduled prefetch) work on it
 unchanged. A manifest row ``<doc_id>#segment`` names the segment key, so a hint by document name
@@ -40,7 +40,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kdn.blend import prefill_segment
+from kdn.blend import prefill_document
 from kdn.errors import InvalidInput
 from kdn.keys import ModelFingerprint, Namespace, tokens_u32
 from kdn.models import LoadedModel
@@ -186,14 +186,14 @@ def segment_tokens(lm: LoadedModel, text: str) -> list[int]:
 
 def store_segment(lm: LoadedModel, store: OriginStore, catalog: SegmentCatalog, tokens: Sequence[int], *,
                   namespace: Namespace, doc_id: str, codecs: Sequence[str] = ("raw",)) -> SegmentIngest:
-    """Store ``tokens`` as a segment (prefilled alone) unless it is stored, and catalogue it."""
+    """Store ``tokens`` as a segment (prefilled after the model's lead) unless it is stored, and catalogue it."""
     key = segment_key(tokens, fingerprint=lm.fingerprint, namespace=namespace)
     existing = store.variants(key, tenant=namespace.tenant)
     if existing:
         catalog.record(namespace.tenant, lm.fingerprint, key, tokens, doc_id)
         return SegmentIngest(doc_id, key, len(tokens), existing[0].size, False)
-    kv = prefill_segment(lm.model, list(tokens))  # (L, 2, H, n, D), alone at positions 0..n-1
-    seg = Segment(key, tuple(int(t) for t in tokens), kv)
+    kv, start = prefill_document(lm.model, list(tokens))  # (L, 2, H, n, D) after the model's lead
+    seg = Segment(key, tuple(int(t) for t in tokens), kv, start)
     size = 0
     for codec in codecs:
         size += store.put(encode_segment(seg, fingerprint=lm.fingerprint, codec=codec), tenant=namespace.tenant).size

@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdn.blend import Deviation, FirstK, Glue, Naive, Random, blend, place, prefill_segment, rope_spec
+from kdn.blend import (
+    Deviation, FirstK, Glue, Naive, Random, blend, place, prefill_document, prefill_segment, rope_spec,
+)
 from kdn.blend.verdict import Verdict, read_verdict, write_verdict
 from kdn.client import ClientConfig, KdnClient
 from kdn.testing import MemoryEdgeTransport
@@ -20,7 +22,7 @@ from kdn.errors import UnsupportedModel
 from kdn.integrations.blend import BlendOptions
 from kdn.integrations.transformers import generate, prepare
 from kdn.keys import DEFAULT_NAMESPACE
-from kdn.segments import Segment, encode_segment, segment_key
+from kdn.segments import Segment, encode_segment, segment_key, segment_lead
 
 
 def _llama(rope: dict | None = None, **kw):
@@ -90,26 +92,50 @@ def test_a_model_that_rotates_differently_is_caught_by_the_check() -> None:
         rope_spec(glm)
 
 
-def test_segment_at_position_zero_is_prefix_reuse_bit_exact(tiny_model) -> None:
+def test_segment_right_after_the_lead_is_prefix_reuse_bit_exact(tiny_model) -> None:
+    """A segment is prefilled after the model's lead token (its BOS): placed right after that
+    token, naive concatenation is the KV a prefill of ``lead + document`` gives, bit for bit."""
     model = tiny_model.model
+    lead = list(segment_lead(model.config))
+    assert lead == [model.config.bos_token_id]
     doc, q = _ids(40, 2), _ids(6, 3)
-    seg = Segment(segment_key(doc, fingerprint=tiny_model.fingerprint, namespace=DEFAULT_NAMESPACE), tuple(doc),
-                  prefill_segment(model, doc))
-    layout = place(model, [seg])
+    kv, start = prefill_document(model, doc)
+    assert start == len(lead) and kv.shape[3] == len(doc)
+    seg = Segment(segment_key(doc, fingerprint=tiny_model.fingerprint, namespace=DEFAULT_NAMESPACE), tuple(doc), kv,
+                  start)
+    layout = place(model, [seg], prefix_tokens=lead, prefix_kv=prefill_segment(model, lead))
     cache, stats = blend(model, layout, Naive())
     with torch.inference_mode():
-        ref = model(input_ids=torch.tensor([doc]), use_cache=True).cache
+        ref = model(input_ids=torch.tensor([lead + doc]), use_cache=True).cache
+    a = len(lead)
     for got, want in zip(cache.layers, ref.layers):
-        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        # the document's KV bit for bit; the lead's own (a prefix, prefilled alone) to rounding
+        assert torch.equal(got.keys[:, :, a:], want.keys[:, :, a:])
+        assert torch.equal(got.values[:, :, a:], want.values[:, :, a:])
+        assert torch.allclose(got.keys, want.keys, atol=1e-6) and torch.allclose(got.values, want.values, atol=1e-6)
     # and the generated tokens equal prefix reuse of the same document
     edge = MemoryEdgeTransport()
     with KdnClient(ClientConfig(edge="mem"), transport=edge) as client:
         opts = BlendOptions(policy=Naive())
-        blended = generate(tiny_model, q, documents=[doc], client=client, blend=opts, max_new_tokens=6)
-        again = generate(tiny_model, q, documents=[doc], client=client, blend=opts, max_new_tokens=6)
-    full = generate(tiny_model, doc + q, max_new_tokens=6)
+        blended = generate(tiny_model, q, documents=[doc], prefix=lead, client=client, blend=opts, max_new_tokens=6)
+        again = generate(tiny_model, q, documents=[doc], prefix=lead, client=client, blend=opts, max_new_tokens=6)
+    full = generate(tiny_model, lead + doc + q, max_new_tokens=6)
     assert blended.tokens == again.tokens == full.tokens
     assert again.reused_tokens == len(doc) and again.via == "blend:naive"
+
+
+def test_a_segment_is_prefilled_after_the_lead_not_alone(tiny_model) -> None:
+    """The stored KV is not the document's KV alone: every later token read the lead first."""
+    model = tiny_model.model
+    doc = _ids(24, 4)
+    kv, start = prefill_document(model, doc)
+    alone = prefill_segment(model, doc)
+    assert start == 1
+    per_token = (kv[1:, 1] - alone[1:, 1]).abs().amax(dim=(0, 1, 3))  # values past layer 0, (n,)
+    assert bool((per_token > 1e-6).all())
+    assert torch.equal(kv[0, 1], alone[0, 1])  # layer 0's values depend on the token alone
+    assert segment_lead(type("C", (), {"bos_token_id": None})()) == ()
+    assert segment_lead(type("C", (), {"bos_token_id": True})()) == ()
 
 
 def test_recomputing_every_token_is_a_full_prefill(tiny_mha_model) -> None:

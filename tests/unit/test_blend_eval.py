@@ -143,7 +143,7 @@ def test_eval_blend_scores_every_method_and_writes_a_verdict(tiny_retrieval: Pat
     out = json.loads(capsys.readouterr().out)
     assert out["task"] == "retrieval" and out["prompts"] == out["prompts_done"] == 4
     names = set(out["methods"])
-    assert {"full", "prefix-only", "naive", "first-16", "blend@0.05", "blend@0.15", "blend@0.3", "random@0.15",
+    assert {"full", "prefix-only", "naive", "first-16", "naive+lead", "blend@0.05", "blend@0.15", "blend@0.3", "random@0.15",
             "blend@1"} == names
     full = out["methods"]["full"]
     assert full["agreement"] == 1.0 and full["kl"] == 0.0 and full["prompts"] == 4
@@ -173,11 +173,11 @@ def test_a_run_cut_by_its_budget_resumes_from_the_cache_and_computes_nothing_twi
     assert blend_eval.main(argv + ["--budget-s", "0"]) == 0
     cut = json.loads(capsys.readouterr().out)
     assert cut["prompts_done"] == 1  # the budget is checked between prompts: the first always runs
-    rows = (tmp_path / "c" / "results-cl1-k16.jsonl").read_text().splitlines()
+    rows = (tmp_path / "c" / "results-seg2-cl1-k16.jsonl").read_text().splitlines()
     assert blend_eval.main(argv) == 0
     done = json.loads(capsys.readouterr().out)
     assert done["prompts_done"] == 3 and done["methods"]["full"]["prompts"] == 3
-    after = (tmp_path / "c" / "results-cl1-k16.jsonl").read_text().splitlines()
+    after = (tmp_path / "c" / "results-seg2-cl1-k16.jsonl").read_text().splitlines()
     assert after[: len(rows)] == rows and len({(json.loads(r)["case"], json.loads(r)["method"]) for r in after}) == len(after)
     assert len(list((tmp_path / "c" / "full").glob("*.safetensors"))) == 3
 

@@ -69,7 +69,7 @@ def test_corrupt_wrong_model_wrong_length_and_chain_chunks_are_refused() -> None
 
 
 def test_origin_ingests_a_segment_once_and_an_edge_store_serves_and_pins_it(tiny_model, tmp_path) -> None:
-    from kdn.blend import prefill_segment
+    from kdn.blend import prefill_document
     from kdn.edge.config import EdgeConfig
     from kdn.edge.store import MemoryTier, TieredStore
     from kdn.origin.segments import ingest_segments
@@ -85,7 +85,8 @@ def test_origin_ingests_a_segment_once_and_an_edge_store_serves_and_pins_it(tiny
         assert store.document(NS.tenant, tiny_model.fingerprint, "manual#segment").keys == (first[0].key,)
     toks = document_tokens(tiny_model, text)
     seg = decode_segment(data, toks, key=first[0].key, fingerprint=tiny_model.fingerprint)
-    assert torch.equal(seg.kv, prefill_segment(tiny_model.model, toks))
+    kv, start = prefill_document(tiny_model.model, toks)
+    assert torch.equal(seg.kv, kv) and seg.start == start == 1  # after the model's lead token
     edge = TieredStore([MemoryTier(len(data) * 4)], policy=EdgeConfig.default("policy"))
     edge.put(data, tenant=NS.tenant)
     assert edge.pin([ChunkKey(first[0].key)], tenant=NS.tenant) == 1
