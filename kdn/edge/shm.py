@@ -119,7 +119,11 @@ class ShmPool:
                     self._segments.move_to_end(ident)
                     self.reused += 1
                     return seg.ref
-                self.changed += 1  # rewritten, replaced or gone: written afresh below
+                # rewritten, replaced or gone: dropped now, so a concurrent publication of this key
+                # neither counts it again nor hands it out, and written afresh below
+                del self._segments[ident]
+                self._drop(seg)
+                self.changed += 1
         if len(data) > self._max_bytes:
             raise Unavailable(f"artifact of {len(data)} bytes exceeds the shm budget {self._max_bytes}")
         name = f"kdn-{self._node}-{os.getpid()}-{secrets.token_hex(8)}"

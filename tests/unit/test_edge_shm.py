@@ -250,3 +250,35 @@ def test_concurrent_first_publications_of_a_key_all_get_a_live_segment(tmp_path:
         art.close()
         assert len(list(tmp_path.iterdir())) == 1  # the files that lost were removed
     pool.close()
+
+
+def test_a_changed_segment_found_by_concurrent_fetches_counts_once(tmp_path: Path) -> None:
+    """Fetches of one key that all find its segment rewritten (a same-host read-ahead and its
+    confirmation arrive together) drop it once, count it once, and all get one fresh segment."""
+    chain = make_chain(1, shape=(4, 8, 128, 64))
+    pool = _pool(tmp_path, "race")
+    for attempt in range(10):
+        ref = pool.publish("default", chain.keys[0], chain.blobs[0])
+        path = _file(tmp_path, ref)
+        path.chmod(0o600)
+        with open(path, "r+b") as f:
+            f.write(_forgery(chain.blobs[0]))
+        path.chmod(0o400)
+        start = threading.Barrier(4)
+        refs: list[str] = []
+
+        def publish() -> None:
+            start.wait()
+            refs.append(pool.publish("default", chain.keys[0], chain.blobs[0]))
+
+        threads = [threading.Thread(target=publish) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert pool.changed == attempt + 1, f"attempt {attempt}: counted {pool.changed}"
+        assert len(set(refs)) == 1 and refs[0] != ref
+        with open_segment(refs[0], expect_key=chain.keys[0], directory=str(tmp_path)) as art:
+            assert bytes(art.data) == chain.blobs[0]
+        assert len(list(tmp_path.iterdir())) == 1  # the changed file and the losers' files are gone
+    pool.close()
