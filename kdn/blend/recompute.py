@@ -295,29 +295,34 @@ def _mask(q_pos: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     return m.view(1, 1, *allowed.shape)
 
 
-def _run_layer(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV, inner: Any, n: int,
-               attn: str) -> torch.Tensor:
-    """One decoder layer over the hidden states ``h`` ``(1, S, hidden)`` of positions ``q_pos`` ``(S,)``.
+def _mask_for(q_pos: torch.Tensor, n: int, attn: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask :func:`_run_layer` gives the layer for positions ``q_pos``: none when ``q_pos`` is
+    every position ``0..n-1`` under SDPA (the kernel is causal by itself there, ``is_causal``,
+    without materialising ``(S, N)``); the explicit :func:`_mask` otherwise (eager attention
+    applies exactly the mask it is given). The positions change only at the check layer, so a
+    pass builds it at most twice, not once per layer."""
+    everything = q_pos.numel() == n  # q_pos is sorted and distinct: it is arange(n)
+    return None if everything and attn == "sdpa" else _mask(q_pos, n, dtype)
 
-    The layer always gets the explicit mask of :func:`_mask`, except when ``q_pos`` is every
-    position ``0..n-1`` under SDPA: there ``attention_mask=None`` makes the kernel causal by
-    itself (``is_causal``) without materialising the ``(S, N)`` mask. Eager attention applies
-    exactly the mask it is given, so it always gets one."""
+
+def _run_layer(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV, inner: Any,
+               mask: torch.Tensor | None) -> torch.Tensor:
+    """One decoder layer over the hidden states ``h`` ``(1, S, hidden)`` of positions ``q_pos``
+    ``(S,)``, with ``mask`` from :func:`_mask_for`."""
     pos_ids = q_pos.unsqueeze(0)  # (1, S)
     cos, sin = inner.rotary_emb(h, position_ids=pos_ids)  # (1, S, r) each
     mixed.idx = q_pos
-    everything = q_pos.numel() == n  # q_pos is sorted and distinct: it is arange(n)
-    mask = None if everything and attn == "sdpa" else _mask(q_pos, n, h.dtype)
     out = forward(layer, h, attention_mask=mask, position_ids=pos_ids, cache=mixed, use_cache=True,
-                position_embeddings=(cos, sin))
+                  position_embeddings=(cos, sin))
     return out[0] if isinstance(out, tuple) else out  # (1, S, hidden)
 
 
-def _project(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV, inner: Any, n: int, attn: str):
-    """Fresh K/V ``(1, H, S, D)`` of one layer for ``h``: the layer runs up to its cache update."""
+def _project(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV, inner: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh K/V ``(1, H, S, D)`` of one layer for ``h``: the layer runs up to its cache update,
+    before attention, so it needs no mask."""
     mixed.capture = True
     try:
-        _run_layer(layer, h, q_pos, mixed, inner, n, attn)
+        _run_layer(layer, h, q_pos, mixed, inner, None)
     except _Captured:
         pass
     finally:
@@ -368,11 +373,12 @@ def blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats]:
         ids = torch.tensor(layout.tokens, dtype=torch.long)
         h = inner.embed_tokens(ids[active].unsqueeze(0))  # (1, S, hidden)
         check = policy.check_layer if checked and A else -1
+        mask, mask_pos = None, None  # the mask of the positions in ``active`` (rebuilt when they change)
         for l, layer in enumerate(layers):
             if l == check:
                 past = active >= layout.prefix_len  # drop the prefix: its KV is exact
                 h, active = h[:, past], active[past]
-                k_new, v_new = _project(layer, h, active, mixed, inner, n, attn)  # (1, H, S, D) each
+                k_new, v_new = _project(layer, h, active, mixed, inner)  # (1, H, S, D) each
                 seg = ~is_glue[active]  # (S,) segment tokens among the active
                 keep = min(A, math.ceil(policy.ratio * A - 1e-9))
                 if isinstance(policy, Random):
@@ -393,7 +399,9 @@ def blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats]:
                 h, active = h[:, chosen], active[chosen]
             if not active.numel():
                 break
-            h = _run_layer(layer, h, active, mixed, inner, n, attn)
+            if mask_pos is not active:
+                mask, mask_pos = _mask_for(active, n, attn, h.dtype), active
+            h = _run_layer(layer, h, active, mixed, inner, mask)
             layer_tokens += int(is_cand[active].sum())
     cache = cache_from_layers(list(zip(mixed.keys, mixed.values)), model.config)
     selected = active[is_cand[active]] if active.numel() else active
