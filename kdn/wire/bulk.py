@@ -351,7 +351,14 @@ class BulkClient:
         await asyncio.get_running_loop().sock_sendall(lease.sock, REQUEST.pack(op, len(body)) + body)
 
     async def _answer(self, lease: _Lease) -> tuple[int, str, int]:
-        """The answer's ``(flags, text, size)``; a refusal raises and leaves the connection clean."""
+        """The answer's ``(flags, text, size)``; a refusal raises and leaves the connection clean.
+
+        Every request yields the event loop once here, between its request and its answer, so
+        requests in flight on one loop take turns. An answer that is already there when read
+        (common on loopback, and the rule after a shared-memory read-ahead) is received without
+        suspending, and a caller could otherwise run request after request while the others'
+        answers wait: 8 in flight, that held some requests for the whole burst (p99 100x p50)."""
+        await asyncio.sleep(0)
         loop = asyncio.get_running_loop()
         status, flags, text, size = await recv_answer_flags(loop, lease.sock, bytearray(ANSWER.size))
         if status:

@@ -559,3 +559,58 @@ def test_shared_memory_read_ahead_counts_only_once_the_edge_says_yes() -> None:
             assert t.shm_path.read_ahead == ahead
 
     asyncio.run(main())
+
+
+
+def test_fetches_in_flight_on_one_loop_take_turns(tmp_path: Any) -> None:
+    """Eight callers fetch from one same-host transport to an edge process, each taking the next
+    request when its last one is done. A shared-memory read-ahead leaves the edge's answer waiting
+    when it is read, so a fetch can complete without suspending: without a turn of the loop per
+    request, one caller ran request after request while the others' answers waited (some for the
+    whole run). Each caller must get a fair share of the requests."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.children import reap
+
+    # 1 MiB artifacts: reading one ahead takes longer than the edge takes to answer
+    chain = make_chain(16, seed=5, shape=(8, 8, 64, 64))
+    lanes, total = 8, 800
+    proc = subprocess.Popen([sys.executable, "-m", "kdn.edge.cli", "--listen", "127.0.0.1:0", "--node-id", "turns",
+                             "--memory-bytes", "256M"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    async def main() -> None:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
+        t = GrpcEdgeTransport(json.loads(line)["address"], shm=True)
+        try:
+            for key, blob in zip(chain.keys, chain.blobs):
+                assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
+            for i in range(len(chain.keys)):  # published and mapped: every later fetch reads ahead
+                await fetch_verified(t, chain, i)
+            done = [0] * lanes
+            taken = 0
+
+            async def lane(k: int) -> None:
+                nonlocal taken
+                while taken < total:
+                    i = taken % len(chain.keys)
+                    taken += 1
+                    reader = ArtifactReader(expect_fingerprint=chain.fingerprint, expect_key=chain.keys[i],
+                                            decode=False)
+                    assert (await t.fetch_into(chain.spec(i), reader, timeout=TIMEOUT)).via == "shm"
+                    reader.finish()
+                    done[k] += 1
+
+            await asyncio.gather(*(lane(k) for k in range(lanes)))
+            assert sum(done) == total and t.shm_path.read_ahead >= total // 2
+            assert min(done) >= total // lanes // 2, done  # a fair share each (a starved caller gets a few)
+        finally:
+            await t.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.terminate()
+        reap(proc)
