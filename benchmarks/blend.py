@@ -64,8 +64,9 @@ BlendOptions(policy=Deviation(0.15)))` (fetch, verify, re-place, recompute, ques
 full prefill: `generate(km, whole prompt)` without a client. TTFT inside `generate`; the two
 run back to back in alternating order; the ratio is per round.""",
     "blend-vllm": """vLLM 0.32 CPU, fp32, smollm2-135m, the prompts of blend-ttft (token ids). The origin runs
-in the benchmark's child process with the pool stored as segments (`store_segment`, not timed)
-and blends at the ratio of the model's verdict (`kdn eval-blend`); the KDN connector
+in the benchmark's child process with the pool stored as segments (`store_segment`, not timed),
+its prefill worker on every core (`worker_threads`), and blends at the ratio of the model's
+verdict (`kdn eval-blend`; `--timing-verdict`: one written for the run); the KDN connector
 (`blend_origin`) loads the variant for requests with `kv_transfer_params: {"kdn_blend": true}`
 and a `kdn-blend` cache salt. Full prefill: the same prompt with KDN off for the request. Prefix
 cache reset before every request; TTFT is `LLM.generate`'s wall time with `max_tokens=1`; the
@@ -332,8 +333,11 @@ def vllm_child(out: Path, rounds: int, timing_verdict: bool = False) -> int:
 
     model = model_dir(MODEL)
     tmp = Path(tempfile.mkdtemp(prefix="kdn-blend-origin-"))
+    # the origin blends while the engine waits for its KV: it gets the machine's cores, as vLLM's
+    # own prefill does (the default, one torch thread per prefill worker, halves its speed)
     origin = OriginServer(OriginConfig(store_dir=str(tmp / "store"), models=[str(model)], dtype="float32",
-                                       chunk_size=CHUNK, codecs=["raw"], listen="127.0.0.1:0", fsync=False))
+                                       chunk_size=CHUNK, codecs=["raw"], listen="127.0.0.1:0", fsync=False,
+                                       worker_threads=os.cpu_count() or 1))
     origin.start()
     try:
         lm = origin.model()
