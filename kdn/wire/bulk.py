@@ -357,7 +357,7 @@ class BulkClient:
         requests in flight on one loop take turns. An answer that is already there when read
         (common on loopback, and the rule after a shared-memory read-ahead) is received without
         suspending, and a caller could otherwise run request after request while the others'
-        answers wait: 8 in flight, that held some requests for the whole burst (p99 100x p50)."""
+        answers wait (tests/integration/test_bulk.py: the callers' shares)."""
         await asyncio.sleep(0)
         loop = asyncio.get_running_loop()
         status, flags, text, size = await recv_answer_flags(loop, lease.sock, bytearray(ANSWER.size))
