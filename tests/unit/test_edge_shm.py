@@ -14,6 +14,7 @@ from kdn.edge.config import EdgeConfig
 from kdn.edge.shm import ShmPool, open_segment
 from kdn.testing import make_chain
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, KdnError, Unavailable
+from kdn.keys import ChunkKey
 from tests.reframe import frame, split
 
 
@@ -223,27 +224,31 @@ def test_a_changed_segment_is_not_unlinked_by_the_pool(tmp_path: Path) -> None:
         open_segment(ref, directory=str(tmp_path))
 
 
+def _publish_together(pool: ShmPool, key: ChunkKey, blob: bytes, threads: int = 4) -> list[str]:
+    """The references ``threads`` threads get from publishing ``key`` at the same instant."""
+    start = threading.Barrier(threads)
+    refs: list[str] = []
+
+    def publish() -> None:
+        start.wait()
+        refs.append(pool.publish("default", key, blob))
+
+    running = [threading.Thread(target=publish) for _ in range(threads)]
+    for t in running:
+        t.start()
+    for t in running:
+        t.join()
+    return refs
+
+
 def test_concurrent_first_publications_of_a_key_all_get_a_live_segment(tmp_path: Path) -> None:
     """Two first fetches of one key may both write a segment; neither reference handed out may be
     unlinked by the other's publication (a client maps it after the answer)."""
-    import threading
-
     chain = make_chain(1, shape=(4, 8, 128, 64))  # 1 MiB: writing it takes long enough to overlap
     pool = _pool(tmp_path, "race")
     for attempt in range(20):
         pool.forget("default", chain.keys[0])
-        start = threading.Barrier(4)
-        refs: list[str] = []
-
-        def publish() -> None:
-            start.wait()
-            refs.append(pool.publish("default", chain.keys[0], chain.blobs[0]))
-
-        threads = [threading.Thread(target=publish) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        refs = _publish_together(pool, chain.keys[0], chain.blobs[0])
         assert len(set(refs)) == 1, f"attempt {attempt}: {len(set(refs))} segments handed out for one key"
         art = open_segment(refs[0], directory=str(tmp_path))
         assert bytes(art.data) == chain.blobs[0]
@@ -264,18 +269,7 @@ def test_a_changed_segment_found_by_concurrent_fetches_counts_once(tmp_path: Pat
         with open(path, "r+b") as f:
             f.write(_forgery(chain.blobs[0]))
         path.chmod(0o400)
-        start = threading.Barrier(4)
-        refs: list[str] = []
-
-        def publish() -> None:
-            start.wait()
-            refs.append(pool.publish("default", chain.keys[0], chain.blobs[0]))
-
-        threads = [threading.Thread(target=publish) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        refs = _publish_together(pool, chain.keys[0], chain.blobs[0])
         assert pool.changed == attempt + 1, f"attempt {attempt}: counted {pool.changed}"
         assert len(set(refs)) == 1 and refs[0] != ref
         with open_segment(refs[0], expect_key=chain.keys[0], directory=str(tmp_path)) as art:
