@@ -45,15 +45,20 @@ def main(argv: list[str]) -> int:
 
     import torch
 
+    # bfloat16 where vLLM's CPU attention kernel is one KDN reads ("vec"); on a CPU with AMX vLLM
+    # runs bfloat16 on its "amx" kernel, whose packed blocks the connector refuses, so float32
+    args.dtype = "float32" if torch.cpu._is_amx_tile_supported() else "bfloat16"
+    dtype = getattr(torch, args.dtype)
+
     from kdn.integrations.model_dir import save_builtin
     from kdn.integrations.vllm import engine_fingerprint
     from tests.vllm.faults import EdgeProc, FaultProxy
 
     C = args.chunk
     tmp = Path(tempfile.mkdtemp(prefix="kdn-vllm-cases-"))
-    model_dir = save_builtin(args.model, tmp / "model", dtype="bfloat16")
-    fp = engine_fingerprint(model_dir, torch.bfloat16, C)
-    results: dict[str, Any] = {"chunk": C, "block": args.block, "model": args.model, "cases": {}}
+    model_dir = save_builtin(args.model, tmp / "model", dtype=args.dtype)
+    fp = engine_fingerprint(model_dir, dtype, C)
+    results: dict[str, Any] = {"chunk": C, "block": args.block, "model": args.model, "dtype": args.dtype, "cases": {}}
 
     edge = EdgeProc(tmp)
     proxy = FaultProxy(edge)
@@ -88,7 +93,7 @@ def _run_cases(args: Any, results: dict[str, Any], model_dir: Path, fp: Any, edg
     t0 = time.time()
     kw: dict[str, Any] = {"device": args.device} if args.device else {}
     llm = LLM(
-        model=str(model_dir), dtype="bfloat16", enforce_eager=True, max_model_len=2048, block_size=args.block,
+        model=str(model_dir), dtype=args.dtype, enforce_eager=True, max_model_len=2048, block_size=args.block,
         enable_prefix_caching=True, max_num_seqs=4, seed=0, **kw,
         kv_transfer_config=KVTransferConfig(
             kv_connector="KdnConnector", kv_connector_module_path="kdn.integrations.vllm", kv_role="kv_both",
@@ -177,7 +182,7 @@ def _run_cases(args: Any, results: dict[str, Any], model_dir: Path, fp: Any, edg
 
     # 3. KV made by the origin's code path: HF transformers prefill (kdn.prefill) in bf16 from the
     # same directory, encoded as artifacts and Put; vLLM reuses them (same keys, same fingerprint)
-    lm = load_model(str(model_dir), dtype="bfloat16", chunk_size=C)
+    lm = load_model(str(model_dir), dtype=args.dtype, chunk_size=C)
     results["origin_fingerprint_equal"] = bytes(lm.fingerprint) == bytes(fp)
     ns_o = Namespace("tenant-origin")
     odoc = rand(6 * C)
@@ -204,7 +209,7 @@ def _run_cases(args: Any, results: dict[str, Any], model_dir: Path, fp: Any, edg
     vkeys = chunk_keys(np.asarray(odoc), fingerprint=fp, namespace=ns_v, chunk_size=C)
     diffs = []
     with edge_client(ns_v) as c:
-        shape = KVShape.from_config(lm.config, torch.bfloat16)
+        shape = KVShape.from_config(lm.config, getattr(torch, args.dtype))
         r = c.reuse(odoc, fingerprint=fp, kv_shape=shape, chunk_size=C)
         if r.kv is not None:
             hf = torch.cat(chunks, dim=3)[:, :, :, : r.tokens].float()  # (L, 2, H, N, D)

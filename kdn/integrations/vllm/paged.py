@@ -44,7 +44,8 @@ class PagedKV:
         if backend == "CPU_ATTN":
             if isa not in _CPU_ISAS or c != 2 * D:
                 raise ValueError(f"KDN does not know the block layout of vLLM's CPU attention kernel {isa!r} "
-                                 f"(supported: {', '.join(_CPU_ISAS)}); refusing rather than mixing up KV")
+                                 f"(supported: {', '.join(_CPU_ISAS)}); refusing rather than mixing up KV. On a CPU "
+                                 "with AMX vLLM runs bfloat16 on 'amx': serve with --dtype float32 (kernel 'vec')")
             region = kv.view(nb, H, 2, kb * D)  # per block and head: K's bytes, then V's
             k = region[:, :, 0].unflatten(-1, (D, kb)).transpose(-1, -2)  # stored [D, kb] -> [kb, D] view
             v = region[:, :, 1].unflatten(-1, (kb, D))
