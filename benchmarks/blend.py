@@ -342,15 +342,15 @@ def vllm_child(out: Path, rounds: int, timing_verdict: bool = False) -> int:
     try:
         lm = origin.model()
         v = read_verdict(lm.fingerprint)
-        if (v is None or not v.passed) and timing_verdict:
+        if v is None or not v.passed:
+            if not timing_verdict:
+                raise SystemExit(f"no passing blend verdict for {MODEL} fp32 (run kdn eval-blend first, or time "
+                                 f"the path with --timing-verdict): {v}")
             # timing only: a verdict in this run's own cache, so the store blends for the model
             # whatever its quality verdict says (the report says so); the user's cache is untouched
             os.environ["KDN_CACHE"] = str(tmp / "cache")
             v = Verdict(bytes(lm.fingerprint).hex(), True, RATIO, 1, reason="benchmarks/blend.py --timing-verdict")
             write_verdict(v)
-        elif v is None or not v.passed:
-            raise SystemExit(f"no passing blend verdict for {MODEL} fp32 (run kdn eval-blend first, or time the "
-                             f"path with --timing-verdict): {v}")
         pool = rag_pool(lm, 512, 16)
         for i, d in enumerate(pool):
             store_segment(lm, origin.store, origin.segment_catalog, d, namespace=DEFAULT_NAMESPACE, doc_id=f"pool-{i}")
