@@ -10,3 +10,33 @@ def reap(proc: subprocess.Popen, timeout: float = 30) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=timeout)
+
+
+def ready_line(proc: subprocess.Popen, what: str, timeout: float = 60.0) -> dict:
+    """The JSON object on ``proc``'s first stdout line (its "ready" event), read within ``timeout``
+    seconds; when none comes, ``proc`` is reaped and ``TimeoutError`` names ``what`` and its exit
+    status. Reads the raw descriptor, so ``proc.stdout`` may be text or bytes."""
+    import json
+    import os
+    import selectors
+    import time
+
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    end = time.monotonic() + timeout
+    line = b""
+    try:
+        while time.monotonic() < end and not line.endswith(b"\n"):
+            if not sel.select(timeout=max(0.0, end - time.monotonic())):
+                break
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            line += chunk
+    finally:
+        sel.close()
+    if not line.endswith(b"\n"):
+        reap(proc)
+        raise TimeoutError(f"{what} not ready within {timeout:g}s (rc={proc.poll()})")
+    return json.loads(line.splitlines()[0])

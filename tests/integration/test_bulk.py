@@ -572,7 +572,7 @@ def test_fetches_in_flight_on_one_loop_take_turns(tmp_path: Any) -> None:
     import subprocess
     import sys
 
-    from tests.children import reap
+    from tests.children import ready_line, reap
 
     # 1 MiB artifacts: reading one ahead takes longer than the edge takes to answer
     chain = make_chain(16, seed=5, shape=(8, 8, 64, 64))
@@ -581,9 +581,7 @@ def test_fetches_in_flight_on_one_loop_take_turns(tmp_path: Any) -> None:
                              "--memory-bytes", "256M"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
 
     async def main() -> None:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 60)
-        t = GrpcEdgeTransport(json.loads(line)["address"], shm=True)
+        t = GrpcEdgeTransport(ready_line(proc, "edge")["address"], shm=True)
         try:
             for key, blob in zip(chain.keys, chain.blobs):
                 assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import random
-import selectors
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from kdn.keys import ModelFingerprint, Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.proto import kdn_pb2_grpc as pbg
 from kdn.wire.tls import TlsFiles
+from tests.children import ready_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -58,23 +58,8 @@ class EdgeProc:
         self.proc = subprocess.Popen(self.args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
 
     def wait_ready(self, timeout: float = 60.0) -> str:
-        assert self.proc is not None and self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        end = time.monotonic() + timeout
-        line = b""
-        while time.monotonic() < end and not line.endswith(b"\n"):
-            if not sel.select(timeout=max(0.0, end - time.monotonic())):
-                break
-            chunk = os.read(self.proc.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            line += chunk
-        sel.close()
-        if not line.endswith(b"\n"):
-            self.kill()
-            raise TimeoutError(f"edge {self.node_id} not ready after {timeout}s (rc={self.proc.poll()})")
-        ready = json.loads(line.splitlines()[0])
+        assert self.proc is not None
+        ready = ready_line(self.proc, f"edge {self.node_id}", timeout)
         assert ready["event"] == "ready"
         self.address = ready["address"]
         return self.address

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from kdn.edge.admin import AsyncEdgeClient
 from kdn.testing import make_chain
-from tests.children import reap
+from tests.children import ready_line, reap
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,23 +21,7 @@ def _spawn(disk: Path) -> tuple[subprocess.Popen[bytes], str]:
             "--disk-dir", str(disk), "--disk-bytes", "64M", "--memory-bytes", "32M"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    line, end = b"", time.monotonic() + 60
-    while not line.endswith(b"\n") and time.monotonic() < end:
-        if not sel.select(timeout=max(0.0, end - time.monotonic())):
-            break
-        chunk = os.read(proc.stdout.fileno(), 4096)
-        if not chunk:
-            break
-        line += chunk
-    sel.close()
-    if not line.endswith(b"\n"):
-        reap(proc)
-        raise TimeoutError(f"edge not ready (rc={proc.poll()})")
-    return proc, json.loads(line.splitlines()[0])["address"]
-
+    return proc, ready_line(proc, "edge")["address"]
 
 def test_sigterm_then_restart_keeps_every_acknowledged_put(tmp_path: Path) -> None:
     chain = make_chain(300, seed=3)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.children import ready_line
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -43,24 +44,11 @@ class Proc:
     def __init__(self, args: list[str], timeout: float = 90.0) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        end = time.monotonic() + timeout
-        line = b""
-        while time.monotonic() < end and not line.endswith(b"\n"):
-            if not sel.select(timeout=max(0.0, end - time.monotonic())):
-                break
-            chunk = os.read(self.proc.stdout.fileno(), 4096)
-            if not chunk:
-                break
-            line += chunk
-        sel.close()
-        if not line.endswith(b"\n"):
-            self.kill()
+        try:
+            self.ready: dict[str, Any] = ready_line(self.proc, str(args[:4]), timeout)
+        except TimeoutError as exc:
             err = self.proc.stderr.read().decode()[-2000:] if self.proc.stderr else ""
-            raise RuntimeError(f"{args[:4]} not ready (rc={self.proc.poll()}): {err}")
-        self.ready: dict[str, Any] = json.loads(line.splitlines()[0])
+            raise RuntimeError(f"{exc}: {err}") from None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
