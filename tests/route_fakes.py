@@ -54,8 +54,9 @@ def fake_kv(tokens: list[int], shape: KVShape = SHAPE) -> list[tuple[torch.Tenso
 class FakeHost:
     def __init__(self, name: str, tok: Tokenizer, transport: EdgeTransport | None, *, s_per_token: float,
                  chunk_size: int, owned_by: str = "vllm", fingerprint: ModelFingerprint = FP,
-                 shape: KVShape = SHAPE) -> None:
+                 shape: KVShape = SHAPE, s_per_byte_loaded: float = 0.0) -> None:
         self.name = name
+        self.s_per_byte_loaded = s_per_byte_loaded  # the engine's cost of taking in loaded KV
         self.shape = shape
         self.fingerprint = fingerprint
         self.tok = tok
@@ -105,7 +106,7 @@ class FakeHost:
                 self.counters["reused_pieces"] += r.pieces
                 self.counters["fetched_bytes"] += r.bytes
                 computed = len(tokens) - reused
-                await asyncio.sleep(computed * self.s_per_token)
+                await asyncio.sleep(computed * self.s_per_token + r.bytes * self.s_per_byte_loaded)
                 self.client.schedule_write_back(fake_kv(tokens, self.shape), r.keys, fingerprint=self.fingerprint, chunk_size=self.chunk_size,
                                                 start=r.chunks, tokens=tokens, piece_start=r.pieces)
             else:

@@ -17,13 +17,13 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, NamedTuple, Sequence
 
 from kdn.route.config import HostSpec
 from kdn.route.edges import EdgeView
 from kdn.route.rates import LinkRates, PrefillFit
 
-__all__ = ["Host", "EngineRecord", "InFlight", "Status"]
+__all__ = ["Host", "EngineRecord", "InFlight", "Queued", "Status"]
 
 Status = Literal["starting", "up", "down", "not_vllm"]
 _ids = itertools.count(1)
@@ -69,6 +69,15 @@ class EngineRecord:
         return len(self._keys)
 
 
+class Queued(NamedTuple):
+    """The requests sent to a host and not yet answered, summed."""
+
+    tokens: float  # their prefill tokens
+    link_s: float  # their predicted link time
+    requests: int
+    load_bytes: float  # bytes of KV they load from the edge
+
+
 @dataclass(slots=True)
 class InFlight:
     """One forwarded request: its prefill tokens count as queued at the host until its first byte
@@ -76,10 +85,11 @@ class InFlight:
 
     id: int
     prefill_tokens: int
-    fetch_s: float
+    link_s: float  # predicted link time of its loads from the edge
     sent: float
     predicted_ttft_s: float
     stream: bool
+    load_bytes: int = 0  # bytes of KV it loads from the edge
     first_byte: float | None = None
 
     def queued(self, now: float) -> bool:
@@ -113,14 +123,16 @@ class Host:
     def usable(self) -> bool:
         return self.status == "up"
 
-    def queued(self, now: float | None = None) -> tuple[float, float, int]:
-        """``(prefill tokens, predicted fetch seconds, requests)`` sent here and not yet answered."""
+    def queued(self, now: float | None = None) -> Queued:
+        """What was sent here and is not yet answered."""
         now = time.monotonic() if now is None else now
         waiting = [r for r in self.active.values() if r.queued(now)]
-        return float(sum(r.prefill_tokens for r in waiting)), sum(r.fetch_s for r in waiting), len(waiting)
+        return Queued(float(sum(r.prefill_tokens for r in waiting)), sum(r.link_s for r in waiting), len(waiting),
+                      float(sum(r.load_bytes for r in waiting)))
 
-    def begin(self, prefill_tokens: int, fetch_s: float, predicted_ttft_s: float, stream: bool) -> InFlight:
-        r = InFlight(next(_ids), prefill_tokens, fetch_s, time.monotonic(), predicted_ttft_s, stream)
+    def begin(self, prefill_tokens: int, link_s: float, predicted_ttft_s: float, stream: bool,
+              load_bytes: int = 0) -> InFlight:
+        r = InFlight(next(_ids), prefill_tokens, link_s, time.monotonic(), predicted_ttft_s, stream, load_bytes)
         self.active[r.id] = r
         self.counters["routed"] += 1
         return r
@@ -143,5 +155,5 @@ class Host:
         now = time.monotonic()
         return {"name": self.name, "url": self.spec.url, "edge": self.spec.edge, "status": self.status,
                 "error": self.error, "model": self.model_id, "in_flight": len(self.active),
-                "queued_tokens": self.queued(now)[0], "prefill": self.fit.as_dict(), "links": self.links.as_dict(),
+                "queued_tokens": self.queued(now).tokens, "prefill": self.fit.as_dict(), "links": self.links.as_dict(),
                 "engine_record_keys": len(self.record), "counters": dict(self.counters)}

@@ -250,8 +250,9 @@ class Router:
         return [h for h in self.hosts if h.usable]
 
     def cost_of(self, host: Host, now: float | None = None) -> HostCost:
-        tokens, fetch_s, n = host.queued(now)
-        return HostCost(host.fit.s_per_token, host.links.rates(), tokens, fetch_s, n, host.fit.overhead_s)
+        q = host.queued(now)
+        return HostCost(host.fit.s_per_token, host.links.rates(), q.tokens, q.link_s, q.requests, host.fit.overhead_s,
+                        load_s_per_byte=host.fit.load_s_per_byte, queued_load_bytes=q.load_bytes)
 
     async def holdings(self, host: Host, chain: Chain, token: str | None) -> Holdings:
         """What ``host`` holds of ``chain``: the engine record's leading run, then its edge's answer."""
@@ -310,7 +311,8 @@ class Router:
                       for h, hd, cost in zip(hosts, held, costs))
         i = self.policy.choose(cands)
         est = cands[i].estimate
-        inflight = hosts[i].begin(est.prefill_tokens, est.fetch_s, est.ttft_s, req.stream) if reserve else None
+        inflight = (hosts[i].begin(est.prefill_tokens, est.link_s, est.ttft_s, req.stream, est.load_bytes)
+                    if reserve else None)
         return Plan(hosts[i], cands, i, shape, chain, costs[i], inflight)
 
     def remember(self, plan: Plan) -> None:
@@ -330,10 +332,10 @@ class Router:
     def observe_first_byte(self, plan: Plan, seconds: float) -> None:
         """A streamed answer's first byte came ``seconds`` after the request was sent."""
         plan.host.counters["first_bytes"] += 1
-        ahead = plan.cost
-        x = ahead.queued_tokens + plan.estimate.prefill_tokens
-        y = seconds - plan.estimate.fetch_s - ahead.queued_fetch_s
-        plan.host.fit.observe(x, max(0.0, y), ahead.queued_requests + 1)
+        ahead, est = plan.cost, plan.estimate
+        x = ahead.queued_tokens + est.prefill_tokens
+        y = seconds - est.link_s - ahead.queued_fetch_s  # the link time is the edges' measure; the rest is fitted
+        plan.host.fit.observe(x, max(0.0, y), ahead.queued_requests + 1, ahead.queued_load_bytes + est.load_bytes)
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.policy.name, "hosts": [h.describe() for h in self.hosts], "counters": dict(self.counters)}

@@ -12,7 +12,9 @@ sent where), ``memory`` / ``disk`` (the edge's own tiers), ``peer`` (another edg
 
 where ``queue`` is the work already sent to the host and not yet answered (its prefill tokens at
 the host's rate, its predicted fetches, one per-request overhead each) plus this request's own
-overhead, and ``fetch`` adds each artifact's bytes over its tier's measured link rate. ``j`` is chosen to minimise the sum: an artifact is used only when fetching it (and all
+overhead, and ``fetch`` adds each artifact's bytes over its tier's measured link rate plus the
+host's measured cost of taking a byte in (``load_s_per_byte``: the engine's side of a load, the
+same from every tier; nothing for KV already in the engine). ``j`` is chosen to minimise the sum: an artifact is used only when fetching it (and all
 before it: reuse is a prefix) is cheaper than recomputing its tokens, so a slow origin over a thin
 link is priced as the recompute it would lose to. vLLM computes a prompt's last token itself, so
 at most ``tokens - 1`` are loaded.
@@ -75,10 +77,12 @@ class HostCost:
     prefill_s_per_token: float  # seconds one prompt token of prefill costs this host
     link_bytes_per_s: Mapping[str, float]  # tier -> bytes/s at which KV from it reaches the engine
     queued_tokens: float = 0.0  # prefill tokens of the requests sent to the host and not yet answered
-    queued_fetch_s: float = 0.0  # their predicted fetch seconds
+    queued_fetch_s: float = 0.0  # their predicted link seconds (their load time is queued_load_bytes x load)
     queued_requests: int = 0  # how many they are
     overhead_s: float = 0.0  # per-request cost that does not grow with tokens (scheduling, first step)
     wait_s: float = 0.0  # seconds before the host can start on it, where known directly (a simulated GPU queue)
+    load_s_per_byte: float = 0.0  # the engine's cost of taking in one byte of KV from its edge, beyond the link
+    queued_load_bytes: float = 0.0  # bytes of KV the queued requests load from the edge
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,15 +91,22 @@ class Estimate:
 
     ttft_s: float
     queue_s: float
-    fetch_s: float
+    fetch_s: float  # link time and the engine's load time of the artifacts used
     prefill_s: float
     loaded_tokens: int  # tokens whose KV would be loaded (engine cache, edge, peer or origin)
     prefill_tokens: int  # tokens the host would compute
     fetch_bytes: dict[str, int] = field(default_factory=dict)  # tier -> bytes moved
     local_tokens: int = 0  # tokens held on the host itself (what prefix-overlap routing counts)
+    link_s: float = 0.0  # the link part of ``fetch_s`` (the rest is the engine's load time)
+
+    @property
+    def load_bytes(self) -> int:
+        """Bytes of KV the engine would take in from its edge (any tier but its own cache)."""
+        return sum(self.fetch_bytes.values())
 
     def as_dict(self) -> dict[str, object]:
-        return {"ttft_s": self.ttft_s, "queue_s": self.queue_s, "fetch_s": self.fetch_s, "prefill_s": self.prefill_s,
+        return {"ttft_s": self.ttft_s, "queue_s": self.queue_s, "fetch_s": self.fetch_s, "link_s": self.link_s,
+                "prefill_s": self.prefill_s,
                 "loaded_tokens": self.loaded_tokens, "prefill_tokens": self.prefill_tokens,
                 "fetch_bytes": dict(self.fetch_bytes), "local_tokens": self.local_tokens}
 
@@ -106,30 +117,33 @@ def estimate(shape: RequestShape, holdings: Holdings, host: HostCost) -> Estimat
     r = max(0.0, host.prefill_s_per_token)
     limit = max(0, shape.tokens - 1)  # the engine computes the last prompt token
     over = max(0.0, host.overhead_s)
-    queue_s = (max(0.0, host.queued_tokens) * r + max(0.0, host.queued_fetch_s) + (max(0, host.queued_requests) + 1) * over
-               + max(0.0, host.wait_s))
+    load = max(0.0, host.load_s_per_byte)
+    queue_s = (max(0.0, host.queued_tokens) * r + max(0.0, host.queued_fetch_s) + max(0.0, host.queued_load_bytes) * load
+               + (max(0, host.queued_requests) + 1) * over + max(0.0, host.wait_s))
     best_j, best_cost = 0, shape.tokens * r
-    fetch_s = 0.0
+    fetch_s = link_s = 0.0
     loaded = 0
-    costs: list[tuple[float, int]] = [(0.0, 0)]
+    costs: list[tuple[float, int, float]] = [(0.0, 0, 0.0)]
     for tier, tokens in holdings.segments(shape):
         if loaded >= limit:
             break
         take = min(tokens, limit - loaded)
         rate = host.link_bytes_per_s.get(tier, 0.0)
         if tier == "engine":
-            step = 0.0  # already in the engine's KV blocks
+            link = taken = 0.0  # already in the engine's KV blocks
         elif rate > 0 and math.isfinite(rate):
-            step = take * shape.kv_bytes_per_token / rate
+            link = take * shape.kv_bytes_per_token / rate
+            taken = take * shape.kv_bytes_per_token * load
         else:
             break  # a tier with no usable rate: priced as recompute from here on
-        fetch_s += step
+        link_s += link
+        fetch_s += link + taken
         loaded += take
-        costs.append((fetch_s, loaded))
+        costs.append((fetch_s, loaded, link_s))
         cost = fetch_s + (shape.tokens - loaded) * r
         if cost < best_cost:
             best_j, best_cost = len(costs) - 1, cost
-    f_s, n_loaded = costs[best_j]
+    f_s, n_loaded, l_s = costs[best_j]
     moved: dict[str, int] = {}
     at = 0
     for tier, tokens in holdings.segments(shape)[:best_j]:
@@ -140,4 +154,4 @@ def estimate(shape: RequestShape, holdings: Holdings, host: HostCost) -> Estimat
     prefill_tokens = shape.tokens - n_loaded
     prefill_s = prefill_tokens * r
     return Estimate(queue_s + f_s + prefill_s, queue_s, f_s, prefill_s, n_loaded, prefill_tokens, moved,
-                    holdings.local_tokens(shape))
+                    holdings.local_tokens(shape), l_s)

@@ -42,13 +42,14 @@ class Fleet:
 
 @contextlib.asynccontextmanager
 async def fleet(policy: str = "cost", *, owned_by: tuple[str, str] = ("vllm", "vllm"), connect_fails: str = "",
-                **cfg: Any) -> AsyncIterator[Fleet]:
+                s_per_byte_loaded: float = 0.0, **cfg: Any) -> AsyncIterator[Fleet]:
     overlay = InMemoryOverlay(2, replicas=2)
     await overlay.start()
     edges = [InProcessEdge(node=overlay.nodes[f"e{i}"]) for i in range(2)]
     tok = ChatByteTokenizer()
     hosts = {f"h{i}": FakeHost(f"h{i}", tok, GrpcEdgeTransport(f"inproc:e{i}", channel=edges[i].channel(), bulk=False),
-                               s_per_token=S_PER_TOKEN, chunk_size=C, owned_by=owned_by[i]) for i in range(2)}
+                               s_per_token=S_PER_TOKEN, chunk_size=C, owned_by=owned_by[i],
+                               s_per_byte_loaded=s_per_byte_loaded) for i in range(2)}
     config = RouteConfig.build({
         "hosts": [{"url": f"http://h{i}.test:8000", "edge": f"inproc:e{i}", "name": f"h{i}"} for i in range(2)],
         "chunk_size": C, "policy": policy, "calibrate_tokens": [], "prior_s_per_token": S_PER_TOKEN,
@@ -119,6 +120,40 @@ def test_document_requests_go_to_the_holder_then_to_the_peer_fetching_host_when_
             # ... and those fetches measured h1's peer link: the prior is replaced
             await f.router.read_rates(h1_view)
             assert "peer" in h1_view.links.measured and h1_view.links.rates()["peer"] != 1e6
+
+    asyncio.run(go())
+
+
+def test_the_engines_cost_of_loading_kv_is_measured_and_priced() -> None:
+    """Hosts whose engines take time to take in loaded KV (beyond the link time the edges measure):
+    the first bytes of streamed answers that loaded KV teach the router that cost, and its
+    estimates then include it."""
+    load_s = 0.3  # what taking in the document's KV costs an engine (recomputing it: ~0.58 s)
+    per_byte = load_s / (len(DOC) * SHAPE.bytes_per_token())
+
+    async def stream(f: Fleet, prompt: str) -> str:
+        async with f.front.stream("POST", "/v1/completions", json={"prompt": prompt, "stream": True}) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_raw():
+                pass
+            return r.headers["x-kdn-route-host"]
+
+    async def go() -> None:
+        async with fleet("cost", s_per_byte_loaded=per_byte) as f:
+            await ingest_at(f, "h0")
+            h0, h1 = f.router.hosts[:2]
+            h1.status = "down"  # h0 serves every request (no health loop runs here to bring h1 back)
+            assert h0.fit.load_s_per_byte == 0.0
+            for q in range(6):  # one at a time, alternately a fresh prompt and the document
+                assert await stream(f, f"fresh prompt number {q} " * (q + 1)) == "h0"
+                h0.record.clear()  # so the document is loaded from the edge, not found in the engine
+                assert await stream(f, DOC + f" Question {q}?") == "h0"
+            assert f.hosts["h0"].counters["reused_chunks"] >= 6 * 4
+            assert h0.fit.load_s_per_byte == pytest.approx(per_byte, rel=0.3)
+            h0.record.clear()
+            r = await f.front.post("/route/explain/completions", json={"prompt": DOC + " Next?"})
+            c = {c["host"]: c for c in r.json()["candidates"]}["h0"]
+            assert c["fetch_s"] - c["link_s"] == pytest.approx(load_s * c["loaded_tokens"] / len(DOC), rel=0.3)
 
     asyncio.run(go())
 

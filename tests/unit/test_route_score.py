@@ -127,6 +127,48 @@ def test_prefill_fit_separates_per_request_overhead_from_queued_tokens() -> None
     assert fit.s_per_token == pytest.approx(3e-3, rel=0.01) and fit.overhead_s == pytest.approx(0.08, rel=0.02)
 
 
+def test_prefill_fit_learns_the_engines_cost_of_loading_kv() -> None:
+    """Requests that loaded KV took longer than their prefill and link time say: the fit finds the
+    per-byte load cost beside the rate and overhead, and none where nothing was loaded."""
+    fit = PrefillFit(prior_s_per_token=1.0)
+    rng = random.Random(7)
+    for _ in range(30):  # calibration-like: no loads
+        x = rng.uniform(10, 2000)
+        fit.observe(x, 0.05 + 2e-3 * x)
+    assert fit.load_s_per_byte == 0.0
+    for _ in range(60):
+        m = rng.randint(1, 4)
+        x, z = m * rng.uniform(5, 300), m * rng.choice([0.0, 0.0, 20e6, 40e6])
+        fit.observe(x, 0.05 * m + 2e-3 * x + 10e-9 * z + rng.gauss(0, 0.003), m, z)
+    assert fit.load_s_per_byte == pytest.approx(10e-9, rel=0.05)  # 10 ms per MB
+    assert fit.s_per_token == pytest.approx(2e-3, rel=0.05) and fit.overhead_s == pytest.approx(0.05, rel=0.2)
+    assert fit.as_dict()["load_s_per_mb"] == pytest.approx(0.010, rel=0.05)
+
+
+def test_prefill_fit_keeps_every_part_non_negative() -> None:
+    fit = PrefillFit(prior_s_per_token=1.0)
+    rng = random.Random(9)
+    for _ in range(40):  # loads that made requests *faster* than their tokens say: no negative load
+        x, z = rng.uniform(100, 2000), rng.choice([0.0, 30e6])
+        fit.observe(x, 2e-3 * x - (0.02 if z else 0.0) + 0.03, 1, z)
+    assert fit.load_s_per_byte == 0.0 and fit.s_per_token > 0 and fit.overhead_s >= 0
+
+
+def test_the_engines_load_cost_prices_every_loaded_byte_and_the_queues() -> None:
+    held = Holdings(("memory", "memory", "peer"))
+    free = estimate(SHAPE, held, cost())
+    dear = estimate(SHAPE, held, HostCost(1e-3, RATES, load_s_per_byte=1e-7))
+    assert dear.link_s == pytest.approx(free.fetch_s) == pytest.approx(free.link_s)
+    assert dear.fetch_s == pytest.approx(free.fetch_s + 768_000 * 1e-7)
+    # at 1 us a byte loading costs more than recomputing: the estimate recomputes instead
+    e = estimate(SHAPE, held, HostCost(1e-3, RATES, load_s_per_byte=1e-6))
+    assert e.loaded_tokens == 0 and e.ttft_s == pytest.approx(1.0)
+    engine = estimate(SHAPE, Holdings(("engine", "engine", "engine")), HostCost(1e-3, RATES, load_s_per_byte=1e-6))
+    assert engine.loaded_tokens == 768 and engine.fetch_s == 0.0 and engine.load_bytes == 0
+    q = estimate(SHAPE, Holdings(), HostCost(1e-3, RATES, queued_load_bytes=2e6, queued_requests=1, load_s_per_byte=1e-7))
+    assert q.queue_s == pytest.approx(0.2)
+
+
 def test_queued_requests_cost_their_fetches_and_overheads() -> None:
     idle = estimate(SHAPE, Holdings(), HostCost(1e-3, RATES, overhead_s=0.05))
     busy = estimate(SHAPE, Holdings(), HostCost(1e-3, RATES, queued_tokens=100, queued_fetch_s=0.2, queued_requests=3,
