@@ -101,6 +101,7 @@ class Fleet:
         self.hosts: list[str] = []
         self.routers: dict[str, str] = {}
         self.start_s: dict[str, float] = {}
+        self.learnt: list[dict[str, Any]] = []  # the cost router's fitted rates per host, read at the end
 
     def spawn(self, cmd: list[str], *, group: bool = False, log: Path | None = None, env: dict[str, str] | None = None,
               ) -> subprocess.Popen[Any]:
@@ -325,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                           f"{res['median_ttft_s']:.2f}, p99 {res['p99_ttft_s']:.2f}, {res['req_per_s']:.2f} req/s, "
                           f"hosts {res['per_host']}, peer fetches {res['peer_fetches']:.0f}, failed {res['failed']}",
                           file=sys.stderr, flush=True)
+        if "cost" in fleet.routers:  # what the cost score had learnt of each host by the end
+            fleet.learnt = [{"prefill": h["prefill"], "links": h["links"]["bytes_per_s"]}
+                            for h in _get(fleet.routers["cost"] + "/route/stats")["hosts"]]
     finally:
         fleet.close()
         (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)
@@ -392,7 +396,14 @@ def record(summary: dict[str, Any], runs: list[dict[str, Any]], args: argparse.N
     loads = [x["load"][0] for x in runs] + [x["load"][1] for x in runs]
     rec.note(f"Engines started in {fleet.start_s.get('engines', 0):.0f} s; routers calibrated in "
              f"{fleet.start_s.get('calibration', 0):.0f} s; 1-minute load during the runs {min(loads):.1f}–{max(loads):.1f}.")
-    rec.doc["data"] = {"runs": runs}
+    learnt = fleet.learnt
+    if learnt:
+        rec.note("What the cost router had fitted by the end, per host: " + "; ".join(
+            f"host {i}: {h['prefill']['s_per_token'] * 1e3:.2f} ms/token, overhead {h['prefill']['overhead_s'] * 1e3:.0f} ms, "
+            f"load {h['prefill'].get('load_s_per_mb', 0.0) * 1e3:.1f} ms/MB, links (MB/s) "
+            + ", ".join(f"{t} {r / 1e6:.0f}" for t, r in sorted(h["links"].items()))
+            for i, h in enumerate(learnt)) + ".")
+    rec.doc["data"] = {"runs": runs, "learnt": learnt}
     rec.save(load_end=round(load_end, 2))
 
 
