@@ -102,10 +102,10 @@ NOT_HERE: list[tuple[str, str]] = [
      "needs the model `kdn model train-reference --task retrieval` trains; tests/unit/test_blend_eval.py runs it on a small one"),
     (r"^kdn query --edge 127\.0\.0\.1:50071 --model DIR --documents",
      "DIR is the retrieval model `kdn model train-reference --task retrieval` trains"),
-    (r"^kdn eval-steer --model ~/\.cache/kdn/retrieval-model",
-     "needs the model `kdn model train-reference --task retrieval` trains; tests/unit/test_steer_eval.py runs it on a small one"),
-    (r"^kdn ingest docs/ --model ~/\.cache/kdn/retrieval-model --emphasize key-edit",
-     "needs that retrieval model and its key-edit calibration (`kdn eval-steer`); "
+    (r"^kdn eval-steer --out ~/steer-eval",
+     "about 1.5 hours on 2 cores; tests/unit/test_steer_eval.py runs its stages on a small model"),
+    (r"^kdn ingest docs/ --emphasize key-edit",
+     "needs the model's key-edit calibration (`kdn eval-steer` above); "
      "tests/unit/test_origin_steer.py ingests key-edit variants with a calibrated small one"),
     (r"^python:.*from openai import OpenAI", "a client of the `vllm serve` above (needs vLLM)"),
 ]
