@@ -22,6 +22,7 @@ the equality this checks).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -136,12 +137,16 @@ def run(args: argparse.Namespace, tmp: Path, model: Path) -> int:
 def transformers_path(lm: Any, prompts: list[dict[str, Any]], edge: str, generate: Any, client_cls: Any,
                       config_cls: Any) -> list[dict[str, Any]]:
     out = []
-    with client_cls(config_cls(edge=edge, write_back=False)) as plain:
+    # one client per variant, kept open like the plain one: the TTFTs compare hits, not channel setups
+    steered_clients: dict[str, Any] = {}
+    with client_cls(config_cls(edge=edge, write_back=False)) as plain, contextlib.ExitStack() as stack:
         for p in prompts:
             ref = generate(lm, p["tokens"], max_new_tokens=MAX_TOKENS)
             hit = generate(lm, p["tokens"], client=plain, max_new_tokens=MAX_TOKENS)
-            with client_cls(config_cls(edge=edge, write_back=False, steer=p["variant"])) as steered_client:
-                steered = generate(lm, p["tokens"], client=steered_client, max_new_tokens=MAX_TOKENS)
+            if p["variant"] not in steered_clients:
+                steered_clients[p["variant"]] = stack.enter_context(
+                    client_cls(config_cls(edge=edge, write_back=False, steer=p["variant"])))
+            steered = generate(lm, p["tokens"], client=steered_clients[p["variant"]], max_new_tokens=MAX_TOKENS)
             out.append({"hf_alone": ref.tokens, "hf_plain": hit.tokens, "hf_plain_reused": hit.reused_tokens,
                         "hf_steered": steered.tokens, "hf_steered_reused": steered.reused_tokens,
                         "hf_steered_warnings": list(steered.warnings), "hf_plain_ttft_s": hit.timings.ttft_s,
