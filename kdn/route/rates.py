@@ -36,8 +36,8 @@ class PrefillFit:
     ``load`` is what a byte of KV costs the *engine* to take in (the connector receiving it and
     writing it into its blocks), beyond the link time the edge's counters measure; it starts at 0
     and is fitted only once requests that loaded KV have been observed. All three parts are kept
-    non-negative: a fit that gives one a negative value drops it (overhead, then load) and solves
-    for the rest."""
+    non-negative: when the full fit gives one a negative value, the fit without load is tried,
+    then the one without overhead, then the line through the origin."""
 
     _Z_SCALE = 1e-6  # bytes are fitted in MB, so the normal equations stay well scaled
 
@@ -87,7 +87,7 @@ class PrefillFit:
                         fit = got
                         break
             if fit is None:  # one distinct size seen (or no valid fit): the line through the origin
-                xx, xy = self._a[1, 1], self._b[1]
+                xx, xy = float(self._a[1, 1]), float(self._b[1])
                 fit = (max(self.min_rate, xy / xx if xx > 0 else self.prior), 0.0, 0.0)
             self._fit = fit
         return self._fit
