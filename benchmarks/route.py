@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         if "cost" in fleet.routers:  # what the cost score had learnt of each host by the end
             fleet.learnt = [{"prefill": h["prefill"], "links": h["links"]["bytes_per_s"]}
                             for h in _get(fleet.routers["cost"] + "/route/stats")["hosts"]]
+            print(f"[route] the cost router fitted: {json.dumps([h['prefill'] for h in fleet.learnt])}",
+                  file=sys.stderr, flush=True)
     finally:
         fleet.close()
         (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)
