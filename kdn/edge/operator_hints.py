@@ -124,7 +124,7 @@ class HintService:
 
     async def _emphasize(self, req: HintAsk, ns: Namespace, token: str | None) -> tuple[int, str]:
         """EMPHASIZE: the origin computes (or finds) the steered variant of ``req.document`` and
-        this edge fetches it; returns (chunks now held, variant id). The edge only stores keys."""
+        this edge fetches it; returns (artifacts now held: chunks and tail pieces, variant id). The edge only stores keys."""
         if not req.document or not req.emphasis:
             raise InvalidInput("an emphasize hint needs a document and an emphasis")
         if not req.fingerprint:

@@ -18,7 +18,8 @@ Invariants:
 - every loaded artifact must be a steered one whose header's spec has the requested variant's
   root (besides the key check every load makes); a plain artifact, or another variant's, fails
   the load and vLLM recomputes;
-- a steered request writes nothing back, loads no tail pieces and runs no tokenization probe;
+- a steered request writes nothing back and runs no tokenization probe; it loads the variant's
+  tail pieces (stored by the origin, read on top of the steered chunks) like a plain request's;
 - a variant the edge does not hold in the request's namespace (another tenant's, or never stored)
   is a plain recompute, logged as a warning and counted (``steer_misses``): the answer is the
   model's plain one, and the log says so.

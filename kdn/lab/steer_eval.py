@@ -640,6 +640,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--deficit-haystacks", type=int, default=40, help="test haystacks per deficit length (default 40)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated haystacks (default 0)")
     p.add_argument("--strengths", default=",".join(f"{s:g}" for s in STRENGTHS), help="key-edit strengths of the grid")
+    p.add_argument("--heads", default=",".join(HEAD_SETS), help="key-edit head sets of the grid (comma list of "
+                   f"{', '.join(HEAD_SETS)})")
+    p.add_argument("--profiles", default=",".join(PROFILES), help="key-edit profiles of the grid (comma list of "
+                   f"{', '.join(PROFILES)})")
+    p.add_argument("--no-re-read", action="store_true", help="leave re-read out of the grid")
     p.add_argument("--kinds", default=",".join(TEST_KINDS),
                    help=f"mark kinds of the test stage (comma list of {', '.join(MARK_KINDS)})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -653,9 +658,16 @@ def main(argv: list[str]) -> int:
             raise InvalidInput(f"--stages: a comma list of {', '.join(STAGES)}")
         if min(args.test, args.calibration, args.means, args.deficit_haystacks) < 1:
             raise InvalidInput("haystack counts must be >= 1")
+        heads = [x for x in args.heads.split(",") if x]
+        profiles = [x for x in args.profiles.split(",") if x]
+        if not heads or any(h not in HEAD_SETS for h in heads):
+            raise InvalidInput(f"--heads: a comma list of {', '.join(HEAD_SETS)}")
+        if not profiles or any(x not in PROFILES for x in profiles):
+            raise InvalidInput(f"--profiles: a comma list of {', '.join(PROFILES)}")
+        settings = grid(heads, profiles, [float(x) for x in args.strengths.split(",") if x], reread=not args.no_re_read)
         plan = Plan(args.model, args.length, args.docs, args.test, args.calibration, args.means,
                     tuple(int(x) for x in args.deficit_lengths.split(",") if x), args.deficit_haystacks, args.seed,
-                    stages=stages, settings=tuple(grid(strengths=[float(x) for x in args.strengths.split(",") if x])),
+                    stages=stages, settings=tuple(settings),
                     kinds=tuple(x for x in args.kinds.split(",") if x))
         if not plan.kinds or any(k not in MARK_KINDS for k in plan.kinds):
             raise InvalidInput(f"--kinds: a comma list of {', '.join(MARK_KINDS)}")

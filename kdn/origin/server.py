@@ -269,7 +269,7 @@ class OriginServer:
         res = self.compute.ingest(fingerprint, task)
         if not res.steer_variant:
             raise InvalidInput(f"steered variant of {doc_id!r} not stored: {res.message}")
-        return [ChunkKey(bytes.fromhex(k)) for k in res.steer_keys], res.steer_variant
+        return [ChunkKey(bytes.fromhex(k)) for k in (*res.steer_keys, *res.steer_piece_keys)], res.steer_variant
 
     def blend(self, fingerprint: ModelFingerprint, tokens: np.ndarray, ns: Namespace,
               spans: list[tuple[int, int]] | None = None, codec: str = "") -> BlendResponse:

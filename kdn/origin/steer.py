@@ -6,10 +6,11 @@ any work. For each document it is resolved against that document's text and toke
 :class:`kdn.steer.SteerSpec` (lines matching the regex become token spans; marks past the stored
 full chunks are dropped), the steered KV is computed here — the origin has the model — by
 :func:`kdn.steer.methods.steered_kv`, cut into chunks under the variant's own chain
-(:func:`kdn.steer.steer_root`) and stored with every configured codec, each header naming the spec.
-The edge needs no change: it keeps and serves these artifacts by key like any other. A manifest
-row ``<doc_id>#steer`` lists the variant's keys, and the ingest result names the variant id a
-client asks for (``ClientConfig(steer=...)``).
+(:func:`kdn.steer.steer_root`), followed by the document's tail pieces read on top of the steered
+chunks (so a steered hit, like a plain one, prefills only the question), and stored with every
+configured codec, each header naming the spec. The edge needs no change: it keeps and serves these
+artifacts by key like any other. A manifest row ``<doc_id>#steer`` lists the variant's keys and
+pieces, and the ingest result names the variant id a client asks for (``ClientConfig(steer=...)``).
 
 The same happens later through an edge: ``kdn edge emphasize`` sends an EMPHASIZE hint, the edge
 asks the origin (``Document`` with an emphasis), and the origin reads the ingested file again (the
@@ -19,20 +20,22 @@ answers its keys and id; the edge fetches them.
 Key-edit needs the model's calibration (``kdn eval-steer`` writes it for a trained model: heads,
 directions, profile and default strength, chosen on calibration documents); without one it is
 refused with that advice. Marked spans must lie inside the document: a span past its last token is
-refused, naming the span; marks past the stored full chunks (in the partial tail, which is
-recomputed plain at reuse) are dropped.
+refused, naming the span; marks past the stored full chunks (in the partial tail, which is read
+plainly after the steered chunks) are dropped.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
+import torch
 
 from kdn.artifact import encode_artifact
 from kdn.errors import InvalidInput
-from kdn.keys import ChunkKey, ModelFingerprint, Namespace, chunk_keys
+from kdn.keys import PIECE_TOKENS, ChunkKey, ModelFingerprint, Namespace, chunk_keys, piece_keys
+from kdn.kv import build_cache, forward, layers_to_chunk
 from kdn.models import LoadedModel
 from kdn.origin.store import OriginStore
 from kdn.prefill import document_tokens
@@ -40,7 +43,7 @@ from kdn.steer import Emphasis, SteerSpec, regex_lines, steer_root
 from kdn.steer.methods import KeyEditCalibration, calibration_summary, load_calibration, steered_kv
 
 __all__ = [
-    "Emphasis", "STEER_SUFFIX", "calibration_for", "resolve", "steering_details", "store_steered_chain",
+    "Emphasis", "STEER_SUFFIX", "SteeredChain", "calibration_for", "resolve", "steering_details", "store_steered_chain",
 ]
 
 STEER_SUFFIX = "#steer"
@@ -93,27 +96,56 @@ def calibration_for(lm: LoadedModel) -> KeyEditCalibration | None:
     return load_calibration(bytes(lm.fingerprint).hex())
 
 
+class SteeredChain(NamedTuple):
+    """What :func:`store_steered_chain` stored: the variant's chunk keys, then its tail pieces' keys."""
+
+    keys: list[ChunkKey]
+    pieces: list[ChunkKey]
+    computed: int  # chunks computed here (0: every chunk and piece was already stored)
+    written: int  # bytes
+
+
 def store_steered_chain(lm: LoadedModel, store: OriginStore, tokens: Sequence[int] | np.ndarray, spec: SteerSpec,
-                        ns: Namespace, codecs: Sequence[str], cal: KeyEditCalibration | None) -> tuple[list[ChunkKey], int, int]:
-    """Store the steered variant of ``tokens`` (whole chunks only). Returns keys, chunks computed, bytes written."""
+                        ns: Namespace, codecs: Sequence[str], cal: KeyEditCalibration | None) -> SteeredChain:
+    """Store the steered variant of ``tokens`` (the document inside the model window): its full
+    chunks, steered by ``spec``, then the full tail pieces after them (:func:`kdn.keys.piece_keys`
+    under the variant's last chunk key), read plainly *on top of the steered chunks* — exactly what
+    a client would otherwise prefill there at every hit, so a steered hit prefills only what a plain
+    one does. Every artifact's header names the spec."""
     toks = [int(t) for t in np.asarray(tokens).tolist()]
-    root = steer_root(spec)
-    keys = chunk_keys(toks, fingerprint=lm.fingerprint, namespace=ns, chunk_size=lm.chunk_size, root=root)
+    root, C = steer_root(spec), lm.chunk_size
+    keys = chunk_keys(toks, fingerprint=lm.fingerprint, namespace=ns, chunk_size=C, root=root)
     if not keys:
-        return [], 0, 0
-    if len(store.stored_keys(keys, tenant=ns.tenant, codecs=codecs)) == len(keys):
-        return keys, 0, 0
-    extra = sum(e - s for s, e in spec.marks) if spec.marks else len(toks)
-    if spec.method == "re-read" and lm.max_positions and len(toks) + extra > lm.max_positions:
-        raise InvalidInput(f"re-read of {extra} tokens after a {len(toks)}-token document needs {len(toks) + extra} "
+        return SteeredChain([], [], 0, 0)
+    base = len(keys) * C
+    pieces = piece_keys(toks[base:], after=keys[-1], fingerprint=lm.fingerprint, namespace=ns, chunk_size=C)
+    spans = [*keys, *pieces]
+    if len(store.stored_keys(spans, tenant=ns.tenant, codecs=codecs)) == len(spans):
+        return SteeredChain(keys, pieces, 0, 0)
+    extra = sum(e - s for s, e in spec.marks) if spec.marks else base
+    if spec.method == "re-read" and lm.max_positions and base + extra > lm.max_positions:
+        raise InvalidInput(f"re-read of {extra} tokens after a {base}-token document needs {base + extra} "
                            f"positions; the model has {lm.max_positions}: mark less (--emphasize-regex/--emphasize-spans)")
-    kv = steered_kv(lm.model, toks, spec, cal)  # (L, 2, H, T, D)
-    C, written = lm.chunk_size, 0
-    for i, key in enumerate(keys):
-        chunk = kv[:, :, :, i * C : (i + 1) * C].contiguous()
+    kv = steered_kv(lm.model, toks[:base], spec, cal)  # (L, 2, H, base, D)
+    items = [kv[:, :, :, i * C : (i + 1) * C].contiguous() for i in range(len(keys))]
+    if pieces:
+        tail = _read_after(lm, kv, toks[base : base + len(pieces) * PIECE_TOKENS])  # (L, 2, H, n, D)
+        items += [tail[:, :, :, j * PIECE_TOKENS : (j + 1) * PIECE_TOKENS].contiguous() for j in range(len(pieces))]
+    written = 0
+    for i, (key, item) in enumerate(zip(spans, items)):
         for codec in codecs:
-            blob = encode_artifact(chunk, key=key, parent_key=keys[i - 1] if i else root, fingerprint=lm.fingerprint,
-                                   codec=codec, chunk_index=i, steer=spec.canonical())
+            blob = encode_artifact(item, key=key, parent_key=spans[i - 1] if i else root, fingerprint=lm.fingerprint,
+                                   codec=codec, chunk_index=min(i, len(keys)), steer=spec.canonical())
             store.put(blob, tenant=ns.tenant)
             written += len(blob)
-    return keys, len(keys), written
+    return SteeredChain(keys, pieces, len(keys), written)
+
+
+@torch.inference_mode()
+def _read_after(lm: LoadedModel, kv: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+    """KV ``(L, 2, H, len(tokens), D)`` of ``tokens`` read after the cache ``kv`` (positions follow it)."""
+    cache = build_cache([kv], lm.config)
+    forward(lm.model, input_ids=torch.tensor([list(tokens)], dtype=torch.long), cache=cache, use_cache=True,
+            logits_to_keep=1)
+    T = kv.shape[3]
+    return layers_to_chunk([(layer.keys, layer.values) for layer in cache.layers], T, T + len(tokens))

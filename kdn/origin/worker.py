@@ -83,6 +83,7 @@ class DocumentResult:
     steer: str = ""  # the steered variant's canonical spec ("" when none was asked for or it failed)
     steer_variant: str = ""  # its id (hex): what a client names to reuse it
     steer_keys: tuple[str, ...] = ()
+    steer_piece_keys: tuple[str, ...] = ()  # hex: the steered variant's tail pieces, after its chunks
     piece_keys: tuple[str, ...] = ()  # hex: the tail pieces stored after the chunks (kdn.keys.piece_keys)
     segment_key: str = ""  # hex: the document's segment, when asked for and stored
     segment_tokens: int = 0
@@ -92,8 +93,7 @@ class DocumentResult:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DocumentResult":
-        return cls(**{**d, "keys": tuple(d.get("keys", ())), "steer_keys": tuple(d.get("steer_keys", ())),
-                      "piece_keys": tuple(d.get("piece_keys", ()))})
+        return cls(**{**d, **{f: tuple(d.get(f, ())) for f in ("keys", "steer_keys", "steer_piece_keys", "piece_keys")}})
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +221,7 @@ class PrefillWorker:
         steer: dict[str, Any] = {}
         if t.emphasize:
             try:
-                steer = self._store_steered(t, tokens[: plan.covered_tokens], ns)
+                steer = self._store_steered(t, tokens[: plan.covered_tokens + plan.tail_tokens], ns)
             except InvalidInput as exc:  # the plain chain is stored; the variant is not
                 status, message = "failed", f"steered variant not stored: {exc} (plain KV stored)"
             if steer.pop("computed", 0) and status == "skipped":
@@ -272,21 +272,25 @@ class PrefillWorker:
                 "written": res.bytes if res.computed else 0}
 
     def _store_steered(self, t: DocumentTask, tokens: Sequence[int], ns: Namespace) -> dict[str, Any]:
-        """Store the document's steered variant (see :mod:`kdn.origin.steer`); its result fields."""
+        """Store the document's steered variant (see :mod:`kdn.origin.steer`) from its ``tokens``
+        inside the window; its result fields."""
         from kdn.origin.steer import STEER_SUFFIX, Emphasis, calibration_for, resolve, store_steered_chain
 
         em = Emphasis.from_json(t.emphasize)
-        if not tokens:
+        n_stored = len(tokens) // self.lm.chunk_size * self.lm.chunk_size
+        if not n_stored:
             raise InvalidInput("the document holds no full chunk: nothing to steer")
         cal = calibration_for(self.lm) if em.method == "key-edit" else None
-        spec = resolve(em, self.lm, t.text, len(tokens), cal, layout=t.layout)
-        keys, computed, written = store_steered_chain(self.lm, self.store, tokens, spec, ns, self.codecs, cal)
+        spec = resolve(em, self.lm, t.text, n_stored, cal, layout=t.layout)
+        res = store_steered_chain(self.lm, self.store, tokens, spec, ns, self.codecs, cal)
         self.store.record_document(DocumentRecord(
             tenant=t.tenant, fingerprint=self.lm.fingerprint, doc_id=layout_doc_id(t.doc_id, t.layout) + STEER_SUFFIX,
-            content_hash=t.content_hash, n_tokens=len(tokens), keys=tuple(keys), beyond_window_tokens=0,
+            content_hash=t.content_hash, n_tokens=len(tokens), keys=(*res.keys, *res.pieces), beyond_window_tokens=0,
             updated=time.time()))
         return {"steer": spec.canonical(), "steer_variant": spec.variant_id,
-                "steer_keys": tuple(bytes(k).hex() for k in keys), "computed": computed, "written": written}
+                "steer_keys": tuple(bytes(k).hex() for k in res.keys),
+                "steer_piece_keys": tuple(bytes(k).hex() for k in res.pieces),
+                "computed": res.computed, "written": res.written}
 
     def blend(self, tokens: np.ndarray, tenant: str, salt: str, plan: dict[str, Any], codec: str = "raw") -> dict[str, Any]:
         """A blend variant of ``tokens`` (:mod:`kdn.origin.blend`): its chunk containers as numpy

@@ -10,7 +10,8 @@ import torch
 
 from kdn.artifact import decode_artifact
 from kdn.client import ClientConfig
-from kdn.keys import DEFAULT_NAMESPACE, chunk_keys
+from kdn.keys import DEFAULT_NAMESPACE, PIECE_TOKENS, chunk_keys, piece_keys
+from kdn.kv import build_cache, forward, layers_to_chunk
 from kdn.models import load_model
 from kdn.origin.cli import main_ingest
 from kdn.origin.steer import Emphasis
@@ -55,11 +56,16 @@ def test_re_read_variant_is_stored_beside_the_plain_chain_under_its_own_keys(tmp
         plain_keys = chunk_keys(toks, fingerprint=lm.fingerprint, namespace=DEFAULT_NAMESPACE, chunk_size=CHUNK)
         client_keys = chunk_keys(toks, fingerprint=lm.fingerprint, namespace=DEFAULT_NAMESPACE, chunk_size=CHUNK,
                                  root=parse_variant(ClientConfig(edge="mem", steer=r["steer_variant"]).steer))
-        assert list(rec.keys) == client_keys[: len(rec.keys)] and not set(rec.keys) & set(plain_keys)
+        # the variant's chunks, then its tail pieces: under the chain a client naming the variant computes
+        n = r["steer_keys"]
+        client_pieces = piece_keys(toks[n * CHUNK :], after=client_keys[n - 1], fingerprint=lm.fingerprint,
+                                   namespace=DEFAULT_NAMESPACE, chunk_size=CHUNK)
+        assert n == len(toks) // CHUNK and r["steer_pieces"] == len(client_pieces) == (len(toks) % CHUNK) // PIECE_TOKENS >= 1
+        assert list(rec.keys) == client_keys[:n] + client_pieces and not set(rec.keys) & set(plain_keys)
         for k in rec.keys:
             art = decode_artifact(store.get(k, "raw", tenant="default"))
             assert SteerSpec.from_canonical(art.header.steer) == spec  # method and marks in the header
-        for k in plain_keys[: len(rec.keys)]:
+        for k in plain_keys[:n]:
             assert decode_artifact(store.get(k, "raw", tenant="default")).header.steer == ""
     finally:
         store.close()
@@ -142,7 +148,7 @@ def test_an_ingested_variant_is_reused_only_by_a_client_that_names_it(tmp_path, 
     store = OriginStore(tmp_path / "store")
     try:
         rec = next(d for d in store.documents() if d.doc_id.endswith("#steer"))
-        assert len(rec.keys) == r["steer_keys"] > 0
+        assert len(rec.keys) == r["steer_keys"] + r["steer_pieces"] and r["steer_keys"] > 0 and r["steer_pieces"] > 0
         for key in rec.keys:  # only the steered chain goes to the edge
             edge.store[("default", bytes(key))] = store.get(key, "raw", tenant="default")
     finally:
@@ -157,8 +163,58 @@ def test_an_ingested_variant_is_reused_only_by_a_client_that_names_it(tmp_path, 
     with KdnClient(ClientConfig(edge="mem", steer=r["steer_variant"]), transport=edge) as steered:
         got = generate(lm, tokens, client=steered, max_new_tokens=1)
         steered.flush(5)
-    assert got.reused_tokens == r["steer_keys"] * CHUNK
+    assert got.reused_tokens == r["steer_keys"] * CHUNK + r["steer_pieces"] * PIECE_TOKENS  # chunks and tail pieces
     assert edge.calls.get("put", 0) == puts  # the steered client wrote nothing back
+
+
+def test_a_steered_hit_with_the_stored_tail_answers_as_one_that_reads_the_tail_itself(tmp_path, capsys, monkeypatch):
+    """The variant's tail pieces are the tail read on top of the steered chunks: a client that
+    reuses them gets the tokens of a client that finds only the chunks and prefills the tail."""
+    from kdn.client import KdnClient
+    from kdn.integrations.transformers import generate
+    from kdn.testing import MemoryEdgeTransport
+
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
+    lm = load_model("tiny", chunk_size=CHUNK)
+    D = lm.kv_shape.head_dim  # a strong edit in layer 0, so the tail's layer-1 KV depends on it
+    write_calibration(KeyEditCalibration(bytes(lm.fingerprint).hex(), ((0, 0), (0, 1)), torch.ones(2, D) / D ** 0.5, 8.0))
+    code, _ = _ingest(tmp_path, "--emphasize", "key-edit", "--emphasize-regex", "^POLICY")
+    assert code == 0
+    r = _out(capsys)["results"][0]
+    whole, chunks_only = MemoryEdgeTransport(), MemoryEdgeTransport()
+    store = OriginStore(tmp_path / "store")
+    try:
+        rec = next(d for d in store.documents() if d.doc_id.endswith("#steer"))
+        for i, key in enumerate(rec.keys):
+            blob = store.get(key, "raw", tenant="default")
+            whole.store[("default", bytes(key))] = blob
+            if i < r["steer_keys"]:
+                chunks_only.store[("default", bytes(key))] = blob
+    finally:
+        store.close()
+    tokens = lm.tokenizer.encode(TEXT) + lm.tokenizer.encode(" Which POLICY?")
+    got = {}
+    for name, edge in (("whole", whole), ("chunks", chunks_only)):
+        with KdnClient(ClientConfig(edge="mem", steer=r["steer_variant"]), transport=edge) as client:
+            got[name] = generate(lm, tokens, client=client, max_new_tokens=12)
+    assert got["whole"].reused_tokens == got["chunks"].reused_tokens + r["steer_pieces"] * PIECE_TOKENS
+    assert got["whole"].tokens == got["chunks"].tokens
+    # and the pieces hold the tail as read after the *steered* chunks: not the plain tail's KV
+    n, C = r["steer_keys"], CHUNK
+    steered = [decode_artifact(whole.store[("default", bytes(k))]).kv for k in rec.keys]
+    toks = lm.tokenizer.encode(TEXT)
+    cache = build_cache(steered[:n], lm.config)
+    with torch.inference_mode():
+        forward(lm.model, input_ids=torch.tensor([toks[n * C : n * C + PIECE_TOKENS]]), cache=cache, use_cache=True)
+    mine = layers_to_chunk([(layer.keys, layer.values) for layer in cache.layers], n * C, n * C + PIECE_TOKENS)
+    torch.testing.assert_close(steered[n], mine, rtol=1e-4, atol=1e-5)
+    plain_store = OriginStore(tmp_path / "store")
+    try:
+        plain_rec = next(d for d in plain_store.documents() if not d.doc_id.endswith("#steer"))
+        plain_piece = decode_artifact(plain_store.get(plain_rec.keys[n], "raw", tenant="default")).kv
+    finally:
+        plain_store.close()
+    assert (plain_piece - steered[n]).abs().max() > 1e-3
 
 
 def test_hints_reach_the_variant_by_document_name(tmp_path, capsys, monkeypatch):

@@ -40,8 +40,9 @@ def test_vllm_answers_a_steered_request_as_the_transformers_steered_hit(run) -> 
     chunk = run["chunk"]
     for p in run["prompts"]:
         full = p["stored"] // chunk * chunk
-        assert p["hf_steered_reused"] == full and not p["hf_steered_warnings"], p
-        assert p["vllm_steered_cached"] >= full, p  # the steered chain came from the edge
+        # the steered chain came from the edge, its tail pieces too: as much reused as a plain hit
+        assert p["hf_steered_reused"] == p["hf_plain_reused"] >= full and not p["hf_steered_warnings"], p
+        assert p["vllm_steered_cached"] == p["vllm_plain_cached"] >= full, p
         assert p["vllm_steered"] == p["hf_steered"], p
         assert p["vllm_plain"] == p["hf_plain"] and p["vllm_alone"] == p["hf_alone"], p
     # the variant changes what the model reads: somewhere the steered answer differs from the plain one

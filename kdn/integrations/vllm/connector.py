@@ -347,8 +347,8 @@ class KdnConnector(KVConnectorBase_V1):
         limit = max(0, st.n_prompt - 1)
         chunks = min(st.on_edge, limit // C)
         st.end = chunks * C
-        if chunks < st.on_edge or st.steer or time.monotonic() < self._lookup_off_until:
-            return
+        if chunks < st.on_edge or (st.steer and not chunks) or time.monotonic() < self._lookup_off_until:
+            return  # a variant's pieces follow its chunks: none without them
         after = st.keys[chunks - 1] if chunks else ROOT_KEY
         pkeys = piece_keys(st.tokens[chunks * C : limit], after=after, fingerprint=self.fingerprint, namespace=st.ns,
                            chunk_size=C)

@@ -84,8 +84,10 @@ class IngestSummary:
             "worker_deaths": self.worker_deaths,
             "ignored": self.ignored,
             "not_regular": self.not_regular,
-            "results": [{k: v for k, v in r.to_dict().items() if k not in ("keys", "steer_keys", "piece_keys")}
-                        | {"keys": len(r.keys), "steer_keys": len(r.steer_keys), "pieces": len(r.piece_keys)}
+            "results": [{k: v for k, v in r.to_dict().items()
+                         if k not in ("keys", "steer_keys", "steer_piece_keys", "piece_keys")}
+                        | {"keys": len(r.keys), "steer_keys": len(r.steer_keys), "steer_pieces": len(r.steer_piece_keys),
+                           "pieces": len(r.piece_keys)}
                         for r in self.results],
             "failed": self.failed,
         }
