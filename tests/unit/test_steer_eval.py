@@ -41,6 +41,31 @@ def test_the_goal_needs_a_weak_depth_gain_and_no_loss_elsewhere() -> None:
     assert steer_eval.weak_depths({"0": {"accuracy": 0.3}, "0.5": {"accuracy": 0.85}, "1": {"accuracy": 0.9}}) == ["0"]
 
 
+def _cal(deltas: dict[str, float], logprob: dict[str, float], n: int = 40) -> dict[str, dict[str, float]]:
+    return {d: {"delta": v, "p": 1.0, "n": n, "logprob_delta": logprob.get(d, 0.0)} for d, v in deltas.items()}
+
+
+def test_the_calibration_chooses_the_strongest_setting_that_loses_nothing_it_can_see() -> None:
+    """On a 40-haystack split one question is 2.5 points: accuracy counts a loss only beyond one
+    question net; a fall of the answer's log-probability past the guard counts as a loss too."""
+    weak = ["0", "0.25", "0.5", "0.75"]
+    strong, mild, weakest = (Setting("key-edit", "all", "ramp", s) for s in (1.0, 0.5, 0.25))
+    table = {  # the shape of the built-in model's calibration (seed 1)
+        strong.name: _cal({"0": 0.1, "0.25": 0.35, "0.5": 0.125, "0.75": -0.025, "1": -0.075}, {"1": -0.22}),
+        mild.name: _cal({"0": 0.025, "0.25": 0.2, "0.5": 0.1, "0.75": -0.025, "1": 0.0}, {"1": -0.09}),
+        weakest.name: _cal({"0": 0.025, "0.25": 0.125, "0.5": 0.05, "0.75": -0.025, "1": 0.0}, {"1": -0.04}),
+    }
+    chosen, why = steer_eval.choose(table, weak, [strong, mild, weakest])
+    assert chosen == mild and why["met_on_calibration"]
+    # the same accuracies with a log-probability falling past the guard at the end: a loss
+    table[mild.name]["1"]["logprob_delta"] = -steer_eval.LOGPROB_GUARD - 0.01
+    assert steer_eval.choose(table, weak, [strong, mild, weakest])[0] == weakest
+    # two questions lost net is a loss whatever the log-probability says
+    table[weakest.name]["0.75"]["delta"] = -0.05
+    chosen, why = steer_eval.choose(table, weak, [strong, mild, weakest])
+    assert not why["met_on_calibration"] and chosen == strong  # nothing meets: the largest mean gain
+
+
 @pytest.mark.timeout(900)  # about half a minute on a quiet 2-core machine
 def test_stages_end_to_end_resume_and_write_the_calibration(tmp_path, monkeypatch) -> None:
     from kdn.steer import methods
