@@ -327,9 +327,11 @@ def main(argv: list[str] | None = None) -> int:
                           f"hosts {res['per_host']}, peer fetches {res['peer_fetches']:.0f}, failed {res['failed']}",
                           file=sys.stderr, flush=True)
         if "cost" in fleet.routers:  # what the cost score had learnt of each host by the end
-            fleet.learnt = [{"prefill": h["prefill"], "links": h["links"]["bytes_per_s"]}
+            fleet.learnt = [{"prefill": h["prefill"], "links": h["links"]["bytes_per_s"],
+                             "predictions": h.get("predictions", {})}
                             for h in _get(fleet.routers["cost"] + "/route/stats")["hosts"]]
-            print(f"[route] the cost router fitted: {json.dumps([h['prefill'] for h in fleet.learnt])}",
+            print(f"[route] the cost router fitted: {json.dumps([h['prefill'] for h in fleet.learnt])}; "
+                  f"its predictions vs first bytes: {json.dumps([h['predictions'] for h in fleet.learnt])}",
                   file=sys.stderr, flush=True)
     finally:
         fleet.close()
@@ -405,6 +407,11 @@ def record(summary: dict[str, Any], runs: list[dict[str, Any]], args: argparse.N
             f"load {h['prefill'].get('load_s_per_mb', 0.0) * 1e3:.1f} ms/MB, links (MB/s) "
             + ", ".join(f"{t} {r / 1e6:.0f}" for t, r in sorted(h["links"].items()))
             for i, h in enumerate(learnt)) + ".")
+        rec.note("Its predicted TTFT against the streamed first byte, per host (last 256 requests): " + "; ".join(
+            f"host {i}: n {p['n']}, predicted {p['mean_predicted_s']:.2f} s (queue {p['mean_queue_s']:.2f}, fetch "
+            f"{p['mean_fetch_s']:.2f}, prefill {p['mean_prefill_s']:.2f}), observed {p['mean_observed_s']:.2f} s, median "
+            f"error {p['median_error_s']:+.2f} s, median |error| {p['median_abs_error_s']:.2f} s"
+            for i, p in ((i, h.get("predictions", {})) for i, h in enumerate(learnt)) if p.get("n")) + ".")
     rec.doc["data"] = {"runs": runs, "learnt": learnt}
     rec.save(load_end=round(load_end, 2))
 

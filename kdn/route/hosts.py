@@ -14,8 +14,9 @@ list on ``/v1/models``; ``not_vllm`` when something else answers there; ``down``
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Sequence
 
@@ -23,7 +24,7 @@ from kdn.route.config import HostSpec
 from kdn.route.edges import EdgeView
 from kdn.route.rates import LinkRates, PrefillFit
 
-__all__ = ["Host", "EngineRecord", "InFlight", "Queued", "Status"]
+__all__ = ["Host", "EngineRecord", "InFlight", "Predictions", "Queued", "Status"]
 
 Status = Literal["starting", "up", "down", "not_vllm"]
 _ids = itertools.count(1)
@@ -67,6 +68,29 @@ class EngineRecord:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+class Predictions:
+    """How far this host's predicted TTFTs were from its streamed first bytes, over the last
+    ``keep`` requests: where a cost router's picks go wrong, the error says which part (queue,
+    fetch, prefill) it mispriced."""
+
+    def __init__(self, keep: int = 256) -> None:
+        self._rows: deque[tuple[float, float, float, float, float]] = deque(maxlen=keep)
+
+    def observe(self, predicted_s: float, observed_s: float, queue_s: float, fetch_s: float, prefill_s: float) -> None:
+        self._rows.append((predicted_s, observed_s, queue_s, fetch_s, prefill_s))
+
+    def as_dict(self) -> dict[str, float]:
+        rows = list(self._rows)
+        if not rows:
+            return {"n": 0}
+        err = [o - p for p, o, *_ in rows]
+        mean = lambda i: statistics.fmean(r[i] for r in rows)  # noqa: E731
+        return {"n": len(rows), "median_error_s": statistics.median(err),
+                "median_abs_error_s": statistics.median(abs(e) for e in err),
+                "mean_predicted_s": mean(0), "mean_observed_s": mean(1),
+                "mean_queue_s": mean(2), "mean_fetch_s": mean(3), "mean_prefill_s": mean(4)}
 
 
 class Queued(NamedTuple):
@@ -114,6 +138,7 @@ class Host:
     counters: dict[str, float] = field(default_factory=lambda: {
         "routed": 0, "failed": 0, "first_bytes": 0, "lookup_errors": 0, "health_failures": 0})
     edge_counters: dict[str, float] | None = None
+    predictions: Predictions = field(default_factory=lambda: Predictions())
 
     @property
     def name(self) -> str:
@@ -156,4 +181,5 @@ class Host:
         return {"name": self.name, "url": self.spec.url, "edge": self.spec.edge, "status": self.status,
                 "error": self.error, "model": self.model_id, "in_flight": len(self.active),
                 "queued_tokens": self.queued(now).tokens, "prefill": self.fit.as_dict(), "links": self.links.as_dict(),
-                "engine_record_keys": len(self.record), "counters": dict(self.counters)}
+                "engine_record_keys": len(self.record), "counters": dict(self.counters),
+                "predictions": self.predictions.as_dict()}

@@ -336,6 +336,7 @@ class Router:
         x = ahead.queued_tokens + est.prefill_tokens
         y = seconds - est.link_s - ahead.queued_fetch_s  # the link time is the edges' measure; the rest is fitted
         plan.host.fit.observe(x, max(0.0, y), ahead.queued_requests + 1, ahead.queued_load_bytes + est.load_bytes)
+        plan.host.predictions.observe(est.ttft_s, seconds, est.queue_s, est.fetch_s, est.prefill_s)
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.policy.name, "hosts": [h.describe() for h in self.hosts], "counters": dict(self.counters)}

@@ -220,6 +220,13 @@ def test_streamed_answers_pass_through_and_measure_the_host() -> None:
             host = next(h for h in f.router.hosts if h.name == r.headers["x-kdn-route-host"])
             assert host.counters["first_bytes"] == 1 and host.fit.n == 1
             assert not host.active  # its accounting ended with the stream
+            # what was predicted beside what came, in the stats: where a pick went wrong shows there
+            stats = (await f.front.get("/route/stats")).json()
+            pred = next(h for h in stats["hosts"] if h["name"] == host.name)["predictions"]
+            assert pred["n"] == 1 and pred["mean_observed_s"] > 0.0
+            assert pred["median_error_s"] == pytest.approx(pred["mean_observed_s"] - pred["mean_predicted_s"])
+            assert pred["mean_predicted_s"] == pytest.approx(pred["mean_queue_s"] + pred["mean_fetch_s"]
+                                                             + pred["mean_prefill_s"], rel=1e-6, abs=1e-9)
 
     asyncio.run(go())
 
