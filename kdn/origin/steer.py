@@ -35,12 +35,11 @@ import torch
 from kdn.artifact import encode_artifact
 from kdn.errors import InvalidInput
 from kdn.keys import PIECE_TOKENS, ChunkKey, ModelFingerprint, Namespace, chunk_keys, piece_keys
-from kdn.kv import build_cache, forward, layers_to_chunk
 from kdn.models import LoadedModel
 from kdn.origin.store import OriginStore
 from kdn.prefill import document_tokens
 from kdn.steer import Emphasis, SteerSpec, regex_lines, steer_root
-from kdn.steer.methods import KeyEditCalibration, calibration_summary, load_calibration, steered_kv
+from kdn.steer.methods import KeyEditCalibration, calibration_summary, load_calibration, read_after, steered_kv
 
 __all__ = [
     "Emphasis", "STEER_SUFFIX", "SteeredChain", "calibration_for", "resolve", "steering_details", "store_steered_chain",
@@ -129,7 +128,7 @@ def store_steered_chain(lm: LoadedModel, store: OriginStore, tokens: Sequence[in
     kv = steered_kv(lm.model, toks[:base], spec, cal)  # (L, 2, H, base, D)
     items = [kv[:, :, :, i * C : (i + 1) * C].contiguous() for i in range(len(keys))]
     if pieces:
-        tail = _read_after(lm, kv, toks[base : base + len(pieces) * PIECE_TOKENS])  # (L, 2, H, n, D)
+        tail = read_after(lm.model, kv, toks[base : base + len(pieces) * PIECE_TOKENS])  # (L, 2, H, n, D)
         items += [tail[:, :, :, j * PIECE_TOKENS : (j + 1) * PIECE_TOKENS].contiguous() for j in range(len(pieces))]
     written = 0
     for i, (key, item) in enumerate(zip(spans, items)):
@@ -139,13 +138,3 @@ def store_steered_chain(lm: LoadedModel, store: OriginStore, tokens: Sequence[in
             store.put(blob, tenant=ns.tenant)
             written += len(blob)
     return SteeredChain(keys, pieces, len(keys), written)
-
-
-@torch.inference_mode()
-def _read_after(lm: LoadedModel, kv: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
-    """KV ``(L, 2, H, len(tokens), D)`` of ``tokens`` read after the cache ``kv`` (positions follow it)."""
-    cache = build_cache([kv], lm.config)
-    forward(lm.model, input_ids=torch.tensor([list(tokens)], dtype=torch.long), cache=cache, use_cache=True,
-            logits_to_keep=1)
-    T = kv.shape[3]
-    return layers_to_chunk([(layer.keys, layer.values) for layer in cache.layers], T, T + len(tokens))

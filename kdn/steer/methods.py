@@ -233,11 +233,22 @@ def re_read(model: Any, tokens: Sequence[int], spans: Sequence[tuple[int, int]] 
 
 
 @torch.inference_mode()
+def read_after(model: Any, kv: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+    """KV ``(L, 2, H, len(tokens), D)`` of ``tokens`` read after the cache ``kv`` ``(L, 2, H, T, D)``:
+    their positions follow it (``T..``), and it is left as it was."""
+    from kdn.kv import build_cache
+
+    T = kv.shape[3]
+    cache = build_cache([kv], model.config)
+    with torch.inference_mode():
+        forward(model, input_ids=torch.tensor([list(tokens)], dtype=torch.long), cache=cache, use_cache=True,
+                logits_to_keep=1)
+    return layers_to_chunk(cache.layers, T, T + len(tokens))
+
+
 def re_read_from(model: Any, kv: torch.Tensor, tokens: Sequence[int], spans: Sequence[tuple[int, int]]) -> torch.Tensor:
     """:func:`re_read` given the plain KV ``kv`` ``(L, 2, H, T, D)`` of ``tokens`` (positions
     ``0..T-1``): only the second reading is computed, on top of ``kv`` (same result up to rounding)."""
-    from kdn.kv import cache_from_layers
-
     T = len(tokens)
     spans = list(spans) or [(0, T)]
     second = [t for s, e in spans for t in tokens[s:e]]
@@ -245,15 +256,12 @@ def re_read_from(model: Any, kv: torch.Tensor, tokens: Sequence[int], spans: Seq
     if not second:
         return out
     rope = rope_spec(model)
-    cache = cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])], model.config)
-    forward(model, input_ids=torch.tensor([second]), cache=cache, use_cache=True, logits_to_keep=1)
-    at = T
+    read = read_after(model, kv, second)  # (L, 2, H, len(second), D) at positions T..
+    at = 0
     for s, e in spans:
         n = e - s
-        k = torch.stack([layer.keys[0, :, at : at + n] for layer in cache.layers])  # (L, H, n, D) at positions at..
-        v = torch.stack([layer.values[0, :, at : at + n] for layer in cache.layers])
-        out[:, 1, :, s:e] = v
-        out[:, 0, :, s:e] = rope.rotate(k, s - at)
+        out[:, 1, :, s:e] = read[:, 1, :, at : at + n]
+        out[:, 0, :, s:e] = rope.rotate(read[:, 0, :, at : at + n], s - (T + at))
         at += n
     return out
 
