@@ -67,7 +67,10 @@ def _delta(c: dict[str, Any]) -> str:
 
 
 def record_eval(summary: dict[str, Any], argv: list[str], command: str, load_start: float | None) -> Record:
-    rec = Record(__file__, "steer", "Steered KV on the trained model (smollm2-135m)", argv, method="steer",
+    seed = int(summary.get("plan", {}).get("seed", 0))
+    # each split keeps its own section: seed 0's is "steer", a fresh split's "steer-seed<N>"
+    rid, title = ("steer", "") if seed == 0 else (f"steer-seed{seed}", f", split of seed {seed}")
+    rec = Record(__file__, rid, f"Steered KV on the trained model (smollm2-135m){title}", argv, method="steer",
                  command=command)
     rec.doc["load"]["start"] = load_start
     load = summary.get("load")
@@ -172,6 +175,33 @@ def record_serving(res: dict[str, Any], argv: list[str], command: str, load_star
     return rec
 
 
+def eval_command(plan: dict[str, Any]) -> str:
+    """The `kdn eval-steer` command line that made a run of ``plan`` (its plan.json), then this script."""
+    from kdn.lab.steer_eval import HEAD_SETS, PROFILES, STRENGTHS, TEST_KINDS
+
+    deficits = ",".join(str(x) for x in plan.get("deficit_lengths", []))
+    parts = [f"kdn eval-steer --out DIR --length {plan.get('length')} --docs {plan.get('docs')} --test "
+             f"{plan.get('test')} --calibration {plan.get('calibration')} --means {plan.get('means')} "
+             f"--deficit-lengths {deficits or chr(39) * 2} --deficit-haystacks {plan.get('deficit_haystacks')}"]
+    if plan.get("seed"):
+        parts.append(f"--seed {plan['seed']}")
+    edits = [st for st in plan.get("settings", []) if st.get("method") == "key-edit"]
+    if edits:
+        grid = {"strengths": sorted({float(st["strength"]) for st in edits}),
+                "heads": sorted({st["heads"] for st in edits}), "profiles": sorted({st["profile"] for st in edits})}
+        if grid["strengths"] != sorted(float(x) for x in STRENGTHS):
+            parts.append("--strengths " + ",".join(f"{x:g}" for x in grid["strengths"]))
+        if grid["heads"] != sorted(HEAD_SETS):
+            parts.append("--heads " + ",".join(grid["heads"]))
+        if grid["profiles"] != sorted(PROFILES):
+            parts.append("--profiles " + ",".join(grid["profiles"]))
+    if plan.get("settings") and not any(st.get("method") == "re-read" for st in plan["settings"]):
+        parts.append("--no-re-read")
+    if plan.get("kinds") and list(plan["kinds"]) != list(TEST_KINDS):
+        parts.append("--kinds " + ",".join(plan["kinds"]))
+    return " ".join(parts) + "; python benchmarks/steer.py --eval-out DIR"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--eval-out", type=Path, required=True, help="the --out directory of a `kdn eval-steer` run")
@@ -187,10 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{path}: no summary; run `kdn eval-steer --out {args.eval_out}` first")
     summary = json.loads(path.read_text())
     plan = json.loads((args.eval_out / "plan.json").read_text()) if (args.eval_out / "plan.json").is_file() else {}
-    eval_cmd = (f"kdn eval-steer --out DIR --length {plan.get('length')} --docs {plan.get('docs')} --test "
-                f"{plan.get('test')} --calibration {plan.get('calibration')} --means {plan.get('means')} "
-                f"--deficit-lengths {','.join(str(x) for x in plan.get('deficit_lengths', []))} --deficit-haystacks "
-                f"{plan.get('deficit_haystacks')}; python benchmarks/steer.py --eval-out DIR")
+    eval_cmd = eval_command(plan)
     load0 = load_average()
     rec = record_eval(summary, argv, eval_cmd, None)
     print(json.dumps({g["what"]: (g["median"], g["met"]) for g in rec.doc["goals"]}, indent=1))
