@@ -16,8 +16,10 @@ by its default path (shared memory on the same host).
   tokens in hand to the first token); 8 tokens are generated and compared with recompute's.
 - vLLM (``--vllm-python``, default ``.venv-vllm/bin/python``, skipped if absent): one engine per
   dtype with the KDN connector; per round a recompute (prefix cache reset, the request opted out of
-  KDN) and a KDN hit (prefix cache reset, KV from the edge, written back by vLLM itself at warm-up).
-  TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1``; the first tokens are compared.
+  KDN), a KDN hit (prefix cache reset, KV from the edge, written back by vLLM itself at warm-up) and
+  the floor (the same request again with KDN off: its KV is in vLLM's own prefix cache, loaded by
+  the hit). TTFT is the wall time of ``LLM.generate`` with ``max_tokens=1``; the first tokens of
+  all three are compared.
 
 Records ``real_model`` (``benchmarks/_results.py``) and ``benchmarks/results/real_model.png``.
 """
@@ -45,10 +47,12 @@ path (shared memory). transformers: per round a full recompute, an edge hit thro
 `kdn.integrations.transformers.generate` and the in-process floor (the document's KV already in
 memory); TTFT from the request's tokens to the first token, 8 tokens generated and compared with
 recompute's. vLLM 0.32 (CPU): one engine per dtype with the KDN connector; per round a recompute
-(prefix cache reset, KDN off for the request) and a KDN hit (prefix cache reset, KV from the edge,
-written back by vLLM at warm-up); TTFT is `LLM.generate`'s wall time with `max_tokens=1`. Ratios
-are per round (recompute and hit measured back to back), medians with min–max."""
+(prefix cache reset, KDN off for the request), a KDN hit (prefix cache reset, KV from the edge,
+written back by vLLM at warm-up) and the floor (the same request again, KDN off, its KV in vLLM's
+own prefix cache); TTFT is `LLM.generate`'s wall time with `max_tokens=1`. Ratios are per round
+(measured back to back), medians with min–max."""
 
+SKIPPED: list[str] = []  # engines that could not run on this machine, and why (the report says so)
 QUESTION = "Which function in this file is defined first, and what does it do?"
 CHUNK = 256
 MODEL = "smollm2-135m"
@@ -171,8 +175,9 @@ def run_vllm_child(args: argparse.Namespace) -> dict[str, Any]:
     sp = SamplingParams(temperature=0.0, max_tokens=1)
     prompts = {int(k): v for k, v in json.loads(Path(args.prompts).read_text()).items()}
 
-    def gen(tokens: list[int], kdn: bool) -> tuple[float, int, int]:
-        llm.reset_prefix_cache()
+    def gen(tokens: list[int], kdn: bool, reset: bool = True) -> tuple[float, int, int]:
+        if reset:
+            llm.reset_prefix_cache()
         s = sp.clone()
         s.extra_args = {"kv_transfer_params": {"kdn_tenant": f"vllm-{args.dtype}"} if kdn else {"kdn": False}}
         t0 = time.perf_counter()
@@ -185,17 +190,23 @@ def run_vllm_child(args: argparse.Namespace) -> dict[str, Any]:
         gen(tokens, False)
     time.sleep(2.0)
     for n, tokens in prompts.items():
-        t: dict[str, list[float]] = {"recompute": [], "hit": []}
+        t: dict[str, list[float]] = {"recompute": [], "hit": [], "floor": []}
         same = 0
-        cached = []
+        cached, floor_cached = [], []
         for _ in range(args.rounds):
             s_base, first_base, _ = gen(tokens, False)
             s_hit, first_hit, c = gen(tokens, True)
+            # the floor: the same request again, KDN off, its KV already in vLLM's own prefix cache
+            # (the blocks the hit just loaded): what an engine-local hit costs
+            s_floor, first_floor, fc = gen(tokens, False, reset=False)
             t["recompute"].append(s_base)
             t["hit"].append(s_hit)
-            same += first_hit == first_base
+            t["floor"].append(s_floor)
+            same += first_hit == first_base == first_floor
             cached.append(c)
-        result[n] = {"t": t, "same": same, "prompt": len(tokens), "cached": statistics.median(cached)}
+            floor_cached.append(fc)
+        result[n] = {"t": t, "same": same, "prompt": len(tokens), "cached": statistics.median(cached),
+                     "floor_cached": statistics.median(floor_cached)}
     return result
 
 
@@ -210,12 +221,23 @@ def run_vllm(docs: dict[int, str], dtype: str, rounds: int, edge: str, python: s
     out = tmp / f"vllm-{dtype}.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     t0 = time.perf_counter()
-    subprocess.run([python, __file__, "--child", "--edge", edge, "--dir", str(model_dir(MODEL)), "--prompts", str(pfile),
-                    "--dtype", dtype, "--rounds", str(rounds), "--result", str(out)], check=True, timeout=5400, env=env)
+    proc = subprocess.run([python, __file__, "--child", "--edge", edge, "--dir", str(model_dir(MODEL)), "--prompts",
+                           str(pfile), "--dtype", dtype, "--rounds", str(rounds), "--result", str(out)], timeout=5400,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        # e.g. the connector refuses bfloat16 where vLLM picks its AMX kernel (docs/vllm.md, Limits):
+        # that engine's rows are missing, the others stand
+        sys.stderr.write(proc.stdout[-20000:])
+        why = next((line.split("ValueError: ", 1)[1] for line in reversed(proc.stdout.splitlines())
+                    if "ValueError: " in line), f"exit status {proc.returncode}")
+        print(f"[real_model] vLLM {dtype} did not run: {why}", file=sys.stderr)
+        SKIPPED.append(f"vLLM {dtype} did not run here: {why}")
+        return []
     print(f"[real_model] vLLM {dtype}: {time.perf_counter() - t0:.0f} s with the engine start", file=sys.stderr)
     rows = []
     for n, r in json.loads(out.read_text()).items():
         rows.append(_row("vLLM", dtype, int(n), r["prompt"], int(r["cached"]), r["t"], r["same"], rounds))
+        rows[-1]["floor_cached"] = int(r.get("floor_cached", 0))
         print(_line(rows[-1]), flush=True)
     return rows
 
@@ -235,8 +257,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
         rs = sorted((r for r in rows if (r["engine"], r["dtype"]) == (engine, dtype)), key=lambda r: r["prompt_tokens"])
         ax.plot([r["prompt_tokens"] for r in rs], [statistics.median(r["speedup"]) for r in rs], marker="o",
                 label=f"{engine} {dtype}")
-    ax.axhline(10, ls=":", c="grey")
-    ax.axhline(15, ls=":", c="grey")
+    ax.axhline(25, ls=":", c="grey")  # the goals at ~4k and ~8k tokens
+    ax.axhline(40, ls=":", c="grey")
     ax.set_xlabel("prompt tokens (document + question)")
     ax.set_ylabel("TTFT speedup, edge hit vs recompute")
     ax.set_title(f"{MODEL} on CPU: median of per-round ratios")
@@ -244,6 +266,15 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def floor_bound(rows: list[dict[str, Any]]) -> str:
+    """What the floor allows: a hit can be no faster than the floor, so recompute / floor (medians)
+    is the largest speedup any load path could show on this machine."""
+    parts = [f"{r['engine']} ~{r['size'] // 1024}k {r['recompute_s'] / r['floor_s']:.1f}x"
+             for r in rows if r["dtype"] == "float32" and r.get("floor_s")]
+    return ("The floor bounds the speedup: recompute / floor (medians), the most a hit could show here, fp32: "
+            + ", ".join(parts) + ".")
 
 
 def record(rows: list[dict[str, Any]], argv: list[str] | None, load_start: float, png: Path) -> None:
@@ -256,10 +287,13 @@ def record(rows: list[dict[str, Any]], argv: list[str] | None, load_start: float
     for r in rows:
         if r["dtype"] != "float32":
             continue
-        for n, want in ((4096, 10), (8192, 15)):
+        for n, want in ((4096, 25), (8192, 40)):
             if r["size"] == n:
                 rec.goal(f"{r['engine']}: edge hit vs recompute, ~{n // 1024}k tokens, fp32", f"≥ {want}x",
                          r["speedup"], at_least=want, digits=1)
+        if r["size"] >= 4096 and "vs_floor" in r:
+            rec.goal(f"{r['engine']}: edge hit vs the floor (KV already in memory), ~{r['size'] // 1024}k, fp32",
+                     "≤ 1.3x", r["vs_floor"], at_most=1.3)
         rec.goal(f"{r['engine']}: same greedy tokens as recompute in every round, ~{r['size'] // 1024}k, fp32",
                  f"{r['rounds']}/{r['rounds']}", median=r["same_tokens"] / r["rounds"], at_least=1.0)
     rec.table(["engine", "dtype", "prompt tokens", "reused", "recompute", "edge hit", "speedup [range]", "hit vs floor",
@@ -270,6 +304,9 @@ def record(rows: list[dict[str, Any]], argv: list[str] | None, load_start: float
                 f"{statistics.median(r['vs_floor']):.2f}x" if "vs_floor" in r else "–",
                 f"{r['same_tokens']}/{r['rounds']}", r["load"]] for r in rows],
               title="Per engine, dtype and context")
+    rec.note(floor_bound(rows))
+    for why in SKIPPED:
+        rec.note(why)
     rec.plot(png)
     rec.data(rows)
     rec.save()
