@@ -39,11 +39,24 @@ def test_reused_chunks_give_the_logits_of_a_full_prefill(lm) -> None:
     chunks = split_cache(output_cache(full), lm.chunk_size)
     assert len(chunks) == 2
     reused = logits_with_chunks(lm, chunks, tokens[2 * lm.chunk_size:])
-    torch.testing.assert_close(reused, full.logits[0, 2 * lm.chunk_size:], rtol=1e-4, atol=1e-4)
+    want = full.logits[0, 2 * lm.chunk_size:]
+    # Reused KV is the full prefill's own KV, so only fp32 summation order may differ: the CPU's
+    # matmul and attention kernels block by shape (40 query rows here, 552 in the full pass), and
+    # 30 layers amplify that rounding to a few 1e-3 on some CPUs (0 on others). A swallowed cache
+    # is off by whole logits and whole nats.
+    assert (reused - want).abs().max() < 0.05
+    assert _kl(want, reused).max() < 1e-3
     # the question alone (what a swallowed cache argument computes) is far from it
     with torch.inference_mode():
         alone = lm.model(input_ids=torch.tensor([tokens[2 * lm.chunk_size:]])).logits[0]
-    assert (alone - full.logits[0, 2 * lm.chunk_size:]).abs().max() > 1.0
+    assert (alone - want).abs().max() > 1.0
+    assert _kl(want, alone).max() > 0.1
+
+
+def _kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row, in nats."""
+    lp, lq = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
+    return (lp.exp() * (lp - lq)).sum(-1)
 
 
 def test_generate_after_a_written_back_prefix_is_the_full_prefill_answer(km) -> None:
