@@ -18,24 +18,29 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kdn.artifact.format import U32, Section
+from kdn.artifact.format import TRAILER_BYTES, U32, Section
 from kdn.codecs import Codec, SectionInfo
 from kdn.codecs.base import same_width_array
+from kdn.errors import ArtifactCorrupt
 
 LAND_MIN_SECTION = 64 << 10
 """A raw section's payload is received in place (``landing``) from this size on; a smaller one
 lands in the scratch buffer with its length and check (one receive instead of three, and a copy
 that stays in cache)."""
 
+RUN_BYTES = 256 << 10
+"""Consecutive raw sections received in place by one landing, up to this many payload bytes (at
+least one section): one receive call and one pass of Python for the run instead of one per
+section (a 1 MiB chunk of 16 sections), while the run is still in cache when it is hashed."""
+
 
 @dataclass(slots=True)
 class Direct:
-    """A raw section's payload being received in place: its place in ``kv`` and that place's
-    contiguous runs as bytes (one, or one per head)."""
+    """A raw section's payload being received in place: its place in ``kv`` as contiguous runs
+    of bytes (one, or one per head), in the payload's order."""
 
     info: SectionInfo
     length: int
-    target: np.ndarray  # (H, T, D), same-width ints
     views: list[memoryview]
 
 
@@ -43,11 +48,12 @@ class Destination:
     """The ``(L, 2, H, T, D)`` tensor an assembling reader decodes into: the caller's ``out``
     (any strides), or one allocated when the first section has been verified."""
 
-    __slots__ = ("kv", "_array")
+    __slots__ = ("kv", "_array", "_flat")
 
     def __init__(self, out: torch.Tensor | None) -> None:
         self.kv = out
         self._array: np.ndarray | None = None  # kv's memory as a numpy array, made once
+        self._flat: memoryview | None = None  # kv's bytes, when kv is one contiguous run
 
     def array(self, shape: tuple[int, ...], dtype: torch.dtype) -> np.ndarray:
         """``kv`` as same-width ints (allocated as ``shape``/``dtype`` if there is none yet)."""
@@ -73,14 +79,22 @@ class Destination:
         received there: large enough, and its place is one run or one run per head."""
         if length < LAND_MIN_SECTION:
             return None
-        target = self.array(shape, info.dtype)[info.layer, 0 if info.kind == "k" else 1]  # (H, T, D)
+        which = 0 if info.kind == "k" else 1
+        whole = self.array(shape, info.dtype)  # (L, 2, H, T, D)
+        if self._flat is None and whole.flags.c_contiguous:
+            self._flat = memoryview(whole.reshape(-1).view(np.uint8))
+        if self._flat is not None:  # one chunk's own tensor: the section is a slice of its bytes
+            size = self._flat.nbytes // (2 * whole.shape[0])
+            at = (2 * info.layer + which) * size
+            return Direct(info, length, [self._flat[at : at + size]])
+        target = whole[info.layer, which]  # (H, T, D)
         if target.flags.c_contiguous:
             runs = [target]
         elif target.ndim == 3 and target[0].flags.c_contiguous:
             runs = list(target)  # one (T, D) run per head: a token range of a longer prefix
         else:
             return None
-        return Direct(info, length, target, [memoryview(r.reshape(-1).view(np.uint8)) for r in runs])
+        return Direct(info, length, [memoryview(r.reshape(-1).view(np.uint8)) for r in runs])
 
 
 class Parser(Protocol):
@@ -99,8 +113,9 @@ class Parser(Protocol):
 
     def feed(self, data: bytes | memoryview) -> list[Section]: ...
 
-    def direct_place(self, length: int) -> Direct | None:
-        """Where the next section's payload of ``length`` bytes is received in place, if it is."""
+    def direct_run(self, length: int, budget: int) -> list[Direct]:
+        """Where the next sections' payloads are received in place, if they are: the next one of
+        ``length`` bytes, then those after it of their raw size, up to ``budget`` bytes."""
         ...
 
     def accept_landed(self, d: Direct, length: bytes, check: bytes) -> Section:
@@ -111,23 +126,31 @@ class Parser(Protocol):
 class Landing:
     """The buffers one reader's ``landing()`` hands out and ``landed()`` takes back."""
 
-    __slots__ = ("_reader", "_scratch", "_scr_n", "_land_to", "_direct")
+    __slots__ = ("_reader", "_scratch", "_scr_n", "_land_to", "_run")
 
     def __init__(self, reader: Parser) -> None:
         self._reader = reader
         self._scratch = bytearray(64 << 10)  # everything but raw payloads received in place
         self._scr_n = 0  # bytes of the part being received that are in _scratch
         self._land_to = 0  # where the last landing in _scratch ends
-        self._direct: Direct | None = None  # a raw payload being received into kv
+        self._run: list[Direct] = []  # raw payloads being received into kv, in order
 
     def views(self) -> list[memoryview]:
         r = self._reader
         if r.complete:
             return []
-        d = self._direct
-        if d is not None:
-            # the payload's runs, its check, and the next section's length: one receive call
-            return [*d.views, memoryview(self._scratch)[4 : 16 if r.sections_left() > 1 else 12]]
+        run = self._run
+        if run:
+            # each payload's runs, then its check and the next section's length (after the last
+            # section of the artifact: its check and the trailer): one receive call for the run
+            scratch = memoryview(self._scratch)
+            views: list[memoryview] = []
+            for j, d in enumerate(run):
+                views += d.views
+                views.append(scratch[12 * j + 4 : 12 * j + 16])
+            if r.sections_left() == len(run):
+                views[-1] = scratch[12 * len(run) - 8 : 12 * len(run) + TRAILER_BYTES]
+            return views
         need = r.need(memoryview(self._scratch)[: self._scr_n])
         if need > len(self._scratch):
             grown = bytearray(need)
@@ -139,22 +162,33 @@ class Landing:
     def landed(self) -> list[Section]:
         r = self._reader
         done: list[Section] = []
-        d = self._direct
-        if d is not None:
-            self._direct = None
-            # the length that arrived (the raw size: the reader checked), then the payload's check
-            done.append(r.accept_landed(d, bytes(self._scratch[:4]), bytes(self._scratch[4:12])))
+        run = self._run
+        if run:
+            self._run = []
+            scratch = self._scratch
+            # scratch holds, per section of the run, the length that arrived and the check:
+            # the first length is the one direct_run() placed by; a later one must be the raw
+            # size it was received as (the check covers it too)
+            for j, d in enumerate(run):
+                length = bytes(scratch[12 * j : 12 * j + 4])
+                if j and U32.unpack(length)[0] != d.length:
+                    raise ArtifactCorrupt(
+                        f"layer {d.info.layer} {d.info.kind.upper()} section declares "
+                        f"{U32.unpack(length)[0]} bytes where the raw section before it took {d.length}"
+                    )
+                done.append(r.accept_landed(d, length, bytes(scratch[12 * j + 4 : 12 * j + 12])))
+            end = 12 * len(run)
             self._scr_n = 0
             if not r.sections_left():
-                return done  # the trailer comes next
-            self._scratch[0:4] = self._scratch[12:16]  # the next section's length came along
+                return done + r.feed(memoryview(scratch)[end : end + TRAILER_BYTES])
+            scratch[0:4] = scratch[end : end + 4]  # the next section's length came along
             self._land_to = 4
         self._scr_n = self._land_to
         part = memoryview(self._scratch)[: self._scr_n]
         if self._scr_n == 4 and r.sections_left():
-            d = r.direct_place(U32.unpack_from(part, 0)[0])
-            if d is not None:
-                self._direct = d
+            run = r.direct_run(U32.unpack_from(part, 0)[0], RUN_BYTES)
+            if run:
+                self._run = run
                 return done
         if r.need(part) > self._scr_n:
             return done  # a length arrived: the rest of this part comes next

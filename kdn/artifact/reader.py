@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kdn.artifact.digest import copy_verified, digest_from
+from kdn.artifact.digest import copy_verified
 from kdn.artifact.format import (
     DEFAULT_MAX_BYTES, MAX_HEADER, PREFIX, TRAILER_BYTES, TRAILER_MAGIC, U32, U64, ArtifactHeader, Section,
     header_shape, section_infos,
@@ -131,17 +131,36 @@ class ArtifactReader:
     def sections_left(self) -> int:
         return len(self._infos) - self._next
 
-    def direct_place(self, length: int) -> Direct | None:
+    def direct_run(self, length: int, budget: int) -> list[Direct]:
+        """The next sections received in place (:class:`kdn.artifact.landing.Landing`): the next
+        one, whose length field arrived as ``length``, if that is its raw size, then those after
+        it, each predicted at its raw size (the landing refuses one whose length field says
+        otherwise), while their payloads stay within ``budget`` bytes. ``[]``: feed the next one."""
         assert self._codec is not None and self.header is not None
-        info = self._infos[self._next]
-        if not (self._assemble and self._codec.stores_raw and length == info.raw_bytes):
-            return None
-        if self._total + 4 + length + 8 > self._expect.max_bytes:
-            return None  # feed() refuses it with the usual error
-        return self._dest.direct(info, length, header_shape(self.header))
+        if not (self._assemble and self._codec.stores_raw):
+            return []
+        shape = header_shape(self.header)
+        run: list[Direct] = []
+        total, payload = self._total, 0
+        for info in self._infos[self._next :]:
+            size = info.raw_bytes if run else length
+            if size != info.raw_bytes or (run and payload + size > budget):
+                break
+            if total + 4 + size + 8 > self._expect.max_bytes:
+                break  # feed() refuses it with the usual error
+            d = self._dest.direct(info, size, shape)
+            if d is None:
+                break
+            run.append(d)
+            total += 4 + size + 8
+            payload += size
+        return run
 
     def accept_landed(self, d: Direct, length: bytes, check: bytes) -> Section:
-        if digest_from(xxhash.xxh3_64(length), d.target) != U64.unpack(check)[0]:
+        h = xxhash.xxh3_64(length)  # the check covers the length field and the payload, as it landed
+        for run in d.views:
+            h.update(run)
+        if h.intdigest() != U64.unpack(check)[0]:
             raise _bad_check(d.info)
         self._tree.update(check)
         self._total += 4 + d.length + 8
