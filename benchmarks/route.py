@@ -12,6 +12,9 @@ so no run reuses another's KV. Workloads, from outside the router:
 - ``prefix``: ``vllm bench serve --dataset-name prefix_repetition`` (streamed completions;
   ``num_prefixes`` documents of ``prefix_len`` random tokens, each followed by ``suffix_len`` new
   ones), Poisson arrivals at ``--rate``;
+- ``hot``: the same generator with one document every request shares, at ``--hot-rate`` (more
+  requests than one host serves in time): the document's holder saturates unless the router
+  moves requests to the other host, which fetches the document's KV from its peer edge;
 - ``chat``: ``--conversations`` concurrent multi-turn chats (streamed chat completions; a
   ``--chat-doc-tokens`` system document, then ``--turns`` user turns, each answered with
   ``--chat-output`` tokens that become part of the next turn's history).
@@ -44,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_BIN = ROOT / ".venv-vllm" / "bin"
 KDN = Path(sys.executable).with_name("kdn")
 POLICIES = ("round_robin", "prefix_overlap", "cost")
+WORKLOADS = ("prefix", "hot", "chat")
 CHUNK = 256
 
 METHOD = """Two `vllm serve` engines of the trained model (smollm2-135m, fp32, one CPU core each) with
@@ -53,7 +57,8 @@ longest run held on the host; cost: expected TTFT from queue, measured prefill r
 measured link rates or recompute) in front of both. Per round each workload runs once per router,
 the policies' order rotating; every run draws fresh documents. Workloads come from outside the
 router: `vllm bench serve --dataset-name prefix_repetition` (Poisson arrivals, streamed
-completions) and a multi-turn chat driver (concurrent conversations, each turn's answer part of the
+completions; "hot": one document shared by every request, faster than one host serves) and a
+multi-turn chat driver (concurrent conversations, each turn's answer part of the
 next turn's history, streamed). TTFT is the client's (first token); ratios of mean TTFT are taken
 per round; medians over rounds with the range."""
 
@@ -170,15 +175,18 @@ class Fleet:
             _stop(p, group)
 
 
-def run_prefix(fleet: Fleet, policy: str, seed: int, out: Path) -> dict[str, Any]:
+def run_prefix(fleet: Fleet, policy: str, seed: int, out: Path, *, hot: bool = False) -> dict[str, Any]:
+    """``vllm bench serve`` through ``policy``'s router: the ``prefix`` workload, or with ``hot``
+    one shared document at ``--hot-rate``."""
     a = fleet.args
-    name = f"prefix-{policy}-{seed}.json"
+    num_prefixes, rate, prompts = (1, a.hot_rate, a.hot_prompts) if hot else (a.num_prefixes, a.rate, a.prompts)
+    name = f"{'hot' if hot else 'prefix'}-{policy}-{seed}.json"
     cmd = [str(VLLM_BIN / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", fleet.routers[policy],
            "--endpoint", "/v1/completions", "--model", str(fleet.model), "--tokenizer", str(fleet.model),
            "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(a.prefix_len),
-           "--prefix-repetition-suffix-len", str(a.suffix_len), "--prefix-repetition-num-prefixes", str(a.num_prefixes),
-           "--prefix-repetition-output-len", str(a.output_len), "--num-prompts", str(a.prompts), "--request-rate",
-           str(a.rate), "--seed", str(seed), "--num-warmups", "0", "--disable-tqdm", "--save-result", "--result-dir",
+           "--prefix-repetition-suffix-len", str(a.suffix_len), "--prefix-repetition-num-prefixes", str(num_prefixes),
+           "--prefix-repetition-output-len", str(a.output_len), "--num-prompts", str(prompts), "--request-rate",
+           str(rate), "--seed", str(seed), "--num-warmups", "0", "--disable-tqdm", "--save-result", "--result-dir",
            str(out), "--result-filename", name, "--percentile-metrics", "ttft", "--metric-percentiles", "50,99"]
     log = out / (name + ".log")
     with log.open("w") as fh:
@@ -188,7 +196,7 @@ def run_prefix(fleet: Fleet, policy: str, seed: int, out: Path) -> dict[str, Any
     res = json.loads((out / name).read_text())
     return {"mean_ttft_s": res["mean_ttft_ms"] / 1e3, "median_ttft_s": res["median_ttft_ms"] / 1e3,
             "p99_ttft_s": res["p99_ttft_ms"] / 1e3, "req_per_s": res["request_throughput"],
-            "completed": res["completed"], "failed": res.get("failed", a.prompts - res["completed"]),
+            "completed": res["completed"], "failed": res.get("failed", prompts - res["completed"]),
             "wall_s": res["duration"]}
 
 
@@ -276,7 +284,7 @@ def edge_peer_fetches(fleet: Fleet) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--workloads", nargs="+", choices=["prefix", "chat"], default=["prefix", "chat"])
+    ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=64)
@@ -284,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=18)
     ap.add_argument("--rate", type=float, default=1.0, help="prefix workload: requests per second (Poisson)")
+    ap.add_argument("--hot-rate", type=float, default=4.0, help="hot workload: requests per second (Poisson)")
+    ap.add_argument("--hot-prompts", type=int, default=80)
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--chat-doc-tokens", type=int, default=768)
@@ -316,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                     seed = 1000 * (r + 1) + 100 * wi + 10 * POLICIES.index(policy)
                     before, peers0 = routed(fleet, policy), edge_peer_fetches(fleet)
                     load0 = os.getloadavg()[0]
-                    res = run_prefix(fleet, policy, seed, out) if w == "prefix" else run_chat(fleet, policy, seed, tok)
+                    res = (run_chat(fleet, policy, seed, tok) if w == "chat"
+                           else run_prefix(fleet, policy, seed, out, hot=w == "hot"))
                     after = routed(fleet, policy)
                     res.update(round=r, workload=w, policy=policy, seed=seed, load=[load0, os.getloadavg()[0]],
                                per_host=[b - a for a, b in zip(before, after)],
@@ -377,11 +388,16 @@ def record(summary: dict[str, Any], runs: list[dict[str, Any]], args: argparse.N
            load_start: float, load_end: float, argv: list[str] | None) -> None:
     from _results import Record  # benchmarks/ is on sys.path when this runs as a script
 
-    rec = Record(__file__, "route", "KV-aware routing: round-robin, prefix-overlap, cost score", argv)
+    # the default workloads keep the "route" section; a run of some of them only gets its own
+    rid = "route" if sorted(args.workloads) == sorted(WORKLOADS) else "route-" + "-".join(args.workloads)
+    title = "" if rid == "route" else f" ({', '.join(args.workloads)})"
+    rec = Record(__file__, rid, f"KV-aware routing: round-robin, prefix-overlap, cost score{title}", argv)
     rec.doc["load"]["start"] = round(load_start, 2)
     rec.set_rounds(args.rounds)
     names = {"prefix": (f"prefix_repetition: {args.num_prefixes} documents x {args.prefix_len} tokens + "
                         f"{args.suffix_len} new, {args.output_len} out, {args.prompts} requests at {args.rate:g}/s"),
+             "hot": (f"hot document: 1 document x {args.prefix_len} tokens shared by every request + "
+                     f"{args.suffix_len} new, {args.output_len} out, {args.hot_prompts} requests at {args.hot_rate:g}/s"),
              "chat": (f"multi-turn chat: {args.conversations} conversations x {args.turns} turns, "
                       f"{args.chat_doc_tokens}-token system document, {args.chat_output} tokens per answer")}
     for w, s in summary.items():
