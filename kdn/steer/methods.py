@@ -240,12 +240,12 @@ def read_after(model: Any, kv: torch.Tensor, tokens: Sequence[int]) -> torch.Ten
 
     T = kv.shape[3]
     cache = build_cache([kv], model.config)
-    with torch.inference_mode():
-        forward(model, input_ids=torch.tensor([list(tokens)], dtype=torch.long), cache=cache, use_cache=True,
-                logits_to_keep=1)
+    forward(model, input_ids=torch.tensor([list(tokens)], dtype=torch.long), cache=cache, use_cache=True,
+            logits_to_keep=1)
     return layers_to_chunk(cache.layers, T, T + len(tokens))
 
 
+@torch.inference_mode()
 def re_read_from(model: Any, kv: torch.Tensor, tokens: Sequence[int], spans: Sequence[tuple[int, int]]) -> torch.Tensor:
     """:func:`re_read` given the plain KV ``kv`` ``(L, 2, H, T, D)`` of ``tokens`` (positions
     ``0..T-1``): only the second reading is computed, on top of ``kv`` (same result up to rounding)."""
