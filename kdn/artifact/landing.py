@@ -174,7 +174,7 @@ class Landing:
                 if j and U32.unpack(length)[0] != d.length:
                     raise ArtifactCorrupt(
                         f"layer {d.info.layer} {d.info.kind.upper()} section declares "
-                        f"{U32.unpack(length)[0]} bytes where the raw section before it took {d.length}"
+                        f"{U32.unpack(length)[0]} bytes; a raw section of this shape is {d.length}"
                     )
                 done.append(r.accept_landed(d, length, bytes(scratch[12 * j + 4 : 12 * j + 12])))
             end = 12 * len(run)

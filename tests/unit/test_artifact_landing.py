@@ -156,3 +156,19 @@ def test_the_size_bound_holds_for_landed_bytes() -> None:
     blob = _encode(_kv(layers=2, heads=2, tokens=64, dim=16), "raw")
     with pytest.raises(kerr.MessageTooLarge):
         land(ArtifactReader(max_bytes=len(blob) // 2), blob)
+
+
+def test_a_length_field_inside_a_run_that_is_not_the_raw_size_is_refused(section_threshold: str) -> None:
+    kv = _kv(layers=2, heads=2, tokens=8, dim=16)
+    blob = bytearray(_encode(kv, "raw"))
+    raw = 2 * 8 * 16 * 2  # one section's payload: (H, T, D) fp16
+    hlen = int.from_bytes(blob[8:12], "little")
+    second = 12 + hlen + 8 + (4 + raw + 8)  # the second section's length field
+    assert int.from_bytes(blob[second : second + 4], "little") == raw
+    blob[second : second + 4] = (raw - 2).to_bytes(4, "little")
+    out = torch.zeros_like(kv)
+    # landed in one run, the length is checked against the size it was received as; one by one
+    # or fed, the section's checksum (which covers its length) refuses it
+    with pytest.raises(kerr.ArtifactCorrupt, match="declares 510 bytes; a raw section of this shape is 512"
+                       if section_threshold == "in place" else "checksum mismatch"):
+        land(ArtifactReader(expect_fingerprint=FP, out=out), bytes(blob))
