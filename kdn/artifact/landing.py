@@ -13,7 +13,7 @@ this module only says where bytes go.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
@@ -95,6 +95,29 @@ class Destination:
         else:
             return None
         return Direct(info, length, [memoryview(r.reshape(-1).view(np.uint8)) for r in runs])
+
+
+    def run(self, infos: Sequence[SectionInfo], length: int, budget: int, room: int,
+            shape: tuple[int, ...]) -> list[Direct]:
+        """Where the next raw sections ``infos`` are received in place: the first, whose length
+        field arrived as ``length``, if that is its raw size; then those after it, each predicted
+        at its raw size (:meth:`Landing.landed` refuses one whose length field says otherwise),
+        while their payloads stay within ``budget`` bytes and their framed sections within
+        ``room`` (the reader's ``max_bytes`` left: past it, ``feed`` refuses with the usual
+        error). ``[]``: the next section is fed."""
+        run: list[Direct] = []
+        payload = 0
+        for info in infos:
+            size = info.raw_bytes if run else length
+            if size != info.raw_bytes or (run and payload + size > budget) or 4 + size + 8 > room:
+                break
+            d = self.direct(info, size, shape)
+            if d is None:
+                break
+            run.append(d)
+            payload += size
+            room -= 4 + size + 8
+        return run
 
 
 class Parser(Protocol):

@@ -132,29 +132,12 @@ class ArtifactReader:
         return len(self._infos) - self._next
 
     def direct_run(self, length: int, budget: int) -> list[Direct]:
-        """The next sections received in place (:class:`kdn.artifact.landing.Landing`): the next
-        one, whose length field arrived as ``length``, if that is its raw size, then those after
-        it, each predicted at its raw size (the landing refuses one whose length field says
-        otherwise), while their payloads stay within ``budget`` bytes. ``[]``: feed the next one."""
+        """The next sections received in place, if they are (:meth:`Destination.run`)."""
         assert self._codec is not None and self.header is not None
         if not (self._assemble and self._codec.stores_raw):
             return []
-        shape = header_shape(self.header)
-        run: list[Direct] = []
-        total, payload = self._total, 0
-        for info in self._infos[self._next :]:
-            size = info.raw_bytes if run else length
-            if size != info.raw_bytes or (run and payload + size > budget):
-                break
-            if total + 4 + size + 8 > self._expect.max_bytes:
-                break  # feed() refuses it with the usual error
-            d = self._dest.direct(info, size, shape)
-            if d is None:
-                break
-            run.append(d)
-            total += 4 + size + 8
-            payload += size
-        return run
+        return self._dest.run(self._infos[self._next :], length, budget, self._expect.max_bytes - self._total,
+                              header_shape(self.header))
 
     def accept_landed(self, d: Direct, length: bytes, check: bytes) -> Section:
         h = xxhash.xxh3_64(length)  # the check covers the length field and the payload, as it landed
