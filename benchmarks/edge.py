@@ -11,7 +11,9 @@ Every figure is a ratio against a peer measured in the same round, reported as t
 - 4,000 x 1 MiB GETs, 8 in flight, one client, cycling through 128 distinct artifacts: requests/s
   and p50/p99, KDN vs LMCache (goal >= 1.0x), and KDN over the default same-host path (``shm=True``,
   what a co-located inference host takes) vs LMCache (goal >= 1.5x);
-- scaling: 1, 2, 4, 8 client processes fetching 1 MiB objects, aggregate requests/s, KDN and LMCache;
+- scaling: 1, 2, 4, 8 client processes fetching 1 MiB objects, aggregate requests/s and p50/p99,
+  KDN and LMCache;
+- per-request p50/p99 of every 32 MiB row (GET, PUT), pooled over the rounds;
 - same-host shared memory on the inference client's path (``shm=True``, every checksum verified,
   decoded into a reused buffer) vs memcpy of the same bytes into a reused buffer (goal >= 0.6x);
 - Lookup RPCs/s and in-process overlay owner lookups/s (no peer; for continuity).
@@ -410,17 +412,19 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
     new_put_gbps: dict[str, list[float]] = {n: [] for n in pair}
     burst: dict[str, list[dict]] = {n: [] for n in pair + (["kdn shm"] if "kdn" in pair else [])}
     scale: dict[str, dict[int, list[float]]] = {n: {k: [] for k in SCALING} for n in pair}
+    scale_lat: dict[str, dict[int, list[dict]]] = {n: {k: [] for k in SCALING} for n in pair}
+    calls: dict[str, dict[str, list[float]]] = {"get": {}, "put": {}, "new_put": {}}  # seconds per 32 MiB call
     shm: dict[str, list[float]] = {"shm": [], "memcpy": []}
     vias: dict[str, int] = {}
     task = progress.add_task("interleaved rounds", total=plan.rounds)
     for r in range(plan.rounds):
         # 32 MiB GET (and KDN's byte path alone, a diagnostic), PUT: one object per system in turn
-        got = one_at_a_time(peers, up + ["kdn unread"], "get", plan.big_gets, r)
+        got = one_at_a_time(peers, up + ["kdn unread"], "get", plan.big_gets, r, calls=calls["get"])
         for n, s in got.items():
             get_gbps.setdefault(n, []).append(plan.big_gets * big / s / 1e9)
-        for n, s in one_at_a_time(peers, pair, "put", plan.big_puts, r).items():
+        for n, s in one_at_a_time(peers, pair, "put", plan.big_puts, r, calls=calls["put"]).items():
             put_gbps[n].append(plan.big_puts * big / s / 1e9)
-        for n, s in one_at_a_time(peers, pair, "put", plan.big_puts, r, objects="fresh").items():
+        for n, s in one_at_a_time(peers, pair, "put", plan.big_puts, r, objects="fresh", calls=calls["new_put"]).items():
             new_put_gbps[n].append(plan.big_puts * big / s / 1e9)
         for n in rotated(list(burst), r):  # 1 MiB, 8 in flight (KDN also over the default same-host path)
             system, _, variant = n.partition(" ")
@@ -435,25 +439,33 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
                 outs = peers[n].workers[1].ask("fanout", k=k, cmd=cmd)["results"]
                 t0, t1 = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
                 scale[n][k].append((plan.scaling_total // k) * k / (t1 - t0))
+                lat = [x for o in outs for x in o["lat"]]  # every client's requests of this point
+                scale_lat[n][k].append({"p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3})
         # the inference client's shm path vs memcpy of the same bytes, one object each in turn
         for n, s in one_at_a_time(peers, ["kdn shm", "kdn memcpy"], "", plan.shm_gets, r).items():
             shm[n.split()[1]].append(plan.shm_gets * big / s / 1e9)
         vias = peers["kdn"].workers[0].ask("get", set="big", n=0)["via"]
         progress.advance(task)
     res.update({"get_gbps": get_gbps, "put_gbps": put_gbps, "new_put_gbps": new_put_gbps, "burst": burst,
-                "scale": {n: {str(k): v for k, v in d.items()} for n, d in scale.items()}, "shm": shm, "via": vias})
+                "scale": {n: {str(k): v for k, v in d.items()} for n, d in scale.items()}, "shm": shm, "via": vias,
+                "scale_lat": {n: {str(k): v for k, v in d.items()} for n, d in scale_lat.items()},
+                "call_ms": {op: {n: [x * 1e3 for x in v] for n, v in d.items()} for op, d in calls.items()}})
 
 
 def one_at_a_time(peers: dict[str, Peer], names: list[str], op: str, count: int, r: int,
-                  objects: str = "big") -> dict[str, float]:
+                  objects: str = "big", calls: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Seconds each system spent on ``count`` 32 MiB operations, taken one object per system in
     turn (order rotated per object and round) so a slow moment of the shared machine hits all
-    alike. ``"kdn unread"`` names KDN's client with the ``unread`` op, ``"kdn shm"`` the ``shm`` op."""
+    alike. ``"kdn unread"`` names KDN's client with the ``unread`` op, ``"kdn shm"`` the ``shm`` op.
+    ``calls``: each operation's seconds are appended there too, per system."""
     spent = dict.fromkeys(names, 0.0)
     for j in range(count):
         for n in rotated(names, r + j):
             system, _, variant = n.partition(" ")
-            spent[n] += peers[system].workers[0].ask(variant or op, set=objects, n=1)["s"]
+            s = peers[system].workers[0].ask(variant or op, set=objects, n=1)["s"]
+            spent[n] += s
+            if calls is not None:
+                calls.setdefault(n, []).append(s)
     return spent
 
 
@@ -542,6 +554,13 @@ def record(res: dict, text: str, png: Path) -> None:
     g = res["get_gbps"]
     if "redis" in g:
         rec.goal("32 MiB GET vs Redis GET (redis-py)", "faster (> 1x)", ratios(g["kdn"], g["redis"]), at_least=1.0)
+    b, p = res["burst"], res["plan"]
+    if "lmcache" in b:  # the tail a serving fleet feels: p99 of the same run, within each round
+        lmc = [x["p99_ms"] for x in b["lmcache"]]
+        for n, path in (("kdn", ""), ("kdn shm", ", default host path (shm)")):
+            if n in b:
+                rec.goal(f"{p['burst']} x 1 MiB GET, {p['inflight']} in flight{path}: p99 vs LMCache's", "≤ 2x",
+                         ratios([x["p99_ms"] for x in b[n]], lmc), at_most=2.0)
     rec.markdown(line for line in text.splitlines() if not line.startswith(("## Edge data plane", "Command: ", "Goals (",
                                                                              "Plot: ")))
     rec.plot(png)
@@ -623,16 +642,28 @@ def report(res: dict, command: str) -> str:
     lines += ["", f"Latency in the {p['burst']} x 1 MiB run ({p['inflight']} in flight): {lat} (LMCache's connector "
               "runs one GET at a time on its socket, so its latency holds no queueing; KDN's holds the wait behind "
               "the other requests in flight.)", "",
-              f"Scaling, 1 MiB GETs, {p['scaling_total']} per point split across k client processes (one in flight "
-              "each), aggregate req/s:", "",
-              "| clients | " + " | ".join(f"{n} req/s" for n in sc) + " | KDN vs 1 client | KDN / LMCache |",
-              "|---|" + "---|" * len(sc) + "---|---|"]
+              ]
+    call_ms = res.get("call_ms", {})
+    if call_ms:
+        what = {"get": "GET", "put": "PUT of a held key", "new_put": "PUT of a new key"}
+        parts = [f"{what[op]}: " + ", ".join(f"{n} p50 {_pct(v, 0.5):.1f} / p99 {_pct(v, 0.99):.1f} ms"
+                                            for n, v in d.items() if n != "kdn unread")
+                 for op, d in call_ms.items() if d]
+        lines += [f"Per-request latency of the 32 MiB rows, every round's requests pooled: {'; '.join(parts)}.", ""]
+    sl = res.get("scale_lat", {})
+    lines += [f"Scaling, 1 MiB GETs, {p['scaling_total']} per point split across k client processes (one in flight "
+              "each), aggregate req/s" + (" and per-request p50 / p99 (medians of the rounds)" if sl else "") + ":", "",
+              "| clients | " + " | ".join(f"{n} req/s" for n in sc) + " | KDN vs 1 client | KDN / LMCache |"
+              + "".join(f" {n} p50 / p99 ms |" for n in sl),
+              "|---|" + "---|" * len(sc) + "---|---|" + "---|" * len(sl)]
     for k in SCALING:
         kk = str(k)
         cells = [spread(sc[n][kk], "{:.0f}") for n in sc]
         grow = spread(ratios(sc["kdn"][kk], sc["kdn"]["1"]))
         vs_l = spread(ratios(sc["kdn"][kk], sc["lmcache"][kk])) + "x" if "lmcache" in sc else "missing"
-        lines.append(f"| {k} | " + " | ".join(cells) + f" | {grow}x | {vs_l} |")
+        lat_cells = "".join(f" {statistics.median(x['p50_ms'] for x in sl[n][kk]):.2f} / "
+                            f"{statistics.median(x['p99_ms'] for x in sl[n][kk]):.2f} |" for n in sl)
+        lines.append(f"| {k} | " + " | ".join(cells) + f" | {grow}x | {vs_l} |" + lat_cells)
     lines += ["", f"Lookup RPCs (16-key chains, local, 16 concurrent callers): {res['lookup_rpcs_per_s']:.0f}/s. "
               f"Overlay owners(key, r=2) in-process, 10 nodes: {res['overlay_owner_lookups_per_s']:.0f}/s.", "",
               f"Seconds per phase: {res['phases_s']}."]

@@ -180,6 +180,22 @@ def test_ratios_are_taken_within_a_round(edge_bench: ModuleType) -> None:
     assert "1.00 at start, 2.00 at end" in text  # the load average
 
 
+def test_latency_is_reported_for_the_32_mib_rows_and_every_scaling_point(edge_bench: ModuleType) -> None:
+    res = _result(lmcache=True)
+    res["call_ms"] = {"get": {"kdn": [10.0, 12.0, 30.0], "lmcache": [9.0, 9.0, 9.0], "kdn unread": [1.0]},
+                      "put": {"kdn": [20.0] * 3, "lmcache": [25.0] * 3}, "new_put": {}}
+    res["scale_lat"] = {n: {k: [{"p50_ms": 0.5 * int(k), "p99_ms": 2.0 * int(k)}] * 3 for k in ("1", "2", "4", "8")}
+                        for n in ("kdn", "lmcache")}
+    text = edge_bench.report(res, "python benchmarks/edge.py")
+    line = next(x for x in text.splitlines() if x.startswith("Per-request latency of the 32 MiB rows"))
+    assert "GET: kdn p50 12.0 / p99 30.0 ms, lmcache p50 9.0 / p99 9.0 ms" in line and "unread" not in line
+    assert "PUT of a held key: kdn p50 20.0" in line and "new key" not in line  # a row with no calls says nothing
+    rows = {r.split(" | ")[0]: r for r in text.splitlines() if r.startswith("| ")}
+    assert rows["| 4"].endswith("| 2.00 / 8.00 | 2.00 / 8.00 |")
+    # a result recorded before latencies were kept still reports
+    assert "Per-request latency" not in edge_bench.report(_result(lmcache=True), "python benchmarks/edge.py")
+
+
 def test_a_missing_peer_is_reported_with_its_reason(edge_bench: ModuleType) -> None:
     text = edge_bench.report(_result(lmcache=False), "python benchmarks/edge.py")
     row = next(line for line in text.splitlines() if line.startswith("| 32 MiB GET vs LMCache"))
