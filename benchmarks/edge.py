@@ -268,6 +268,11 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(len(xs) * q))]
 
 
+def _tail_ms(seconds: list[float]) -> dict[str, float]:
+    """p50 and p99 of per-request ``seconds``, in ms."""
+    return {"p50_ms": _pct(seconds, 0.5) * 1e3, "p99_ms": _pct(seconds, 0.99) * 1e3}
+
+
 def spread(xs: list[float], fmt: str = "{:.2f}") -> str:
     """``median [min–max]`` of per-round figures."""
     if not xs:
@@ -430,8 +435,7 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
             system, _, variant = n.partition(" ")
             out = peers[system].workers[0].ask("shm_burst" if variant else "burst", set="small", n=plan.burst,
                                                inflight=plan.inflight, start_at=0)
-            burst[n].append({"rps": plan.burst / (out["t1"] - out["t0"]), "p50_ms": _pct(out["lat"], 0.5) * 1e3,
-                             "p99_ms": _pct(out["lat"], 0.99) * 1e3})
+            burst[n].append({"rps": plan.burst / (out["t1"] - out["t0"]), **_tail_ms(out["lat"])})
         for k in SCALING:  # 1 MiB, k client processes, one request in flight each
             for n in rotated(pair, r):
                 cmd = {"op": "burst", "set": "small", "n": plan.scaling_total // k, "inflight": 1,
@@ -440,7 +444,7 @@ def measure(peers: dict[str, Peer], plan: Plan, res: dict, progress: Progress) -
                 t0, t1 = min(o["t0"] for o in outs), max(o["t1"] for o in outs)
                 scale[n][k].append((plan.scaling_total // k) * k / (t1 - t0))
                 lat = [x for o in outs for x in o["lat"]]  # every client's requests of this point
-                scale_lat[n][k].append({"p50_ms": _pct(lat, 0.5) * 1e3, "p99_ms": _pct(lat, 0.99) * 1e3})
+                scale_lat[n][k].append(_tail_ms(lat))
         # the inference client's shm path vs memcpy of the same bytes, one object each in turn
         for n, s in one_at_a_time(peers, ["kdn shm", "kdn memcpy"], "", plan.shm_gets, r).items():
             shm[n.split()[1]].append(plan.shm_gets * big / s / 1e9)
@@ -641,8 +645,7 @@ def report(res: dict, command: str) -> str:
                    f"{spread([x['p99_ms'] for x in v], '{:.1f}')} ms;" for n, v in b.items())
     lines += ["", f"Latency in the {p['burst']} x 1 MiB run ({p['inflight']} in flight): {lat} (LMCache's connector "
               "runs one GET at a time on its socket, so its latency holds no queueing; KDN's holds the wait behind "
-              "the other requests in flight.)", "",
-              ]
+              "the other requests in flight.)", ""]
     call_ms = res.get("call_ms", {})
     if call_ms:
         what = {"get": "GET", "put": "PUT of a held key", "new_put": "PUT of a new key"}
