@@ -54,8 +54,10 @@ tokens of a line of one of them (its position cycles through all 8, the line is 
 them); a prompt is right when the line's next token is the model's top-1, and `exact` counts
 prompts whose next 4 tokens all are (teacher forced). Every method runs on the same
 prompts; segments are each excerpt's KV computed alone. Accuracy with Wilson 95% intervals, KL to
-full prefill with normal 95% intervals, exact McNemar tests. prefix-only is computed on the first
-40 prompts (its reuse share on all), blend@1 on the first 30.""",
+full prefill with normal 95% intervals, exact McNemar tests of the answers, and an exact sign test
+of the per-prompt KL against blend@15%'s (prompts where a method is closer to full prefill than
+blend@15% / further from it): the random control is judged by that test. prefix-only is computed
+on the first 40 prompts (its reuse share on all), blend@1 on the first 30.""",
     "blend-ttft": """transformers 5, fp32, smollm2-135m: a chat prefix, 8 excerpts of 512 tokens of held-out
 files, a question (about 4.1k tokens). Per round a combination of 8 documents of a pool of 16
 that no earlier round used (subset and order); the pool's segments sit in an in-process edge
@@ -150,13 +152,16 @@ def part_quality(argv: list[str], load_start: float, budget_s: float | None) -> 
         p_full = m.get("vs_full", {}).get("p")
         p_b15 = m.get("vs_blend@0.15", {}).get("p")
         ex = "—" if m.get("exact") is None else f"{m['exact']:.3f}"
+        s15 = m.get("kl_vs_blend@0.15")
+        kl15 = "—" if s15 is None else f"{s15['lower_this']} / {s15['lower_other']}, p={s15['p']:.2g}"
         rows.append([m["name"], m["prompts"], acc, ex, f"{m['kl']:.4f} [{m['kl_ci'][0]:.4f}, {m['kl_ci'][1]:.4f}]",
                      f"{m['agreement']:.3f}", f"{m['recomputed']:.1%}", f"{m['compute']:.1%}",
                      f"{m.get('reused_all_prompts', m['reused']):.1%}", "—" if p_full is None else f"{p_full:.2g}",
-                     "—" if p_b15 is None else f"{p_b15:.2g}"])
+                     "—" if p_b15 is None else f"{p_b15:.2g}", kl15])
     rec.table(["method", "prompts", "accuracy [95% CI]", "exact (4 tokens)", "KL to full [95% CI]", "top-1 agreement",
                "doc tokens recomputed",
-               "compute share", "prompt tokens reused", "McNemar p vs full", "McNemar p vs blend@15%"], rows)
+               "compute share", "prompt tokens reused", "McNemar p vs full", "McNemar p vs blend@15%",
+               "KL vs blend@15%: prompts lower / higher, sign test p"], rows)
     for c in summary["claims"]:
         rec.goal(c["what"], c["goal"], median=c["value"], met=c["met"], unit="", digits=4)
     rec.note(f"{info['prompts_done']} of {info['prompts']} prompts; pool {info.get('pool_documents')} documents from "

@@ -26,7 +26,10 @@ prompts whose every answer token is top-1 (``exact``), top-1
 agreement with full prefill on the scored tokens, KL(full ‖ method) in nats (mean over prompts of
 the mean over scored tokens, with a 95% interval), the share of document tokens recomputed, the
 compute share (token×layer), the share of prompt tokens reused, the median seconds to the scored
-logits, and exact McNemar tests against full prefill and against blend@15% (:mod:`kdn.lab.paired`).
+logits, exact McNemar tests against full prefill and against blend@15%, and an exact sign test of
+the per-prompt KL against blend@15%'s (:mod:`kdn.lab.paired`): the random control is judged worse
+than the deviation rule by that test, at what blending is for (reproducing full prefill), since
+on a task where most of the naive gap closes without recompute the two rarely differ in answers.
 Segments are prefilled once per document (what the store holds) and are not timed.
 
 Tasks (``--task``): ``needle`` (the default for a model with a subword tokenizer:
@@ -66,7 +69,7 @@ from kdn.console import plain, report_error
 from kdn.errors import InvalidInput, KdnError
 from kdn.keys import DEFAULT_NAMESPACE, chunk_keys
 from kdn.kv import forward, output_cache
-from kdn.lab.paired import mcnemar, mean_ci, wilson
+from kdn.lab.paired import mcnemar, mean_ci, sign_test, wilson
 from kdn.models import LoadedModel, load_model
 from kdn.segments import Segment, segment_key
 
@@ -457,6 +460,11 @@ def summarize(cases: Sequence[Case], store: EvalStore, method_list: Sequence[Met
             if pairs:
                 t = mcnemar([a for a, _ in pairs], [b for _, b in pairs])
                 d[f"vs_{other}"] = {"prompts": t.n, "only_this": t.a_only, "only_other": t.b_only, "p": t.p_value}
+            kls = [(store.rows[(cid, name)]["kl"], store.rows[(cid, other)]["kl"]) for cid in ids
+                   if (cid, name) in store.rows and (cid, other) in store.rows]
+            if kls and other != "full":  # against full every KL is compared with 0
+                t = sign_test([a for a, _ in kls], [b for _, b in kls])
+                d[f"kl_vs_{other}"] = {"prompts": t.n, "lower_this": t.a_only, "lower_other": t.b_only, "p": t.p_value}
     return {"methods": out, "claims": claims(out)}
 
 
@@ -487,10 +495,13 @@ def claims(m: dict[str, Any]) -> list[dict[str, Any]]:
             share = b15["kl"] / naive["kl"] if naive["kl"] > 0 else None
             claim("blend@15%: KL to full prefill over naive's", share, f"<= {GOAL_KL_SHARE:.2f}",
                   share is not None and share <= GOAL_KL_SHARE)
-        if r15 and r15["accuracy"] is not None:
-            t = r15.get(f"vs_blend@{CONTROL_RATIO:g}", {})
-            worse = r15["accuracy"] < b15["accuracy"] and t.get("p", 1.0) < GOAL_CONTROL_P
-            claim("random@15% below blend@15% (McNemar p)", t.get("p"), f"< {GOAL_CONTROL_P} and lower accuracy", worse)
+        if r15:
+            # worse at what blending is for, reproducing full prefill: per prompt, whose KL to full
+            # prefill is higher (accuracy differences are in the table, with their McNemar p)
+            t = r15.get(f"kl_vs_blend@{CONTROL_RATIO:g}", {})
+            worse = t.get("lower_other", 0) > t.get("lower_this", 0) and t.get("p", 1.0) < GOAL_CONTROL_P
+            claim("random@15% further from full prefill than blend@15% (per-prompt KL, exact sign test p)",
+                  t.get("p"), f"< {GOAL_CONTROL_P}, higher KL in more prompts", worse)
     if check:
         diff = check.get("max_logit_diff", float("inf"))
         claim("blend@100% equals full prefill (largest logit difference)", diff, f"<= {GOAL_CHECK_LOGITS:g}",

@@ -4,7 +4,9 @@
 - :func:`mean_ci` — a mean with a normal-approximation interval (for per-prompt KL);
 - :func:`mcnemar` — the exact (binomial) McNemar test of two methods' right/wrong on the same
   prompts: under the null each discordant prompt is equally likely to favour either method, so the
-  two-sided p-value is ``min(1, 2 · P[Bin(b + c, 1/2) <= min(b, c)])``.
+  two-sided p-value is ``min(1, 2 · P[Bin(b + c, 1/2) <= min(b, c)])``;
+- :func:`sign_test` — the same exact test for paired measurements (per-prompt KL): each prompt
+  counts for the method with the lower value, ties for neither.
 """
 
 from __future__ import annotations
@@ -55,9 +57,21 @@ def mcnemar(a: Sequence[bool], b: Sequence[bool]) -> McNemar:
         raise ValueError(f"paired outcomes differ in length ({len(a)} vs {len(b)})")
     a_only = sum(1 for x, y in zip(a, b) if x and not y)
     b_only = sum(1 for x, y in zip(a, b) if y and not x)
+    return _binomial(len(a), a_only, b_only)
+
+
+def sign_test(a: Sequence[float], b: Sequence[float]) -> McNemar:
+    """Exact two-sided sign test of paired values ``a[i]``, ``b[i]``: ``a_only`` counts the
+    prompts where ``a`` is lower, ``b_only`` where ``b`` is; equal values count for neither."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values differ in length ({len(a)} vs {len(b)})")
+    return _binomial(len(a), sum(1 for x, y in zip(a, b) if x < y), sum(1 for x, y in zip(a, b) if y < x))
+
+
+def _binomial(n: int, a_only: int, b_only: int) -> McNemar:
     d = a_only + b_only
     if d == 0:
-        return McNemar(len(a), 0, 0, 1.0)
+        return McNemar(n, 0, 0, 1.0)
     k = min(a_only, b_only)
     tail = sum(math.comb(d, i) for i in range(k + 1)) / 2 ** d
-    return McNemar(len(a), a_only, b_only, min(1.0, 2 * tail))
+    return McNemar(n, a_only, b_only, min(1.0, 2 * tail))

@@ -183,13 +183,34 @@ def test_a_run_cut_by_its_budget_resumes_from_the_cache_and_computes_nothing_twi
 
 
 def test_paired_statistics() -> None:
-    from kdn.lab.paired import mcnemar, wilson
+    from kdn.lab.paired import mcnemar, sign_test, wilson
 
     t = mcnemar([True] * 10 + [False] * 5, [False] * 10 + [False] * 5)
     assert (t.a_only, t.b_only) == (10, 0) and abs(t.p_value - 2 / 1024) < 1e-12
     assert mcnemar([True, False], [True, False]).p_value == 1.0
     lo, hi = wilson(80, 100)
     assert 0.71 < lo < 0.72 and 0.86 < hi < 0.87
+    s = sign_test([0.1] * 10 + [0.5, 0.5], [0.2] * 10 + [0.5, 0.4])  # 10 lower, 1 tie, 1 higher
+    assert (s.n, s.a_only, s.b_only) == (12, 10, 1) and abs(s.p_value - 2 * 12 / 2048) < 1e-12
+    assert sign_test([0.3], [0.3]).p_value == 1.0
+
+
+def test_the_random_control_is_judged_by_the_per_prompt_kl_not_by_the_answers() -> None:
+    from kdn.lab.blend_eval import claims
+
+    def method(acc: float, kl: float, **extra: object) -> dict:
+        return {"accuracy": acc, "kl": kl, **extra}
+
+    def control(lower_this: int, lower_other: int, p: float) -> list[dict]:
+        m = {"full": method(0.85, 0.0), "naive": method(0.6, 0.6), "blend@0.15": method(0.83, 0.08),
+             "random@0.15": method(0.83, 0.12, **{"kl_vs_blend@0.15": {"lower_this": lower_this,
+                                                                       "lower_other": lower_other, "p": p}})}
+        return [c for c in claims(m) if c["what"].startswith("random@15%")]
+
+    [c] = control(40, 200, 1e-20)  # same accuracy, further from full prefill in most prompts
+    assert c["met"] and c["value"] == 1e-20
+    assert not control(200, 40, 1e-20)[0]["met"]  # closer to full prefill than the deviation rule
+    assert not control(110, 130, 0.2)[0]["met"]  # not clearly different
 
 
 def test_needle_prompts_ask_a_unique_line_of_one_file_at_every_position(tiny_model) -> None:
