@@ -127,6 +127,8 @@ def num(v: float | int | None, digits: int | None = None) -> str:
     if digits is None:
         digits = 2 if abs(v) < 10 else 1 if abs(v) < 100 else 0
     text = f"{v:,.{digits}f}"
+    if v and float(text.replace(",", "")) == 0:  # too small for the decimals (a p-value): say how small
+        text = f"{v:.2g}"
     return text.replace("-", "−") if text.startswith("-") else text
 
 

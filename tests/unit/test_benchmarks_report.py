@@ -114,3 +114,9 @@ def test_every_benchmark_records_through_the_helper(script: Path, report) -> Non
     assert "from _results import Record" in source, f"{script.name} does not record through benchmarks/_results.py"
     assert not re.search(r"BENCHMARKS\.md[\"']?\)?\s*,\s*[\"']a[\"']|BENCHMARKS\.md[\"']?\)\.open\([\"']a", source), \
         f"{script.name} appends to BENCHMARKS.md"
+
+
+def test_a_figure_too_small_for_its_decimals_shows_how_small(report) -> None:
+    assert report.num(5.5e-21, 4) == "5.5e-21"  # a p-value, not "0.0000"
+    assert report.num(0.0, 4) == "0.0000" and report.num(0.2891, 4) == "0.2891"
+    assert report.num(12345.6) == "12,346" and report.num(-0.004, 2) == "−0.004"
