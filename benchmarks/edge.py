@@ -24,10 +24,12 @@ in-process, so no client pays for another's imports. Within a round the order of
 rotates, and the 32 MiB measurements alternate systems one object at a time. Peers come from ``bash benchmarks/peers/install.sh`` (``.peers/``); a missing peer is
 reported as missing, with the reason, and the rest still runs.
 
-    .venv/bin/python benchmarks/edge.py [--quick] [--rounds N] [--no-append]
+    .venv/bin/python benchmarks/edge.py [--quick] [--rounds N] [--busy-core] [--no-append]
 
 Prints a table, records the run as ``edge`` (``benchmarks/_results.py``; unless --no-append) and
-writes benchmarks/results/edge.png.
+writes benchmarks/results/edge.png. ``--busy-core`` is the contended condition: one process that
+spins in Python holds a core for the whole run (as another job on the host would); that run is
+recorded as ``edge-busy`` (``edge-busy.png``), beside the idle one.
 """
 
 from __future__ import annotations
@@ -542,11 +544,17 @@ def goal_ratios(res: dict) -> list[tuple[str, str, list[float], float]]:
 
 
 def record(res: dict, text: str, png: Path) -> None:
-    """The run as the ``edge`` record: a goal line per goal (a missing peer's: NOT MET, with why),
-    the report's description and tables as its body."""
+    """The run as the ``edge`` record (``edge-busy`` with one core held): a goal line per goal (a
+    missing peer's: NOT MET, with why), the report's description and tables as its body."""
     from _results import Record  # benchmarks/ is on sys.path when this runs as a script
 
-    rec = Record(__file__, "edge", "Edge data plane beside LMCache, Redis, raw TCP", command=res["command"])
+    title = "Edge data plane beside LMCache, Redis, raw TCP"
+    if res.get("busy_core"):
+        rec = Record(__file__, "edge-busy", title + ", one core busy", command=res["command"])
+        rec.note("One core was held for the whole run by a process spinning in Python (`--busy-core`), "
+                 "as another job on the host would hold it; every server and client shared the rest.")
+    else:
+        rec = Record(__file__, "edge", title, command=res["command"])
     rec.doc["load"]["start"] = round(res["load_start"][0], 2)
     rec.set_rounds(res["plan"]["rounds"])
     for _, what, rr, limit in goal_ratios(res):
@@ -597,7 +605,8 @@ def report(res: dict, command: str) -> str:
         f"Command: `{command}`  ",
         f"{p['rounds']} interleaved rounds (order rotated each round; the 32 MiB GET, PUT and shm/memcpy figures "
         "alternate systems one object at a time); figures are median [min–max] of the per-round "
-        f"values, ratios taken within a round. Load average (1 min) {la0[0]:.2f} at start, {la1[0]:.2f} at end, "
+        f"values, ratios taken within a round.{' One core held by a spinning process (--busy-core).' if res.get('busy_core') else ''} "
+        f"Load average (1 min) {la0[0]:.2f} at start, {la1[0]:.2f} at end, "
         f"on {res['cpus']} CPUs. Objects: {res['big_bytes'] / MiB:.2f} MiB and {res['small_bytes'] / MiB:.2f} MiB KDN "
         f"containers (fp16 KV, raw codec, shapes (L,H,T,D) {BIG_SHAPE} and {SMALL_SHAPE}); LMCache stores exactly the "
         "KV bytes (32 / 1 MiB, no checksums). Every KDN GET verifies every checksum into a reused destination "
@@ -725,14 +734,24 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="2 rounds, fewer requests (< 3 min)")
     p.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default 5, --quick 2)")
+    p.add_argument("--busy-core", action="store_true",
+                   help="hold one core with a spinning process for the whole run (recorded as edge-busy)")
     p.add_argument("--no-append", action="store_true", help="print only; record nothing")
     args = p.parse_args()
-    res = run(args)
-    command = "python benchmarks/edge.py" + (" --quick" if args.quick else "") + (f" --rounds {args.rounds}" if args.rounds else "")
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy_core else None
+    try:
+        res = run(args)
+    finally:
+        if spinner is not None:
+            spinner.kill()  # ours, by its handle
+            spinner.wait()
+    res["busy_core"] = args.busy_core
+    command = ("python benchmarks/edge.py" + (" --quick" if args.quick else "")
+               + (f" --rounds {args.rounds}" if args.rounds else "") + (" --busy-core" if args.busy_core else ""))
     res["command"] = command
     text = report(res, command)
     print(text)
-    png = REPO / "benchmarks" / "results" / "edge.png"
+    png = REPO / "benchmarks" / "results" / ("edge-busy.png" if args.busy_core else "edge.png")
     plot(res, png)
     if not args.no_append:
         record(res, text, png)

@@ -211,3 +211,32 @@ def test_one_object_at_a_time_still_cycles_through_every_object(edge_bench: Modu
     objs = client.sets["small"]  # 3 objects
     assert [client.indices(objs, 1)[0] for _ in range(4)] == [0, 1, 2, 0]
     assert client.indices(objs, 3) == [1, 2, 0]
+
+
+def test_a_run_with_one_core_busy_says_so_and_is_recorded_beside_the_idle_one(edge_bench: ModuleType,
+                                                                               monkeypatch) -> None:
+    saved: list = []
+
+    class FakeRecord:  # stands in for benchmarks/_results.Record: what record() asks of it
+        def __init__(self, script, name, title, command=None) -> None:
+            self.doc = {"load": {}, "name": name, "title": title, "notes": []}
+            saved.append(self)
+
+        def note(self, text: str) -> None:
+            self.doc["notes"].append(text)
+
+        def __getattr__(self, attr: str):
+            return lambda *a, **k: None
+
+    monkeypatch.setitem(sys.modules, "_results", ModuleType("_results"))
+    monkeypatch.setattr(sys.modules["_results"], "Record", FakeRecord, raising=False)
+    res = _result(lmcache=True)
+    res["command"] = "python benchmarks/edge.py"
+    edge_bench.record(res, edge_bench.report(res, res["command"]), Path("edge.png"))
+    res["busy_core"] = True
+    text = edge_bench.report(res, res["command"] + " --busy-core")
+    edge_bench.record(res, text, Path("edge-busy.png"))
+    assert "One core held by a spinning process" in text
+    assert [r.doc["name"] for r in saved] == ["edge", "edge-busy"]
+    assert "one core busy" in saved[1].doc["title"] and any("--busy-core" in n for n in saved[1].doc["notes"])
+    assert not saved[0].doc["notes"] or not any("--busy-core" in n for n in saved[0].doc["notes"])
