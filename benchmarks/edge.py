@@ -683,7 +683,7 @@ def report(res: dict, command: str) -> str:
         lines.append(f"\nMissing: {name}: {why}")
     goals = [(name, med(rr) >= limit if rr else None) for name, _, rr, limit in goal_ratios(res)]
     lines += ["", "Goals (median of per-round ratios): " + "; ".join(f"{n}: {_goal(ok)}" for n, ok in goals) + ".",
-              "Plot: `benchmarks/results/edge.png`.", ""]
+              f"Plot: `benchmarks/results/edge{'-busy' if res.get('busy_core') else ''}.png`.", ""]
     return "\n".join(lines)
 
 
