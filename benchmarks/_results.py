@@ -59,6 +59,19 @@ SCHEMA = "kdn.benchmark/1"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
 
+def plot_dir(recorded: bool) -> Path:
+    """Where a run writes its plots: ``benchmarks/results`` when the run is recorded; a run that
+    records nothing (``--no-append``) writes them under the system's temporary directory, so the
+    plot beside a record always belongs to that record."""
+    if recorded:
+        return RESULTS
+    import tempfile
+
+    out = Path(tempfile.gettempdir()) / "kdn-bench-plots"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def now_utc() -> str:
     return f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC"
 

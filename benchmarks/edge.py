@@ -751,9 +751,13 @@ def main() -> int:
     res["command"] = command
     text = report(res, command)
     print(text)
-    png = REPO / "benchmarks" / "results" / ("edge-busy.png" if args.busy_core else "edge.png")
+    from _results import plot_dir
+
+    png = plot_dir(not args.no_append) / ("edge-busy.png" if args.busy_core else "edge.png")
     plot(res, png)
-    if not args.no_append:
+    if args.no_append:
+        print(f"not recorded; plot written to {png}")
+    else:
         record(res, text, png)
     return 0
 

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _results import Record  # noqa: E402
+from _results import Record, plot_dir  # noqa: E402
 
 METHOD = """Baseline, measured in the same run on the same model and documents (Python standard-library
 source): `prefill_chunks` alone, the forward pass any KV producer must pay. Ingest is the whole
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({cold_m / base_m:.2f}x plain prefill {base_m * 1e3:.0f} ms), already stored {warm_m * 1e3:.1f} ms")
     print(f"goal ingest >= 0.8x plain prefill: {'MET' if goal >= 0.8 else 'NOT MET'} (worst {goal:.2f}x)")
 
-    png = ROOT / "benchmarks" / "results" / "ingest.png"
+    png = plot_dir(rec is not None) / "ingest.png"
     try:
         import matplotlib
 

@@ -350,9 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         edge_proc.terminate()
         edge_proc.wait(20)
-    out_dir = ROOT / "benchmarks" / "results"
-    png = plot(rows, out_dir / "real_model.png")
-    if not args.no_append:
+    from _results import plot_dir  # benchmarks/ is on sys.path when this runs as a script
+
+    png = plot(rows, plot_dir(not args.no_append) / "real_model.png")
+    if args.no_append:
+        print(f"not recorded; plot written to {png}")
+    else:
         record(rows, argv, load_start, png)
     return 0
 

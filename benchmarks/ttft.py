@@ -45,7 +45,7 @@ from kdn.kv import cache_from_layers, forward  # noqa: E402
 from kdn.models import load_model  # noqa: E402
 from kdn.prefill import prefill_chunks  # noqa: E402
 
-from _results import Record  # noqa: E402
+from _results import Record, plot_dir  # noqa: E402
 
 QUESTION = "\n\nQuestion: which clause covers this case, and what does it say? Answer:"
 
@@ -214,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
 
-    out_dir = ROOT / "benchmarks" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    png = plot(rows, out_dir / "ttft.png", args.model)
-    if not args.no_append:
+    png = plot(rows, plot_dir(not args.no_append) / "ttft.png", args.model)
+    if args.no_append:
+        print(f"not recorded; plot written to {png}")
+    else:
         record(rec, rows, args, png, reps, load_start)
     return 0
 

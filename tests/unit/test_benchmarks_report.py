@@ -120,3 +120,9 @@ def test_a_figure_too_small_for_its_decimals_shows_how_small(report) -> None:
     assert report.num(5.5e-21, 4) == "5.5e-21"  # a p-value, not "0.0000"
     assert report.num(0.0, 4) == "0.0000" and report.num(0.2891, 4) == "0.2891"
     assert report.num(12345.6) == "12,346" and report.num(-0.004, 2) == "−0.004"
+
+
+def test_a_run_that_records_nothing_leaves_the_recorded_plots_alone(results) -> None:
+    assert results.plot_dir(True) == results.RESULTS
+    scratch = results.plot_dir(False)
+    assert scratch.is_dir() and results.RESULTS not in (scratch, *scratch.parents)
