@@ -454,16 +454,14 @@ def summarize(cases: Sequence[Case], store: EvalStore, method_list: Sequence[Met
         for other in ("full", f"blend@{CONTROL_RATIO:g}"):
             if other == name or other not in out:
                 continue
-            pairs = [(store.rows[(cid, name)]["right"], store.rows[(cid, other)]["right"]) for cid in ids
-                     if (cid, name) in store.rows and (cid, other) in store.rows]
-            pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+            both = [(store.rows[(cid, name)], store.rows[(cid, other)]) for cid in ids
+                    if (cid, name) in store.rows and (cid, other) in store.rows]
+            pairs = [(a["right"], b["right"]) for a, b in both if a["right"] is not None and b["right"] is not None]
             if pairs:
                 t = mcnemar([a for a, _ in pairs], [b for _, b in pairs])
                 d[f"vs_{other}"] = {"prompts": t.n, "only_this": t.a_only, "only_other": t.b_only, "p": t.p_value}
-            kls = [(store.rows[(cid, name)]["kl"], store.rows[(cid, other)]["kl"]) for cid in ids
-                   if (cid, name) in store.rows and (cid, other) in store.rows]
-            if kls and other != "full":  # against full every KL is compared with 0
-                t = sign_test([a for a, _ in kls], [b for _, b in kls])
+            if both and other != "full":  # against full every KL would be compared with 0
+                t = sign_test([a["kl"] for a, _ in both], [b["kl"] for _, b in both])
                 d[f"kl_vs_{other}"] = {"prompts": t.n, "lower_this": t.a_only, "lower_other": t.b_only, "p": t.p_value}
     return {"methods": out, "claims": claims(out)}
 
