@@ -36,7 +36,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Coroutine, Literal, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Literal, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -449,6 +449,17 @@ class Fetches:
         spec = FetchSpec(key, fingerprint, self.config.namespace, codec=self.config.codec,
                          require_lossless=self.config.require_lossless)
         return await self.transport.fetch_into(spec, reader, timeout=self.config.fetch_timeout_s, next_keys=next_keys)
+
+    def pieces(self, fingerprint: ModelFingerprint, key: ChunkKey,
+               next_keys: Sequence[ChunkKey] = ()) -> AsyncIterator[tuple[bytes | memoryview, str]]:
+        """``key``'s container as the transport hands it over, ``(piece, via)``, unverified (feed
+        a reader). A same-host answer (``via == "shm"``) is the whole container in one piece, read
+        where it is mapped; every piece stays valid until the iterator takes its next step or is
+        closed (close it: a refused artifact then ends its call at once)."""
+        assert self.transport is not None
+        spec = FetchSpec(key, fingerprint, self.config.namespace, codec=self.config.codec,
+                         require_lossless=self.config.require_lossless)
+        return self.transport.fetch(spec, timeout=self.config.fetch_timeout_s, next_keys=next_keys)
 
     def section_reader(self, fingerprint: ModelFingerprint, key: ChunkKey, sink: Callable[[Section], None], *,
                        check: Callable[[Any], None] | None = None, steered: bool = False) -> ArtifactReader:

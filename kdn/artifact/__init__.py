@@ -29,7 +29,7 @@ from kdn.artifact.format import (
     section_infos,
 )
 from kdn.artifact.reader import ArtifactReader
-from kdn.artifact.verify import decode_artifact, iter_sections, read_header, transcode, verify_artifact
+from kdn.artifact.verify import decode_artifact, iter_sections, layer_cuts, read_header, transcode, verify_artifact
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -48,6 +48,7 @@ __all__ = [
     "decode_artifact",
     "encode_artifact",
     "iter_sections",
+    "layer_cuts",
     "read_header",
     "section_infos",
     "transcode",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from kdn.artifact.format import HEADER_PART_MAX, Artifact, ArtifactHeader, Section, encode_artifact
+from kdn.artifact.format import HEADER_PART_MAX, MAX_LAYERS, U32, Artifact, ArtifactHeader, Section, encode_artifact
 from kdn.artifact.reader import ArtifactReader
+from kdn.artifact.trust import header_part
 from kdn.codecs import Codec
 from kdn.errors import ArtifactCorrupt, LossyRefused
 from kdn.keys import ChunkKey, ModelFingerprint
@@ -66,3 +67,32 @@ def read_header(data: bytes | memoryview) -> ArtifactHeader:
     if reader.header is None:
         raise ArtifactCorrupt("artifact truncated inside its header")
     return reader.header
+
+
+def layer_cuts(data: bytes | memoryview) -> list[int]:
+    """Where a whole container splits into its layers: ``cuts[l]`` is the offset just past layer
+    ``l``'s sections (the last cut is ``len(data)``, the trailer included), so feeding
+    ``data[cuts[l-1]:cuts[l]]`` to a reader, in order, hands it layer ``l`` whole and no section
+    is ever split (a split one would be copied aside to be completed).
+
+    Found by walking the length fields: nothing is verified here, the reader does that. Where
+    the walk cannot go on (a bad header, a length past the end) the cuts stop and the rest is one
+    piece, which the reader then refuses with the usual error."""
+    view = memoryview(data).cast("B")
+    try:
+        part = header_part(view)
+    except Exception:  # the reader raises the same error, with its checks, when fed
+        part = None
+    if part is None or not 0 < part[1].num_layers <= MAX_LAYERS:
+        return [len(view)]
+    pos, header, _ = part
+    cuts: list[int] = []
+    for _layer in range(header.num_layers - 1):  # the last layer's cut is the end
+        for _kind in ("k", "v"):
+            if pos + 4 > len(view):
+                return [*cuts, len(view)]
+            pos += 4 + U32.unpack_from(view, pos)[0] + 8
+        if pos > len(view):
+            return [*cuts, len(view)]
+        cuts.append(pos)
+    return [*cuts, len(view)]

@@ -19,7 +19,8 @@ class MemoryEdgeTransport(EdgeTransport):
     """An edge in a dict, for unit tests. Tenants are isolated; faults can be switched on.
 
     ``down``: every call raises Unavailable. ``corrupt``: keys whose served bytes get one bit
-    flipped. ``delay_s``: added to every call (to exercise deadlines).
+    flipped. ``delay_s``: added to every call (to exercise deadlines). ``whole``: answer as an
+    edge on the same host does, the whole container in one piece via ``"shm"``.
     """
 
     fingerprint: ModelFingerprint | None = None
@@ -30,6 +31,7 @@ class MemoryEdgeTransport(EdgeTransport):
     store: dict[tuple[str, bytes], bytes] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=lambda: {"lookup": 0, "fetch": 0, "put": 0})
     name: str = "memory"
+    whole: bool = False
     pool: ThreadPoolExecutor = field(default_factory=reader_pool, repr=False, compare=False)
 
     async def _enter(self, op: str, fingerprint: ModelFingerprint, timeout: float) -> None:
@@ -68,6 +70,9 @@ class MemoryEdgeTransport(EdgeTransport):
             flipped = bytearray(data)
             flipped[len(flipped) // 2] ^= 0x10
             data = bytes(flipped)
+        if self.whole:
+            yield memoryview(data), "shm"
+            return
         for piece in split_pieces(data, self.piece):
             yield bytes(piece), "memory"
             await asyncio.sleep(0)

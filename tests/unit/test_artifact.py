@@ -25,6 +25,7 @@ from kdn.artifact import (
     decode_artifact,
     encode_artifact,
     iter_sections,
+    layer_cuts,
     read_header,
     verify_artifact,
 )
@@ -129,6 +130,52 @@ def test_streaming_yields_layer_0_before_the_last_byte() -> None:
     _, sections = _split(blob)
     hlen = struct.unpack_from("<I", blob, 8)[0]
     assert first_at == 12 + hlen + 8 + 4 + len(sections[0]) + 8
+
+
+@pytest.mark.parametrize("codec", BUILTIN_CODECS)
+def test_layer_cuts_hand_a_reader_each_layer_whole(codec: str) -> None:
+    """Fed piece by piece at ``layer_cuts``, a reader yields exactly layer l's K and V from piece l
+    (none split, none early) and verifies the whole container, as it does fed at once."""
+    kv = _kv(layers=4)
+    blob = _encode(kv, codec)
+    cuts = layer_cuts(blob)
+    header, sections = _split(blob)
+    hlen = struct.unpack_from("<I", blob, 8)[0]
+    ends = [12 + hlen + 8 + sum(4 + len(p) + 8 for p in sections[: 2 * (l + 1)]) for l in range(4)]
+    assert cuts == [*ends[:-1], len(blob)]  # the last piece carries the trailer too
+    reader = ArtifactReader(expect_fingerprint=FP)
+    prev = 0
+    for layer, cut in enumerate(cuts):
+        got = reader.feed(memoryview(blob)[prev:cut])
+        assert [(s.layer, s.kind) for s in got] == [(layer, "k"), (layer, "v")]
+        prev = cut
+    assert reader.finish().num_layers == 4
+
+
+@pytest.mark.parametrize("what", ["garbage", "truncated header", "truncated in layer 1", "huge length"])
+def test_layer_cuts_of_a_bad_container_end_early_and_the_reader_refuses_it(what: str) -> None:
+    """The walk verifies nothing: where it cannot go on, the rest is one piece, and the reader
+    fed those pieces raises the project's error, never returns wrong KV."""
+    blob = bytearray(_encode(_kv(layers=4)))
+    hlen = struct.unpack_from("<I", blob, 8)[0]
+    first = 12 + hlen + 8  # layer 0 K's length field
+    if what == "garbage":
+        blob = bytearray(b"not a container at all")
+    elif what == "truncated header":
+        blob = blob[:20]
+    elif what == "truncated in layer 1":
+        blob = blob[: layer_cuts(bytes(blob))[0] + 30]
+    else:
+        struct.pack_into("<I", blob, first, 1 << 31)
+    cuts = layer_cuts(bytes(blob))
+    assert cuts[-1] == len(blob) and cuts == sorted(cuts) and len(cuts) <= 4
+    reader = ArtifactReader(expect_fingerprint=FP)
+    with pytest.raises(kerr.KdnError):
+        prev = 0
+        for cut in cuts:
+            reader.feed(memoryview(bytes(blob))[prev:cut])
+            prev = cut
+        reader.finish()
 
 
 def test_iter_sections_and_verify_and_read_header() -> None:

@@ -63,10 +63,18 @@ def vllm_module(monkeypatch):
     drop()
 
 
-def _engine(mod):
+@pytest.fixture(params=[False, True], ids=["streamed", "whole"])
+def whole(request) -> bool:
+    """How the edge answers: in pieces (a remote edge), or the whole container at once as same-host
+    shared memory does (then read layer by layer across the step's chunks)."""
+    return request.param
+
+
+def _engine(mod, whole: bool = False):
     """A connector's worker side as ``LoadJob`` sees it (a ``LoadContext``): L layers of paged KV
-    ``[blocks, H, block, 2*D]`` filled with another request's values, a client on the memory edge."""
-    edge = MemoryEdgeTransport()
+    ``[blocks, H, block, 2*D]`` filled with another request's values, a client on the memory edge
+    (``whole``: answering as same-host shared memory does)."""
+    edge = MemoryEdgeTransport(whole=whole)
     caches = [torch.full((BLOCKS, H, BLOCK, 2 * D), OLD) for _ in range(L)]
     paged = mod.PagedCache.of(mod.EngineGeometry(L, H, D, torch.float32, BLOCK, C), caches, "FLASH_ATTN", None)
     counters = {"loaded_chunks": 0, "load_failures": 0}
@@ -91,8 +99,8 @@ def _load(mod, conn, edge, blob: bytes):
     return job
 
 
-def test_an_artifact_of_the_engines_geometry_is_loaded_into_its_blocks(vllm_module):
-    conn, edge, caches = _engine(vllm_module)
+def test_an_artifact_of_the_engines_geometry_is_loaded_into_its_blocks(vllm_module, whole):
+    conn, edge, caches = _engine(vllm_module, whole)
     try:
         blob, kv = _artifact()
         job = _load(vllm_module, conn, edge, blob)
@@ -112,11 +120,12 @@ def test_an_artifact_of_the_engines_geometry_is_loaded_into_its_blocks(vllm_modu
     ("another head dim", dict(head_dim=D // 2)),
     ("another dtype", dict(dtype=torch.float16)),
 ])
-def test_an_artifact_of_any_other_geometry_goes_to_the_load_errors_and_writes_nothing(vllm_module, what, geometry):
+def test_an_artifact_of_any_other_geometry_goes_to_the_load_errors_and_writes_nothing(vllm_module, what, geometry,
+                                                                                     whole):
     """Under the right key and model: a 1-layer artifact passed every check the reader makes, and
     layers 1..L-1 kept the previous request's KV. Now the chunk's blocks are reported for
     recompute and no block was written."""
-    conn, edge, caches = _engine(vllm_module)
+    conn, edge, caches = _engine(vllm_module, whole)
     try:
         blob, _kv = _artifact(**geometry)
         job = _load(vllm_module, conn, edge, blob)
@@ -127,10 +136,10 @@ def test_an_artifact_of_any_other_geometry_goes_to_the_load_errors_and_writes_no
         conn.loop.close()
 
 
-def test_a_tail_piece_lands_inside_its_block_and_nowhere_else(vllm_module):
+def test_a_tail_piece_lands_inside_its_block_and_nowhere_else(vllm_module, whole):
     """A whole-document hit: a 32-token tail piece after chunk 0 fills tokens 16..47 of the request,
     i.e. block 1 (all of it) and the first half of block 2, the rest of block 2 untouched."""
-    conn, edge, caches = _engine(vllm_module)
+    conn, edge, caches = _engine(vllm_module, whole)
     try:
         from kdn.keys import PIECE_TOKENS
 
@@ -150,3 +159,108 @@ def test_a_tail_piece_lands_inside_its_block_and_nowhere_else(vllm_module):
             assert torch.all(caches[layer][0] == OLD) and torch.all(caches[layer][3] == OLD)
     finally:
         conn.loop.close()
+
+
+def _chain(n: int) -> list[tuple[ChunkKey, bytes, torch.Tensor]]:
+    """``n`` chained chunks (key, container, KV)."""
+    out, parent = [], ROOT_KEY
+    for c in range(n):
+        key = ChunkKey(bytes([0x30 + c]) * 32)
+        kv = torch.randn(L, 2, H, C, D)
+        out.append((key, encode_artifact(kv, key=key, parent_key=parent, fingerprint=FP, codec="raw",
+                                         chunk_index=c), kv))
+        parent = key
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_whole_containers_are_placed_layer_by_layer_across_chunks(vllm_module, threads):
+    """Same-host answers: each reader thread places every one of its chunks' layer 0 before any
+    of their layer 1 (one thread: every chunk's), so the forward's first layer does not wait for most of
+    the load (streamed, chunk 3's layer 0 came after chunks 0..1 were whole). The KV in the
+    blocks is each chunk's own."""
+    import threading
+
+    conn, edge, caches = _engine(vllm_module, whole=True)
+    conn.loop.read_threads = threads
+    try:
+        chain = _chain(BLOCKS)
+        for key, blob, _kv in chain:
+            edge.store[(NS.tenant, bytes(key))] = blob
+        order: list[tuple[int, int]] = []
+        placer = conn.ctx.paged.placer
+
+        def recording(block_ids, write_from, lo, hi, after=None):
+            put = placer(block_ids, write_from, lo, hi, after)
+
+            def place(section):
+                order.append((threading.get_ident(), section.layer, lo // C))
+                return put(section)
+
+            return place
+
+        conn.ctx.paged.placer = recording
+        spec = vllm_module.LoadSpec("req-1", NS.tenant, "", 0, [bytes(k) for k, _, _ in chain], 0, list(range(BLOCKS)))
+        job = vllm_module.LoadJob(conn.ctx, [spec])
+        job.start()
+        job.wait_layer(0)
+        job.finish()
+        assert not job.failed_blocks and conn.counters == {"loaded_chunks": BLOCKS, "load_failures": 0}
+        for k in range(threads):  # the chunks are dealt out: reader k reads chunks k, k + threads, ...
+            share = [(t, layer) for t, layer, chunk in order if chunk % threads == k]
+            assert len({t for t, _ in share}) == 1, f"one reader per share: {order}"
+            layers = [layer for _, layer in share]
+            assert layers == sorted(layers), f"placed out of layer order: {order}"
+        assert {chunk for _t, layer, chunk in order if layer == 0} == set(range(BLOCKS))
+        for c, (_key, _blob, kv) in enumerate(chain):
+            for layer in range(L):
+                assert torch.equal(caches[layer][c, :, :, :D], kv[layer, 0])
+                assert torch.equal(caches[layer][c, :, :, D:], kv[layer, 1])
+    finally:
+        conn.loop.close()
+
+
+@pytest.mark.parametrize("where", ["layer 0", "last layer", "trailer"])
+def test_a_corrupt_whole_container_fails_from_its_chunk_on_and_the_earlier_chunks_load(vllm_module, where):
+    """A flipped bit in chunk 1 of 4, read layer by layer: chunk 0 is loaded, chunk 1's blocks and
+    every later chunk's are reported for recompute (vLLM recomputes from the first failed block),
+    and nothing unverified reaches chunk 1's blocks beyond the section that failed."""
+    conn, edge, caches = _engine(vllm_module, whole=True)
+    try:
+        chain = _chain(BLOCKS)
+        for c, (key, blob, _kv) in enumerate(chain):
+            if c == 1:
+                at = {"layer 0": 200, "last layer": len(blob) - 100, "trailer": len(blob) - 3}[where]
+                bad = bytearray(blob)
+                bad[at] ^= 0x10
+                blob = bytes(bad)
+            edge.store[(NS.tenant, bytes(key))] = blob
+        spec = vllm_module.LoadSpec("req-1", NS.tenant, "", 0, [bytes(k) for k, _, _ in chain], 0, list(range(BLOCKS)))
+        job = vllm_module.LoadJob(conn.ctx, [spec])
+        job.start()
+        job.finish()
+        assert job.failed_blocks == {1, 2, 3} and job.failed_reqs == {"req-1"}, where
+        assert conn.counters["load_failures"] == 1, where
+        for layer in range(L):
+            assert torch.equal(caches[layer][0, :, :, :D], chain[0][2][layer, 0])
+    finally:
+        conn.loop.close()
+
+
+@pytest.mark.parametrize("block_ids", [[1, 2], [3, 1], [2, 0]], ids=["consecutive", "descending", "gapped"])
+@pytest.mark.parametrize("backend,isa", [("FLASH_ATTN", None), ("CPU_ATTN", "vec")])
+def test_a_chunk_lands_in_its_own_blocks_whatever_their_ids(vllm_module, block_ids, backend, isa):
+    """A 16-token chunk over two 8-token blocks: consecutive ids take one strided copy, any other
+    ids an indexed write; either way each block gets its tokens and the others keep theirs."""
+    from kdn.artifact import Section
+
+    bs = 8
+    caches = [torch.full((4, H, bs, 2 * D), OLD)]
+    paged = vllm_module.PagedCache.of(vllm_module.EngineGeometry(1, H, D, torch.float32, bs, C), caches, backend, isa)
+    kv = torch.randn(2, H, C, D)  # K, V of one layer
+    for s, kind in enumerate("kv"):
+        paged.place(block_ids, 0, 0, C, Section(0, kind, kv[s]))
+    got = paged.gather(block_ids)  # (1, 2, H, C, D), read back through the backend's layout
+    assert torch.equal(got[0], kv)
+    for b in set(range(4)) - set(block_ids):
+        assert torch.all(caches[0][b] == OLD)

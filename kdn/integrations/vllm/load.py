@@ -1,26 +1,30 @@
 """The worker's loads of one step: every chunk's verified sections scattered into paged blocks.
 
 A :class:`LoadJob` runs on the connector's loop thread (:class:`LoopThread`). Each chunk (or tail
-piece) of a :class:`LoadSpec` streams through the client's verifying reader
-(:meth:`kdn.client.AsyncKdnClient.fetch_into`; a blend variant's chunks come from the blend origin
-instead) and every section is placed as soon as its checksum passed; ``wait_layer(l)`` returns once
-every chunk has placed layer ``l`` (or failed). A job receives everything it needs in a
-:class:`LoadContext`. Nothing here imports vLLM.
+piece) of a :class:`LoadSpec` goes through the client's verifying reader, its bytes from
+:meth:`kdn.client.Fetches.pieces` (a blend variant's from the blend origin), and every section is
+placed as soon as its checksum passed. Containers that arrive whole in same-host shared memory
+(the default on an edge's host) are read layer by layer across all the step's items once every
+item is at hand, so every chunk's layer 0 is placed first; any other container is read as its
+bytes arrive. ``wait_layer(l)`` returns once every chunk has placed layer ``l`` (or failed). A job
+receives everything it needs in a :class:`LoadContext`. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
 import threading
 import time
-from contextlib import aclosing
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from kdn.artifact import Section
+from kdn.artifact import ArtifactReader, Section, layer_cuts
 from kdn.client import AsyncKdnClient, ClientConfig
 from kdn.errors import FingerprintMismatch
 from kdn.integrations.vllm.paged import PagedCache
@@ -32,12 +36,16 @@ _PREFETCH_HINT = 8  # following keys sent with each Fetch so the edge can prefet
 
 
 class LoopThread:
-    """An asyncio loop on a daemon thread: where the connector's clients live."""
+    """An asyncio loop on a daemon thread: where the connector's clients live; and ``readers``,
+    the threads that read (verify and place) containers that arrived whole, one per core up to 4:
+    hashing and the copies into the blocks release the GIL, so they run side by side."""
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self.thread.start()
+        self.read_threads = max(1, min(4, os.cpu_count() or 1))
+        self.readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"{name}-read")
 
     def submit(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -45,6 +53,7 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.readers.shutdown(wait=False)
 
 
 class Clients:
@@ -126,6 +135,20 @@ class LoadContext:
     count: Callable[[str], None]  # bump one of the connector's counters
 
 
+@dataclass(slots=True)
+class _Held:
+    """Item ``i`` of request ``r``: its whole container, mapped and not yet read (``view``, valid
+    while ``stream`` is open), and where it splits into layers (``cuts``)."""
+
+    r: int
+    i: int
+    reader: ArtifactReader
+    view: memoryview | None
+    stream: Any
+    cuts: list[int]
+    over: bool = False  # read whole, or failed
+
+
 class LoadJob:
     """The loads of one step: every chunk's sections scattered into paged blocks as they verify.
 
@@ -147,29 +170,46 @@ class LoadJob:
         self._events: dict[int, list[Any]] = {}  # CUDA: per layer, events after its copies
         self._timeout = ctx.fetch_timeout_s * (1 + max(len(s.items) for s in specs) // ctx.fetch_concurrency) + 5
         self._deadline = 0.0
+        self._stop = False  # set when cancelled: the reader threads place nothing more
 
     def start(self) -> None:
         self._deadline = time.monotonic() + self._timeout
         self.future = self.ctx.loop.submit(self._run())
 
     async def _run(self) -> None:
+        """Every item's container, ``fetch_concurrency`` at once. One that comes whole and in place
+        (same-host shared memory) is held until every item is held or in its blocks; the held
+        ones are then read layer by layer across items (:meth:`_by_layer`). Any other streams
+        into its blocks as it arrives."""
         sem = asyncio.Semaphore(self.ctx.fetch_concurrency)
+        held: list[_Held] = []
 
         async def one(r: int, i: int) -> None:
             async with sem:
                 if i >= self.first_failed[r]:
                     return self._done(r, i)  # an earlier chunk failed: this one will be recomputed anyway
                 try:
-                    await asyncio.wait_for(self._load_chunk(r, i), self.ctx.fetch_timeout_s + 0.5)
-                    self.ctx.count("loaded_chunks")
+                    h = await asyncio.wait_for(self._open(r, i), self.ctx.fetch_timeout_s + 0.5)
                 except Exception as exc:  # KdnError, a deadline, a geometry refusal: recompute from here
                     self._fail(r, i, exc)
-                finally:
+                    return self._done(r, i)
+                if h is None:
+                    self.ctx.count("loaded_chunks")
                     self._done(r, i)
+                else:
+                    held.append(h)
 
-        await asyncio.gather(*(one(r, i) for r, s in enumerate(self.specs) for i in range(len(s.items))))
+        try:
+            await asyncio.gather(*(one(r, i) for r, s in enumerate(self.specs) for i in range(len(s.items))))
+            await self._by_layer(held)
+        finally:
+            for h in held:
+                h.view = None  # the mapping closes once no view of it is left
+                await h.stream.aclose()
 
-    async def _load_chunk(self, r: int, i: int) -> None:
+    async def _open(self, r: int, i: int) -> "_Held | None":
+        """Start item ``i`` of request ``r``: a container that came whole (same-host shared
+        memory) is returned held, unread; any other is read into its blocks here (None)."""
         spec, ctx = self.specs[r], self.ctx
         paged = ctx.paged
         client = ctx.client_for(spec.tenant, spec.salt)
@@ -182,10 +222,12 @@ class LoadJob:
             if spec.steer:
                 check_variant_header(header, spec.steer)
 
+        put = paged.placer(spec.block_ids, spec.write_from, lo, hi, self.after)
+
         def place(section: Section) -> None:
             # a verified section, borrowed from the received bytes (raw codec: a view, no copy):
             # the scatter into the engine's blocks is the one copy out of the receive buffer
-            ev = paged.place(spec.block_ids, spec.write_from, lo, hi, section, self.after)
+            ev = put(section)
             with self.cond:
                 if ev is not None:
                     self._events.setdefault(section.layer, []).append(ev)
@@ -193,25 +235,79 @@ class LoadJob:
                     self.progress[r][i] = section.layer + 1
                     self.cond.notify_all()
 
-        steered = bool(spec.steer)  # plain keys: a steered artifact is refused
+        # plain keys: a steered artifact is refused
+        reader = client.fetches.section_reader(ctx.fingerprint, key, place, check=check, steered=bool(spec.steer))
         if spec.origin:
-            reader = client.fetches.section_reader(ctx.fingerprint, key, place, check=check, steered=steered)
             stream = ctx.origin_stream(spec.tenant, spec.salt, key)
-            async with aclosing(stream):
-                async for piece, _via in stream:
-                    reader.feed(piece)
-            reader.finish()
         else:
-            await client.fetch_into(ctx.fingerprint, key, place, check=check, steered=steered,
-                                    next_keys=[ChunkKey(k) for k in items[i + 1 : i + 1 + _PREFETCH_HINT]])
+            stream = client.fetches.pieces(ctx.fingerprint, key,
+                                           next_keys=[ChunkKey(k) for k in items[i + 1 : i + 1 + _PREFETCH_HINT]])
+        try:
+            async for piece, via in stream:
+                if via == "shm" and not reader.received:  # the whole container, where it is mapped
+                    held, stream = _Held(r, i, reader, piece, stream, layer_cuts(piece)), None
+                    return held
+                reader.feed(piece)
+        finally:
+            if stream is not None:
+                await stream.aclose()
+        self._check_item(r, i, reader)
+        return None
+
+    async def _by_layer(self, held: list["_Held"]) -> None:
+        """Read the held containers layer by layer across items, on the loop's reader threads
+        (items dealt out among them): layer 0 of every chunk is in its blocks after about 1/L of
+        the reading, so the forward's first layer runs while later layers are still read, instead
+        of after most of the load. A section is never split (:func:`kdn.artifact.layer_cuts`);
+        each is verified before it is placed, as when streamed. Cancelled (the deadline), the
+        readers stop before their next layer and no write happens once this has returned."""
+        if not held:
+            return
+        n = min(self.ctx.loop.read_threads, len(held))
+        futures = [self.ctx.loop.readers.submit(self._read_layers, held[k::n]) for k in range(n)]
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except BaseException:
+            self._stop = True
+            concurrent.futures.wait(futures)  # a reader finishes at most the layer it is in
+            raise
+
+    def _read_layers(self, held: list["_Held"]) -> None:
+        """One reader thread's share of :meth:`_by_layer`. Counters are bumped on the loop thread."""
+        count = lambda name: self.ctx.loop.loop.call_soon_threadsafe(self.ctx.count, name)  # noqa: E731
+        for step in range(max(len(h.cuts) for h in held)):
+            for h in held:
+                if h.over:
+                    continue
+                if self._stop or h.i >= self.first_failed[h.r]:  # cancelled, or an earlier chunk failed
+                    h.over = True
+                    self._done(h.r, h.i)
+                    continue
+                try:
+                    assert h.view is not None
+                    h.reader.feed(h.view[h.cuts[step - 1] if step else 0 : h.cuts[step]])
+                    if step == len(h.cuts) - 1:
+                        h.over = True
+                        self._check_item(h.r, h.i, h.reader)
+                        count("loaded_chunks")
+                        self._done(h.r, h.i)
+                except Exception as exc:  # a bad checksum, a geometry refusal: recompute from here
+                    h.over = True
+                    self._fail(h.r, h.i, exc, count)
+                    self._done(h.r, h.i)
+
+    def _check_item(self, r: int, i: int, reader: ArtifactReader) -> None:
+        """Every byte of item ``i`` was read: its whole-container digest matched and every one of
+        the engine's layers was placed (a shorter artifact would leave layers of another request)."""
+        reader.finish()
         with self.cond:
             placed = self.progress[r][i]
-        if placed != self._L:  # every layer of the engine's came, or the chunk is not loaded
+        if placed != self._L:
             raise FingerprintMismatch(f"artifact placed {placed} of the engine's {self._L} layers")
 
-    def _fail(self, r: int, i: int, exc: BaseException) -> None:
+    def _fail(self, r: int, i: int, exc: BaseException, count: Callable[[str], Any] | None = None) -> None:
         spec = self.specs[r]
-        self.ctx.count("load_failures")
+        (count or self.ctx.count)("load_failures")
         with self.cond:
             if i < self.first_failed[r]:
                 self.first_failed[r] = i

@@ -18,7 +18,7 @@ here imports vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -132,42 +132,66 @@ class PagedCache:
         return out
 
     def place(self, block_ids: list[int], write_from: int, lo: int, hi: int, section: Section, after: Any = None) -> Any:
-        """Scatter one verified section ``(H, T, D)`` of request tokens ``lo .. hi-1`` (a chunk or a
-        tail piece) into its blocks (``block_ids``: the request's), skipping tokens before
-        ``write_from`` (the engine holds them): whole blocks at once, a piece's tokens inside a block
-        one by one. On CUDA the copy waits for event ``after`` and the event recorded after it is
-        returned (else None)."""
+        """Scatter one verified section into its blocks: :meth:`placer`'s for one section."""
+        return self.placer(block_ids, write_from, lo, hi, after)(section)
+
+    def placer(self, block_ids: list[int], write_from: int, lo: int, hi: int,
+               after: Any = None) -> Callable[[Section], Any]:
+        """What scatters each verified section ``(H, T, D)`` of request tokens ``lo .. hi-1`` (a
+        chunk or a tail piece) into its blocks (``block_ids``: the request's), skipping tokens
+        before ``write_from`` (the engine holds them): whole blocks at once, a piece's tokens inside
+        a block one by one. Where the tokens go is worked out once, here, not per section (an
+        item has 2 sections per layer). A section of another shape or dtype raises
+        ``FingerprintMismatch``. On CUDA each copy waits for event ``after`` and the event recorded
+        after it is returned (else None)."""
         g = self.geometry
-        bs, D = g.block_size, g.head_dim
-        x = section.tensor
-        if tuple(x.shape) != (g.num_kv_heads, hi - lo, D) or x.dtype != g.dtype:
-            raise FingerprintMismatch(f"artifact section {tuple(x.shape)} {x.dtype} is not this engine's "
-                                      f"({g.num_kv_heads}, {hi - lo}, {D}) {g.dtype}")
+        bs, D, H = g.block_size, g.head_dim, g.num_kv_heads
+        want = (H, hi - lo, D)
         start = max(lo, write_from)  # tokens before write_from: the engine already holds them
+        idx: Any = None
         if start >= hi:
-            return None
-        paged = self.layers[section.layer]
-        dst = paged.k if section.kind == "k" else paged.v
-        idx: Any
-        if start % bs == 0 and hi % bs == 0:
-            idx = self.kernel_blocks(block_ids[start // bs : hi // bs])
-            # (H, T, D) -> (H, nkb, kb, D) -> (nkb, H, kb, D): the views' [block, H, token, D] order
-            src = x[:, start - lo:].reshape(g.num_kv_heads, -1, self.kernel_block, D).permute(1, 0, 2, 3)
+            pass
+        elif start % bs == 0 and hi % bs == 0:
+            blocks = block_ids[start // bs : hi // bs]
+            if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+                # consecutive blocks (the rule for a fresh request): one strided copy, about half
+                # the time of an indexed write (the CPU kernel's K is stored transposed)
+                idx = slice(blocks[0] * self.ratio, (blocks[-1] + 1) * self.ratio)
+            else:
+                idx = self.kernel_blocks(blocks)
         else:  # inside blocks: each token's kernel block and offset
             pos = torch.arange(start, hi)
             kb = self.kernel_block
             blk = torch.as_tensor(block_ids, dtype=torch.long)[pos // bs] * self.ratio + (pos % bs) // kb
             idx = (blk.to(self.device), slice(None), (pos % kb).to(self.device))
-            src = x[:, start - lo:].permute(1, 0, 2)  # (H, T, D) -> (T, H, D): what dst[block, :, offset] takes
-        if self.device.type != "cuda":
-            dst[idx] = src
-            return None
-        # CUDA (untested here): copy on this thread's stream after the step's earlier work; the
-        # returned event lets wait_for_layer_load make the compute stream wait for it
-        stream = torch.cuda.current_stream(self.device)
-        if after is not None:
-            stream.wait_event(after)
-        dst[idx] = src.to(self.device, non_blocking=False)
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        return ev
+        whole_blocks = not isinstance(idx, tuple)
+        skip, kb, layers, cuda = start - lo, self.kernel_block, self.layers, self.device.type == "cuda"
+
+        def put(section: Section) -> Any:
+            x = section.tensor
+            if x.shape != want or x.dtype != g.dtype:
+                raise FingerprintMismatch(f"artifact section {tuple(x.shape)} {x.dtype} is not this engine's "
+                                          f"{want} {g.dtype}")
+            if idx is None:
+                return None
+            paged = layers[section.layer]
+            dst = paged.k if section.kind == "k" else paged.v
+            if whole_blocks:
+                # (H, T, D) -> (H, nkb, kb, D) -> (nkb, H, kb, D): the views' [block, H, token, D] order
+                src = x[:, skip:].reshape(H, -1, kb, D).permute(1, 0, 2, 3)
+            else:
+                src = x[:, skip:].permute(1, 0, 2)  # (H, T, D) -> (T, H, D): what dst[block, :, offset] takes
+            if not cuda:
+                dst[idx] = src
+                return None
+            # CUDA (untested here): copy on this thread's stream after the step's earlier work; the
+            # returned event lets wait_for_layer_load make the compute stream wait for it
+            stream = torch.cuda.current_stream(self.device)
+            if after is not None:
+                stream.wait_event(after)
+            dst[idx] = src.to(self.device, non_blocking=False)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            return ev
+
+        return put
