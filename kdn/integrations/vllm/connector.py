@@ -16,11 +16,13 @@ How one request goes (vLLM's v1 connector API, ``vllm/distributed/kv_transfer/kv
 - scheduler, ``build_connector_meta``: tells the worker which chunks to load into which block ids,
   and which chunks became fully computed in this step (to save);
 - worker, ``start_load_kv``: fetches the chunks on a private event-loop thread, ``fetch_concurrency``
-  at once; every artifact streams through a verifying :class:`kdn.artifact.ArtifactReader`, and
+  at once; every artifact goes through a verifying :class:`kdn.artifact.ArtifactReader`, and
   each section (one layer's K or V of one chunk, ``(H, T, D)``) is scattered into the request's
-  paged blocks as soon as its checksum passed; ``wait_for_layer_load(layer)`` returns once every
-  chunk has placed that layer (or failed), so layer l's attention runs while layer l+1 is still
-  on the wire;
+  paged blocks as soon as its checksum passed. Chunks that arrive whole in same-host shared
+  memory are read layer by layer across the step's chunks, on reader threads
+  (:mod:`kdn.integrations.vllm.load`); ``wait_for_layer_load(layer)`` returns once every chunk
+  has placed that layer (or failed), so layer l's attention runs while later layers are still
+  being read;
 - worker, ``wait_for_save``: the chunks computed in this step are copied out of the paged blocks
   (one chunk at a time, ``(L, 2, H, T, D)``), then encoded and Put by the loop thread in the
   background: the forward pass never waits on the edge;
