@@ -264,3 +264,54 @@ def test_a_chunk_lands_in_its_own_blocks_whatever_their_ids(vllm_module, block_i
     assert torch.equal(got[0], kv)
     for b in set(range(4)) - set(block_ids):
         assert torch.all(caches[0][b] == OLD)
+
+
+def test_a_cancelled_load_writes_nothing_once_the_cancel_returned(vllm_module):
+    """Past the deadline the job is cancelled while reader threads are mid-load: the cancel returns
+    only once every reader has stopped, nothing is placed after that, and every chunk that had not
+    finished is reported for recompute."""
+    import threading
+    import time
+
+    conn, edge, caches = _engine(vllm_module, whole=True)
+    conn.loop.read_threads = 2
+    try:
+        chain = _chain(BLOCKS)
+        for key, blob, _kv in chain:
+            edge.store[(NS.tenant, bytes(key))] = blob
+        writes: list[tuple[int, int]] = []
+        entered, release = threading.Event(), threading.Event()
+        placer = conn.ctx.paged.placer
+
+        def slow(block_ids, write_from, lo, hi, after=None):
+            put = placer(block_ids, write_from, lo, hi, after)
+
+            def place(section):
+                if (section.layer, lo // C) == (1, 0):
+                    entered.set()
+                    release.wait(5)  # the reader of chunk 0 is busy when the cancel comes
+                writes.append((section.layer, lo // C))
+                return put(section)
+
+            return place
+
+        conn.ctx.paged.placer = slow
+        spec = vllm_module.LoadSpec("req-1", NS.tenant, "", 0, [bytes(k) for k, _, _ in chain], 0, list(range(BLOCKS)))
+        job = vllm_module.LoadJob(conn.ctx, [spec])
+        job.start()
+        assert entered.wait(5)
+        cancel = threading.Thread(target=job._cancel)
+        cancel.start()
+        time.sleep(0.2)
+        assert cancel.is_alive(), "the cancel returned while a reader was still placing"
+        release.set()
+        cancel.join(10)
+        assert not cancel.is_alive()
+        n = len(writes)
+        time.sleep(0.2)
+        assert len(writes) == n, "placed after the cancel returned"
+        job.finish()
+        assert job.failed_blocks == set(range(BLOCKS)) and job.failed_reqs == {"req-1"}
+    finally:
+        release.set()
+        conn.loop.close()

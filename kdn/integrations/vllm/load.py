@@ -171,6 +171,8 @@ class LoadJob:
         self._timeout = ctx.fetch_timeout_s * (1 + max(len(s.items) for s in specs) // ctx.fetch_concurrency) + 5
         self._deadline = 0.0
         self._stop = False  # set when cancelled: the reader threads place nothing more
+        self._began = False  # _run's first step ran (on the loop thread)
+        self._ended = threading.Event()  # set once _run has returned: nothing is placed after that
 
     def start(self) -> None:
         self._deadline = time.monotonic() + self._timeout
@@ -181,6 +183,7 @@ class LoadJob:
         (same-host shared memory) is held until every item is held or in its blocks; the held
         ones are then read layer by layer across items (:meth:`_by_layer`). Any other streams
         into its blocks as it arrives."""
+        self._began = True
         sem = asyncio.Semaphore(self.ctx.fetch_concurrency)
         held: list[_Held] = []
 
@@ -203,9 +206,12 @@ class LoadJob:
             await asyncio.gather(*(one(r, i) for r, s in enumerate(self.specs) for i in range(len(s.items))))
             await self._by_layer(held)
         finally:
-            for h in held:
-                h.view = None  # the mapping closes once no view of it is left
-                await h.stream.aclose()
+            try:
+                for h in held:
+                    h.view = None  # the mapping closes once no view of it is left
+                    await h.stream.aclose()
+            finally:
+                self._ended.set()
 
     async def _open(self, r: int, i: int) -> "_Held | None":
         """Start item ``i`` of request ``r``: a container that came whole (same-host shared
@@ -340,11 +346,18 @@ class LoadJob:
                 for i, p in enumerate(ps):
                     if p < self._L and i < self.first_failed[r]:
                         self.first_failed[r] = i
-        self.ctx.loop.loop.call_soon_threadsafe(self.future.cancel)
+        self._stop = True  # the reader threads stop before their next layer
+
+        async def stop() -> bool:
+            self.future.cancel()
+            return self._began  # not begun: cancelled before its first step, it never places
+
         try:
-            self.future.result(10)
-        except BaseException:
-            pass
+            began = asyncio.run_coroutine_threadsafe(stop(), self.ctx.loop.loop).result(10)
+        except Exception:  # the loop is gone or stuck: wait as if it had begun
+            began = True
+        if began:  # the future says "cancelled" at once; the job may still be placing a section
+            self._ended.wait(10)
         with self.cond:
             for ps in self.progress:
                 ps[:] = [self._L] * len(ps)
