@@ -280,7 +280,10 @@ class LoadJob:
 
     def _read_layers(self, held: list["_Held"]) -> None:
         """One reader thread's share of :meth:`_by_layer`. Counters are bumped on the loop thread."""
-        count = lambda name: self.ctx.loop.loop.call_soon_threadsafe(self.ctx.count, name)  # noqa: E731
+
+        def count(name: str) -> None:
+            self.ctx.loop.loop.call_soon_threadsafe(self.ctx.count, name)
+
         for step in range(max(len(h.cuts) for h in held)):
             for h in held:
                 if h.over:
