@@ -173,6 +173,29 @@ def _chain(n: int) -> list[tuple[ChunkKey, bytes, torch.Tensor]]:
     return out
 
 
+def _on_place(conn, hook) -> None:
+    """Wrap the engine's placer: ``hook(layer, chunk)`` runs on the placing thread before each
+    section is placed."""
+    placer = conn.ctx.paged.placer
+
+    def wrapped(block_ids, write_from, lo, hi, after=None):
+        put = placer(block_ids, write_from, lo, hi, after)
+
+        def place(section):
+            hook(section.layer, lo // C)
+            return put(section)
+
+        return place
+
+    conn.ctx.paged.placer = wrapped
+
+
+def _chain_job(mod, conn, chain):
+    """A job loading ``chain`` into blocks 0, 1, ... of one request."""
+    spec = mod.LoadSpec("req-1", NS.tenant, "", 0, [bytes(k) for k, _, _ in chain], 0, list(range(len(chain))))
+    return mod.LoadJob(conn.ctx, [spec])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_whole_containers_are_placed_layer_by_layer_across_chunks(vllm_module, threads):
     """Same-host answers: each reader thread places every one of its chunks' layer 0 before any
@@ -187,21 +210,9 @@ def test_whole_containers_are_placed_layer_by_layer_across_chunks(vllm_module, t
         chain = _chain(BLOCKS)
         for key, blob, _kv in chain:
             edge.store[(NS.tenant, bytes(key))] = blob
-        order: list[tuple[int, int]] = []
-        placer = conn.ctx.paged.placer
-
-        def recording(block_ids, write_from, lo, hi, after=None):
-            put = placer(block_ids, write_from, lo, hi, after)
-
-            def place(section):
-                order.append((threading.get_ident(), section.layer, lo // C))
-                return put(section)
-
-            return place
-
-        conn.ctx.paged.placer = recording
-        spec = vllm_module.LoadSpec("req-1", NS.tenant, "", 0, [bytes(k) for k, _, _ in chain], 0, list(range(BLOCKS)))
-        job = vllm_module.LoadJob(conn.ctx, [spec])
+        order: list[tuple[int, int, int]] = []  # (thread, layer, chunk)
+        _on_place(conn, lambda layer, chunk: order.append((threading.get_ident(), layer, chunk)))
+        job = _chain_job(vllm_module, conn, chain)
         job.start()
         job.wait_layer(0)
         job.finish()
@@ -235,8 +246,7 @@ def test_a_corrupt_whole_container_fails_from_its_chunk_on_and_the_earlier_chunk
                 bad[at] ^= 0x10
                 blob = bytes(bad)
             edge.store[(NS.tenant, bytes(key))] = blob
-        spec = vllm_module.LoadSpec("req-1", NS.tenant, "", 0, [bytes(k) for k, _, _ in chain], 0, list(range(BLOCKS)))
-        job = vllm_module.LoadJob(conn.ctx, [spec])
+        job = _chain_job(vllm_module, conn, chain)
         job.start()
         job.finish()
         assert job.failed_blocks == {1, 2, 3} and job.failed_reqs == {"req-1"}, where
@@ -281,23 +291,15 @@ def test_a_cancelled_load_writes_nothing_once_the_cancel_returned(vllm_module):
             edge.store[(NS.tenant, bytes(key))] = blob
         writes: list[tuple[int, int]] = []
         entered, release = threading.Event(), threading.Event()
-        placer = conn.ctx.paged.placer
 
-        def slow(block_ids, write_from, lo, hi, after=None):
-            put = placer(block_ids, write_from, lo, hi, after)
+        def slow(layer: int, chunk: int) -> None:
+            if (layer, chunk) == (1, 0):
+                entered.set()
+                release.wait(5)  # the reader of chunk 0 is busy when the cancel comes
+            writes.append((layer, chunk))
 
-            def place(section):
-                if (section.layer, lo // C) == (1, 0):
-                    entered.set()
-                    release.wait(5)  # the reader of chunk 0 is busy when the cancel comes
-                writes.append((section.layer, lo // C))
-                return put(section)
-
-            return place
-
-        conn.ctx.paged.placer = slow
-        spec = vllm_module.LoadSpec("req-1", NS.tenant, "", 0, [bytes(k) for k, _, _ in chain], 0, list(range(BLOCKS)))
-        job = vllm_module.LoadJob(conn.ctx, [spec])
+        _on_place(conn, slow)
+        job = _chain_job(vllm_module, conn, chain)
         job.start()
         assert entered.wait(5)
         cancel = threading.Thread(target=job._cancel)
