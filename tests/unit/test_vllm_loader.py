@@ -317,3 +317,74 @@ def test_a_cancelled_load_writes_nothing_once_the_cancel_returned(vllm_module):
     finally:
         release.set()
         conn.loop.close()
+
+
+def _pairs_kernel(drop: bool = False, shift_block_1: bool = False, swizzle: bool = False):
+    """A stand-in for a packing CPU kernel (like ``amx``): per block and head, K's tokens are
+    interleaved two by two along the head dim (``[block/2, D, 2]``), V is row-major. Writes K, V
+    ``(T, H, D)`` of tokens 0..T-1 into slots 0..T-1 of ``[blocks, H, block, 2*D]``. ``drop``:
+    loses token 0's K (not a permutation); ``shift_block_1``: block 1 laid out unlike block 0;
+    ``swizzle``: K's dims XOR-swizzled by token (a permutation, but no strided view)."""
+
+    def write(key, value, cache):
+        nb, H, kb, w = cache.shape
+        D = w // 2
+        flat = cache.view(nb, H, 2, kb * D)
+        for t in range(key.shape[0]):
+            b, o = divmod(t, kb)
+            for h in range(H):
+                if not (drop and t == 0):
+                    k_at = (o // 2) * 2 * D + torch.arange(D) * 2 + o % 2
+                    if swizzle:
+                        k_at = o * D + (torch.arange(D) ^ (o % D))
+                    if shift_block_1 and b == 1:
+                        k_at = (k_at + 1) % (kb * D)
+                    flat[b, h, 0, k_at] = key[t, h]
+                flat[b, h, 1, o * D : (o + 1) * D] = value[t, h]
+
+    return write
+
+
+@pytest.mark.parametrize("blocks", [[3, 1], [1, 2]], ids=["blocks 3, 1", "blocks 1, 2"])
+@pytest.mark.parametrize("swizzle", [False, True], ids=["strided", "by position"])
+def test_a_learned_layout_places_what_the_engines_kernel_would(vllm_module, swizzle, blocks):
+    """A CPU kernel KDN has no map for: its layout is learned by writing coded values through it,
+    and a chunk placed into blocks 3, 1 (whole blocks) and a piece inside blocks land exactly where
+    the kernel would have written those tokens; reading the blocks back gives the chunk. A layout
+    that is a sum of strides over the bits of token and dim is copied as a strided view, any
+    other through each value's place."""
+    from kdn.artifact import Section
+
+    mod = vllm_module
+    nb, H, kb, D, C = 4, 2, 4, 8, 8
+    write = _pairs_kernel(swizzle=swizzle)
+    ours = torch.zeros(nb, H, kb, 2 * D)
+    paged = mod.PagedCache.of(mod.EngineGeometry(1, H, D, torch.float32, kb, C), [ours], "CPU_ATTN", "pairs", 0, write)
+    assert isinstance(paged.layers[0].k, mod.paged.PermutedView)
+    assert (paged.layers[0].k.bits is None) == swizzle and paged.layers[0].v.bits is not None
+    kv = torch.randn(2, H, C, D)  # one chunk's K, V
+    for s, kind in enumerate("kv"):
+        paged.place(blocks, 0, 0, C, Section(0, kind, kv[s]))  # whole blocks
+        paged.place([*blocks, 0], 0, C, C + 2, Section(0, kind, kv[s, :, :2]))  # tokens 8, 9: block 0, offsets 0, 1
+    # the kernel writing the same tokens into the same slots: slot = block * kb + offset
+    slots = {blocks[0] * kb + t: t for t in range(kb)} | {blocks[1] * kb + t: kb + t for t in range(kb)} | {0: 0, 1: 1}
+    key, value = torch.zeros(nb * kb, H, D), torch.zeros(nb * kb, H, D)
+    for slot, t in slots.items():
+        key[slot], value[slot] = kv[0, :, t], kv[1, :, t]
+    ref = torch.zeros_like(ours)
+    write(key, value, ref)
+    assert torch.equal(ours, ref)
+    assert torch.equal(paged.gather(blocks)[0], kv)
+
+
+@pytest.mark.parametrize("kernel,why", [(_pairs_kernel(drop=True), "wrote"), (_pairs_kernel(shift_block_1=True),
+                                        "laid out differently")], ids=["loses a value", "block-dependent"])
+def test_a_kernel_whose_layout_cannot_be_learned_is_refused_at_start(vllm_module, kernel, why):
+    """Learned only if every value lands once, the same way in every block: otherwise the
+    connector refuses to start rather than mix up KV; with no kernel to learn from, too."""
+    mod = vllm_module
+    geometry = mod.EngineGeometry(1, 2, 8, torch.float32, 4, 8)
+    with pytest.raises(ValueError, match=why):
+        mod.PagedCache.of(geometry, [torch.zeros(4, 2, 4, 16)], "CPU_ATTN", "pairs", 0, kernel)
+    with pytest.raises(ValueError, match="'pairs'"):
+        mod.PagedCache.of(geometry, [torch.zeros(4, 2, 4, 16)], "CPU_ATTN", "pairs", 0, None)

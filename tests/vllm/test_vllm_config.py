@@ -119,3 +119,32 @@ def test_connector_config_is_a_client_config_per_namespace(vllm_mod):
     assert cfg.lookup_timeout_s == 1.0 and acme.lookup_timeout_s == 1.0
     with pytest.raises(Exception, match="flux"):
         vllm_mod.KdnConnectorConfig.build({"flux": 1})
+
+
+@pytest.mark.parametrize("isa,dtype", [("vec", torch.float32), ("vec", torch.bfloat16), ("vec16", torch.float32),
+                                       ("amx", torch.bfloat16)], ids=str)
+def test_the_connectors_writes_are_the_cpu_kernels_own(vllm_mod, isa, dtype):
+    """Whatever the CPU kernel (its layout mapped by hand, ``vec``/``vec16``, or learned from the
+    kernel at start, ``amx``): K and V placed by the connector, whole blocks and single tokens
+    inside a block, are bit for bit what vLLM's own ``cpu_attn_reshape_and_cache`` writes, and
+    read back as written."""
+    from kdn.artifact import Section
+    from kdn.integrations.vllm.connector import _cpu_write_kernel
+
+    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX: vLLM never picks the amx kernel here")
+    write = _cpu_write_kernel(isa)
+    nb, H, bs, D, C = 4, 2, 32, 64, 64
+    key, value = torch.randn(nb * bs, H, D).to(dtype), torch.randn(nb * bs, H, D).to(dtype)  # (T, H, D)
+    key[:16], value[:16] = 0, 0  # tokens the engine already holds: not written by the load below
+    ref = torch.zeros(nb, H, bs, 2 * D, dtype=dtype)
+    write(key, value, ref)
+    ours = torch.zeros_like(ref)
+    paged = vllm_mod.PagedCache.of(vllm_mod.EngineGeometry(1, H, D, dtype, bs, C), [ours], "CPU_ATTN", isa, 0, write)
+    for c in range(nb * bs // C):  # chunk 0 from token 16 on (single tokens), chunk 1 whole blocks
+        for kind, x in (("k", key), ("v", value)):
+            paged.place(list(range(nb)), 16, c * C, (c + 1) * C, Section(0, kind, x[c * C : (c + 1) * C].transpose(0, 1)))
+    assert torch.equal(ours.view(torch.int16) if dtype == torch.bfloat16 else ours,
+                       ref.view(torch.int16) if dtype == torch.bfloat16 else ref)
+    back = paged.gather(list(range(nb)), 0, nb * bs)  # (1, 2, H, T, D)
+    assert torch.equal(back[0, 0], key.transpose(0, 1)) and torch.equal(back[0, 1], value.transpose(0, 1))

@@ -64,7 +64,7 @@ from pydantic import Field
 from kdn.client import ClientConfig
 from kdn.errors import InvalidInput
 from kdn.integrations.vllm.load import Clients, LoadContext, LoadJob, LoadSpec, LoopThread
-from kdn.integrations.vllm.paged import EngineGeometry, PagedCache
+from kdn.integrations.vllm.paged import EngineGeometry, PagedCache, WriteKernel
 from kdn.integrations.vllm.plan import ReqState, SaveSpec, load_of, saves_of
 from kdn.integrations.vllm.save import Saver
 from kdn.integrations.vllm_blend import BlendHost, BlendRequests
@@ -181,6 +181,20 @@ def _log_with_vllm() -> None:
     if kdn_log.handlers:
         kdn_log.setLevel(logging.INFO)
         kdn_log.propagate = False
+
+
+def _cpu_write_kernel(isa: str) -> WriteKernel:
+    """vLLM's CPU cache writer for kernel ``isa``, called as its CPU attention backend calls it
+    (``vllm/v1/attention/backends/cpu_attn.py``): the paged layout is learned from it."""
+    from vllm import _custom_ops as ops
+
+    def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor) -> None:
+        nb, heads, block, _ = cache.shape
+        key_cache, value_cache = cache.view(nb, heads, block * 2, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache,
+                                       torch.arange(key.shape[0], dtype=torch.long), isa)
+
+    return write
 
 
 def check_engine(vllm_config: "VllmConfig", chunk_size: int) -> None:
@@ -441,7 +455,8 @@ class KdnConnector(KVConnectorBase_V1):
         backend = first.attn_backend.get_name() if first is not None else "CPU_ATTN"
         isa = getattr(first, "isa", None)
         paged = self._paged = PagedCache.of(self.geometry, [kv_caches[name] for _, name in by_index], backend, isa,
-                                            self._num_blocks)
+                                            self._num_blocks,
+                                            _cpu_write_kernel(isa) if backend == "CPU_ATTN" and isa else None)
         kv = kv_caches[by_index[0][1]]
         LOG.info("KDN connector: %d layers of paged KV %s %s, backend %s (isa %s) on %s", len(paged.layers),
                  tuple(kv.shape), kv.dtype, backend, isa, kv.device)

@@ -8,6 +8,11 @@ know at start (a wrong guess would swap numbers between hosts, not fail):
 
 - ``CPU_ATTN`` with the ``vec``/``vec16`` kernels: per block and head, K is stored column-major
   ``[D, block]`` and then V row-major ``[block, D]`` (``csrc/cpu/cpu_attn_vec.hpp``);
+- ``CPU_ATTN`` with any other kernel (``amx``, whose bfloat16 K and V are packed for its tiles;
+  ``neon``, ...): the layout is learned at start from the engine's own write kernel
+  (:func:`learn_layout`: every value's place in a block, found by writing coded values), and used
+  only if that kernel places each value exactly once, in the same places in every block
+  (:class:`PermutedView` reads and writes through those places);
 - ``FLASH_ATTN``, ``TRITON_ATTN`` (CUDA): K is ``[..., :D]`` and V ``[..., D:2D]`` of each token.
 
 :class:`PagedCache` is every layer's views plus the slot mapping: a scheduler block may hold
@@ -25,27 +30,171 @@ import torch
 from kdn.artifact import PB_TO_DTYPE, Section
 from kdn.errors import FingerprintMismatch
 
-_CPU_ISAS = ("vec", "vec16")  # their reshape_and_cache writes the layout below; amx/neon/... pack differently
+_CPU_ISAS = ("vec", "vec16")  # their layout is mapped below as strided views; any other is learned
 _TOKEN_MAJOR_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+
+
+# writes K and V ``(T, H, D)`` of tokens 0 .. T-1 into slots 0 .. T-1 of a cache shaped as vLLM
+# allocates it, ``[blocks, H, block, 2*D]``, the way the engine's attention kernel does
+WriteKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+_CODE_BASE = 128  # one digit per probe: 1..128 is exact in every float dtype a cache uses
+
+
+def learn_layout(write: WriteKernel, heads: int, block: int, head_dim: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the engine's write kernel puts each value of a block: ``(pos_k, pos_v)``, each
+    ``(block, H, D)``, the offset of K/V of (token, head, dim) in the block's flat memory.
+
+    Two blocks are written with coded values (a value's index in base 128, one digit per pass, so
+    every value written is a small integer any dtype holds exactly) and read back. Refused
+    (ValueError) unless every value lands exactly once, nothing lands twice, and block 1 holds
+    its tokens where block 0 holds its own (a layout that depends on the block would need more
+    than one map)."""
+    H, kb, D = heads, block, head_dim
+    n = kb * H * D  # values of one kind in one block
+    codes = torch.arange(4 * n)  # K of blocks 0 and 1 (tokens 0 .. 2kb-1), then V of both
+    found = torch.zeros(2 * 2 * n, dtype=torch.long)  # per block, its flat memory of K and V
+    written = torch.ones(2 * 2 * n, dtype=torch.bool)
+    scale = 1
+    while scale < 4 * n:
+        digit = (codes // scale) % _CODE_BASE + 1
+        key = digit[: 2 * n].view(2 * kb, H, D).to(dtype)
+        value = digit[2 * n :].view(2 * kb, H, D).to(dtype)
+        cache = torch.zeros(2, H, kb, 2 * D, dtype=dtype)
+        write(key, value, cache)
+        got = cache.reshape(-1).to(torch.float32).round().long()
+        written &= got > 0
+        found += (got.clamp(min=1) - 1) * scale
+        scale *= _CODE_BASE
+    what = "KDN could not learn the block layout of vLLM's attention kernel: "
+    if int(written.sum()) != 4 * n:
+        raise ValueError(what + f"it wrote {int(written.sum())} values for {4 * n}")
+    per_block = found.view(2, 2 * n)
+    # a value's code, in block terms: K of (token t, head h, dim d) -> (t*H + h)*D + d, V -> n + that
+    kind, rest = per_block // (2 * n), per_block % (2 * n)  # kind 0: K, 1: V
+    blk, within = rest // n, rest % n
+    local = kind * n + within  # the value's code within its own block
+    if not (bool((blk[0] == 0).all()) and bool((blk[1] == 1).all())):
+        raise ValueError(what + "a block holds another block's tokens")
+    if not torch.equal(local[0], local[1]):
+        raise ValueError(what + "the two blocks are laid out differently")
+    pos = torch.full((2 * n,), -1, dtype=torch.long)
+    pos[local[0]] = torch.arange(2 * n)
+    if bool((pos < 0).any()):
+        raise ValueError(what + "some values were not written, or written twice")
+    return pos[:n].view(kb, H, D), pos[n:].view(kb, H, D)
+
+
+class PermutedView:
+    """K or V of one layer's paged cache in a learned layout (:func:`learn_layout`), indexed like
+    a view ``[kernel_blocks, H, kernel_block, D]``: ``v[blocks]`` reads whole blocks (a copy),
+    ``v[blocks] = x`` writes them, ``v[(block_per_token, :, offset_per_token)] = x`` writes single
+    tokens ``(T, H, D)``; ``blocks`` is a slice or a tensor of kernel block ids."""
+
+    def __init__(self, kv: torch.Tensor, pos: torch.Tensor) -> None:
+        self.flat = kv.view(kv.shape[0], -1)  # (blocks, the block's memory)
+        self.pos = pos  # (kb, H, D) -> offset in a block
+        self.shape = (kv.shape[0], pos.shape[1], pos.shape[0], pos.shape[2])
+        found = bits_view(kv, pos)  # whole blocks go through it when the layout allows
+        self.bits, self._unit = (found[0], 1 << found[1]) if found is not None else (None, 1)
+
+    def _rows(self, idx: Any) -> torch.Tensor:
+        if isinstance(idx, slice):
+            return torch.arange(self.flat.shape[0])[idx]
+        return torch.as_tensor(idx, dtype=torch.long)
+
+    def __getitem__(self, idx: Any) -> torch.Tensor:
+        rows = self._rows(idx)
+        kb, H, D = self.pos.shape
+        if self.bits is not None:
+            words = self.bits[idx].reshape(len(rows), H, kb, D // self._unit)
+            return words.view(self.flat.dtype) if self._unit > 1 else words
+        vals = self.flat[rows[:, None], self.pos.reshape(1, -1)]  # (n, kb*H*D) in (token, head, dim) order
+        return vals.view(len(rows), kb, H, D).permute(0, 2, 1, 3)
+
+    def __setitem__(self, idx: Any, src: torch.Tensor) -> None:
+        if isinstance(idx, tuple):  # single tokens: (kernel block per token, :, offset per token), src (T, H, D)
+            blk, _, off = idx
+            self.flat[blk[:, None], self.pos[off].reshape(len(off), -1)] = src.reshape(len(off), -1)
+            return
+        rows = self._rows(idx)  # whole blocks, src (n, H, kb, D)
+        if self.bits is not None:
+            if self._unit > 1:  # side by side values as one word: the last dim must be contiguous
+                src = (src if src.stride(-1) == 1 else src.contiguous()).view(self.bits.dtype)
+            self.bits[idx] = src.reshape(*src.shape[:2], *self.bits.shape[2:])
+            return
+        vals = src.permute(0, 2, 1, 3).reshape(len(rows), -1)  # (n, kb*H*D) in (token, head, dim) order
+        if isinstance(idx, slice):  # consecutive blocks: a scatter into the slice, a third faster
+            self.flat[idx].scatter_(1, self.pos.reshape(1, -1).expand(len(rows), -1), vals)
+        else:
+            self.flat[rows[:, None], self.pos.reshape(1, -1)] = vals
+
+
+_WORDS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_view(kv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """A learned layout as a strided view of ``kv``, ``[blocks, H, 2, ..., 2]`` (token's bits, then
+    the head dim's, most significant first), when every offset is a sum of one stride per bit
+    of the token and of the head dim plus one per head (so are vec's and amx's layouts): copies
+    through it are plain strided copies. The head dim's lowest ``w`` bits, where they lie side by
+    side in the block as they do in a section, are one word of ``2**w`` values (up to 8 bytes:
+    amx's bfloat16 K pairs copy as 32-bit words), returned with ``w``. None otherwise (block or
+    head dim not a power of two, another layout, or blocks not contiguous in memory)."""
+    kb, H, D = pos.shape
+    if kb & (kb - 1) or D & (D - 1) or not kv[0].is_contiguous():
+        return None
+    tb, db = kb.bit_length() - 1, D.bit_length() - 1
+    base = int(pos[0, 0, 0])
+    ts = [int(pos[1 << i, 0, 0]) - base for i in range(tb)]
+    ds = [int(pos[0, 0, 1 << i]) - base for i in range(db)]
+    hs = int(pos[0, 1, 0]) - base if H > 1 else 0
+    t, d = torch.arange(kb)[:, None, None], torch.arange(D)[None, None, :]
+    model = base + torch.arange(H)[None, :, None] * hs
+    for i, st in enumerate(ts):
+        model = model + ((t >> i) & 1) * st
+    for i, st in enumerate(ds):
+        model = model + ((d >> i) & 1) * st
+    if min(ts + ds + [hs]) < 0 or not torch.equal(model, pos):
+        return None
+    w = 0
+    while w < db and ds[w] == 1 << w and kv.element_size() << (w + 1) <= 8:
+        w += 1
+    unit = 1 << w
+    rest = [kv.stride(0), hs, *ts, *ds[w:], base, kv.storage_offset()]
+    while unit > 1 and any(x % unit for x in rest):  # a word must start on a word
+        w, unit = w - 1, unit >> 1
+    words = kv.view(_WORDS[kv.element_size() * unit]) if unit > 1 else kv
+    view = words.as_strided((kv.shape[0], H, *(2,) * (tb + db - w)),
+                            (kv.stride(0) // unit, hs // unit, *(x // unit for x in ts[::-1]),
+                             *(x // unit for x in ds[w:][::-1])),
+                            (kv.storage_offset() + base) // unit)
+    return view, w
 
 
 @dataclass(frozen=True, slots=True)
 class PagedKV:
     """One layer's paged cache as two views ``[kernel_blocks, H, kernel_block, D]`` (K, V) into
-    vLLM's own tensor: indexing them reads and writes the engine's blocks in place."""
+    vLLM's own tensor: indexing them reads and writes the engine's blocks in place (for a learned
+    layout, :class:`PermutedView` does the same through its map)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: Any  # torch.Tensor, or PermutedView
+    v: Any
 
     @classmethod
-    def of(cls, kv: torch.Tensor, backend: str, isa: str | None, head_dim: int) -> "PagedKV":
+    def of(cls, kv: torch.Tensor, backend: str, isa: str | None, head_dim: int,
+           layout: tuple[torch.Tensor, torch.Tensor] | None = None) -> "PagedKV":
         nb, H, kb, c = kv.shape
         D = head_dim
         if backend == "CPU_ATTN":
-            if isa not in _CPU_ISAS or c != 2 * D:
-                raise ValueError(f"KDN does not know the block layout of vLLM's CPU attention kernel {isa!r} "
-                                 f"(supported: {', '.join(_CPU_ISAS)}); refusing rather than mixing up KV. On a CPU "
-                                 "with AMX vLLM runs bfloat16 on 'amx': serve with --dtype float32 (kernel 'vec')")
+            if c != 2 * D:
+                raise ValueError(f"KDN: paged KV of CPU_ATTN has {c} values per token, expected 2*{D}")
+            if isa not in _CPU_ISAS:
+                if layout is None:
+                    raise ValueError(f"KDN does not know the block layout of vLLM's CPU attention kernel {isa!r} "
+                                     f"(known: {', '.join(_CPU_ISAS)}) and could not learn it from the kernel; "
+                                     "refusing rather than mixing up KV")
+                return cls(PermutedView(kv, layout[0]), PermutedView(kv, layout[1]))
             region = kv.view(nb, H, 2, kb * D)  # per block and head: K's bytes, then V's
             k = region[:, :, 0].unflatten(-1, (D, kb)).transpose(-1, -2)  # stored [D, kb] -> [kb, D] view
             v = region[:, :, 1].unflatten(-1, (kb, D))
@@ -94,16 +243,21 @@ class PagedCache:
 
     @classmethod
     def of(cls, geometry: EngineGeometry, caches: Sequence[torch.Tensor], backend: str, isa: str | None,
-           num_blocks: int = 0) -> "PagedCache":
+           num_blocks: int = 0, write_kernel: WriteKernel | None = None) -> "PagedCache":
         """The views of vLLM's per-layer caches (layer 0 first), checked against ``geometry``;
-        ``num_blocks``: the scheduler's block count (0: one kernel block per block)."""
+        ``num_blocks``: the scheduler's block count (0: one kernel block per block);
+        ``write_kernel``: the engine's own cache writer, to learn a CPU kernel's layout that is
+        not known here (:func:`learn_layout`, once for every layer)."""
         g = geometry
         kv = caches[0]
         if kv.dim() != 4 or kv.shape[1] != g.num_kv_heads:
             raise ValueError(f"KDN: unsupported paged KV shape {tuple(kv.shape)} (want [blocks, {g.num_kv_heads}, block, 2*D])")
         if kv.dtype != g.dtype:
             raise ValueError(f"KDN: KV cache dtype {kv.dtype} differs from the model dtype {g.dtype}")
-        layers = [PagedKV.of(c, backend, isa, g.head_dim) for c in caches]
+        layout = None
+        if backend == "CPU_ATTN" and isa not in _CPU_ISAS and write_kernel is not None:
+            layout = learn_layout(write_kernel, g.num_kv_heads, int(kv.shape[2]), g.head_dim, g.dtype)
+        layers = [PagedKV.of(c, backend, isa, g.head_dim, layout) for c in caches]
         num_blocks = num_blocks or kv.shape[0]
         if kv.shape[0] % num_blocks or g.block_size % kv.shape[2]:
             raise ValueError(f"KDN: {kv.shape[0]} kernel blocks of {kv.shape[2]} tokens do not tile {num_blocks} blocks of {g.block_size}")
