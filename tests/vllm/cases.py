@@ -45,9 +45,9 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    # bfloat16 where vLLM's CPU attention kernel is one KDN reads ("vec"); on a CPU with AMX vLLM
-    # runs bfloat16 on its "amx" kernel, whose packed blocks the connector refuses, so float32
-    args.dtype = "float32" if torch.cpu._is_amx_tile_supported() else "bfloat16"
+    # bfloat16: on a CPU with AMX vLLM runs it on its "amx" kernel, whose block layout the
+    # connector learns at start, so every case below runs through that layout there
+    args.dtype = "bfloat16"
     dtype = getattr(torch, args.dtype)
 
     from kdn.integrations.model_dir import save_builtin
