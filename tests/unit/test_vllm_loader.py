@@ -269,7 +269,7 @@ def test_a_chunk_lands_in_its_own_blocks_whatever_their_ids(vllm_module, block_i
     paged = vllm_module.PagedCache.of(vllm_module.EngineGeometry(1, H, D, torch.float32, bs, C), caches, backend, isa)
     kv = torch.randn(2, H, C, D)  # K, V of one layer
     for s, kind in enumerate("kv"):
-        paged.place(block_ids, 0, 0, C, Section(0, kind, kv[s]))
+        paged.placer(block_ids, 0, 0, C)(Section(0, kind, kv[s]))
     got = paged.gather(block_ids)  # (1, 2, H, C, D), read back through the backend's layout
     assert torch.equal(got[0], kv)
     for b in set(range(4)) - set(block_ids):
@@ -364,8 +364,8 @@ def test_a_learned_layout_places_what_the_engines_kernel_would(vllm_module, swiz
     assert (paged.layers[0].k.bits is None) == swizzle and paged.layers[0].v.bits is not None
     kv = torch.randn(2, H, C, D)  # one chunk's K, V
     for s, kind in enumerate("kv"):
-        paged.place(blocks, 0, 0, C, Section(0, kind, kv[s]))  # whole blocks
-        paged.place([*blocks, 0], 0, C, C + 2, Section(0, kind, kv[s, :, :2]))  # tokens 8, 9: block 0, offsets 0, 1
+        paged.placer(blocks, 0, 0, C)(Section(0, kind, kv[s]))  # whole blocks
+        paged.placer([*blocks, 0], 0, C, C + 2)(Section(0, kind, kv[s, :, :2]))  # tokens 8, 9: block 0, offsets 0, 1
     # the kernel writing the same tokens into the same slots: slot = block * kb + offset
     slots = {blocks[0] * kb + t: t for t in range(kb)} | {blocks[1] * kb + t: kb + t for t in range(kb)} | {0: 0, 1: 1}
     key, value = torch.zeros(nb * kb, H, D), torch.zeros(nb * kb, H, D)

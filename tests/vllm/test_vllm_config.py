@@ -143,7 +143,7 @@ def test_the_connectors_writes_are_the_cpu_kernels_own(vllm_mod, isa, dtype):
     paged = vllm_mod.PagedCache.of(vllm_mod.EngineGeometry(1, H, D, dtype, bs, C), [ours], "CPU_ATTN", isa, 0, write)
     for c in range(nb * bs // C):  # chunk 0 from token 16 on (single tokens), chunk 1 whole blocks
         for kind, x in (("k", key), ("v", value)):
-            paged.place(list(range(nb)), 16, c * C, (c + 1) * C, Section(0, kind, x[c * C : (c + 1) * C].transpose(0, 1)))
+            paged.placer(list(range(nb)), 16, c * C, (c + 1) * C)(Section(0, kind, x[c * C : (c + 1) * C].transpose(0, 1)))
     assert torch.equal(ours.view(torch.int16) if dtype == torch.bfloat16 else ours,
                        ref.view(torch.int16) if dtype == torch.bfloat16 else ref)
     back = paged.gather(list(range(nb)), 0, nb * bs)  # (1, 2, H, T, D)

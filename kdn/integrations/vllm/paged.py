@@ -94,7 +94,6 @@ class PermutedView:
     def __init__(self, kv: torch.Tensor, pos: torch.Tensor) -> None:
         self.flat = kv.view(kv.shape[0], -1)  # (blocks, the block's memory)
         self.pos = pos  # (kb, H, D) -> offset in a block
-        self.shape = (kv.shape[0], pos.shape[1], pos.shape[0], pos.shape[2])
         found = bits_view(kv, pos)  # whole blocks go through it when the layout allows
         self.bits, self._unit = (found[0], 1 << found[1]) if found is not None else (None, 1)
 
@@ -284,10 +283,6 @@ class PagedCache:
                 run = view[idx].permute(1, 0, 2, 3).reshape(g.num_kv_heads, -1, D)
                 out[l, s].copy_(run[:, lo : lo + T] if hi else run)
         return out
-
-    def place(self, block_ids: list[int], write_from: int, lo: int, hi: int, section: Section, after: Any = None) -> Any:
-        """Scatter one verified section into its blocks: :meth:`placer`'s for one section."""
-        return self.placer(block_ids, write_from, lo, hi, after)(section)
 
     def placer(self, block_ids: list[int], write_from: int, lo: int, hi: int,
                after: Any = None) -> Callable[[Section], Any]:
