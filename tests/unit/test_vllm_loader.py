@@ -388,3 +388,29 @@ def test_a_kernel_whose_layout_cannot_be_learned_is_refused_at_start(vllm_module
         mod.PagedCache.of(geometry, [torch.zeros(4, 2, 4, 16)], "CPU_ATTN", "pairs", 0, kernel)
     with pytest.raises(ValueError, match="'pairs'"):
         mod.PagedCache.of(geometry, [torch.zeros(4, 2, 4, 16)], "CPU_ATTN", "pairs", 0, None)
+
+
+def test_a_finished_prompt_writes_back_only_the_tail_pieces_the_edge_lacks(vllm_module):
+    """A whole-document hit loaded its chunk and the edge's tail pieces, up to one that ends inside
+    a vLLM block; the edge held one more piece than was loaded. Once the prompt is computed, only
+    the pieces after those the edge holds are written back (a hit puts nothing the edge has)."""
+    import numpy as np
+
+    from kdn.integrations.vllm.plan import ReqState, saves_of
+    from kdn.keys import PIECE_TOKENS, chunk_keys, piece_keys
+
+    C32, bs = 4 * PIECE_TOKENS, 2 * PIECE_TOKENS  # chunks of 4 pieces, vLLM blocks of 2
+    tokens = np.arange(C32 + 3 * PIECE_TOKENS + 5, dtype=np.int64)  # one chunk, 3 whole pieces, 5 tokens
+    keys = chunk_keys(tokens, fingerprint=FP, namespace=NS, chunk_size=C32)
+    pkeys = piece_keys(tokens[C32 : len(tokens) - 1], after=keys[0], fingerprint=FP, namespace=NS, chunk_size=C32)
+    assert len(pkeys) == 3
+
+    def state(held: int) -> ReqState:
+        st = ReqState(NS, keys, len(tokens), on_edge=1, saved=1, first_saved=1, tokens=tokens)
+        st.pieces_held = held
+        st.block_ids = list(range(-(-len(tokens) // bs)))
+        return st
+
+    for held, saved in ((0, pkeys), (2, pkeys[2:]), (3, [])):
+        specs = saves_of("r", state(held), len(tokens), chunk_size=C32, block_size=bs, fingerprint=FP)
+        assert [ChunkKey(s.key) for s in specs] == list(saved), held

@@ -358,8 +358,9 @@ class KdnConnector(KVConnectorBase_V1):
 
     def _match_pieces(self, st: ReqState) -> None:
         """``st.end``: the edge's whole chunks (the last prompt token is vLLM's to compute), then the
-        tail pieces it holds after them, the total cut to vLLM's block size."""
-        C, bs = self.config.chunk_size, self.block_size
+        tail pieces it holds after them. The end may fall inside a vLLM block: vLLM's scheduler takes
+        a load that ends anywhere, and the loader writes a piece's tokens inside their block."""
+        C = self.config.chunk_size
         limit = max(0, st.n_prompt - 1)
         chunks = min(st.on_edge, limit // C)
         st.end = chunks * C
@@ -376,10 +377,10 @@ class KdnConnector(KVConnectorBase_V1):
         except Exception as exc:  # the chunks stand; pieces are a bonus
             LOG.debug("KDN Lookup of tail pieces failed: %s", exc)
             return
-        end = (chunks * C + held * PIECE_TOKENS) // bs * bs  # whole blocks only
-        if end > st.end:
-            st.pieces = pkeys[: (end - chunks * C) // PIECE_TOKENS]
-            st.end = end
+        st.pieces_held = held
+        if held:
+            st.pieces = pkeys[:held]
+            st.end = chunks * C + held * PIECE_TOKENS  # pieces cover tokens before ``limit`` only
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
