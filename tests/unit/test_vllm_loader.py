@@ -392,8 +392,8 @@ def test_a_kernel_whose_layout_cannot_be_learned_is_refused_at_start(vllm_module
 
 def test_a_finished_prompt_writes_back_only_the_tail_pieces_the_edge_lacks(vllm_module):
     """A whole-document hit loaded its chunk and the edge's tail pieces, up to one that ends inside
-    a vLLM block; the edge held one more piece than was loaded. Once the prompt is computed, only
-    the pieces after those the edge holds are written back (a hit puts nothing the edge has)."""
+    a vLLM block. Once the prompt is computed, only the pieces after those the edge holds are written
+    back (a hit puts nothing the edge has)."""
     import numpy as np
 
     from kdn.integrations.vllm.plan import ReqState, saves_of
@@ -407,7 +407,7 @@ def test_a_finished_prompt_writes_back_only_the_tail_pieces_the_edge_lacks(vllm_
 
     def state(held: int) -> ReqState:
         st = ReqState(NS, keys, len(tokens), on_edge=1, saved=1, first_saved=1, tokens=tokens)
-        st.pieces_held = held
+        st.pieces = pkeys[:held]
         st.block_ids = list(range(-(-len(tokens) // bs)))
         return st
 

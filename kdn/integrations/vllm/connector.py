@@ -377,7 +377,6 @@ class KdnConnector(KVConnectorBase_V1):
         except Exception as exc:  # the chunks stand; pieces are a bonus
             LOG.debug("KDN Lookup of tail pieces failed: %s", exc)
             return
-        st.pieces_held = held
         if held:
             st.pieces = pkeys[:held]
             st.end = chunks * C + held * PIECE_TOKENS  # pieces cover tokens before ``limit`` only

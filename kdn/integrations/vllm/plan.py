@@ -49,7 +49,6 @@ class ReqState:
     first_saved: int = 0  # saves scheduled from this chunk on
     tokens: Any = None  # the prompt's token ids (np.int64): tail pieces are keyed by them
     pieces: list[ChunkKey] = field(default_factory=list)  # tail pieces after the ``on_edge`` chunks the edge holds
-    pieces_held: int = 0  # of the tail pieces after the ``on_edge`` chunks, how many the edge holds
     end: int = 0  # tokens the edge can give: whole chunks, then pieces
     pieces_saved: bool = False
     blend: bool = False  # the keys are a blend variant's, fetched from the blend origin (never saved)
@@ -109,7 +108,7 @@ def _piece_saves(rid: str, st: ReqState, full: int, C: int, bs: int, fingerprint
     after = st.keys[full - 1] if full else ROOT_KEY
     pkeys = piece_keys(st.tokens[base : st.n_prompt], after=after, fingerprint=fingerprint, namespace=st.ns,
                        chunk_size=C)
-    skip = st.pieces_held if full == st.on_edge else 0  # the edge said it holds these: no write-back
+    skip = len(st.pieces) if full == st.on_edge else 0  # every piece the edge holds (all are loaded)
     saves = []
     for j in range(skip, len(pkeys)):
         lo, hi = base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS
