@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from kdn.artifact import PB_TO_DTYPE, Section
@@ -171,6 +172,14 @@ def bits_view(kv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int] |
     return view, w
 
 
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's numpy view, same bytes and strides (numpy has no bfloat16: 16-bit floats
+    are viewed as int16, which copies the same bits)."""
+    if t.element_size() == 2 and t.dtype.is_floating_point:
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
 @dataclass(frozen=True, slots=True)
 class PagedKV:
     """One layer's paged cache as two views ``[kernel_blocks, H, kernel_block, D]`` (K, V) into
@@ -239,6 +248,7 @@ class PagedCache:
         self.ratio = ratio  # kernel blocks per scheduler block
         self.kernel_block = kernel_block
         self.device = device
+        self._host: list[tuple[np.ndarray, np.ndarray]] | bool | None = None  # host_views(), made once
 
     @classmethod
     def of(cls, geometry: EngineGeometry, caches: Sequence[torch.Tensor], backend: str, isa: str | None,
@@ -261,6 +271,20 @@ class PagedCache:
         if kv.shape[0] % num_blocks or g.block_size % kv.shape[2]:
             raise ValueError(f"KDN: {kv.shape[0]} kernel blocks of {kv.shape[2]} tokens do not tile {num_blocks} blocks of {g.block_size}")
         return cls(g, layers, ratio=kv.shape[0] // num_blocks, kernel_block=int(kv.shape[2]), device=kv.device)
+
+    def host_views(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Every layer's K and V views as numpy arrays over the same bytes (16-bit floats as int16),
+        or None where the cache is not plain host memory (CUDA, a learned layout). The placer
+        copies through these: numpy's copy runs on the calling thread, where torch's would start
+        an OpenMP team per reader thread and fight the forward's for the cores (and run a
+        transposed K at half numpy's speed on one thread)."""
+        if self._host is None:
+            if self.device.type != "cpu" or not all(isinstance(p.k, torch.Tensor) and isinstance(p.v, torch.Tensor)
+                                                    for p in self.layers):
+                self._host = False
+            else:
+                self._host = [(_host_array(p.k), _host_array(p.v)) for p in self.layers]
+        return self._host or None
 
     def kernel_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Kernel block ids, in token order, of scheduler blocks ``block_ids``."""
@@ -315,6 +339,10 @@ class PagedCache:
             idx = (blk.to(self.device), slice(None), (pos % kb).to(self.device))
         whole_blocks = not isinstance(idx, tuple)
         skip, kb, layers, cuda = start - lo, self.kernel_block, self.layers, self.device.type == "cuda"
+        host = self.host_views()
+        if host is not None and idx is not None:  # the same places, as numpy indexes
+            np_idx = (idx if isinstance(idx, slice) else idx.numpy() if whole_blocks
+                      else (idx[0].numpy(), idx[1], idx[2].numpy()))
 
         def put(section: Section) -> Any:
             x = section.tensor
@@ -322,6 +350,15 @@ class PagedCache:
                 raise FingerprintMismatch(f"artifact section {tuple(x.shape)} {x.dtype} is not this engine's "
                                           f"{want} {g.dtype}")
             if idx is None:
+                return None
+            if host is not None:
+                dst_np = host[section.layer][0 if section.kind == "k" else 1]
+                src_np = _host_array(x)[:, skip:]
+                if whole_blocks:
+                    src_np = src_np.reshape(H, -1, kb, D).transpose(1, 0, 2, 3)
+                else:
+                    src_np = src_np.transpose(1, 0, 2)
+                dst_np[np_idx] = src_np
                 return None
             paged = layers[section.layer]
             dst = paged.k if section.kind == "k" else paged.v
