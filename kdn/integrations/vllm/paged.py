@@ -180,6 +180,17 @@ def _host_array(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def _host_views(layers: Sequence["PagedKV"], device: torch.device) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Every layer's K and V views as numpy arrays over the same bytes (16-bit floats as int16),
+    or None where the cache is not plain host memory (CUDA, a learned layout). The placer copies
+    through these: numpy's copy runs on the calling thread, where torch's would start an OpenMP
+    team per reader thread and fight the forward's for the cores (and run a transposed K at half
+    numpy's speed on one thread)."""
+    if device.type != "cpu" or not all(isinstance(p.k, torch.Tensor) and isinstance(p.v, torch.Tensor) for p in layers):
+        return None
+    return [(_host_array(p.k), _host_array(p.v)) for p in layers]
+
+
 @dataclass(frozen=True, slots=True)
 class PagedKV:
     """One layer's paged cache as two views ``[kernel_blocks, H, kernel_block, D]`` (K, V) into
@@ -248,7 +259,7 @@ class PagedCache:
         self.ratio = ratio  # kernel blocks per scheduler block
         self.kernel_block = kernel_block
         self.device = device
-        self._host: list[tuple[np.ndarray, np.ndarray]] | bool | None = None  # host_views(), made once
+        self.host = _host_views(self.layers, device)
 
     @classmethod
     def of(cls, geometry: EngineGeometry, caches: Sequence[torch.Tensor], backend: str, isa: str | None,
@@ -271,20 +282,6 @@ class PagedCache:
         if kv.shape[0] % num_blocks or g.block_size % kv.shape[2]:
             raise ValueError(f"KDN: {kv.shape[0]} kernel blocks of {kv.shape[2]} tokens do not tile {num_blocks} blocks of {g.block_size}")
         return cls(g, layers, ratio=kv.shape[0] // num_blocks, kernel_block=int(kv.shape[2]), device=kv.device)
-
-    def host_views(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
-        """Every layer's K and V views as numpy arrays over the same bytes (16-bit floats as int16),
-        or None where the cache is not plain host memory (CUDA, a learned layout). The placer
-        copies through these: numpy's copy runs on the calling thread, where torch's would start
-        an OpenMP team per reader thread and fight the forward's for the cores (and run a
-        transposed K at half numpy's speed on one thread)."""
-        if self._host is None:
-            if self.device.type != "cpu" or not all(isinstance(p.k, torch.Tensor) and isinstance(p.v, torch.Tensor)
-                                                    for p in self.layers):
-                self._host = False
-            else:
-                self._host = [(_host_array(p.k), _host_array(p.v)) for p in self.layers]
-        return self._host or None
 
     def kernel_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Kernel block ids, in token order, of scheduler blocks ``block_ids``."""
@@ -339,7 +336,7 @@ class PagedCache:
             idx = (blk.to(self.device), slice(None), (pos % kb).to(self.device))
         whole_blocks = not isinstance(idx, tuple)
         skip, kb, layers, cuda = start - lo, self.kernel_block, self.layers, self.device.type == "cuda"
-        host = self.host_views()
+        host = self.host
         if host is not None and idx is not None:  # the same places, as numpy indexes
             np_idx = (idx if isinstance(idx, slice) else idx.numpy() if whole_blocks
                       else (idx[0].numpy(), idx[1], idx[2].numpy()))
