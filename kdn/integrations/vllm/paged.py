@@ -348,22 +348,16 @@ class PagedCache:
                                           f"{want} {g.dtype}")
             if idx is None:
                 return None
-            if host is not None:
-                dst_np = host[section.layer][0 if section.kind == "k" else 1]
-                src_np = _host_array(x)[:, skip:]
-                if whole_blocks:
-                    src_np = src_np.reshape(H, -1, kb, D).transpose(1, 0, 2, 3)
-                else:
-                    src_np = src_np.transpose(1, 0, 2)
-                dst_np[np_idx] = src_np
-                return None
-            paged = layers[section.layer]
-            dst = paged.k if section.kind == "k" else paged.v
             if whole_blocks:
                 # (H, T, D) -> (H, nkb, kb, D) -> (nkb, H, kb, D): the views' [block, H, token, D] order
                 src = x[:, skip:].reshape(H, -1, kb, D).permute(1, 0, 2, 3)
             else:
                 src = x[:, skip:].permute(1, 0, 2)  # (H, T, D) -> (T, H, D): what dst[block, :, offset] takes
+            if host is not None:
+                host[section.layer][0 if section.kind == "k" else 1][np_idx] = _host_array(src)
+                return None
+            paged = layers[section.layer]
+            dst = paged.k if section.kind == "k" else paged.v
             if not cuda:
                 dst[idx] = src
                 return None
