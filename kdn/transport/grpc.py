@@ -14,7 +14,7 @@ from contextlib import aclosing, closing
 from typing import Any, AsyncIterator, Sequence
 
 from kdn.artifact import ArtifactReader
-from kdn.errors import Unavailable
+from kdn.errors import InvalidInput, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
 from kdn.transport.base import EdgeTransport, FetchStats, reader_pool
 from kdn.transport.bulk import BulkPath
@@ -94,7 +94,9 @@ class GrpcEdgeTransport(EdgeTransport):
                         if msg.total_size:
                             total = msg.total_size
                         if msg.shm_name:
-                            assert self.shm_path is not None
+                            if not use_shm or self.shm_path is None:  # an edge's answer is input: refuse, never assert
+                                raise InvalidInput(f"{self.address} answered with shared memory although it was not "
+                                                   "asked for it")
                             art = self.shm_path.map(spec, msg.shm_name, total or None)
                             if art is None:
                                 if attempt == 0 and not yielded:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kdn.artifact import verify_artifact
 from kdn.edge.store.index import Entry, StoreIndex
-from kdn.edge.store.tiers import EntryId
+from kdn.edge.store.tiers import EntryId, EntryMeta
 from kdn.errors import KdnError, StorageFull
 
 __all__ = ["MOVED", "Placement", "StagedWrite"]
@@ -199,7 +199,12 @@ class Placement:
 
     def read_slow(self, eid: EntryId, entry: Entry, i: int, promote: bool) -> object:
         """Read and verify tier ``i``'s blob of ``entry`` (caller does NOT hold the lock); then account
-        for it (and promote it) under the lock. The bytes and the tier's name, None, or :data:`MOVED`."""
+        for it (and promote it) under the lock. The bytes and the tier's name, None, or :data:`MOVED`.
+
+        A durable tier's bytes must pass every checksum *and* describe the entry the index holds
+        (key, model fingerprint, parent, codec, lossiness, size...): a valid container of another
+        model or codec put in the blob's place is dropped like a corrupt one, never served or
+        promoted under the entry's metadata."""
         ix = self._ix
         tier = ix.tiers[i]
         try:
@@ -210,8 +215,10 @@ class Placement:
         if data is not None:
             try:
                 if tier.durable:
-                    verify_artifact(data, expect_key=eid.key)
-                ok = True
+                    header = verify_artifact(data, expect_key=eid.key)
+                    ok = EntryMeta.from_header(header, tenant=eid.tenant, size=len(data)) == entry.meta
+                else:
+                    ok = True
             except KdnError:
                 ok = False
         writes: list[StagedWrite] = []
