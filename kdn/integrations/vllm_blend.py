@@ -47,6 +47,26 @@ if TYPE_CHECKING:
 LOG = logging.getLogger("kdn.vllm")
 BLEND_SALT_PREFIX = "kdn-blend"
 
+MAX_SPAN_BOUND = 1 << 31
+"""Span bounds are token positions: JSON integers in ``[0, 2**31)``."""
+
+
+def document_spans(value: Any) -> list[tuple[int, int]]:
+    """``kdn_documents`` as ``[(start, end), ...]``: a list of ``[start, end]`` pairs of JSON integers
+    in ``[0, 2**31)`` (not floats, not booleans); None or absent is no spans. Whether the spans fit
+    the prompt is the store's to judge (:func:`kdn.origin.blend.plan_blend`); anything else raises
+    :class:`InvalidInput`."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InvalidInput(f"kdn_documents must be a list of [start, end] pairs, not {type(value).__name__}")
+    spans = []
+    for span in value:
+        if (not isinstance(span, (list, tuple)) or len(span) != 2
+                or not all(type(b) is int and 0 <= b < MAX_SPAN_BOUND for b in span)):
+            raise InvalidInput(f"kdn_documents: {span!r} is not a [start, end] pair of token positions")
+        spans.append((span[0], span[1]))
+    return spans
 
 @dataclass(frozen=True, slots=True)
 class BlendHost:
@@ -88,8 +108,13 @@ class BlendRequests:
     # -- scheduler side ----------------------------------------------------------------------------
 
     def wants(self, request: "Request") -> bool:
+        """The request asked for a blend: ``kdn_blend`` true (or the config's default), or present
+        and not a boolean (a malformed ask: :meth:`_start` refuses it, and it is never saved)."""
         params = request.kv_transfer_params or {}
-        return params.get("kdn") is not False and bool(params.get("kdn_blend", self.host.config.blend))
+        if params.get("kdn") is False:
+            return False
+        ask = params.get("kdn_blend", self.host.config.blend)
+        return ask is not False and ask is not None
 
     @staticmethod
     def blend_salted(request: "Request") -> bool:
@@ -156,8 +181,10 @@ class BlendRequests:
             return None
         params = request.kv_transfer_params or {}
         try:  # the namespace of the documents: kv_transfer_params or the default, never the blend salt
+            if not isinstance(params.get("kdn_blend", host.config.blend), bool):
+                raise InvalidInput(f"kdn_blend must be true or false, not {params.get('kdn_blend')!r}")
             ns = host.namespace_of(None, params, host.config.namespace)
-            docs = [(int(s), int(e)) for s, e in params.get("kdn_documents") or ()]
+            docs = document_spans(params.get("kdn_documents"))
         except (InvalidInput, TypeError, ValueError) as exc:
             host.count("blend_errors")
             LOG.warning("KDN: request %s has malformed blend parameters (%s); serving exact KV", rid, exc)

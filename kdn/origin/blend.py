@@ -4,8 +4,11 @@ origin, and served as a *blend variant* of the prompt's prefix chain to any engi
 One ``Blend`` call (``OriginService``) carries a prompt's tokens. The origin:
 
 1. **gates** on the model's blend verdict (:mod:`kdn.blend.verdict`, written by ``kdn
-   eval-blend``): no verdict, a failed one, or a model the selective pass cannot drive (its RoPE
-   or attention implementation) — refused;
+   eval-blend``): no verdict, an unreadable or malformed one (``passed`` not a bool, ``ratio``
+   not a number in [0, 1], ``check_layer`` not an int >= 0), a failed one, or a model the
+   selective pass cannot drive (its RoPE or attention implementation) — refused; so is a
+   blended region reaching past the model's window (``max_positions``), which a plain chain
+   never stores either;
 2. **recognises the documents**: by content, against the segments it holds
    (:meth:`kdn.origin.segments.SegmentCatalog.match`: exact, position-free), or — when the
    request names them — at the token spans it gives, computing and storing any segment it does
@@ -13,16 +16,21 @@ One ``Blend`` call (``OriginService``) carries a prompt's tokens. The origin:
    first document are the exact *prefix*; tokens between documents are *glue*, computed at
    every layer; the blended region ends where the last document ends;
 3. **names the variant**: ``root = BLAKE2b-256(person="kdn/blend/root/1", canonical plan)`` with
-   the plan's recompute ratio, check layer and every document's ``[start, end)`` and segment
-   key; the variant's chunk keys are :func:`kdn.keys.chunk_keys` of the prompt's tokens over the
-   region's whole chunks, from that root. No blend key equals a plain key (another root) or
-   another plan's (another digest); equal keys mean equal prompt tokens, documents, model,
-   namespace and policy;
+   the plan's recompute ratio, check layer, every document's ``[start, end)`` and segment key,
+   and a digest of *every* token of the blended region ``[0, end)``; the variant's chunk keys
+   are :func:`kdn.keys.chunk_keys` of the prompt's tokens over the region's whole chunks, from
+   that root. The region's tokens past its last whole chunk are named too because they change
+   the KV before it: the deviation check ranks all document tokens of the region together, so
+   glue after the last whole chunk changes which earlier tokens are recomputed. No blend key
+   equals a plain key (another root) or another plan's (another digest); equal keys mean equal
+   blended-region tokens, documents, model, namespace and policy;
 4. **blends** on a prefill worker (:func:`compute_variant`: the model's own layers, the same
    :func:`kdn.blend.blend` the inference host runs) and encodes one artifact per chunk;
 5. keeps them in a bounded in-memory :class:`BlendCache` (never in the durable store, never under
-   a plain or segment key) and answers the keys; the client fetches them by key from the origin,
-   like any artifact.
+   a plain or segment key) and answers the keys — only when the cache holds every one of them
+   (else refused, ``no_room``); the client fetches them by key from the origin, like any
+   artifact. A held variant answers a later request only in the codec that request asked for,
+   and a lossy one is never served to a fetch that requires lossless KV.
 
 An engine therefore gets blending without running it: the vLLM connector asks for the variant
 when a request opts in and loads its chunks like a prefix. A request that does not ask computes
@@ -47,11 +55,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kdn.artifact import encode_artifact
+from kdn.artifact import encode_artifact, read_header
 from kdn.blend import Deviation, Glue, blend, check_model, place, prefill_segment
-from kdn.blend.verdict import read_verdict
+from kdn.blend.verdict import Verdict, read_verdict
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, KdnError, NotFound
-from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint, Namespace, chunk_keys
+from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint, Namespace, chunk_keys, tokens_u32
 from kdn.kv import layers_to_chunk
 from kdn.models import LoadedModel
 from kdn.origin.segments import ANCHOR_TOKENS, SegmentCatalog, store_segment
@@ -60,7 +68,7 @@ from kdn.segments import Segment, SegmentKey, decode_segment, segment_key
 
 __all__ = ["BlendCache", "BlendPlan", "Refusal", "check_spans", "compute_variant", "plan_blend"]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: the root names the blended region's tokens
 _ROOT_PERSON = b"kdn/blend/root/1"
 
 # refusal codes (each becomes a counter: blend_refused_<code>)
@@ -73,6 +81,8 @@ SEGMENT_MISSING = "segment_missing"
 SEGMENT_CORRUPT = "segment_corrupt"
 SEGMENT_FINGERPRINT = "segment_fingerprint"
 BAD_DOCUMENTS = "bad_documents"
+TOO_LONG = "too_long"
+NO_ROOM = "no_room"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +129,13 @@ class BlendPlan:
                    tuple(ChunkKey(bytes.fromhex(k)) for k in d["keys"]))
 
 
-def blend_root(pieces: Sequence[Piece], ratio: float, check_layer: int) -> ChunkKey:
-    """The variant's chain root: a digest of the canonical plan (documents and policy)."""
+def blend_root(pieces: Sequence[Piece], ratio: float, check_layer: int,
+               region: Sequence[int] | np.ndarray) -> ChunkKey:
+    """The variant's chain root: a digest of the canonical plan (documents and policy) and of
+    ``region``, the prompt's tokens ``[0, end)`` the blend reads (see the module docstring)."""
+    tokens = hashlib.blake2b(tokens_u32(region).tobytes(), digest_size=KEY_BYTES).hexdigest()
     canon = json.dumps({"v": PLAN_VERSION, "ratio": round(float(ratio), 6), "check_layer": int(check_layer),
-                        "documents": [[p.start, p.end, bytes(p.key).hex()] for p in pieces]},
+                        "documents": [[p.start, p.end, bytes(p.key).hex()] for p in pieces], "tokens": tokens},
                        sort_keys=True, separators=(",", ":"))
     return ChunkKey(hashlib.blake2b(canon.encode(), digest_size=KEY_BYTES, person=_ROOT_PERSON).digest())
 
@@ -137,11 +150,13 @@ def plan_blend(
     chunk_size: int,
     documents: Sequence[tuple[int, int]] = (),
     verdict_root: Any = None,
+    window: int = 0,
 ) -> BlendPlan | Refusal:
     """The blend variant of ``tokens``, or why there is none. Cheap: no model runs here.
 
     ``documents``: token spans ``[start, end)`` the request names as its documents; empty: the
-    documents are recognised by content."""
+    documents are recognised by content. ``window``: the model's ``max_positions`` (0: none);
+    a blended region reaching past it is refused (``too_long``)."""
     try:
         v = read_verdict(fingerprint, verdict_root)
     except KdnError as exc:
@@ -149,6 +164,9 @@ def plan_blend(
     if v is None:
         return Refusal(NO_VERDICT, "no blend verdict for this model at the origin (run `kdn eval-blend --model ...` "
                                    "there)")
+    bad = _malformed(v)
+    if bad:
+        return Refusal(NO_VERDICT, f"the model's blend verdict is malformed: {bad}")
     if not v.passed:
         return Refusal(VERDICT_FAILED, f"this model failed the blend quality gate ({v.reason})")
     arr = np.asarray(tokens, dtype=np.int64)
@@ -167,13 +185,28 @@ def plan_blend(
         pieces = [Piece(m.start, m.end, m.key) for m in catalog.match(arr, fingerprint=fingerprint, namespace=namespace)]
     if not pieces:
         return Refusal(NO_SEGMENTS, "no document of this prompt is stored as a segment (`kdn ingest --segments`)")
+    if window > 0 and pieces[-1].end > window:
+        return Refusal(TOO_LONG, f"the documents end at token {pieces[-1].end}, past the model's window of {window} "
+                                 "positions")
     covered = (min(pieces[-1].end, n - 1) // chunk_size) * chunk_size
     if covered == 0:
         return Refusal(TOO_SHORT, f"the documents end at token {pieces[-1].end}: no whole chunk of {chunk_size} "
                                   "tokens to serve")
-    root = blend_root(pieces, v.ratio, v.check_layer)
+    root = blend_root(pieces, v.ratio, v.check_layer, arr[:pieces[-1].end])
     keys = chunk_keys(arr[:covered], fingerprint=fingerprint, namespace=namespace, chunk_size=chunk_size, root=root)
     return BlendPlan(tuple(pieces), float(v.ratio), int(v.check_layer), covered, root, tuple(keys))
+
+
+def _malformed(v: Verdict) -> str:
+    """Why ``v`` cannot gate a blend ("" when it can): a verdict file is outside input, and a
+    string ``"false"`` must not read as a pass nor a bad ratio fail deep in a worker."""
+    if not isinstance(v.passed, bool):
+        return f"passed is {v.passed!r}, not a bool"
+    if isinstance(v.ratio, bool) or not isinstance(v.ratio, (int, float)) or not 0.0 <= float(v.ratio) <= 1.0:
+        return f"ratio is {v.ratio!r}, not a number in [0, 1]"
+    if isinstance(v.check_layer, bool) or not isinstance(v.check_layer, int) or v.check_layer < 0:
+        return f"check_layer is {v.check_layer!r}, not an int >= 0"
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +286,14 @@ class BlendCache:
     _bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def put_variant(self, tenant: str, keys: Sequence[ChunkKey], blobs: Sequence[Any]) -> bool:
+        """Hold one variant's chunks (``blobs``: bytes-like, one per key); whether every one of them
+        is held afterwards (a variant larger than the cache pushes out its own first chunks, and
+        keys that cannot all be fetched must not be answered)."""
+        for key, blob in zip(keys, blobs):
+            self.put(tenant, key, np.asarray(blob, dtype=np.uint8).tobytes())
+        return self.holds(tenant, keys)
+
     def put(self, tenant: str, key: ChunkKey, data: bytes) -> None:
         if len(data) > self.max_bytes:
             return
@@ -273,9 +314,19 @@ class BlendCache:
                 self._items.move_to_end((tenant, bytes(key)))
             return data
 
-    def holds(self, tenant: str, keys: Sequence[ChunkKey]) -> bool:
+    def holds(self, tenant: str, keys: Sequence[ChunkKey], codec: str | None = None) -> bool:
+        """Whether every one of ``keys`` is held for ``tenant`` (and, when ``codec`` is given,
+        held in that codec: a variant held in another codec does not answer the request)."""
         with self._lock:
-            return all((tenant, bytes(k)) in self._items for k in keys)
+            held = [self._items.get((tenant, bytes(k))) for k in keys]
+        if any(d is None for d in held):
+            return False
+        if codec is None:
+            return True
+        try:
+            return all(read_header(memoryview(d)).codec == codec for d in held if d is not None)
+        except KdnError:
+            return False
 
     @property
     def bytes(self) -> int:

@@ -69,7 +69,7 @@ from kdn.wire.origin import (
 )
 from kdn.wire.service import Servicer, add_servicer, rpc
 from kdn.wire.signal import SignalBoard, SignalServicer
-from kdn.origin.blend import BlendCache, Refusal, check_spans, plan_blend
+from kdn.origin.blend import NO_ROOM, BlendCache, Refusal, check_spans, plan_blend
 from kdn.origin.compute import ComputeBackend, LocalCompute
 from kdn.origin.config import OriginConfig
 from kdn.origin.ingest.documents import document_matches, not_ingested
@@ -188,6 +188,17 @@ class OriginServicer(Servicer):
         return await self._run(self._s.stats)
 
 
+
+def served_model(models: dict[ModelFingerprint, dict[str, Any]], fingerprint: ModelFingerprint) -> dict[str, Any]:
+    """What the compute backend says of the model ``fingerprint`` names; FingerprintMismatch, naming
+    the models it serves, when it serves no such model."""
+    info = models.get(ModelFingerprint(bytes(fingerprint)))
+    if info is None:
+        raise FingerprintMismatch(f"this origin does not serve model {bytes(fingerprint).hex()[:16]}…; it serves "
+                                  + ", ".join(f"{i['spec']} ({bytes(fp).hex()[:16]}…)" for fp, i in models.items()))
+    return info
+
+
 class OriginServer:
     """An origin: store + compute backend + gRPC server. See the module docstring."""
 
@@ -276,25 +287,23 @@ class OriginServer:
         """The blend variant of ``tokens`` (see :mod:`kdn.origin.blend`): computed unless every chunk
         of it is still in memory; a refusal is a response with ``refused`` set, counted."""
         t0 = time.perf_counter()
-        models = self.compute.models()
-        info = models.get(ModelFingerprint(bytes(fingerprint)))
-        if info is None:
-            raise FingerprintMismatch(f"this origin does not serve model {bytes(fingerprint).hex()[:16]}…; it serves "
-                                      + ", ".join(f"{i['spec']} ({bytes(fp).hex()[:16]}…)" for fp, i in models.items()))
+        info = served_model(self.compute.models(), fingerprint)
         codec = get_codec(codec).spec if codec else "raw"
         plan = plan_blend(self.segment_catalog, self.store, tokens, fingerprint=fingerprint, namespace=ns,
-                          chunk_size=int(info["chunk_size"]), documents=spans or ())
+                          chunk_size=int(info["chunk_size"]), documents=spans or (),
+                          window=int(info.get("max_positions") or 0))
         if isinstance(plan, Refusal):
             return self._refused(plan)
         self.count("blends")
-        cached = self.blends.holds(ns.tenant, plan.keys)
+        cached = self.blends.holds(ns.tenant, plan.keys, codec)  # held in another codec: made again
         stats: dict[str, Any] = {}
         if not cached:
             out = self.compute.blend(fingerprint, tokens, ns, plan.to_dict(), codec)
             if out.get("refused"):
                 return self._refused(Refusal(out["refused"], out["reason"]))
-            for key, blob in zip(plan.keys, out["artifacts"]):
-                self.blends.put(ns.tenant, key, np.asarray(blob, dtype=np.uint8).tobytes())
+            if not self.blends.put_variant(ns.tenant, plan.keys, out["artifacts"]):  # answered keys: fetchable
+                return self._refused(Refusal(NO_ROOM, f"the origin's blend memory ({self.blends.max_bytes} bytes, "
+                                                      "blend_cache_bytes) cannot hold the whole variant"))
             stats = out
             self.count("blend_computed")
             self.count("blend_segments_computed", int(out.get("computed_segments", 0)))
@@ -327,8 +336,12 @@ class OriginServer:
         asked, or transcoded (then stored)."""
         held = self.blends.get(ns.tenant, key)
         if held is not None:
-            if fingerprint is not None and read_header(memoryview(held)).fingerprint != bytes(fingerprint):
+            header = read_header(memoryview(held))
+            if fingerprint is not None and header.fingerprint != bytes(fingerprint):
                 raise FingerprintMismatch(f"artifact {bytes(key).hex()[:16]}… was made for another model")
+            if require_lossless and header.lossy:
+                raise LossyRefused(f"blend variant chunk {bytes(key).hex()[:16]}… is held in lossy codec "
+                                   f"{header.codec} but lossless was required")
             self.count("blend_fetches")
             return held
         variants = self.store.variants(key, tenant=ns.tenant)
