@@ -6,12 +6,16 @@ naming the host); ``GET /v1/models`` (the first usable host's); ``GET /health`` 
 is up, else 503); ``GET /route/stats`` (hosts, rates, counters); ``POST /route/explain/{endpoint}``
 (the plan for a body, not forwarded).
 
-Bad input never reaches a host and never stops the router: a body over ``max_body_bytes`` is 413
-(read no further), a body that is not an OpenAI request is 400, a missing or unknown token is 401
-and a token that does not grant the request's tenant 403 (when tokens are configured), no usable
-host is 503; every error is JSON, ``{"error": {"message", "type", "code"}}``. A host that cannot
-be reached before it answered is counted against its health and the request goes to the next best
-host; once a host has answered, its answer (an error too) is the client's.
+Bad input never reaches a host and never stops the router: when tokens are configured, a missing
+or unknown token is 401 before the body is read (``/v1/models`` too) and a token that does not
+grant the request's tenant 403; a body over ``max_body_bytes`` is 413 (read no further), a body
+that is not an OpenAI request is 400, no usable host is 503; every error is JSON,
+``{"error": {"message", "type", "code"}}``. A host that cannot be reached before it answered is
+counted against its health and the request goes to the next best host; one that fails after the
+request reached it and before it answered is 504 (no answer within ``request_timeout_s``) or 502
+(its connection broke), not retried (it may have taken the request). Once a host has answered,
+its answer (an error too) is the client's; an answer the host breaks off is broken off to the
+client too (the connection is dropped before the body's end), never passed on as complete.
 """
 
 from __future__ import annotations
@@ -78,9 +82,10 @@ def build_app(router: Router) -> Starlette:
     auth = TokenAuth.from_config(config.tokens)
 
     def authorize(token: str | None, parsed: ParsedRequest) -> None:
+        """``_Forbidden`` unless ``token`` (already known: :meth:`TokenAuth.check_admin`) grants
+        the request's tenant."""
         if not auth.enabled:
             return
-        auth.check_admin(token)  # Unauthorized: missing or unknown (401)
         tenant = (parsed.namespace or config.namespace).tenant
         try:
             auth.check(token, tenant)
@@ -89,6 +94,12 @@ def build_app(router: Router) -> Starlette:
 
     async def forward(endpoint: Endpoint, request: Request) -> Response:
         router.counters["requests"] += 1
+        token = _bearer(request)
+        try:
+            auth.check_admin(token)  # missing or unknown (401), before anything of the body is read
+        except Unauthorized as exc:
+            router.counters["unauthorized"] += 1
+            return error(401, str(exc), "authentication_error")
         try:
             raw = await _read_body(request, config.max_body_bytes)
         except _TooLarge:
@@ -104,12 +115,8 @@ def build_app(router: Router) -> Starlette:
         except InvalidInput as exc:
             router.counters["bad_request"] += 1
             return error(400, str(exc), "invalid_request_error")
-        token = _bearer(request)
         try:
             authorize(token, parsed)
-        except Unauthorized as exc:
-            router.counters["unauthorized"] += 1
-            return error(401, str(exc), "authentication_error")
         except _Forbidden as exc:
             router.counters["unauthorized"] += 1
             return error(403, str(exc), "permission_error")
@@ -122,6 +129,9 @@ def build_app(router: Router) -> Starlette:
                 router.counters["no_host"] += 1
                 why = f"{exc}" + (f" (last: {last})" if last else "")
                 return error(503, why, "service_unavailable")
+            except InvalidInput as exc:
+                router.counters["bad_request"] += 1
+                return error(400, str(exc), "invalid_request_error")
             try:
                 return await _send(plan, parsed, raw, request)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
@@ -131,6 +141,15 @@ def build_app(router: Router) -> Starlette:
                 router.counters["retried"] += 1
                 tried.append(plan.host.name)
                 last = f"{plan.host.name}: {type(exc).__name__}"
+            except httpx.HTTPError as exc:
+                # the request reached the host, which may have taken it: no other host is tried
+                plan.host.counters["failed"] += 1
+                router.counters["upstream_errors"] += 1
+                if isinstance(exc, httpx.TimeoutException):
+                    return error(504, f"host {plan.host.name} did not answer within {config.request_timeout_s:g}s "
+                                 f"({type(exc).__name__})", "upstream_timeout")
+                return error(502, f"host {plan.host.name} failed before answering: {type(exc).__name__}: {exc}",
+                             "upstream_error")
 
     async def _send(plan: Plan, parsed: ParsedRequest, raw: bytes, request: Request) -> Response:
         host = plan.host
@@ -160,7 +179,10 @@ def build_app(router: Router) -> Starlette:
                             router.observe_first_byte(plan, inflight.first_byte - t0)
                     yield piece
             except httpx.HTTPError as exc:
-                log.info("host %s broke off an answer: %s", host.name, exc)
+                log.warning("host %s broke off an answer: %s", host.name, exc)
+                host.counters["failed"] += 1
+                router.counters["upstream_errors"] += 1
+                raise  # the client's connection is dropped mid-body: it must not see the end of an answer
             finally:
                 host.end(inflight)
                 await upstream.aclose()
@@ -179,10 +201,11 @@ def build_app(router: Router) -> Starlette:
         endpoint = request.path_params["endpoint"]
         if endpoint not in ("completions", "chat"):
             return error(404, "explain/completions or explain/chat", "not_found")
+        token = _bearer(request)
         try:
+            auth.check_admin(token)
             raw = await _read_body(request, config.max_body_bytes)
             parsed = parse_body(raw, endpoint, router.tokenizer, config.namespace)
-            token = _bearer(request)
             authorize(token, parsed)
             plan = await router.plan(parsed, token=token, reserve=False)
         except _TooLarge:
@@ -198,6 +221,10 @@ def build_app(router: Router) -> Starlette:
         return JSONResponse(plan.describe())
 
     async def models(request: Request) -> Response:
+        try:
+            auth.check_admin(_bearer(request))
+        except Unauthorized as exc:
+            return error(401, str(exc), "authentication_error")
         for host in router.usable():
             try:
                 r = await router.clients[host.name].get("/v1/models", headers=router.host_headers())

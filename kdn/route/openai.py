@@ -55,8 +55,11 @@ def request_namespace(body: dict[str, Any], default: Namespace) -> Namespace | N
     return default
 
 
+_MAX_ID = 1 << 32  # chunk keys hash token ids as uint32 (:func:`kdn.keys.tokens_u32`)
+
+
 def _is_ids(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _MAX_ID for t in v)
 
 
 def _prompt_tokens(tok: Tokenizer, prompt: Any) -> list[int]:
@@ -67,7 +70,7 @@ def _prompt_tokens(tok: Tokenizer, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and prompt and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
         if all(isinstance(p, str) for p in prompt) or all(_is_ids(p) for p in prompt):
             return _prompt_tokens(tok, prompt[0])
-    raise InvalidInput("'prompt' must be a string, a list of token ids, or a list of either")
+    raise InvalidInput("'prompt' must be a string, a list of token ids (integers in [0, 2**32)), or a list of either")
 
 
 def _message_text(m: Any, i: int) -> str | None:
@@ -111,16 +114,20 @@ def _chat_tokens(tok: Tokenizer, body: dict[str, Any]) -> list[int] | None:
 
 
 def parse_body(raw: bytes, endpoint: Endpoint, tok: Tokenizer, default: Namespace) -> ParsedRequest:
-    """Validate one request body and tokenize it. Raises ``InvalidInput`` naming what is wrong."""
+    """Validate one request body and tokenize it. Raises ``InvalidInput`` naming what is wrong
+    (and nothing else, whatever the bytes: nesting too deep to parse and numbers too long to
+    convert are not JSON the router takes). ``null`` stands for an absent ``model`` or ``stream``,
+    as in OpenAI's schema."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError, int digits
         raise InvalidInput(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidInput(f"the body must be a JSON object, not {type(body).__name__}")
-    if "model" in body and not isinstance(body["model"], str):
+    if body.get("model") is not None and not isinstance(body["model"], str):
         raise InvalidInput("'model' must be a string")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream
     if not isinstance(stream, bool):
         raise InvalidInput("'stream' must be true or false")
     if endpoint == "completions":
