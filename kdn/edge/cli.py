@@ -255,8 +255,8 @@ def _hint_parser(command: str) -> argparse.ArgumentParser:
         p.add_argument("--schedule-id", required=True, help="the id `kdn edge schedule` printed")
     if command == "emphasize":
         p.add_argument("--method", required=True, help="key-edit (marked tokens get more attention) or re-read")
-        p.add_argument("--regex", default="", help="mark the lines of the document that match RX")
-        p.add_argument("--spans", default="", help="mark token spans S:E,... of the document")
+        p.add_argument("--regex", default=None, help="mark the lines of the document that match RX")
+        p.add_argument("--spans", default=None, help="mark token spans S:E,... of the document")
         p.add_argument("--strength", type=float, default=None, help="key-edit: nats, (0, 8] (default: calibrated)")
     p.add_argument("--deadline", type=float, default=10.0, help="seconds to wait for the answer (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
@@ -285,7 +285,10 @@ def _hint(command: str, argv: list[str]) -> int:
 
             if keys or not args.document or not args.fingerprint:
                 raise ConfigError("emphasize names a document (--document DOC --fingerprint HEX), not keys")
-            emphasis = Emphasis(args.method, args.regex, Emphasis.parse_spans(args.spans) if args.spans else (),
+            if args.regex == "":  # an empty mark (an unset variable?) must not mean "the whole document"
+                raise ConfigError("--regex is empty")
+            emphasis = Emphasis(args.method, args.regex or "",
+                                Emphasis.parse_spans(args.spans) if args.spans is not None else (),
                                 args.strength).to_json()  # checked here: a bad one never reaches the origin
         with EdgeClient(args.edge, token=args.token, tls=client_tls(args), deadline_s=args.deadline) as client:
             if command == "prefetch":

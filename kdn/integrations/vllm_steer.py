@@ -41,6 +41,8 @@ def requested_variant(cache_salt: str | None, params: dict[str, Any] | None) -> 
     for a plain request; :class:`InvalidInput` for a malformed id or a ``cache_salt`` that does not
     contain it."""
     params = params or {}
+    if not isinstance(params, dict):  # any JSON reaches here from an API request
+        raise InvalidInput(f"kv_transfer_params must be an object, got {type(params).__name__}")
     value = params.get("kdn_steer")
     if params.get("kdn") is False or value in (None, "", "plain"):
         return None
@@ -69,5 +71,9 @@ def check_variant_header(header: Any, root: bytes) -> None:
     spec = getattr(header, "steer", "")
     if not spec:
         raise ArtifactCorrupt(f"artifact is plain KV, expected steered variant {root.hex()[:16]}...")
-    if bytes(steer_root(SteerSpec.from_canonical(spec))) != bytes(root):
+    try:
+        got = steer_root(SteerSpec.from_canonical(spec))
+    except InvalidInput as exc:
+        raise ArtifactCorrupt(f"artifact names a malformed steer spec ({exc}), expected {root.hex()[:16]}...") from exc
+    if bytes(got) != bytes(root):
         raise ArtifactCorrupt(f"artifact is another steered variant ({spec[:120]!r}), expected {root.hex()[:16]}...")

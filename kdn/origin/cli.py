@@ -85,8 +85,8 @@ def main_ingest(argv: list[str]) -> int:
     p.add_argument("--segments", action="store_true",
                    help="also store each document as a segment: its KV computed on its own, reusable anywhere in a prompt "
                         "and in any order; the origin then blends prompts made of stored documents (docs/blend.md)")
-    p.add_argument("--emphasize-regex", metavar="RX", default="", help="mark the lines that match RX")
-    p.add_argument("--emphasize-spans", metavar="S:E,...", default="", help="mark token spans [S, E)")
+    p.add_argument("--emphasize-regex", metavar="RX", default=None, help="mark the lines that match RX")
+    p.add_argument("--emphasize-spans", metavar="S:E,...", default=None, help="mark token spans [S, E)")
     p.add_argument("--emphasize-strength", metavar="NATS", type=float, default=None,
                    help="key-edit: attention logit added to marked tokens, (0, 8] (default: the calibrated one)")
     _common(p)
@@ -103,13 +103,16 @@ def main_ingest(argv: list[str]) -> int:
     started_ray = False
     emphasize = ""
     try:
-        if args.emphasize or args.emphasize_regex or args.emphasize_spans or args.emphasize_strength is not None:
+        marks_given = args.emphasize_regex is not None or args.emphasize_spans is not None
+        if args.emphasize or marks_given or args.emphasize_strength is not None:
             from kdn.steer import Emphasis
 
             if not args.emphasize:
                 raise InvalidInput("--emphasize-regex/-spans/-strength need --emphasize METHOD")
-            emphasize = Emphasis(args.emphasize, args.emphasize_regex,
-                                 Emphasis.parse_spans(args.emphasize_spans) if args.emphasize_spans else (),
+            if args.emphasize_regex == "":  # an empty mark (an unset variable?) must not mean "the whole document"
+                raise InvalidInput("--emphasize-regex is empty")
+            emphasize = Emphasis(args.emphasize, args.emphasize_regex or "",
+                                 Emphasis.parse_spans(args.emphasize_spans) if args.emphasize_spans is not None else (),
                                  args.emphasize_strength).to_json()
         config = _config(args, models=[args.model] if args.model else None, namespace=args.namespace)
         check_model_spec(config.models[0])

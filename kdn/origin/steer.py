@@ -64,6 +64,8 @@ def resolve(em: Emphasis, lm: LoadedModel, text: str, n_stored: int, cal: KeyEdi
         marks = [(len(document_tokens(lm, text[:cs], layout)), len(document_tokens(lm, text[:ce], layout)))
                  for cs, ce in lines]
         marks = [(s, e) for s, e in marks if e > s]
+        if not marks:  # else re-read would take "no marks" for "the whole document"
+            raise InvalidInput(f"regex {em.regex!r} matches only empty lines of the document: nothing to emphasize")
     else:
         marks = list(em.spans)
         n_doc = len(document_tokens(lm, text, layout))
@@ -102,6 +104,7 @@ class SteeredChain(NamedTuple):
     pieces: list[ChunkKey]
     computed: int  # chunks computed here (0: every chunk and piece was already stored)
     written: int  # bytes
+    spec: SteerSpec  # the spec bound to the document (:meth:`SteerSpec.bound`): its variant id names the chain
 
 
 def store_steered_chain(lm: LoadedModel, store: OriginStore, tokens: Sequence[int] | np.ndarray, spec: SteerSpec,
@@ -110,17 +113,22 @@ def store_steered_chain(lm: LoadedModel, store: OriginStore, tokens: Sequence[in
     chunks, steered by ``spec``, then the full tail pieces after them (:func:`kdn.keys.piece_keys`
     under the variant's last chunk key), read plainly *on top of the steered chunks* — exactly what
     a client would otherwise prefill there at every hit, so a steered hit prefills only what a plain
-    one does. Every artifact's header names the spec."""
+    one does. Every artifact's header names the spec, bound to the document's stored tokens (an
+    unbound ``spec`` is bound here; one bound to other tokens is refused)."""
     toks = [int(t) for t in np.asarray(tokens).tolist()]
-    root, C = steer_root(spec), lm.chunk_size
+    C = lm.chunk_size
+    base = len(toks) // C * C
+    own = spec.bound(toks[:base])
+    if spec.document and spec.document != own.document:
+        raise InvalidInput("the steer spec is bound to another document's tokens")
+    spec, root = own, steer_root(own)
     keys = chunk_keys(toks, fingerprint=lm.fingerprint, namespace=ns, chunk_size=C, root=root)
     if not keys:
-        return SteeredChain([], [], 0, 0)
-    base = len(keys) * C
+        return SteeredChain([], [], 0, 0, spec)
     pieces = piece_keys(toks[base:], after=keys[-1], fingerprint=lm.fingerprint, namespace=ns, chunk_size=C)
     spans = [*keys, *pieces]
     if len(store.stored_keys(spans, tenant=ns.tenant, codecs=codecs)) == len(spans):
-        return SteeredChain(keys, pieces, 0, 0)
+        return SteeredChain(keys, pieces, 0, 0, spec)
     extra = sum(e - s for s, e in spec.marks) if spec.marks else base
     if spec.method == "re-read" and lm.max_positions and base + extra > lm.max_positions:
         raise InvalidInput(f"re-read of {extra} tokens after a {base}-token document needs {base + extra} "
@@ -137,4 +145,4 @@ def store_steered_chain(lm: LoadedModel, store: OriginStore, tokens: Sequence[in
                                    codec=codec, chunk_index=min(i, len(keys)), steer=spec.canonical())
             store.put(blob, tenant=ns.tenant)
             written += len(blob)
-    return SteeredChain(keys, pieces, len(keys), written)
+    return SteeredChain(keys, pieces, len(keys), written, spec)

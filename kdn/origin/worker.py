@@ -287,7 +287,7 @@ class PrefillWorker:
             tenant=t.tenant, fingerprint=self.lm.fingerprint, doc_id=layout_doc_id(t.doc_id, t.layout) + STEER_SUFFIX,
             content_hash=t.content_hash, n_tokens=len(tokens), keys=(*res.keys, *res.pieces), beyond_window_tokens=0,
             updated=time.time()))
-        return {"steer": spec.canonical(), "steer_variant": spec.variant_id,
+        return {"steer": res.spec.canonical(), "steer_variant": res.spec.variant_id,
                 "steer_keys": tuple(bytes(k).hex() for k in res.keys),
                 "steer_piece_keys": tuple(bytes(k).hex() for k in res.pieces),
                 "computed": res.computed, "written": res.written}

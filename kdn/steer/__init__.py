@@ -36,14 +36,17 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+import regex
+
 from kdn.errors import InvalidInput
-from kdn.keys import KEY_BYTES, ChunkKey, ROOT_KEY
+from kdn.keys import KEY_BYTES, ChunkKey, ROOT_KEY, tokens_u32
 
 __all__ = [
-    "Emphasis", "MAX_STRENGTH", "SteerSpec", "chars_to_tokens", "marks_from_regex", "parse_variant",
+    "Emphasis", "MAX_STRENGTH", "SteerSpec", "chars_to_tokens", "document_digest", "marks_from_regex", "parse_variant",
     "regex_lines", "steer_root", "steering_line",
 ]
 
@@ -62,13 +65,18 @@ class SteerSpec:
     ``key-edit`` needs at least one mark and a strength in ``(0, MAX_STRENGTH]`` nats;
     ``re-read`` with no marks re-reads the whole document, with marks only those spans, and takes
     no strength (it is stored as 1). ``calibration``: digest of the key-edit calibration ("" for
-    re-read).
+    re-read). ``document``: :func:`document_digest` of the stored tokens the spec was applied to
+    ("" until :meth:`bound`). A steered chunk's KV depends on the whole document (re-read reads
+    the marks again after all of it; key-edit's ramp profile scales by the document's length),
+    while its key hashes only the tokens up to it: a bound spec gives every document its own
+    variant root, so two documents that share their first chunks never share a steered chunk.
     """
 
     method: str
     marks: tuple[tuple[int, int], ...] = ()
     strength: float = 1.0
     calibration: str = ""
+    document: str = ""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -78,10 +86,10 @@ class SteerSpec:
         if self.method == "key-edit":
             if not marks:
                 raise InvalidInput("key-edit needs at least one marked span (what should get more attention)")
-            s = float(self.strength)
+            s = _strength(self.strength)
             if not (0.0 < s <= MAX_STRENGTH):  # also refuses NaN
                 raise InvalidInput(f"key-edit strength must be in (0, {MAX_STRENGTH:g}] nats, got {self.strength!r}")
-            object.__setattr__(self, "strength", s)
+            object.__setattr__(self, "strength", s)  # as the canonical spec (and so the header) names it
             if not re.fullmatch(r"[0-9a-f]{16,64}", self.calibration):
                 raise InvalidInput("key-edit needs the digest of the model's key-edit calibration (hex); "
                                    "run `kdn eval-steer --model MODEL --out DIR` to calibrate")
@@ -91,6 +99,12 @@ class SteerSpec:
             object.__setattr__(self, "strength", 1.0)
             if self.calibration:
                 raise InvalidInput("re-read takes no calibration")
+        if self.document and not re.fullmatch(r"[0-9a-f]{32}", self.document):
+            raise InvalidInput("a steer spec's document is the 32-hex-digit digest of the document's stored tokens")
+
+    def bound(self, tokens: Sequence[int]) -> "SteerSpec":
+        """This spec applied to the document whose stored tokens are ``tokens`` (its own variant)."""
+        return replace(self, document=document_digest(tokens))
 
     def check_fits(self, n_tokens: int) -> None:
         """Refuse marks that reach past a document of ``n_tokens`` tokens."""
@@ -100,9 +114,11 @@ class SteerSpec:
 
     def canonical(self) -> str:
         """The spec as canonical JSON (sorted keys, no spaces): what the key hashes and the header holds."""
-        return json.dumps({"v": SPEC_VERSION, "method": self.method, "marks": [list(m) for m in self.marks],
-                           "strength": round(self.strength, 6), "calibration": self.calibration},
-                          sort_keys=True, separators=(",", ":"))
+        d: dict[str, Any] = {"v": SPEC_VERSION, "method": self.method, "marks": [list(m) for m in self.marks],
+                             "strength": _strength(self.strength), "calibration": self.calibration}
+        if self.document:  # absent from unbound specs, whose ids are what they always were
+            d["document"] = self.document
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_canonical(cls, text: str) -> "SteerSpec":
@@ -112,7 +128,10 @@ class SteerSpec:
                 raise InvalidInput("malformed steer spec: not a JSON object")
             if d.get("v") != SPEC_VERSION:
                 raise InvalidInput(f"steer spec version {d.get('v')!r} is not {SPEC_VERSION}")
-            return cls(d["method"], tuple(tuple(m) for m in d["marks"]), float(d["strength"]), d["calibration"])
+            document = d.get("document", "")
+            if not isinstance(document, str):
+                raise InvalidInput("malformed steer spec: document is not a string")
+            return cls(d["method"], tuple(tuple(m) for m in d["marks"]), float(d["strength"]), d["calibration"], document)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             if isinstance(exc, InvalidInput):
                 raise
@@ -125,7 +144,18 @@ class SteerSpec:
 
     def as_dict(self) -> dict[str, Any]:
         return {"method": self.method, "marks": [list(m) for m in self.marks], "strength": self.strength,
-                "calibration": self.calibration, "variant": self.variant_id}
+                "calibration": self.calibration, "document": self.document, "variant": self.variant_id}
+
+
+def document_digest(tokens: Sequence[int]) -> str:
+    """BLAKE2b-128 hex of ``tokens`` as little-endian u32 (:func:`kdn.keys.tokens_u32`)."""
+    return hashlib.blake2b(tokens_u32(tokens).tobytes(), digest_size=16).hexdigest()
+
+
+def _strength(value: float) -> float:
+    """A strength as the canonical spec holds it (6 decimals): a spec is computed with, and its
+    header names, this value, so one that rounds to 0 is refused rather than stored unreadable."""
+    return round(float(value), 6)
 
 
 def merge_marks(marks: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
@@ -172,7 +202,7 @@ def parse_variant(value: str | None) -> ChunkKey:
 
 
 def marks_from_regex(text: str, pattern: str, offsets: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """Token spans of the lines of ``text`` that match ``pattern`` (``re.search``).
+    """Token spans of the lines of ``text`` that match ``pattern`` (searched per line, :func:`regex_lines`).
 
     ``offsets``: each token's character span in ``text`` (a fast tokenizer's offset mapping). A
     token is marked when it overlaps a matching line.
@@ -180,20 +210,34 @@ def marks_from_regex(text: str, pattern: str, offsets: Sequence[tuple[int, int]]
     return chars_to_tokens(regex_lines(text, pattern), offsets)
 
 
-def compile_regex(pattern: str) -> "re.Pattern[str]":
+REGEX_BUDGET_S = 2.0
+"""Longest an operator's regex may run over one document: a pattern that backtracks without end
+(``^(a+)+$``) is refused, never left pinning an origin thread."""
+
+
+def compile_regex(pattern: str) -> "regex.Pattern[str]":
+    """``pattern`` compiled (the ``regex`` package, whose searches take a time bound; its default
+    syntax is :mod:`re`'s); a bad one raises :class:`InvalidInput`."""
     try:
-        return re.compile(pattern)
-    except re.error as exc:
+        return regex.compile(pattern)
+    except (regex.error, TypeError) as exc:
         raise InvalidInput(f"bad --emphasize regex {pattern!r}: {exc}") from exc
 
 
-def regex_lines(text: str, pattern: str) -> list[tuple[int, int]]:
-    """Character spans of the lines of ``text`` (without their line end) that match ``pattern``."""
+def regex_lines(text: str, pattern: str, budget_s: float = REGEX_BUDGET_S) -> list[tuple[int, int]]:
+    """Character spans of the lines of ``text`` (without their line end) that match ``pattern``;
+    :class:`InvalidInput` when it matches none, or when matching takes over ``budget_s`` in all."""
     rx = compile_regex(pattern)
     lines, pos = [], 0
+    deadline = time.monotonic() + budget_s
     for line in text.splitlines(keepends=True):
         body = line.rstrip("\r\n")
-        if rx.search(body):
+        try:
+            found = rx.search(body, timeout=max(1e-3, deadline - time.monotonic()))
+        except TimeoutError:
+            raise InvalidInput(f"regex {pattern!r} ran past {budget_s:g} s on this document (it backtracks without "
+                               "end?): nothing emphasized") from None
+        if found:
             lines.append((pos, pos + len(body)))
         pos += len(line)
     if not lines:
@@ -233,7 +277,7 @@ class Emphasis:
         if self.method == "key-edit":
             if not self.regex and not self.spans:
                 raise InvalidInput("key-edit needs marks: --emphasize-regex RX or --emphasize-spans S:E,...")
-            if self.strength is not None and not (0.0 < float(self.strength) <= MAX_STRENGTH):
+            if self.strength is not None and not (0.0 < _strength(self.strength) <= MAX_STRENGTH):
                 raise InvalidInput(f"--emphasize-strength must be in (0, {MAX_STRENGTH:g}] nats, got {self.strength!r}")
         elif self.strength is not None:
             raise InvalidInput("re-read takes no --emphasize-strength (it reads the marked text once more)")
