@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import operator
 import threading
 import time
 from concurrent.futures import Future
@@ -40,11 +41,12 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Literal, 
 
 import numpy as np
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from kdn.artifact import ArtifactReader, Section, encode_artifact
+from kdn.codecs import get_codec
 from kdn.config import RoleConfig
-from kdn.errors import ArtifactCorrupt, Unavailable
+from kdn.errors import ArtifactCorrupt, ConfigError, Unavailable
 from kdn.keys import (
     DEFAULT_CHUNK_SIZE, PIECE_TOKENS, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys, piece_keys,
     pieces_enabled, toggled_bos_key,
@@ -61,6 +63,7 @@ __all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "Computed", "
 LOG = logging.getLogger("kdn.client")
 T = TypeVar("T")
 _PREFETCH_HINT = 8  # following keys sent with each Fetch so the edge can prefetch them
+_MAX_WAIT_S = 86400.0  # the longest deadline or backoff a config may set: longer is a typo (or inf)
 
 
 class ClientConfig(RoleConfig):
@@ -70,7 +73,8 @@ class ClientConfig(RoleConfig):
     fallback_edges: list[str] = Field(
         default_factory=list, description="further edges, in order, used while the edges before them are unavailable"
     )
-    edge_backoff_s: float = Field(5.0, gt=0, description="an unavailable edge sits out this long before it is retried")
+    edge_backoff_s: float = Field(5.0, gt=0, le=_MAX_WAIT_S,
+                                  description="an unavailable edge sits out this long before it is retried")
     token: str | None = Field(None, description="bearer token for the edge")
     tenant: str = Field("default", description="namespace tenant folded into every chunk key")
     salt: str = Field("", description="optional per-tenant secret folded into every chunk key")
@@ -87,9 +91,9 @@ class ClientConfig(RoleConfig):
     put_codec: str = Field("raw", description="codec for chunks written back to the edge")
     write_back: bool = Field(True, description="Put newly computed full chunks to the edge in the background")
     fetch_concurrency: int = Field(4, ge=1, le=64, description="chunks fetched at once")
-    lookup_timeout_s: float = Field(2.0, gt=0, description="deadline of a Lookup")
-    fetch_timeout_s: float = Field(10.0, gt=0, description="deadline of one chunk's Fetch")
-    put_timeout_s: float = Field(30.0, gt=0, description="deadline of one chunk's Put")
+    lookup_timeout_s: float = Field(2.0, gt=0, le=_MAX_WAIT_S, description="deadline of a Lookup")
+    fetch_timeout_s: float = Field(10.0, gt=0, le=_MAX_WAIT_S, description="deadline of one chunk's Fetch")
+    put_timeout_s: float = Field(30.0, gt=0, le=_MAX_WAIT_S, description="deadline of one chunk's Put")
     max_pending_puts: int = Field(256, ge=1, description="write-backs queued at most; more are dropped")
     destination_pool_bytes: int = Field(1 << 30, ge=0, description="prefix KV buffers of finished requests kept "
                                         "for reuse (no page faults per request); 0 maps a fresh one every time")
@@ -97,9 +101,24 @@ class ClientConfig(RoleConfig):
     tls_cert: Path | None = None
     tls_key: Path | None = None
 
+    @field_validator("codec", "put_codec")
+    @classmethod
+    def _codec(cls, v: str, info: ValidationInfo) -> str:
+        if v or info.field_name == "put_codec":  # '' fetches whatever the edge stores; a Put needs a codec
+            get_codec(v)  # raises UnknownCodec / InvalidInput (a bad level)
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> "ClientConfig":
         Namespace(self.tenant, self.salt)  # raises InvalidInput on a malformed tenant
+        if self.edge == "" or "" in self.fallback_edges:
+            raise ValueError("edge and fallback_edges: an edge address is host:port, not '' (no edge: leave edge unset)")
+        if self.fallback_edges and not self.edge:
+            raise ValueError("fallback_edges are used only after edge: set edge too")
+        if self.require_lossless:  # every fetch would be refused, or everything written back
+            for name in ("codec", "put_codec"):
+                if getattr(self, name) and get_codec(getattr(self, name)).lossy:
+                    raise ValueError(f"{name} {getattr(self, name)!r} is lossy while require_lossless is set")
         root = parse_variant(self.steer)  # raises InvalidInput on a malformed variant id
         self.__dict__["steer"] = "" if root == ROOT_KEY else bytes(root).hex()  # "plain" -> "", lower-case hex
         TlsFiles.for_client(self.tls_cert, self.tls_key, self.tls_ca)  # the TLS rules: kdn.wire.tls
@@ -153,6 +172,8 @@ class AsyncKdnClient:
         self.config = config or ClientConfig()
         if transport is None and self.config.edge:
             c = self.config
+            for address in (c.edge, *c.fallback_edges):
+                _check_address(address)
             transport = connect([c.edge, *c.fallback_edges], token=c.token, shm=c.use_shm, bulk=c.bulk, tls=c.tls(),
                                 backoff_s=c.edge_backoff_s)
         self.transport = transport
@@ -179,10 +200,17 @@ class AsyncKdnClient:
         """How many leading ``keys`` the edge holds."""
         if self.transport is None or not keys:
             return 0
-        return await _deadline(
+        answer = await _deadline(
             self.transport.lookup(fingerprint, self.config.namespace, keys, timeout=self.config.lookup_timeout_s),
             self.config.lookup_timeout_s, "Lookup",
         )
+        try:
+            n = operator.index(answer)
+        except TypeError:
+            n = -1
+        if n < 0:  # a broken edge or transport: not a count, so nothing it says can be used
+            raise Unavailable(f"edge {self.transport.name} answered a Lookup with {answer!r}, not a count of chunks")
+        return min(n, len(keys))  # a claim beyond the chain asked for is held to it
 
     async def fetch_into(self, fingerprint: ModelFingerprint, key: ChunkKey, sink: Callable[[Section], None], *,
                          next_keys: Sequence[ChunkKey] = (), check: Callable[[Any], None] | None = None,
@@ -748,6 +776,15 @@ def _encode_span(
     """Tokens ``s..e`` (a chunk or a tail piece) of per-layer KV as one artifact."""
     kv = layers_to_chunk(layers, s, e)  # (L, 2, H, e-s, D)
     return encode_artifact(kv, key=key, parent_key=parent, fingerprint=fingerprint, codec=codec, chunk_index=index)
+
+
+def _check_address(address: str) -> None:
+    """An edge address is ``host:port`` (``[v6]:port``, ``dns:///host:port``) or ``unix:PATH``."""
+    if address.startswith("unix:") and len(address) > len("unix:"):
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ConfigError(f"edge address must be host:port (or unix:PATH), got {address!r}")
 
 
 async def _deadline(aw: Awaitable[T], seconds: float, what: str) -> T:
