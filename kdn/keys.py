@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import NewType, Sequence
+from typing import Any, NewType, Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from kdn.errors import InvalidInput
 __all__ = [
     "ChunkKey", "DEFAULT_CHUNK_SIZE", "DEFAULT_NAMESPACE", "KEY_BYTES", "ModelFingerprint", "Namespace",
     "PIECE_TOKENS", "ROOT_KEY", "chunk_keys", "next_key", "parse_fingerprint", "parse_key", "piece_keys",
-    "pieces_enabled", "toggled_bos_key", "tokens_u32",
+    "pieces_enabled", "request_namespace", "toggled_bos_key", "tokens_u32",
 ]
 
 ChunkKey = NewType("ChunkKey", bytes)
@@ -93,6 +93,40 @@ class Namespace:
 
 
 DEFAULT_NAMESPACE = Namespace("default")
+
+
+def request_namespace(cache_salt: str | None, params: dict[str, Any] | None, default: Namespace) -> Namespace | None:
+    """The namespace of one request, or None when it opted out (``kv_transfer_params: {"kdn": false}``).
+
+    ``kv_transfer_params`` ``{"kdn_tenant": T, "kdn_salt": S}`` wins; else ``cache_salt`` (which
+    also separates vLLM's own prefix cache) read as ``tenant`` or ``tenant:salt``, and a salt that
+    is no valid tenant name becomes a tenant named by its digest; else ``default``. The vLLM
+    connector and the router in front of the engines both apply this one rule, so the router
+    prices the chain the engine will ask for.
+
+    Any JSON reaches here from an API caller: a parameter of the wrong type (``"kdn": "false"``, a
+    tenant that is a number), an invalid tenant or salt, or a ``kdn_salt`` without the
+    ``kdn_tenant`` it belongs to raises :class:`InvalidInput` (the connector then leaves the request
+    to vLLM); absent, ``null`` and ``""`` mean "not given"."""
+    if params is not None and not isinstance(params, dict):
+        raise InvalidInput(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    params = params or {}
+    opt, tenant, salt = params.get("kdn"), params.get("kdn_tenant"), params.get("kdn_salt")
+    if opt is not None and not isinstance(opt, bool):
+        raise InvalidInput(f"kdn must be true or false, got {opt!r}")
+    if opt is False:
+        return None
+    for name, value in (("kdn_tenant", tenant), ("kdn_salt", salt), ("cache_salt", cache_salt)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(f"{name} must be a string, got {type(value).__name__}")
+    if tenant:
+        return Namespace(tenant, salt or "")
+    if salt:
+        raise InvalidInput("kdn_salt without kdn_tenant: name the tenant the salt belongs to")
+    if cache_salt:
+        return Namespace.from_cache_salt(cache_salt)
+    return default
+
 
 
 def next_key(

@@ -8,10 +8,11 @@ A batch of several prompts is routed by its first. Anything the router cannot to
 the engine would (a chat with images, tools that change the template) is routed by load alone:
 the tokens only steer routing, never the answer, since the host tokenizes the body itself.
 
-The namespace rule is the vLLM connector's (:func:`kdn.integrations.vllm.request_namespace`):
-``kv_transfer_params.kdn_tenant`` (and ``kdn_salt``), else ``cache_salt`` read as ``tenant`` or
-``tenant:salt`` (a salt that is no valid tenant name becomes a tenant named by its digest), else
-the router's default; ``kv_transfer_params: {"kdn": false}`` opts out of KDN.
+The namespace rule is the engines' (:func:`kdn.keys.request_namespace`, which the
+vLLM connector applies too): ``kv_transfer_params.kdn_tenant`` (and ``kdn_salt``), else
+``cache_salt`` read as ``tenant`` or ``tenant:salt`` (a salt that is no valid tenant name becomes
+a tenant named by its digest), else the router's default; ``kv_transfer_params: {"kdn": false}``
+opts out of KDN; a parameter of the wrong type is a 400.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Literal
 
 from kdn.errors import InvalidInput
 from kdn.keys import Namespace
+from kdn.keys import request_namespace as namespace_of
 from kdn.prompts import Tokenizer, chat_tokens
 
 __all__ = ["Endpoint", "ParsedRequest", "parse_body", "request_namespace"]
@@ -39,20 +41,8 @@ class ParsedRequest:
 
 
 def request_namespace(body: dict[str, Any], default: Namespace) -> Namespace | None:
-    params = body.get("kv_transfer_params")
-    if params is not None and not isinstance(params, dict):
-        raise InvalidInput("kv_transfer_params must be an object")
-    params = params or {}
-    if params.get("kdn") is False:
-        return None
-    if params.get("kdn_tenant"):
-        return Namespace(str(params["kdn_tenant"]), str(params.get("kdn_salt", "")))
-    salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise InvalidInput("cache_salt must be a string")
-    if salt:
-        return Namespace.from_cache_salt(salt)
-    return default
+    """The body's namespace by the engines' rule (:func:`kdn.keys.request_namespace`)."""
+    return namespace_of(body.get("cache_salt"), body.get("kv_transfer_params"), default)
 
 
 _MAX_ID = 1 << 32  # chunk keys hash token ids as uint32 (:func:`kdn.keys.tokens_u32`)

@@ -310,7 +310,7 @@ def test_a_caller_without_a_known_token_gets_401_before_its_body_is_read() -> No
     {"cache_salt": "tenant-b"}, {"cache_salt": "tenant-b:salty"},
     {"kv_transfer_params": {"kdn_tenant": "tenant-b"}},
     {"kv_transfer_params": {"kdn_tenant": "tenant-b"}, "cache_salt": "tenant-a"},
-    {"kv_transfer_params": {"kdn_tenant": "", "kdn_salt": "x"}, "cache_salt": "tenant-b"},
+    {"kv_transfer_params": {"kdn_tenant": "tenant-b", "kdn_salt": "x"}, "cache_salt": "tenant-a"},
     {},  # the router's default tenant, not granted either
 ])
 def test_a_token_for_one_tenant_cannot_send_another_tenants_request(namespace: dict[str, Any]) -> None:
@@ -320,6 +320,21 @@ def test_a_token_for_one_tenant_cannot_send_another_tenants_request(namespace: d
             for path in ("/v1/completions", "/route/explain/completions"):
                 got = await r.front.post(path, json=body, headers={"authorization": "Bearer tok-a"})
                 assert is_error(got, 403)["type"] == "permission_error"
+            assert r.reached() == 0 and r.active() == 0
+
+    run(go())
+
+
+@pytest.mark.parametrize("params", [{"kdn_tenant": "", "kdn_salt": "x"}, {"kdn": "false"}, {"kdn_tenant": 7},
+                                    {"kdn_tenant": "tenant-a", "kdn_salt": 5}])
+def test_namespace_parameters_follow_the_engines_rule(params: dict[str, Any]) -> None:
+    # the connector refuses these (kdn.keys.request_namespace): the router must not price a chain
+    # under a namespace the engine will not use
+    async def go() -> None:
+        async with rig({"a": fake("a")}, tokens={"tok-a": ["tenant-a"]}) as r:
+            body = {"prompt": "hello", "kv_transfer_params": params}
+            got = await r.front.post("/v1/completions", json=body, headers={"authorization": "Bearer tok-a"})
+            assert is_error(got, 400)["type"] == "invalid_request_error"
             assert r.reached() == 0 and r.active() == 0
 
     run(go())

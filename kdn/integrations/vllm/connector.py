@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kdn.client import ClientConfig
 from kdn.errors import InvalidInput
@@ -69,7 +69,8 @@ from kdn.integrations.vllm.plan import ReqState, SaveSpec, load_of, saves_of
 from kdn.integrations.vllm.save import Saver
 from kdn.integrations.vllm_blend import BlendHost, BlendRequests
 from kdn.integrations.vllm_steer import requested_variant, variant_namespace
-from kdn.keys import DEFAULT_CHUNK_SIZE, PIECE_TOKENS, ROOT_KEY, ModelFingerprint, Namespace, chunk_keys, piece_keys
+from kdn.keys import (DEFAULT_CHUNK_SIZE, PIECE_TOKENS, ROOT_KEY, ModelFingerprint, Namespace, chunk_keys, piece_keys,
+                      request_namespace)
 from kdn.models import DTYPES, dir_fingerprint
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -91,6 +92,7 @@ __all__ = ["KdnConnector", "KdnConnectorConfig", "engine_fingerprint", "request_
 
 LOG = logging.getLogger("kdn.vllm")
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_WAIT_S = 86400.0  # the longest deadline or pause the config may set (a day)
 
 
 class KdnConnectorConfig(ClientConfig):
@@ -110,6 +112,13 @@ class KdnConnectorConfig(ClientConfig):
                                    "it is served exact KV")
     blend_poll_s: float = Field(0.02, gt=0, description="longest a scheduler step waits on a pending blend")
 
+    @model_validator(mode="after")
+    def _waits(self) -> "KdnConnectorConfig":
+        for name in type(self).model_fields:  # a thread cannot wait longer (OverflowError in vLLM's worker)
+            if name.endswith("_s") and not getattr(self, name) <= _MAX_WAIT_S:
+                raise ValueError(f"{name} must be at most {_MAX_WAIT_S:g} seconds, got {getattr(self, name)}")
+        return self
+
     def client_config(self, ns: Namespace) -> ClientConfig:
         """The client settings of one namespace's requests."""
         shared = self.model_dump(include=set(ClientConfig.model_fields))
@@ -123,22 +132,6 @@ def engine_fingerprint(model_dir: str | Path, dtype: torch.dtype, chunk_size: in
     if dtype not in _DTYPE_NAMES:
         raise InvalidInput(f"KDN stores KV as {sorted(DTYPES)}; the engine runs {dtype}")
     return dir_fingerprint(model_dir, dtype=_DTYPE_NAMES[dtype], chunk_size=chunk_size)
-
-
-def request_namespace(cache_salt: str | None, params: dict[str, Any] | None, default: Namespace) -> Namespace | None:
-    """The namespace of one request, or None when it opted out (``kv_transfer_params: {"kdn": false}``).
-
-    ``kv_transfer_params`` ``{"kdn_tenant": T, "kdn_salt": S}`` wins; else ``cache_salt`` (which
-    also separates vLLM's own prefix cache) read as ``tenant`` or ``tenant:salt``, and a salt that
-    is no valid tenant name becomes a tenant named by its digest; else ``default``."""
-    params = params or {}
-    if params.get("kdn") is False:
-        return None
-    if params.get("kdn_tenant"):
-        return Namespace(str(params["kdn_tenant"]), str(params.get("kdn_salt", "")))
-    if cache_salt:
-        return Namespace.from_cache_salt(cache_salt)
-    return default
 
 
 # -- metadata: scheduler -> worker, one per step ------------------------------------------------
@@ -238,6 +231,8 @@ class KdnConnector(KVConnectorBase_V1):
         self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
         self._loop = LoopThread(f"kdn-vllm-{role.name.lower()}")
         self._clients = Clients(self._loop, self.config.client_config)
+        if self.config.edge:  # an edge address the client refuses is refused here, not at the first request
+            self._clients.get(self.config.namespace)
         # scheduler side
         self._reqs: dict[str, ReqState] = {}
         self._lookup_off_until = 0.0
@@ -294,9 +289,17 @@ class KdnConnector(KVConnectorBase_V1):
     # -- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._blend.pending(request):
-            return None, False  # the store is still blending: vLLM asks again next step
-        st = self._state(request)
+        try:  # a raise here stops vLLM's scheduler: a request KDN cannot serve is vLLM's alone
+            request_namespace(request.cache_salt, request.kv_transfer_params, self.config.namespace)  # bad params
+            if self._blend.pending(request):
+                return None, False  # the store is still blending: vLLM asks again next step
+            st = self._state(request)
+        except Exception as exc:
+            self._reqs.pop(request.request_id, None)  # nothing of it is loaded or saved
+            self._count("bad_requests" if isinstance(exc, InvalidInput) else "request_errors")
+            LOG.warning("KDN: request %s: %s: %s; vLLM computes it without KDN", request.request_id,
+                        type(exc).__name__, exc)
+            return 0, False
         if st is None:
             return 0, False
         st.engine_cached = num_computed_tokens
@@ -306,13 +309,10 @@ class KdnConnector(KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is not None or self.config.edge is None:
             return st
-        try:
-            variant = requested_variant(request.cache_salt, request.kv_transfer_params)
-            ns = (variant_namespace(request.kv_transfer_params, self.config.namespace) if variant is not None
-                  else request_namespace(request.cache_salt, request.kv_transfer_params, self.config.namespace))
-        except InvalidInput as exc:
-            LOG.warning("KDN: request %s names an invalid namespace or variant (%s); not cached", request.request_id, exc)
-            return None
+        # InvalidInput for a malformed variant, namespace or prompt: the caller counts it
+        variant = requested_variant(request.cache_salt, request.kv_transfer_params)
+        ns = (variant_namespace(request.kv_transfer_params, self.config.namespace) if variant is not None
+              else request_namespace(request.cache_salt, request.kv_transfer_params, self.config.namespace))
         if ns is None:
             return None
         tokens = np.asarray(request.prompt_token_ids or [], dtype=np.int64)
@@ -323,8 +323,8 @@ class KdnConnector(KVConnectorBase_V1):
         if wanted and time.monotonic() >= self._lookup_off_until:
             self._count("lookups")
             self._count("looked_up_tokens", len(wanted) * self.config.chunk_size)
-            client = self._clients.get(ns)
             try:
+                client = self._clients.get(ns)
                 on_edge = int(self._loop.submit(client.lookup(self.fingerprint, wanted)).result(self.config.lookup_timeout_s + 2))
             except Exception as exc:  # KdnError or a timeout: recompute, and leave the edge alone a while
                 self._count("lookup_errors")

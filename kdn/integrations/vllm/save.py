@@ -50,8 +50,8 @@ class Saver:
             fut.add_done_callback(self._puts.discard)
 
     async def _put(self, spec: SaveSpec, kv: torch.Tensor) -> None:
-        client = self.clients.on_loop(spec.tenant, spec.salt)
         try:
+            client = self.clients.on_loop(spec.tenant, spec.salt)
             data = await asyncio.to_thread(
                 encode_artifact, kv, key=ChunkKey(spec.key), parent_key=ChunkKey(spec.parent),
                 fingerprint=self.fingerprint, codec=self.codec, chunk_index=spec.index,
