@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 import types
 from types import SimpleNamespace
 
@@ -400,12 +401,43 @@ def test_a_load_errs_only_into_the_load_errors_never_into_the_worker(rig, monkey
     assert rig.step(_req(tokens=tokens), list(range(5))) == (2 * C, {0, 1, 2, 3})
 
 
-@pytest.mark.xfail(strict=True, reason="one AsyncKdnClient (and gRPC channel) per namespace, kept until shutdown: "
-                   "every distinct cache_salt adds one for good")
 def test_distinct_cache_salts_do_not_grow_the_connectors_clients_without_bound(rig):
     for i in range(300):
         rig.sched.get_num_new_matched_tokens(_req(f"r{i}", salt=f"user {i}"), 0)
     assert len(rig.sched._clients._clients) <= 256
+
+
+def test_an_evicted_client_is_closed_after_its_deadlines_and_rebuilt_on_demand(rig):  # rig: vLLM's stand-ins
+    from kdn.client import ClientConfig
+    from kdn.integrations.vllm.load import Clients, LoopThread
+
+    closed: list[str] = []
+    loop = LoopThread("probe-clients")
+    try:
+        def config_for(ns):
+            return ClientConfig(tenant=ns.tenant, salt=ns.salt, fetch_timeout_s=0.05, put_timeout_s=0.05)
+
+        clients = Clients(loop, config_for, max_clients=2)
+        made = [clients.get(Namespace(t)) for t in ("a", "b")]
+        for c in made:
+            real = c.close
+
+            async def close(*, flush_timeout: float = 5.0, c=c, real=real) -> None:
+                closed.append(c.config.tenant)
+                await real(flush_timeout=flush_timeout)
+
+            c.close = close  # type: ignore[method-assign]
+        assert clients.get(Namespace("a")) is made[0]  # "a" used last: "b" goes first
+        clients.get(Namespace("c"))
+        assert set(clients._clients) == {Namespace("a"), Namespace("c")} and closed == []
+        deadline = time.monotonic() + 5
+        while not closed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert closed == ["b"] and not clients._closing
+        assert clients.get(Namespace("b")) is not made[1]  # a fresh one for the namespace
+        loop.submit(clients.close()).result(10)
+    finally:
+        loop.close()
 
 
 def test_a_write_back_whose_client_cannot_be_made_is_counted_not_lost(rig, monkeypatch):

@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -56,37 +57,85 @@ class LoopThread:
         self.readers.shutdown(wait=False)
 
 
+MAX_CLIENTS = 256
+"""Namespaces whose clients the connector keeps at once: every distinct ``cache_salt`` an API
+caller sends is a namespace, so the set must be bounded."""
+
+
 class Clients:
     """One :class:`kdn.client.AsyncKdnClient` per namespace, all living on one :class:`LoopThread`;
-    ``config_for(ns)``: that namespace's client settings."""
+    ``config_for(ns)``: that namespace's client settings.
 
-    def __init__(self, loop: LoopThread, config_for: Callable[[Namespace], ClientConfig]) -> None:
+    At most ``max_clients`` are kept, the least recently used going first. An evicted client is
+    closed once its fetch and put deadlines have passed, so a load or write-back already holding
+    it ends first; a later request of its namespace gets a new one."""
+
+    def __init__(self, loop: LoopThread, config_for: Callable[[Namespace], ClientConfig], *,
+                 max_clients: int = MAX_CLIENTS) -> None:
         self.loop = loop
         self._config_for = config_for
-        self._clients: dict[Namespace, AsyncKdnClient] = {}
+        self._max = max(1, max_clients)
+        self._clients: OrderedDict[Namespace, AsyncKdnClient] = OrderedDict()
+        self._closing: set[AsyncKdnClient] = set()
+        self._lock = threading.Lock()
 
     def get(self, ns: Namespace) -> AsyncKdnClient:
         """``ns``'s client, called from outside the loop thread (built on it)."""
-        client = self._clients.get(ns)
+        client = self._held(ns)
         if client is None:
             cfg = self._config_for(ns)
 
             async def make() -> AsyncKdnClient:
                 return AsyncKdnClient(cfg)
 
-            client = self._clients[ns] = self.loop.submit(make()).result(10)
+            client = self._keep(ns, self.loop.submit(make()).result(10))
         return client
 
     def on_loop(self, tenant: str, salt: str) -> AsyncKdnClient:
         """The client of namespace ``tenant``/``salt``, called on the loop thread."""
         ns = Namespace(tenant, salt)
-        client = self._clients.get(ns)
+        client = self._held(ns)
         if client is None:  # called on the loop thread: build directly
-            client = self._clients[ns] = AsyncKdnClient(self._config_for(ns))
+            client = self._keep(ns, AsyncKdnClient(self._config_for(ns)))
         return client
 
+    def _held(self, ns: Namespace) -> AsyncKdnClient | None:
+        with self._lock:
+            client = self._clients.get(ns)
+            if client is not None:
+                self._clients.move_to_end(ns)
+            return client
+
+    def _keep(self, ns: Namespace, client: AsyncKdnClient) -> AsyncKdnClient:
+        """Hold ``client`` for ``ns`` (or the one another thread held first, closing ``client``)."""
+        with self._lock:
+            held = self._clients.get(ns)
+            spare = [client] if held is not None else []
+            if held is None:
+                self._clients[ns] = held = client
+                while len(self._clients) > self._max:
+                    spare.append(self._clients.popitem(last=False)[1])
+            self._closing.update(spare)
+        for c in spare:
+            self.loop.submit(self._close_later(c))
+        return held
+
+    async def _close_later(self, client: AsyncKdnClient) -> None:
+        await asyncio.sleep(client.config.fetch_timeout_s + client.config.put_timeout_s)
+        try:
+            await client.close(flush_timeout=2.0)
+        except Exception as exc:  # closing: report, never raise
+            LOG.debug("KDN: closing an evicted client: %s", exc)
+        finally:
+            with self._lock:
+                self._closing.discard(client)
+
     async def close(self) -> None:
-        for c in self._clients.values():
+        with self._lock:
+            every = [*self._clients.values(), *self._closing]
+            self._clients.clear()
+            self._closing.clear()
+        for c in every:
             await c.close(flush_timeout=2.0)
 
 
