@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,6 +39,7 @@ class BlobInfo:
     name: str
     size: int
     mtime: float
+    shard: str = ""  # the directory it was found in: ``name[:2]`` unless it was moved there by hand
 
 
 class BlobStore:
@@ -53,18 +55,20 @@ class BlobStore:
 
     def path(self, prefix: str, name: str) -> Path:
         for part, what in ((prefix, "prefix"), (name, "name")):
-            if not _NAME.match(part) or part in (".", ".."):
+            if not _valid_name(part):
                 raise InvalidInput(f"blob {what} {part!r} is not allowed")
         return self.root / prefix / name[:2] / name
 
     # -- operations ----------------------------------------------------------------------------
 
     def put(self, prefix: str, name: str, data: bytes | memoryview) -> int:
-        """Write atomically; replaces an existing blob of the same name. Returns the size."""
+        """Write atomically; replaces an existing blob of the same name. Returns the size.
+
+        A full disk (or quota) raises StorageFull, whichever step hits it; nothing partial is left."""
         final = self.path(prefix, name)
-        final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.{os.getpid()}.{id(data):x}{_TMP_SUFFIX}")
         try:
+            final.parent.mkdir(parents=True, exist_ok=True)
             _write_replace(final, tmp, data, fsync=self._fsync)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -73,11 +77,16 @@ class BlobStore:
         return len(data)
 
     def get(self, prefix: str, name: str) -> bytes | None:
+        """The blob's bytes; None when no regular file has that name (a FIFO or a directory put
+        there by hand is never read: a FIFO would block)."""
         try:
-            with open(self.path(prefix, name), "rb") as fh:
-                return fh.read()
-        except FileNotFoundError:
+            fd = os.open(self.path(prefix, name), os.O_RDONLY | os.O_NONBLOCK)
+        except (FileNotFoundError, IsADirectoryError):
             return None
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            return fh.read()
 
     def contains(self, prefix: str, name: str) -> bool:
         return self.path(prefix, name).is_file()
@@ -95,24 +104,38 @@ class BlobStore:
         except FileNotFoundError:
             return False
 
-    def scan(self) -> Iterator[BlobInfo]:
-        """Every complete blob on disk (indexes are rebuilt from it on restart)."""
+    def scan(self, skipped: list[str] | None = None) -> Iterator[BlobInfo]:
+        """Every complete blob on disk (indexes are rebuilt from it on restart): regular files
+        with a blob's name in the shard directories of prefix directories with a prefix's name.
+        Anything else found there (FIFOs, directories, broken or looping symbolic links, files of
+        other names) is not a blob: it is left alone and, given ``skipped``, its path is appended
+        to it. Writers' temporaries are not listed (see the sweep on open)."""
         if not self.root.is_dir():
             return
         for prefix_dir in self.root.iterdir():
-            if not prefix_dir.is_dir():
+            if not prefix_dir.is_dir() or not _valid_name(prefix_dir.name):
+                _skip(skipped, prefix_dir)
                 continue
             for shard in prefix_dir.iterdir():
                 if not shard.is_dir():
+                    _skip(skipped, shard)
                     continue
                 for f in shard.iterdir():
-                    if f.name.startswith(".") or not _NAME.match(f.name):
+                    if f.name.startswith(".") and f.name.endswith(_TMP_SUFFIX):
                         continue
                     try:
                         st = f.stat()
                     except FileNotFoundError:
+                        if f.is_symlink():  # a link to nothing
+                            _skip(skipped, f)
                         continue
-                    yield BlobInfo(prefix_dir.name, f.name, st.st_size, st.st_mtime)
+                    except OSError:  # a symbolic link loop, an unreadable entry
+                        _skip(skipped, f)
+                        continue
+                    if not stat.S_ISREG(st.st_mode) or f.name.startswith(".") or not _valid_name(f.name):
+                        _skip(skipped, f)
+                        continue
+                    yield BlobInfo(prefix_dir.name, f.name, st.st_size, st.st_mtime, shard.name)
 
     def _sweep_tmp(self) -> int:
         """Remove temporaries of writers that died mid-write. Returns how many were removed.
@@ -126,6 +149,15 @@ class BlobStore:
             tmp.unlink(missing_ok=True)
             removed += 1
         return removed
+
+
+def _valid_name(part: str) -> bool:
+    return bool(_NAME.match(part)) and part not in (".", "..")
+
+
+def _skip(skipped: list[str] | None, p: Path) -> None:
+    if skipped is not None:
+        skipped.append(p.as_posix())
 
 
 def _writer_alive(tmp_name: str) -> bool:
@@ -179,7 +211,7 @@ def _write_replace(final: Path, tmp: Path, data: bytes | memoryview, *, fsync: b
         os.replace(tmp, final)
         if fsync:
             _fsync_dir(final.parent)
-    except OSError:
+    except BaseException:  # OSError, and an interrupt or any other exception between write and rename
         tmp.unlink(missing_ok=True)
         raise
 

@@ -62,8 +62,8 @@ class Namespace:
     salt: str = ""
 
     def __post_init__(self) -> None:
-        if not _NAME_RE.match(self.tenant):
-            raise InvalidInput(f"tenant must match {_NAME_RE.pattern}, got {self.tenant!r}")
+        if not _NAME_RE.match(self.tenant) or self.tenant in (".", ".."):  # a tenant names store directories
+            raise InvalidInput(f"tenant must match {_NAME_RE.pattern} and not be '.' or '..', got {self.tenant!r}")
         if len(self.salt) > 256:
             raise InvalidInput("namespace salt longer than 256 characters")
 

@@ -114,7 +114,7 @@ def main_ingest(argv: list[str]) -> int:
             emphasize = Emphasis(args.emphasize, args.emphasize_regex or "",
                                  Emphasis.parse_spans(args.emphasize_spans) if args.emphasize_spans is not None else (),
                                  args.emphasize_strength).to_json()
-        config = _config(args, models=[args.model] if args.model else None, namespace=args.namespace)
+        config = _config(args, models=[args.model] if args.model is not None else None, namespace=args.namespace)
         check_model_spec(config.models[0])
         # before any worker (which opens, so creates, the store): no document, nothing is made
         found = discover(args.paths)

@@ -66,11 +66,17 @@ class OriginConfig(RoleConfig):
     @field_validator("codecs")
     @classmethod
     def _codecs_known(cls, v: list[str]) -> list[str]:
+        """Every codec known; one given twice (``raw``, ``raw``) is kept once, where it first appears."""
         if not v:
             raise ValueError("at least one codec is needed")
+        seen: set[str] = set()
+        out = []
         for spec in v:
-            get_codec(spec)  # UnknownCodec is a ValueError: pydantic reports it against the field
-        return v
+            canonical = get_codec(spec).spec  # UnknownCodec is a ValueError: pydantic reports it against the field
+            if canonical not in seen:
+                seen.add(canonical)
+                out.append(spec)
+        return out
 
     _cluster_key_long = cluster_key_rule()
 
@@ -79,7 +85,12 @@ class OriginConfig(RoleConfig):
     def _models_given(cls, v: list[str]) -> list[str]:
         if not v:
             raise ValueError("at least one model is needed")
+        if any(not spec.strip() for spec in v):  # an unset variable must not mean "the default model"
+            raise ValueError("a model spec is empty")
         return v
+
+    _store_dir_given = refuse_when("store_dir", bad=lambda v: not v.strip(),
+                                   why="is empty (an unset variable?): name the store directory")
 
     _dtype_known = refuse_when("dtype", bad=lambda v: v not in DTYPES,
                                why=lambda v: f"unknown dtype {v!r}; choose one of {sorted(DTYPES)}")
@@ -87,7 +98,7 @@ class OriginConfig(RoleConfig):
     @field_validator("namespace")
     @classmethod
     def _namespace_valid(cls, v: str) -> str:
-        Namespace.parse(v)
+        Namespace.parse(v)  # raises InvalidInput (a ValueError) naming the rule
         return v
 
     @model_validator(mode="after")

@@ -19,7 +19,10 @@ Invariants:
   missing, truncated or (with ``verify="full"``) fails its checksums are dropped with the blob;
 - a blob in a codec this version does not know (a newer version wrote it, then was rolled back)
   never stops the store from opening: it is kept on disk untouched, counted and warned about on
-  open, left out of :meth:`OriginStore.variants`, and :meth:`OriginStore.get` answers NotFound.
+  open, left out of :meth:`OriginStore.variants`, and :meth:`OriginStore.get` answers NotFound;
+- anything among the blobs that is no blob (a FIFO, a directory, a stray file or link, a blob moved
+  to another shard directory) is left alone, counted (:attr:`StoreCheck.skipped`) and never served;
+- a full disk, under a blob or the manifest, raises StorageFull and leaves nothing partial.
 
 Several processes (Ray workers on one node) may open the same root: SQLite serialises writers.
 """
@@ -32,14 +35,15 @@ import os
 import sqlite3
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Iterator, Literal, Sequence
 
 from kdn.artifact import ArtifactHeader, verify_artifact
 from kdn.blobstore import BlobStore
 from kdn.codecs import get_codec
-from kdn.errors import ArtifactError, ConfigError, InvalidInput, NotFound, UnknownCodec
+from kdn.errors import ArtifactError, ConfigError, InvalidInput, NotFound, StorageFull, UnknownCodec
 from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint
 from kdn.origin.config import OriginConfig
 
@@ -120,6 +124,7 @@ class StoreCheck:
     swept_tmp: int  # temp files of dead writers
     seconds: float
     unknown_codec: int = 0  # blobs in a codec this version does not know: kept on disk, not served
+    skipped: int = 0  # entries among the blobs that are no blob (FIFOs, directories, stray files): left alone, not served
 
 
 def codec_spec_of(header: ArtifactHeader) -> str:
@@ -156,6 +161,21 @@ def _enter_wal(db: sqlite3.Connection) -> None:
         delay = min(delay * 2, 0.2)
 
 
+def _is_full(exc: sqlite3.Error) -> bool:
+    return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+
+
+@contextmanager
+def _disk_full_is_storage_full(root: Path) -> Iterator[None]:
+    """A manifest write that meets a full disk raises StorageFull (SQLite rolls the statement back)."""
+    try:
+        yield
+    except sqlite3.Error as exc:
+        if _is_full(exc):
+            raise StorageFull(f"origin store {root}: the disk is full writing its manifest ({exc})") from exc
+        raise
+
+
 def _blob_name(key: ChunkKey, codec: str) -> str:
     return f"{bytes(key).hex()}.{codec.replace(':', '-')}"
 
@@ -189,6 +209,8 @@ class OriginStore:
             self._db.execute(f"PRAGMA busy_timeout={int(_BUSY_S * 1000)}")
             self._db.executescript(_SCHEMA)
         except sqlite3.Error as exc:
+            if _is_full(exc):
+                raise StorageFull(f"origin store {self.root}: the disk is full opening its manifest ({exc})") from exc
             raise ConfigError(
                 f"origin store manifest {manifest} is not usable ({exc}); move it (and any -wal/-shm beside it) "
                 "aside: the next open re-indexes the artifacts on disk, document records are lost"
@@ -355,11 +377,11 @@ class OriginStore:
     # -- internals -----------------------------------------------------------------------------
 
     def _query(self, sql: str, args: tuple) -> list[tuple]:
-        with self._lock:
+        with self._lock, _disk_full_is_storage_full(self.root):
             return self._db.execute(sql, args).fetchall()
 
     def _execute(self, sql: str, args: tuple) -> None:
-        with self._lock:
+        with self._lock, _disk_full_is_storage_full(self.root):
             self._db.execute(sql, args)
 
     def _insert(self, a: StoredArtifact) -> None:
@@ -378,7 +400,11 @@ class OriginStore:
         by_file = {(r.tenant, _blob_name(r.key, r.codec)): r for r in rows}
         seen: set[tuple[str, str]] = set()
         kept = dropped_corrupt = adopted = removed = unknown = 0
-        for info in self.blobs.scan():
+        junk: list[str] = []
+        for info in self.blobs.scan(junk):
+            if info.shard != info.name[:2]:  # moved by hand: never where a read looks for it
+                junk.append(f"{info.prefix}/{info.shard}/{info.name}")
+                continue
             key_hex, _, _codec_file = info.name.partition(".")
             try:
                 key = bytes.fromhex(key_hex)
@@ -392,7 +418,7 @@ class OriginStore:
                     continue
                 ok = row.size == info.size
                 if ok and full:
-                    ok = self._blob_valid(info.prefix, info.name, key)
+                    ok = _blob_valid(self.blobs, info.prefix, info.name, key)
                 if ok:
                     kept += 1
                 else:
@@ -431,6 +457,9 @@ class OriginStore:
         missing = [r for f, r in by_file.items() if f not in seen]
         for r in missing:
             self._execute("DELETE FROM artifacts WHERE key=? AND codec=?", (bytes(r.key), r.codec))
+        if junk:
+            log.warning("origin store %s: skipped %d entries among the blobs that are not blobs (e.g. %s); "
+                        "left alone, not served", self.root, len(junk), junk[0])
         if unknown:
             log.warning("origin store %s: %d artifacts are in codecs this version does not know; "
                         "kept on disk, not served", self.root, unknown)
@@ -443,17 +472,20 @@ class OriginStore:
             swept_tmp=swept,
             seconds=time.perf_counter() - t0,
             unknown_codec=unknown,
+            skipped=len(junk),
         )
 
-    def _blob_valid(self, tenant: str, name: str, key: bytes) -> bool:
-        data = self.blobs.get(tenant, name)
-        if data is None:
-            return False
-        try:
-            verify_artifact(data, expect_key=ChunkKey(key))
-        except ArtifactError:
-            return False
-        return True
+
+def _blob_valid(blobs: BlobStore, tenant: str, name: str, key: bytes) -> bool:
+    """Whether the blob ``name`` is on disk and a whole artifact of ``key``."""
+    data = blobs.get(tenant, name)
+    if data is None:
+        return False
+    try:
+        verify_artifact(data, expect_key=ChunkKey(key))
+    except ArtifactError:
+        return False
+    return True
 
 
 def _row_artifact(r: tuple) -> StoredArtifact:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -63,7 +63,7 @@ class DocumentTask:
 class DocumentResult:
     """What became of one document. ``status``: stored (all chunks now stored), skipped (every
     chunk was already stored, nothing computed), truncated (stored, but tokens past the model
-    window have no KV), short (fewer tokens than one chunk: nothing to store; a warning),
+    window have no KV), short (fewer tokens than one chunk: no chunk stored, only its tail pieces if any; a warning),
     failed (``message`` says why)."""
 
     doc_id: str
@@ -199,9 +199,8 @@ class PrefillWorker:
         )
         if plan.n_chunks == 0:
             status: Status = "short"
-            message = (
-                f"{len(tokens)} tokens: shorter than one chunk ({self.lm.chunk_size} tokens); nothing to store"
-            )
+            message = f"{len(tokens)} tokens: shorter than one chunk ({self.lm.chunk_size} tokens); " + (
+                f"stored as {len(pieces)} tail pieces only" if pieces else "nothing to store")
         elif not wt.complete:
             status = "truncated"
             message = (
@@ -355,8 +354,10 @@ class PrefillWorker:
             return len(blob)
 
         # encode + fsynced writes overlap (codecs and fsync release the GIL); all are done, and
-        # durable, before this returns: a result never reports a chunk that is not stored
+        # durable, before this returns: a result never reports a chunk that is not stored. When one
+        # fails (a full disk) every other one still ends first: no write outlives its document's result
         jobs = [self._writers.submit(write, i, spec) for i in missing for spec in codecs]
+        wait(jobs)
         written = sum(j.result() for j in jobs)
         return keys, sum(1 for i in missing if i < n), written, pkeys
 

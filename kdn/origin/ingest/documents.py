@@ -101,26 +101,43 @@ def is_text_like(path: Path) -> bool:
 
 def discover(paths: Iterable[str | Path]) -> Discovery:
     """Expand ``paths``: explicit files are always tried; directories are walked recursively for
-    text-like files (by suffix), skipping hidden entries. Each document appears once."""
+    text-like files (by suffix), skipping hidden entries. Each document appears once.
+
+    Reported as problems (failed documents), never silently dropped: a path that does not exist,
+    a symbolic link that leads nowhere (broken, or a loop; in a directory only a text-like one), a
+    directory that cannot be read, and a file whose name is not valid UTF-8 (its id could not be
+    stored or sent; the problem's id shows the bad bytes as ``\\xNN``)."""
     out = Discovery()
     seen: set[str] = set()
 
     def add(p: Path) -> None:
         doc = doc_id_for(p)
-        if doc not in seen:
+        if not _utf8(doc):
+            out.problems.append(DocumentResult(_shown(doc), "failed", "the file name is not valid UTF-8: rename it "
+                                               "to ingest it (a document id is stored and sent as UTF-8 text)"))
+        elif doc not in seen:
             seen.add(doc)
             out.sources.append(Source(p, doc))
+
+    def unreadable(exc: OSError) -> None:
+        out.problems.append(DocumentResult(_shown(str(exc.filename)), "failed",
+                                           f"cannot read the directory: {exc.strerror or exc}"))
 
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            for root, dirs, files in os.walk(p):
+            for root, dirs, files in os.walk(p, onerror=unreadable):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
                 for name in sorted(files):
                     f = Path(root) / name
                     if name.startswith("."):
                         continue
-                    if not f.is_file():  # a FIFO named *.txt would block the reader forever
+                    if _broken_link(f):
+                        if is_text_like(f):
+                            out.problems.append(DocumentResult(_shown(f.as_posix()), "failed", _BROKEN_LINK))
+                        else:
+                            out.ignored.append(f.as_posix())
+                    elif not f.is_file():  # a FIFO named *.txt would block the reader forever
                         out.not_regular.append(f.as_posix())
                     elif is_text_like(f):
                         add(f)
@@ -129,10 +146,32 @@ def discover(paths: Iterable[str | Path]) -> Discovery:
         elif p.is_file():
             add(p)
         elif p.exists():
-            out.problems.append(DocumentResult(str(raw), "failed", "not a regular file or directory"))
+            out.problems.append(DocumentResult(_shown(str(raw)), "failed", "not a regular file or directory"))
+        elif _broken_link(p):
+            out.problems.append(DocumentResult(_shown(str(raw)), "failed", _BROKEN_LINK))
         else:
-            out.problems.append(DocumentResult(str(raw), "failed", "path does not exist"))
+            out.problems.append(DocumentResult(_shown(str(raw)), "failed", "path does not exist"))
     return out
+
+
+_BROKEN_LINK = "a symbolic link that leads nowhere (its target is missing, or the links loop)"
+
+
+def _broken_link(p: Path) -> bool:
+    return p.is_symlink() and not p.exists()
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a name's undecodable bytes, kept by Python as lone surrogates
+        return False
+    return True
+
+
+def _shown(text: str) -> str:
+    """``text`` with the undecodable bytes of a file name written as ``\\xNN`` (valid UTF-8)."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 @dataclass(frozen=True, slots=True)
