@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kdn.errors import ConfigError
 from kdn.simulator.engine import run_policy
 from kdn.simulator.geo import CityIndex
 from kdn.simulator.presets import Presets, load_presets
@@ -54,8 +55,11 @@ def prepare(path: str | Path, *, limit: int | None = None) -> Prepared:
     cities = CityIndex.default()
     presets = load_presets()
     sc = load_scenario(path, cities=cities, presets=presets)
-    topo = build_topology(sc, cities)
-    reqs = build_workload(sc, topo)
+    try:
+        topo = build_topology(sc, cities)
+        reqs = build_workload(sc, topo)
+    except MemoryError as exc:  # numpy refuses an allocation larger than the machine: say which input asked for it
+        raise ConfigError(f"scenario {path}: its topology and workload do not fit in memory (workload.requests, topology edges)") from exc
     if limit is not None:
         reqs = reqs.head(limit)
     return Prepared(sc, topo, reqs, presets, time.perf_counter() - t0)

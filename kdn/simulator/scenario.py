@@ -29,10 +29,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PLACEMENT_NAMES = ("origin_only", "nearest_edge", "consistent_hash", "popularity_push", "hint_prefetch")
 ROUTING_NAMES = ("prefix_route", "kv_route")  # kdn.simulator.routing: run when named
 POLICY_NAMES = PLACEMENT_NAMES + ROUTING_NAMES
+# Bounds that keep a scenario's memory and run time finite (every site pair holds a latency
+# entry; synthetic chunk keys pack a document's chunk as doc << 20 | j, see kdn.simulator.workload).
+MAX_EDGES = 5_000
+MAX_DOCUMENTS = 1 << 22
+MAX_TOKENS = 1 << 24
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _ctx(info: ValidationInfo, key: str) -> Any:
@@ -98,7 +103,7 @@ class OriginSpec(Site):
 
 class RegionSpec(Site):
     name: str
-    edges: int = Field(1, ge=1, description="edge sites in this city, each fronting a GPU pool")
+    edges: int = Field(1, ge=1, le=MAX_EDGES, description="edge sites in this city, each fronting a GPU pool")
     users_weight: float = Field(1.0, gt=0, description="share of users (requests) in this region")
     uplink_gbps: float = Field(25.0, gt=0, description="egress bandwidth of each edge")
     group: str | None = Field(None, description="hash group (regions sharing a consistent-hash ring); default: the region")
@@ -107,7 +112,7 @@ class RegionSpec(Site):
 class AutoEdgesSpec(_Strict):
     """``count`` edges, one in each of the ``count`` most populous cities; users by population."""
 
-    count: int = Field(ge=1)
+    count: int = Field(ge=1, le=MAX_EDGES)
     uplink_gbps: float = Field(25.0, gt=0)
     group_by: Literal["continent", "country"] = "continent"
 
@@ -131,6 +136,18 @@ class TopologySpec(_Strict):
         names = [r.name for r in self.regions]
         if len(set(names)) != len(names):
             raise ValueError("region names must be unique")
+        total = sum(r.edges for r in self.regions)
+        if total > MAX_EDGES:
+            raise ValueError(f"{total:,} edges in all (the regions' 'edges'); at most {MAX_EDGES:,}")
+        return self
+
+    @model_validator(mode="after")
+    def _enough_cities(self, info: ValidationInfo) -> TopologySpec:
+        cities: CityIndex | None = _ctx(info, "cities")
+        if self.auto_edges is not None and cities is not None:
+            known = len(cities.largest(self.auto_edges.count))
+            if known < self.auto_edges.count:
+                raise ValueError(f"auto_edges.count: {self.auto_edges.count:,} edges asked, only {known:,} cities known")
         return self
 
     def site_names(self) -> list[str]:
@@ -162,15 +179,15 @@ class SyntheticWorkload(_Strict):
     kind: Literal["synthetic"]
     requests: int = Field(ge=1)
     duration_s: float = Field(gt=0)
-    documents: int = Field(10_000, ge=1)
+    documents: int = Field(10_000, ge=1, le=MAX_DOCUMENTS)
     zipf_s: float = Field(1.0, gt=0, description="Zipf exponent of document popularity")
-    doc_tokens_median: int = Field(4096, ge=1)
+    doc_tokens_median: int = Field(4096, ge=1, le=MAX_TOKENS)
     doc_tokens_sigma: float = Field(0.8, ge=0, description="lognormal sigma of document length")
-    doc_tokens_max: int = Field(32768, ge=1)
-    query_tokens: int = Field(128, ge=0, description="unique tokens appended by each request")
+    doc_tokens_max: int = Field(32768, ge=1, le=MAX_TOKENS)
+    query_tokens: int = Field(128, ge=0, le=MAX_TOKENS, description="unique tokens appended by each request")
     session_fraction: float = Field(0.3, ge=0, le=1, description="share of requests that are turns of a growing session")
-    session_turns_mean: float = Field(6.0, ge=1)
-    turn_tokens: int = Field(600, ge=1, description="tokens a session's context grows by per turn")
+    session_turns_mean: float = Field(6.0, ge=1, le=10_000)
+    turn_tokens: int = Field(600, ge=1, le=MAX_TOKENS, description="tokens a session's context grows by per turn")
     think_time_s: float = Field(60.0, gt=0, description="mean gap between a session's turns")
     regional_locality: float = Field(0.5, ge=0, le=1, description="share of requests drawn from a region-specific popularity order")
     diurnal_amplitude: float = Field(0.5, ge=0, le=1, description="daily cycle of each region's share, peak at local 14:00")
@@ -180,8 +197,8 @@ class SyntheticWorkload(_Strict):
 
 class TraceWorkload(_Strict):
     kind: Literal["trace"]
-    path: str = Field(description="JSONL trace (Mooncake format), relative to the scenario file, the CWD or the repo root")
-    trace_block_tokens: int = Field(512, ge=1, description="tokens per hash id in the trace")
+    path: str = Field(description="JSONL trace (Mooncake format, may be gzip-compressed), relative to the scenario file, the CWD or the repo root")
+    trace_block_tokens: int = Field(512, ge=1, le=MAX_TOKENS, description="tokens per hash id in the trace")
     limit: int | None = Field(None, ge=1, description="replay only the first N requests")
     time_scale: float = Field(1.0, gt=0, description="divide the trace's timestamps by this")
     hint_coverage: float = Field(0.0, ge=0, le=1)
@@ -256,18 +273,19 @@ class Prices(_Strict):
 
 
 class TuneSpec(_Strict):
-    policies: list[str] = Field(default_factory=lambda: ["nearest_edge", "consistent_hash", "hint_prefetch"])
-    replicas: list[int] = Field(default_factory=lambda: [1, 2, 3])
-    edge_cache_gb: list[float] = Field(default_factory=lambda: [16.0, 64.0, 256.0])
-    regional_codec: list[str] = Field(default_factory=lambda: ["raw", "zstd"])
-    long_haul_codec: list[str] = Field(default_factory=lambda: ["zstd", "int8", "kvq4"])
-    prefetch_depth: list[int] = Field(default_factory=lambda: [0, 8])
+    policies: list[str] = Field(default_factory=lambda: ["nearest_edge", "consistent_hash", "hint_prefetch"], min_length=1)
+    replicas: list[int] = Field(default_factory=lambda: [1, 2, 3], min_length=1)
+    edge_cache_gb: list[float] = Field(default_factory=lambda: [16.0, 64.0, 256.0], min_length=1)
+    regional_codec: list[str] = Field(default_factory=lambda: ["raw", "zstd"], min_length=1)
+    long_haul_codec: list[str] = Field(default_factory=lambda: ["zstd", "int8", "kvq4"], min_length=1)
+    prefetch_depth: list[int] = Field(default_factory=lambda: [0, 8], min_length=1)
     max_configs: int = Field(48, ge=1, description="sample this many configurations if the grid is larger")
     requests: int | None = Field(None, ge=1, description="tune on the first N requests")
     p90_target_s: float | None = Field(None, gt=0, description="recommend the cheapest config under this p90 TTFT")
     allow_lossy: bool = True
 
-    _nonneg = refuse_when("replicas", "prefetch_depth", bad=lambda v: any(x < 0 for x in v), why="values must be >= 0")
+    _replicas = refuse_when("replicas", bad=lambda v: any(x < 1 for x in v), why="values must be >= 1")
+    _nonneg = refuse_when("prefetch_depth", bad=lambda v: any(x < 0 for x in v), why="values must be >= 0")
     _nonneg_f = refuse_when("edge_cache_gb", bad=lambda v: any(x < 0 for x in v), why="cache sizes must be >= 0")
 
 
@@ -275,18 +293,21 @@ class ReportSpec(_Strict):
     cache_sweep_gb: list[float] = Field(default_factory=list, description="edge sizes for the hit-ratio-vs-cache-size plot")
     cache_sweep_requests: int | None = Field(None, ge=1)
 
+    _nonneg = refuse_when("cache_sweep_gb", bad=lambda v: any(x < 0 for x in v), why="cache sizes must be >= 0")
+
 
 class Scenario(_Strict):
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$",
+                      description="names the default plot folder out/<name>: letters, digits, _ . - (no path)")
     description: str = ""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     model: str
     gpu: str
     gpus_per_replica: int = Field(1, ge=1, description="GPUs serving one request (tensor parallel); prefill speed scales linearly")
     gpu_replicas_per_edge: int | None = Field(
-        None, ge=1, description="GPU replicas at each edge site; requests queue for them (FIFO). Unset: unlimited, no queueing"
+        None, ge=1, le=1024, description="GPU replicas at each edge site; requests queue for them (FIFO). Unset: unlimited, no queueing"
     )
-    block_tokens: int = Field(512, ge=1, description="tokens per cached KV chunk (synthetic workloads; a trace brings its own)")
+    block_tokens: int = Field(512, ge=1, le=MAX_TOKENS, description="tokens per cached KV chunk (synthetic workloads; a trace brings its own)")
     warmup_fraction: float = Field(
         0.0, ge=0, lt=1, description="share of the leading requests (of whatever is run: the whole workload, a sweep's or the tuner's first N) that fill caches but are not counted"
     )
@@ -363,7 +384,7 @@ def _explain(exc: ValidationError, source: str) -> ConfigError:
             msg = "unknown key"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-        elif err["type"] in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
+        elif err["type"] in ("greater_than", "greater_than_equal", "less_than_equal", "less_than", "finite_number"):
             msg = f"{msg} (got {err.get('input')!r})"
         lines.append(f"{_loc(tuple(err['loc']))}: {msg}")
     return ConfigError(f"invalid scenario {source}: " + "; ".join(lines))
@@ -391,15 +412,34 @@ def parse_scenario(
         raise _explain(exc, source) from exc
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """Safe YAML that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[str] = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark, f"found duplicate key {key.value!r}", key.start_mark
+                    )
+                seen.add(key.value)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_scenario(path: str | Path, *, cities: CityIndex | None = None, presets: Presets | None = None) -> Scenario:
     """Read and validate a scenario YAML file. Relative trace paths resolve against the scenario's
     folder, then the CWD, then the repository root."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys)  # a SafeLoader: no Python tags
     except OSError as exc:
         raise ConfigError(f"cannot read scenario {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"scenario {path} is not UTF-8 text: {exc}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"scenario {path} is not valid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"scenario {path} is not valid YAML: nested too deeply") from exc
     bases = [path.resolve().parent, Path.cwd(), REPO_ROOT]
     return parse_scenario(data, source=str(path), base_dirs=bases, cities=cities, presets=presets)

@@ -13,19 +13,24 @@ itself): ``TAIL_BASE + owner * 4096 + j``. Trace keys are the trace's hash ids.
 
 from __future__ import annotations
 
+import gzip
 import json
+import math
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from kdn.errors import ConfigError
-from kdn.simulator.scenario import Scenario, SyntheticWorkload, TraceWorkload
+from kdn.simulator.scenario import MAX_TOKENS, Scenario, SyntheticWorkload, TraceWorkload
 from kdn.simulator.topology import Topology
 
 __all__ = ["Requests", "TAIL_BASE", "build_workload", "synthetic", "trace_replay"]
 
 TAIL_BASE = 1 << 42
+TAIL_SPAN = 4096  # chunks per tail owner in the synthetic key layout
 DAY_S = 86_400.0
 
 
@@ -166,6 +171,11 @@ def synthetic(w: SyntheticWorkload, topo: Topology, block_tokens: int, seed: int
     order = np.argsort(t, kind="stable")
     t, edge, doc, owner, tokens = t[order], edge[order], doc[order], owner[order], tokens[order]
     full = tokens // B
+    if full.size and int(full.max()) > TAIL_SPAN:
+        raise ConfigError(
+            f"workload: a request spans {int(full.max()):,} chunks of block_tokens={B}; the synthetic workload allows at most "
+            f"{TAIL_SPAN:,} (raise block_tokens, or lower doc_tokens_max, query_tokens, turn_tokens or session_turns_mean)"
+        )
     off, keys = _build_csr(doc, doc_tokens[doc] // B, owner, full)
     hint_t, hint_req = _hints(rng, t, w.hint_coverage, w.hint_lead_s)
     return Requests(t, edge, tokens, off, keys, hint_t, hint_req, B, True, w.duration_s)
@@ -180,6 +190,41 @@ def _hints(rng: np.random.Generator, t: np.ndarray, coverage: float, lead_s: flo
     return ht[order], req[order]
 
 
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _number(rec: dict, key: str, *, integer: bool) -> float:
+    if key not in rec:
+        raise ValueError(f"missing field {key!r}")
+    v = rec[key]
+    if isinstance(v, bool) or not isinstance(v, int | float) or (integer and not isinstance(v, int)):
+        raise ValueError(f"{key}: expected {'an integer' if integer else 'a number'}, got {v!r}")
+    if not math.isfinite(v) or v < 0 or (integer and v > MAX_TOKENS):
+        raise ValueError(f"{key}: out of range, got {v!r}")
+    return v
+
+
+def _trace_record(line: str) -> tuple[float, int, list[int]]:
+    """One trace line as (timestamp ms, input tokens, hash ids); ValueError names what is wrong."""
+    rec = json.loads(line)
+    if not isinstance(rec, dict):
+        raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
+    ts = _number(rec, "timestamp", integer=False)
+    n_in = int(_number(rec, "input_length", integer=True))
+    ids = rec.get("hash_ids")
+    if not isinstance(ids, list) or not all(type(h) is int and _INT64[0] <= h <= _INT64[1] for h in ids):
+        raise ValueError(f"hash_ids: expected a list of 64-bit integers, got {str(ids)[:80]}")
+    return ts, n_in, ids
+
+
+def _trace_lines(path: Path) -> Iterator[str]:
+    """The trace's lines, gunzipped when it is gzip-compressed."""
+    with path.open("rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    with (gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")) as f:
+        yield from f
+
+
 def trace_replay(w: TraceWorkload, topo: Topology, seed: int) -> Requests:
     """Replay a Mooncake-format JSONL trace; a conversation (its first two hash ids) keeps one edge."""
     rng = np.random.default_rng(seed)
@@ -189,23 +234,21 @@ def trace_replay(w: TraceWorkload, topo: Topology, seed: int) -> Requests:
     chains: list[list[int]] = []
     roots: list[int] = []
     path = Path(w.path)
+    lineno = 1  # the line being read
     try:
-        with path.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if w.limit is not None and len(ts) >= w.limit:
-                    break
-                if not line.strip():
-                    continue
-                rec = json.loads(line)
-                n_in = int(rec["input_length"])
-                ts.append(float(rec["timestamp"]) / 1000.0 / w.time_scale)
+        for line in _trace_lines(path):
+            if w.limit is not None and len(ts) >= w.limit:
+                break
+            if line.strip():
+                t_ms, n_in, ids = _trace_record(line)
+                ts.append(t_ms / 1000.0 / w.time_scale)
                 tokens.append(n_in)
-                ids = rec["hash_ids"]
-                chains.append([int(h) for h in ids[: n_in // B]])
+                chains.append(ids[: n_in // B])
                 # A conversation is named by its first block after the shared system prompt.
-                roots.append(int(ids[1]) if len(ids) > 1 else (int(ids[0]) if ids else -len(ts)))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"workload.path: cannot read trace {path} (line {len(ts) + 1}): {exc}") from exc
+                roots.append(ids[1] if len(ids) > 1 else (ids[0] if ids else -len(ts)))
+            lineno += 1
+    except (OSError, EOFError, zlib.error, ValueError) as exc:
+        raise ConfigError(f"workload.path: cannot read trace {path} (line {lineno}): {exc}") from exc
     if not ts:
         raise ConfigError(f"workload.path: trace {path} holds no requests")
     t = np.asarray(ts)
