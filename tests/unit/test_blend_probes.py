@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import threading
 import time
 from types import SimpleNamespace
 
@@ -35,6 +34,7 @@ from kdn.origin.server import OriginServer
 from kdn.segments import segment_key
 
 from tests.unit.test_origin_blend import CHUNK, DOCS, _host_blend, _ingest, _pass, _prompt
+from tests.unit.test_vllm_blend_requests import Loop as _Loop
 
 A, B = Namespace("tenant-a"), Namespace("tenant-b")
 
@@ -331,20 +331,6 @@ def test_documents_past_the_models_window_are_refused(origin) -> None:
 
 
 # -- the client: malformed parameters, an origin down or silent -------------------------------------------
-
-
-class _Loop:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
 
 
 class _WireStore:

@@ -26,10 +26,10 @@ from kdn.artifact import encode_artifact
 from kdn.errors import ConfigError, NotFound, StorageFull
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.origin.cli import main_ingest
-from kdn.origin.config import OriginConfig
 from kdn.origin.ingest import LocalExecutor, discover, ingest
 from kdn.origin.store import DocumentRecord, OriginStore
 from kdn.origin.worker import PrefillWorker
+from tests.unit.test_origin_ingest import config, executor  # noqa: F401 (fixtures)
 
 FP = ModelFingerprint(b"\x22" * 32)
 TEXT = "A good document about caches and their keys. " * 20
@@ -40,16 +40,6 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
 
 
-@pytest.fixture
-def config(tmp_path):
-    return OriginConfig(store_dir=str(tmp_path / "store"), models=["tiny"], codecs=["raw"], fsync=False, namespace="acme")
-
-
-@pytest.fixture
-def executor(config, tiny_model):
-    ex = LocalExecutor(PrefillWorker(config, "tiny", lm=tiny_model))
-    yield ex
-    ex.close()
 
 
 def _artifacts(n: int = 2, tenant: str = "t") -> list[tuple[ChunkKey, bytes]]:
