@@ -77,6 +77,7 @@ class Clients:
         self._max = max(1, max_clients)
         self._clients: OrderedDict[Namespace, AsyncKdnClient] = OrderedDict()
         self._closing: set[AsyncKdnClient] = set()
+        self._later: set[concurrent.futures.Future[None]] = set()  # the evicted clients' pending closes
         self._lock = threading.Lock()
 
     def get(self, ns: Namespace) -> AsyncKdnClient:
@@ -117,7 +118,10 @@ class Clients:
                     spare.append(self._clients.popitem(last=False)[1])
             self._closing.update(spare)
         for c in spare:
-            self.loop.submit(self._close_later(c))
+            later = self.loop.submit(self._close_later(c))
+            with self._lock:
+                self._later.add(later)
+            later.add_done_callback(self._later.discard)
         return held
 
     async def _close_later(self, client: AsyncKdnClient) -> None:
@@ -133,8 +137,11 @@ class Clients:
     async def close(self) -> None:
         with self._lock:
             every = [*self._clients.values(), *self._closing]
+            later = list(self._later)
             self._clients.clear()
             self._closing.clear()
+        for f in later:  # their clients are closed here, now
+            f.cancel()
         for c in every:
             await c.close(flush_timeout=2.0)
 
