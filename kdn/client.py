@@ -58,12 +58,12 @@ from kdn.transport import EdgeTransport, FetchStats, connect, is_loopback
 from kdn.wire.convert import FetchSpec
 from kdn.wire.tls import TlsFiles
 
-__all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "Computed", "LOG"]
+__all__ = ["ClientConfig", "AsyncKdnClient", "KdnClient", "Reuse", "Computed", "LOG", "MAX_WAIT_S"]
 
 LOG = logging.getLogger("kdn.client")
 T = TypeVar("T")
 _PREFETCH_HINT = 8  # following keys sent with each Fetch so the edge can prefetch them
-_MAX_WAIT_S = 86400.0  # the longest deadline or backoff a config may set: longer is a typo (or inf)
+MAX_WAIT_S = 86400.0  # the longest deadline or backoff a config may set: longer is a typo (or inf)
 
 
 class ClientConfig(RoleConfig):
@@ -73,7 +73,7 @@ class ClientConfig(RoleConfig):
     fallback_edges: list[str] = Field(
         default_factory=list, description="further edges, in order, used while the edges before them are unavailable"
     )
-    edge_backoff_s: float = Field(5.0, gt=0, le=_MAX_WAIT_S,
+    edge_backoff_s: float = Field(5.0, gt=0, le=MAX_WAIT_S,
                                   description="an unavailable edge sits out this long before it is retried")
     token: str | None = Field(None, description="bearer token for the edge")
     tenant: str = Field("default", description="namespace tenant folded into every chunk key")
@@ -91,9 +91,9 @@ class ClientConfig(RoleConfig):
     put_codec: str = Field("raw", description="codec for chunks written back to the edge")
     write_back: bool = Field(True, description="Put newly computed full chunks to the edge in the background")
     fetch_concurrency: int = Field(4, ge=1, le=64, description="chunks fetched at once")
-    lookup_timeout_s: float = Field(2.0, gt=0, le=_MAX_WAIT_S, description="deadline of a Lookup")
-    fetch_timeout_s: float = Field(10.0, gt=0, le=_MAX_WAIT_S, description="deadline of one chunk's Fetch")
-    put_timeout_s: float = Field(30.0, gt=0, le=_MAX_WAIT_S, description="deadline of one chunk's Put")
+    lookup_timeout_s: float = Field(2.0, gt=0, le=MAX_WAIT_S, description="deadline of a Lookup")
+    fetch_timeout_s: float = Field(10.0, gt=0, le=MAX_WAIT_S, description="deadline of one chunk's Fetch")
+    put_timeout_s: float = Field(30.0, gt=0, le=MAX_WAIT_S, description="deadline of one chunk's Put")
     max_pending_puts: int = Field(256, ge=1, description="write-backs queued at most; more are dropped")
     destination_pool_bytes: int = Field(1 << 30, ge=0, description="prefix KV buffers of finished requests kept "
                                         "for reuse (no page faults per request); 0 maps a fresh one every time")
