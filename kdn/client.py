@@ -45,8 +45,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from kdn.artifact import ArtifactReader, Section, encode_artifact
 from kdn.codecs import get_codec
-from kdn.config import RoleConfig
-from kdn.errors import ArtifactCorrupt, ConfigError, Unavailable
+from kdn.config import RoleConfig, check_address
+from kdn.errors import ArtifactCorrupt, Unavailable
 from kdn.keys import (
     DEFAULT_CHUNK_SIZE, PIECE_TOKENS, ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys, piece_keys,
     pieces_enabled, toggled_bos_key,
@@ -172,8 +172,8 @@ class AsyncKdnClient:
         self.config = config or ClientConfig()
         if transport is None and self.config.edge:
             c = self.config
-            for address in (c.edge, *c.fallback_edges):
-                _check_address(address)
+            for address in (c.edge, *c.fallback_edges):  # host:port, [v6]:port, dns:///host:port, unix:PATH
+                check_address(address, "edge address", unix=True)
             transport = connect([c.edge, *c.fallback_edges], token=c.token, shm=c.use_shm, bulk=c.bulk, tls=c.tls(),
                                 backoff_s=c.edge_backoff_s)
         self.transport = transport
@@ -776,15 +776,6 @@ def _encode_span(
     """Tokens ``s..e`` (a chunk or a tail piece) of per-layer KV as one artifact."""
     kv = layers_to_chunk(layers, s, e)  # (L, 2, H, e-s, D)
     return encode_artifact(kv, key=key, parent_key=parent, fingerprint=fingerprint, codec=codec, chunk_index=index)
-
-
-def _check_address(address: str) -> None:
-    """An edge address is ``host:port`` (``[v6]:port``, ``dns:///host:port``) or ``unix:PATH``."""
-    if address.startswith("unix:") and len(address) > len("unix:"):
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ConfigError(f"edge address must be host:port (or unix:PATH), got {address!r}")
 
 
 async def _deadline(aw: Awaitable[T], seconds: float, what: str) -> T:

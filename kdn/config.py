@@ -69,6 +69,18 @@ class RoleConfig(BaseModel):
             raise ConfigError(f"invalid {cls.__name__} from {source}: {problems}") from None
 
 
+def check_address(value: str, what: str, *, port_zero: bool = False, unix: bool = False) -> str:
+    """``value`` when it is ``host:port`` (``port_zero``: port 0 too, a listener's "any free
+    port"; ``unix``: or ``unix:PATH``); else ConfigError (a ValueError, so pydantic reports it
+    against the field) naming ``what``."""
+    if unix and value.startswith("unix:") and len(value) > len("unix:"):
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not (0 if port_zero else 1) <= int(port) <= 65535:
+        raise ConfigError(f"{what} must be host:port{' (or unix:PATH)' if unix else ''}, got {value!r}")
+    return value
+
+
 def refuse_when(*fields: str, bad: Callable[[Any], bool], why: str | Callable[[Any], str]) -> Any:
     """A field validator for a config model's class body: a value for which ``bad`` holds is refused
     with ``ValueError(why)`` (``why(value)`` when it is callable), pydantic naming the field; any

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from kdn.config import RoleConfig, cluster_key_rule
+from kdn.config import RoleConfig, check_address, cluster_key_rule
 from kdn.wire.channel import MAX_MESSAGE, STREAM_PIECE
 from kdn.wire.shm import DEFAULT_SHM_DIR
 from kdn.wire.tls import TlsFiles
@@ -27,15 +27,11 @@ from kdn.wire.tls import TlsFiles
 if TYPE_CHECKING:
     from kdn.wire.auth import EdgeKey
 
-_ADDRESS_HELP = "host:port"
 _MAX_BYTES = 1 << 50  # 1 PiB: a byte budget above it is a typo (1e29), not a bound
 
 
 def _check_address(value: str, what: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{what} must be {_ADDRESS_HELP}, got {value!r}")
-    return value
+    return check_address(value, what, port_zero=True)
 
 
 class IceServerConfig(BaseModel):
