@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import struct
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import xxhash
 
@@ -55,25 +57,42 @@ class Section:
 
     A section decoded into a larger ``(L, 2, H, T, D)`` tensor (``whole``) makes its view there on
     first use of :attr:`tensor`: callers that passed ``out=`` rarely look, and a view per section
-    is a measurable part of reading a small artifact."""
+    is a measurable part of reading a small artifact.
 
-    __slots__ = ("layer", "kind", "_tensor", "_whole")
+    A section lent straight from received bytes (:meth:`kdn.codecs.Codec.borrow_array`) holds them
+    as :attr:`array`, the same-width integer numpy view of a ``dtype`` tensor (read-only, valid
+    only while the sink runs): a caller that copies into numpy views of its own memory takes it
+    as it is, and :attr:`tensor` is made only if asked for."""
+
+    __slots__ = ("layer", "kind", "_tensor", "_whole", "array", "_dtype")
 
     def __init__(self, layer: int, kind: Literal["k", "v"], tensor: torch.Tensor | None = None, *,
-                 whole: torch.Tensor | None = None) -> None:
-        if tensor is None and whole is None:
-            raise ValueError("a Section needs its tensor or the tensor it lies in")
+                 whole: torch.Tensor | None = None, array: np.ndarray | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        if tensor is None and whole is None and (array is None or dtype is None):
+            raise ValueError("a Section needs its tensor, the tensor it lies in, or its bytes and dtype")
         self.layer = layer
         self.kind = kind
         self._tensor = tensor
         self._whole = whole
+        self.array = array
+        self._dtype = dtype
 
     @property
     def tensor(self) -> torch.Tensor:
         if self._tensor is None:
-            assert self._whole is not None
-            self._tensor = self._whole[self.layer, 0 if self.kind == "k" else 1]  # (H, T, D) view
+            if self._whole is not None:
+                self._tensor = self._whole[self.layer, 0 if self.kind == "k" else 1]  # (H, T, D) view
+            else:
+                assert self.array is not None and self._dtype is not None
+                with warnings.catch_warnings():  # read-only on purpose: the caller copies out of it
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._tensor = torch.from_numpy(self.array).view(self._dtype)
         return self._tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype if self._dtype is not None else self.tensor.dtype
 
     def __repr__(self) -> str:
         return f"Section(layer={self.layer}, kind={self.kind!r}, shape={tuple(self.tensor.shape)})"

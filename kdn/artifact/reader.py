@@ -323,7 +323,9 @@ class ArtifactReader:
         if not self._decode:
             return True
         if self._sink is not None:
-            self._sink(Section(info.layer, info.kind, self._codec.borrow(framed[4:], info)))
+            lent = self._codec.borrow_array(framed[4:], info)
+            self._sink(Section(info.layer, info.kind, array=lent, dtype=info.dtype) if lent is not None
+                       else Section(info.layer, info.kind, self._codec.borrow(framed[4:], info)))
             return True  # the section (and its view of the fed bytes) is gone once the sink returns
         if not self._assemble:
             return Section(info.layer, info.kind, self._codec.decode(framed[4:], info))

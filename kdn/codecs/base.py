@@ -78,6 +78,13 @@ class Codec(ABC):
         Default: :meth:`decode` (a new tensor)."""
         return self.decode(payload, info)
 
+    def borrow_array(self, payload: memoryview, info: SectionInfo) -> np.ndarray | None:
+        """The section as a ``(H, T, D)`` same-width integer array over ``payload``'s own bytes
+        (:func:`same_width_array`'s types; read-only, valid only as long as ``payload`` is), for
+        codecs that store the tensor's bytes as they are; None for any other (then the caller
+        uses :meth:`borrow`). Raises ArtifactCorrupt when the payload is not the tensor's size."""
+        return None
+
     def decode_into(self, payload: memoryview, info: SectionInfo, out: torch.Tensor) -> None:
         """Decode into ``out``, a ``(H, T, D)`` tensor of ``info.dtype`` (a view into a larger
         buffer, e.g. one layer's K of a whole chunk). Codecs that can write in place override
@@ -117,6 +124,10 @@ def copy_exact(dst: torch.Tensor, src: torch.Tensor | np.ndarray) -> None:
 def same_width_array(x: torch.Tensor) -> np.ndarray:
     """``x``'s memory as a numpy array of the same-width integer type (same shape and strides)."""
     return x.view(_SAME_WIDTH_INT[x.element_size()]).numpy()
+
+
+SAME_WIDTH_NP = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}
+"""numpy's side of :func:`same_width_array`: the integer type per element width in bytes."""
 
 
 def copy_bytes_into(target: np.ndarray, src: np.ndarray) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import zstandard
 
-from kdn.codecs.base import Codec, SectionInfo, copy_bytes_into, copy_exact, register_codec
+from kdn.codecs.base import SAME_WIDTH_NP, Codec, SectionInfo, copy_bytes_into, copy_exact, register_codec
 from kdn.errors import ArtifactCorrupt
 
 _LAYOUT_BLOCK, _LAYOUT_PLANES = 0, 1
@@ -125,6 +125,10 @@ class RawCodec(Codec):
         with warnings.catch_warnings():  # read-only on purpose: the caller copies out of it
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(arr).view(info.dtype).reshape(info.shape)
+
+    def borrow_array(self, payload: memoryview, info: SectionInfo) -> np.ndarray:
+        arr = self._payload(payload, info)
+        return arr.view(SAME_WIDTH_NP[info.dtype.itemsize]).reshape(info.shape)
 
     def decode_into(self, payload: memoryview, info: SectionInfo, out: torch.Tensor) -> None:
         src = self._payload(payload, info)

@@ -12,6 +12,7 @@ import struct
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -501,8 +502,16 @@ def test_sink_gets_verified_sections_borrowed_from_the_fed_bytes() -> None:
     whole = decode_artifact(blob).kv  # (L, 2, H, T, D)
     got: dict[tuple[int, str], torch.Tensor] = {}
     buf = bytearray(blob)
-    reader = ArtifactReader(sink=lambda s: got.__setitem__((s.layer, s.kind), s.tensor.clone()))
+    src = np.frombuffer(buf, dtype=np.uint8)
+
+    def sink(s) -> None:
+        # lent as numpy over the fed bytes (no tensor made unless asked), its dtype kept apart
+        assert s.array is not None and np.shares_memory(s.array, src) and s.dtype == whole.dtype
+        got[(s.layer, s.kind)] = s.tensor.clone()
+
+    reader = ArtifactReader(sink=sink)
     assert reader.feed(memoryview(buf)) == []
+    del src
     reader.finish()
     assert sorted(got) == [(layer, kind) for layer in range(3) for kind in "kv"]
     for (layer, kind), t in got.items():

@@ -257,42 +257,49 @@ def test_a_corrupt_whole_container_fails_from_its_chunk_on_and_the_earlier_chunk
         conn.loop.close()
 
 
+def _section(kind: str, x: torch.Tensor, lent: bool):
+    """A section as a decoder makes it (a tensor), or as the reader lends raw bytes (an array)."""
+    from kdn.artifact import Section
+    from kdn.codecs import same_width_array
+
+    return Section(0, kind, array=same_width_array(x.contiguous()), dtype=x.dtype) if lent else Section(0, kind, x)
+
+
+@pytest.mark.parametrize("lent", [False, True], ids=["tensor", "lent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_ids", [[1, 2], [3, 1], [2, 0]], ids=["consecutive", "descending", "gapped"])
 @pytest.mark.parametrize("backend,isa", [("FLASH_ATTN", None), ("CPU_ATTN", "vec")])
-def test_a_chunk_lands_in_its_own_blocks_whatever_their_ids(vllm_module, block_ids, backend, isa, dtype):
+def test_a_chunk_lands_in_its_own_blocks_whatever_their_ids(vllm_module, block_ids, backend, isa, dtype, lent):
     """A 16-token chunk over two 8-token blocks: consecutive ids take one strided copy, any other
     ids an indexed write; either way each block gets its tokens, bit for bit (bfloat16 goes
-    through numpy as int16), and the others keep theirs."""
-    from kdn.artifact import Section
-
+    through numpy as int16), and the others keep theirs. The same whether the section is a
+    tensor or raw bytes the reader lent (as numpy, copied without a tensor being made)."""
     bs = 8
     caches = [torch.full((4, H, bs, 2 * D), OLD, dtype=dtype)]
     paged = vllm_module.PagedCache.of(vllm_module.EngineGeometry(1, H, D, dtype, bs, C), caches, backend, isa)
     kv = torch.randn(2, H, C, D).to(dtype)  # K, V of one layer
     for s, kind in enumerate("kv"):
-        paged.placer(block_ids, 0, 0, C)(Section(0, kind, kv[s]))
+        paged.placer(block_ids, 0, 0, C)(_section(kind, kv[s], lent))
     got = paged.gather(block_ids)  # (1, 2, H, C, D), read back through the backend's layout
     assert torch.equal(got[0], kv)
     for b in set(range(4)) - set(block_ids):
         assert torch.all(caches[0][b] == OLD)
 
 
+@pytest.mark.parametrize("lent", [False, True], ids=["tensor", "lent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend,isa", [("FLASH_ATTN", None), ("CPU_ATTN", "vec")])
-def test_tokens_inside_blocks_land_in_their_slots_and_nowhere_else(vllm_module, backend, isa, dtype):
+def test_tokens_inside_blocks_land_in_their_slots_and_nowhere_else(vllm_module, backend, isa, dtype, lent):
     """Tokens 4..11 of a request whose blocks are [2, 0] (8 tokens each), the engine holding tokens
     before 6: tokens 6, 7 go to the end of block 2 and 8..11 to the start of block 0; every other
     slot keeps what it held."""
-    from kdn.artifact import Section
-
     bs, lo, hi, write_from = 8, 4, 12, 6
     caches = [torch.full((3, H, bs, 2 * D), OLD, dtype=dtype)]
     paged = vllm_module.PagedCache.of(vllm_module.EngineGeometry(1, H, D, dtype, bs, C), caches, backend, isa)
     kv = torch.randn(2, H, hi - lo, D).to(dtype)
     put = paged.placer([2, 0], write_from, lo, hi)
     for s, kind in enumerate("kv"):
-        put(Section(0, kind, kv[s]))
+        put(_section(kind, kv[s], lent))
     got = paged.gather([2, 0], 0, 2 * bs)[0]  # (2, H, 16, D): tokens 0..15 of the request
     assert torch.equal(got[:, :, write_from:hi], kv[:, :, write_from - lo:])
     assert torch.all(got[:, :, :write_from] == OLD) and torch.all(got[:, :, hi:] == OLD)
@@ -437,3 +444,17 @@ def test_a_finished_prompt_writes_back_only_the_tail_pieces_the_edge_lacks(vllm_
     for held, saved in ((0, pkeys), (2, pkeys[2:]), (3, [])):
         specs = saves_of("r", state(held), len(tokens), chunk_size=C32, block_size=bs, fingerprint=FP)
         assert [ChunkKey(s.key) for s in specs] == list(saved), held
+
+
+@pytest.mark.parametrize("backend,isa", [("FLASH_ATTN", None), ("CPU_ATTN", "vec")])
+def test_lent_bytes_of_another_dtype_of_the_same_width_are_refused(vllm_module, backend, isa):
+    """float16 bytes lent to a bfloat16 engine are both int16 to numpy: the section's dtype, not
+    the array's, decides, and nothing is written."""
+    from kdn.errors import FingerprintMismatch
+
+    bs = 8
+    caches = [torch.full((2, H, bs, 2 * D), OLD, dtype=torch.bfloat16)]
+    paged = vllm_module.PagedCache.of(vllm_module.EngineGeometry(1, H, D, torch.bfloat16, bs, C), caches, backend, isa)
+    with pytest.raises(FingerprintMismatch):
+        paged.placer([0, 1], 0, 0, C)(_section("k", torch.randn(H, C, D).to(torch.float16), True))
+    assert torch.all(caches[0] == OLD)

@@ -210,12 +210,17 @@ class LoadJob:
 
     ``progress[r][i]`` counts the layers of chunk i of request r that are in place; a chunk that
     failed or finished counts as all layers (a failed one's blocks are reported, never trusted).
+    ``_ready[l]`` counts the items past layer ``l``: a waiter for layer ``l`` is woken once, when
+    it reaches every item, not at each of the step's sections (each wake-up takes the GIL from
+    the readers).
     ``after``: on CUDA, an event the copies wait for."""
 
     def __init__(self, ctx: LoadContext, specs: list[LoadSpec], *, after: Any = None) -> None:
         self.ctx = ctx
         self.specs = specs
         self.progress = [[0] * len(s.items) for s in specs]
+        self._items = sum(len(s.items) for s in specs)
+        self._ready = [0] * ctx.paged.geometry.num_layers  # per layer: the items that have it (or are over)
         self.first_failed = [len(s.items) for s in specs]
         self.cond = threading.Condition()
         self.future: Any = None
@@ -294,8 +299,7 @@ class LoadJob:
                 if ev is not None:
                     self._events.setdefault(section.layer, []).append(ev)
                 if section.kind == "v":
-                    self.progress[r][i] = section.layer + 1
-                    self.cond.notify_all()
+                    self._advance(r, i, section.layer + 1)
 
         # plain keys: a steered artifact is refused
         reader = client.fetches.section_reader(ctx.fingerprint, key, place, check=check, steered=bool(spec.steer))
@@ -380,14 +384,28 @@ class LoadJob:
         LOG.warning("KDN load of %s for request %s failed (%s: %s); vLLM recomputes from there",
                     what, spec.req_id, type(exc).__name__, exc)
 
+    def _advance(self, r: int, i: int, to: int) -> None:
+        """Item ``i`` of request ``r`` is past layer ``to - 1``; wakes the waiters where a layer
+        became ready for every item. Called holding ``cond``."""
+        was = self.progress[r][i]
+        if to <= was:
+            return
+        self.progress[r][i] = to
+        ready = self._ready
+        woke = False
+        for layer in range(was, to):
+            ready[layer] += 1
+            woke |= ready[layer] == self._items
+        if woke:
+            self.cond.notify_all()
+
     def _done(self, r: int, i: int) -> None:
         with self.cond:
-            self.progress[r][i] = self._L
-            self.cond.notify_all()
+            self._advance(r, i, self._L)
 
     def wait_layer(self, layer: int) -> None:
         with self.cond:
-            ok = self.cond.wait_for(lambda: all(p > layer for ps in self.progress for p in ps),
+            ok = self.cond.wait_for(lambda: self._ready[layer] >= self._items,
                                     timeout=max(0.0, self._deadline - time.monotonic()))
         if not ok:
             self._cancel()
@@ -418,8 +436,9 @@ class LoadJob:
         if began:  # the future says "cancelled" at once; the job may still be placing a section
             self._ended.wait(10)
         with self.cond:
-            for ps in self.progress:
-                ps[:] = [self._L] * len(ps)
+            for r, ps in enumerate(self.progress):
+                for i in range(len(ps)):
+                    self._advance(r, i, self._L)
             self.cond.notify_all()
 
     def finish(self) -> None:

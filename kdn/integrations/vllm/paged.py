@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kdn.artifact import PB_TO_DTYPE, Section
+from kdn.codecs import same_width_array
 from kdn.errors import FingerprintMismatch
 
 _CPU_ISAS = ("vec", "vec16")  # their layout is mapped below as strided views; any other is learned
@@ -172,23 +173,17 @@ def bits_view(kv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int] |
     return view, w
 
 
-def _host_array(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's numpy view, same bytes and strides (numpy has no bfloat16: 16-bit floats
-    are viewed as int16, which copies the same bits)."""
-    if t.element_size() == 2 and t.dtype.is_floating_point:
-        t = t.view(torch.int16)
-    return t.numpy()
 
 
 def _host_views(layers: Sequence["PagedKV"], device: torch.device) -> list[tuple[np.ndarray, np.ndarray]] | None:
-    """Every layer's K and V views as numpy arrays over the same bytes (16-bit floats as int16),
-    or None where the cache is not plain host memory (CUDA, a learned layout). The placer copies
+    """Every layer's K and V views as same-width integer numpy arrays over the same bytes
+    (:func:`kdn.codecs.same_width_array`: copies keep every bit, bfloat16's too), or None where the cache is not plain host memory (CUDA, a learned layout). The placer copies
     through these: numpy's copy runs on the calling thread, where torch's would start an OpenMP
     team per reader thread and fight the forward's for the cores (and run a transposed K at half
     numpy's speed on one thread)."""
     if device.type != "cpu" or not all(isinstance(p.k, torch.Tensor) and isinstance(p.v, torch.Tensor) for p in layers):
         return None
-    return [(_host_array(p.k), _host_array(p.v)) for p in layers]
+    return [(same_width_array(p.k), same_width_array(p.v)) for p in layers]
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,11 +337,19 @@ class PagedCache:
                       else (idx[0].numpy(), idx[1], idx[2].numpy()))
 
         def put(section: Section) -> Any:
-            x = section.tensor
-            if x.shape != want or x.dtype != g.dtype:
-                raise FingerprintMismatch(f"artifact section {tuple(x.shape)} {x.dtype} is not this engine's "
+            a = section.array if host is not None else None
+            x = a if a is not None else section.tensor  # bytes lent as numpy: no tensor is made
+            if tuple(x.shape) != want or section.dtype != g.dtype:
+                raise FingerprintMismatch(f"artifact section {tuple(x.shape)} {section.dtype} is not this engine's "
                                           f"{want} {g.dtype}")
             if idx is None:
+                return None
+            if a is not None:
+                assert host is not None
+                s = a[:, skip:]
+                # the same views as below, in numpy
+                src_np = s.reshape(H, -1, kb, D).transpose(1, 0, 2, 3) if whole_blocks else s.transpose(1, 0, 2)
+                host[section.layer][0 if section.kind == "k" else 1][np_idx] = src_np
                 return None
             if whole_blocks:
                 # (H, T, D) -> (H, nkb, kb, D) -> (nkb, H, kb, D): the views' [block, H, token, D] order
@@ -354,7 +357,7 @@ class PagedCache:
             else:
                 src = x[:, skip:].permute(1, 0, 2)  # (H, T, D) -> (T, H, D): what dst[block, :, offset] takes
             if host is not None:
-                host[section.layer][0 if section.kind == "k" else 1][np_idx] = _host_array(src)
+                host[section.layer][0 if section.kind == "k" else 1][np_idx] = same_width_array(src)
                 return None
             paged = layers[section.layer]
             dst = paged.k if section.kind == "k" else paged.v
