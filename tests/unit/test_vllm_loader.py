@@ -458,3 +458,14 @@ def test_lent_bytes_of_another_dtype_of_the_same_width_are_refused(vllm_module, 
     with pytest.raises(FingerprintMismatch):
         paged.placer([0, 1], 0, 0, C)(_section("k", torch.randn(H, C, D).to(torch.float16), True))
     assert torch.all(caches[0] == OLD)
+
+
+@pytest.mark.parametrize("other", [dict(dtype=torch.float16), dict(blocks=3)], ids=["dtype", "shape"])
+def test_a_layer_cache_unlike_layer_0s_is_refused_at_start(vllm_module, other):
+    """Only layer 0's cache was checked against the model; a later layer of another dtype would
+    have been cast into by numpy's copy, not refused."""
+    bs = 8
+    caches = [torch.zeros(4, H, bs, 2 * D), torch.zeros(other.get("blocks", 4), H, bs, 2 * D,
+                                                        dtype=other.get("dtype", torch.float32))]
+    with pytest.raises(ValueError, match="layer 1"):
+        vllm_module.PagedCache.of(vllm_module.EngineGeometry(2, H, D, torch.float32, bs, C), caches, "CPU_ATTN", "vec")

@@ -269,6 +269,10 @@ class PagedCache:
             raise ValueError(f"KDN: unsupported paged KV shape {tuple(kv.shape)} (want [blocks, {g.num_kv_heads}, block, 2*D])")
         if kv.dtype != g.dtype:
             raise ValueError(f"KDN: KV cache dtype {kv.dtype} differs from the model dtype {g.dtype}")
+        for i, c in enumerate(caches):  # what is learned and checked of layer 0 must hold for every layer
+            if c.shape != kv.shape or c.dtype != kv.dtype or c.device != kv.device:
+                raise ValueError(f"KDN: layer {i}'s KV cache {tuple(c.shape)} {c.dtype} on {c.device} differs from "
+                                 f"layer 0's {tuple(kv.shape)} {kv.dtype} on {kv.device}")
         layout = None
         if backend == "CPU_ATTN" and isa not in _CPU_ISAS and write_kernel is not None:
             layout = learn_layout(write_kernel, g.num_kv_heads, int(kv.shape[2]), g.head_dim, g.dtype)
