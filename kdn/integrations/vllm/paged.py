@@ -173,14 +173,13 @@ def bits_view(kv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, int] |
     return view, w
 
 
-
-
 def _host_views(layers: Sequence["PagedKV"], device: torch.device) -> list[tuple[np.ndarray, np.ndarray]] | None:
     """Every layer's K and V views as same-width integer numpy arrays over the same bytes
-    (:func:`kdn.codecs.same_width_array`: copies keep every bit, bfloat16's too), or None where the cache is not plain host memory (CUDA, a learned layout). The placer copies
-    through these: numpy's copy runs on the calling thread, where torch's would start an OpenMP
-    team per reader thread and fight the forward's for the cores (and run a transposed K at half
-    numpy's speed on one thread)."""
+    (:func:`kdn.codecs.same_width_array`: copies keep every bit, bfloat16's too), or None where
+    the cache is not plain host memory (CUDA, a learned layout). The placer copies through these:
+    numpy's copy runs on the calling thread, where torch's would start an OpenMP team per reader
+    thread and fight the forward's for the cores (and run a transposed K at half numpy's speed on
+    one thread)."""
     if device.type != "cpu" or not all(isinstance(p.k, torch.Tensor) and isinstance(p.v, torch.Tensor) for p in layers):
         return None
     return [(same_width_array(p.k), same_width_array(p.v)) for p in layers]
