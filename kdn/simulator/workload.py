@@ -103,7 +103,7 @@ def _build_csr(
     np.cumsum(full, out=off[1:])
     req = np.repeat(np.arange(len(full)), full)
     j = np.arange(off[-1], dtype=np.int64) - off[:-1][req]
-    keys = np.where(j < doc_full[req], (doc[req] << 20) | j, TAIL_BASE + owner[req] * 4096 + j)
+    keys = np.where(j < doc_full[req], (doc[req] << 20) | j, TAIL_BASE + owner[req] * TAIL_SPAN + j)
     return off, keys
 
 
