@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import struct
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +25,7 @@ import torch
 import xxhash
 
 from kdn.codecs import Codec, SectionInfo, get_codec
+from kdn.codecs.base import lent_tensor
 from kdn.errors import ArtifactCorrupt, InvalidInput
 from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint
 from kdn.kv import KV_LAYOUT_VERSION
@@ -85,9 +85,7 @@ class Section:
                 self._tensor = self._whole[self.layer, 0 if self.kind == "k" else 1]  # (H, T, D) view
             else:
                 assert self.array is not None and self._dtype is not None
-                with warnings.catch_warnings():  # read-only on purpose: the caller copies out of it
-                    warnings.simplefilter("ignore", UserWarning)
-                    self._tensor = torch.from_numpy(self.array).view(self._dtype)
+                self._tensor = lent_tensor(self.array, self._dtype)
         return self._tensor
 
     @property

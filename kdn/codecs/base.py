@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Literal
@@ -124,6 +125,14 @@ def copy_exact(dst: torch.Tensor, src: torch.Tensor | np.ndarray) -> None:
 def same_width_array(x: torch.Tensor) -> np.ndarray:
     """``x``'s memory as a numpy array of the same-width integer type (same shape and strides)."""
     return x.view(_SAME_WIDTH_INT[x.element_size()]).numpy()
+
+
+def lent_tensor(arr: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A ``dtype`` tensor over ``arr``'s own memory (``arr``: its same-width integers, possibly
+    read-only: the caller copies out of it and keeps no reference)."""
+    with warnings.catch_warnings():  # torch warns of a read-only array: read-only on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr).view(dtype)
 
 
 SAME_WIDTH_NP = {1: np.dtype(np.uint8), 2: np.dtype(np.int16), 4: np.dtype(np.int32), 8: np.dtype(np.int64)}

@@ -20,8 +20,6 @@ each), never with a strided byte transpose, which runs at under 1 GB/s.
 
 from __future__ import annotations
 
-import warnings
-
 import struct
 import threading
 
@@ -30,7 +28,9 @@ import numpy as np
 import torch
 import zstandard
 
-from kdn.codecs.base import SAME_WIDTH_NP, Codec, SectionInfo, copy_bytes_into, copy_exact, register_codec
+from kdn.codecs.base import (
+    SAME_WIDTH_NP, Codec, SectionInfo, copy_bytes_into, copy_exact, lent_tensor, register_codec,
+)
 from kdn.errors import ArtifactCorrupt
 
 _LAYOUT_BLOCK, _LAYOUT_PLANES = 0, 1
@@ -121,10 +121,7 @@ class RawCodec(Codec):
         return arr
 
     def borrow(self, payload: memoryview, info: SectionInfo) -> torch.Tensor:
-        arr = self._payload(payload, info)
-        with warnings.catch_warnings():  # read-only on purpose: the caller copies out of it
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(arr).view(info.dtype).reshape(info.shape)
+        return lent_tensor(self.borrow_array(payload, info), info.dtype)
 
     def borrow_array(self, payload: memoryview, info: SectionInfo) -> np.ndarray:
         arr = self._payload(payload, info)
