@@ -15,6 +15,8 @@ annotate with :data:`ArtifactHeader` from here.
 
 from __future__ import annotations
 
+import functools
+
 import struct
 import time
 from dataclasses import dataclass
@@ -104,14 +106,23 @@ class Artifact:
     kv: torch.Tensor
 
 
-def section_infos(header: ArtifactHeader) -> list[SectionInfo]:
-    dtype = PB_TO_DTYPE[header.dtype]
-    shape = (header.num_kv_heads, header.token_count, header.head_dim)
-    return [
-        SectionInfo(layer, header.num_layers, kind, shape, dtype, header.chunk_index)
-        for layer in range(header.num_layers)
+def section_infos(header: ArtifactHeader) -> tuple[SectionInfo, ...]:
+    """The sections a header declares, in order (layer 0 K, layer 0 V, ...). Shared between
+    readers of containers of one geometry: a ``SectionInfo`` is immutable."""
+    return _section_infos(header.num_layers, header.num_kv_heads, header.token_count, header.head_dim,
+                          header.dtype, header.chunk_index)
+
+
+@functools.lru_cache(maxsize=256)
+def _section_infos(layers: int, heads: int, tokens: int, head_dim: int, dtype: int,
+                   chunk_index: int) -> tuple[SectionInfo, ...]:
+    # building them took ~20 us a container, a tenth of reading a verified 1 MiB one
+    shape = (heads, tokens, head_dim)
+    return tuple(
+        SectionInfo(layer, layers, kind, shape, PB_TO_DTYPE[dtype], chunk_index)
+        for layer in range(layers)
         for kind in ("k", "v")
-    ]
+    )
 
 
 def header_shape(header: ArtifactHeader) -> tuple[int, int, int, int, int]:

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import traceback
 from concurrent.futures import Executor
 from typing import Callable
@@ -36,6 +37,21 @@ from kdn.artifact.trust import Expect, header_part
 from kdn.codecs import Codec, SectionInfo
 from kdn.errors import ArtifactCorrupt, MessageTooLarge
 from kdn.keys import ChunkKey, ModelFingerprint
+
+
+@functools.lru_cache(maxsize=64)
+def _framed(size: int) -> np.dtype:
+    """One framed raw section of ``size`` payload bytes as a numpy record: its length field,
+    payload and check, read where they lie."""
+    return np.dtype({"names": ["length", "payload", "check"], "formats": ["<u4", ("u1", (size,)), "<u8"],
+                     "offsets": [0, 4, 4 + size], "itemsize": 4 + size + 8})
+
+
+@functools.lru_cache(maxsize=64)
+def _length_seed(size: int) -> "xxhash.xxh3_64":
+    """The hash state after a raw section's length field (every check starts with it); callers
+    copy it, never update it."""
+    return xxhash.xxh3_64(U32.pack(size))
 
 
 def _bad_check(info: SectionInfo) -> ArtifactCorrupt:
@@ -283,21 +299,21 @@ class ArtifactReader:
         if layers < 1 or size % info.dtype.itemsize:
             return []
         rows = 2 * layers
-        region = np.frombuffer(self._view, dtype=np.uint8, count=rows * stride, offset=self._pos).reshape(rows, stride)
-        if not bool((region[:, :4].copy().view("<u4") == size).all()):
+        framed = np.frombuffer(self._view, dtype=_framed(size), count=rows, offset=self._pos)
+        if framed["length"].tolist().count(size) != rows:
             return []  # a length that is not the raw size: the slow path refuses it
-        checks = [int(c) for c in region[:, 4 + size :].copy().view("<u8").ravel()]
+        checks = framed["check"].tolist()
         whole = self._dest.array(header_shape(self.header), info.dtype)
         dst = whole[info.layer : info.layer + layers]  # (layers, 2, H, T, D), same-width ints
-        src = region[:, 4 : 4 + size].view(dst.dtype).reshape(dst.shape)
-        seed = xxhash.xxh3_64(U32.pack(size))  # every section's check starts with its length
-        bad = copy_verified(dst, src, seed, checks, 2 * stride, self._pool)
+        src = framed["payload"].view(dst.dtype).reshape(dst.shape)
+        bad = copy_verified(dst, src, _length_seed(size), checks, 2 * stride, self._pool)
         if bad is not None:
             raise _bad_check(self._infos[self._next + bad])
-        self._tree.update(region[:, 4 + size :].tobytes())  # the checks, in order
+        self._tree.update(framed["check"].tobytes())  # the checks, in order
         self._pos += rows * stride
         self._next += rows
-        return [Section(i.layer, i.kind, whole=self.kv) for i in self._infos[self._next - rows : self._next]]
+        kv = self.kv
+        return [Section(i.layer, i.kind, whole=kv) for i in self._infos[self._next - rows : self._next]]
 
     def _parse_section(self) -> Section | bool | None:
         info = self._infos[self._next]

@@ -54,13 +54,12 @@ streams over gRPC), so bytes never travel in the clear where the operator asked 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import struct
 import threading
 import time
 from collections import defaultdict
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 from kdn.errors import ArtifactCorrupt, InvalidInput, KdnError, Unauthorized
 from kdn.wire.errors import error_from_status
@@ -229,13 +228,26 @@ def _raise_for(status: int, text: str, peer: str) -> None:
 
 
 class _Lease:
-    """One connection checked out for one request, and whether it may serve the next."""
+    """One connection checked out for one request (``async with``), and whether it may serve
+    the next: kept only if the request left it clean (its answer read whole), closed otherwise
+    (a broken or half-read stream is never reused)."""
 
-    __slots__ = ("sock", "clean")
+    __slots__ = ("_client", "sock", "clean")
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, client: "BulkClient") -> None:
+        self._client = client
+        self.sock: socket.socket = None  # type: ignore[assignment]  # set on entry
         self.clean = False
+
+    async def __aenter__(self) -> "_Lease":
+        self.sock = await self._client._take()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.clean:
+            self._client._give(self.sock)
+        else:
+            self.sock.close()
 
 
 class BulkClient:
@@ -325,18 +337,9 @@ class BulkClient:
         else:
             sock.close()
 
-    @contextlib.asynccontextmanager
-    async def _lease(self) -> AsyncIterator[_Lease]:
-        """A connection for one request: kept for the next only if the request left it clean
-        (its answer read whole), closed otherwise (a broken or half-read stream is never reused)."""
-        lease = _Lease(await self._take())
-        try:
-            yield lease
-        finally:
-            if lease.clean:
-                self._give(lease.sock)
-            else:
-                lease.sock.close()
+    def _lease(self) -> _Lease:
+        """A connection for one request (:class:`_Lease`: ``async with``)."""
+        return _Lease(self)
 
     async def _ask(self, lease: _Lease, op: int, body: bytes) -> tuple[int, str, int]:
         """Send one request; its answer's ``(flags, text, size)`` (a payload, if any, still in the

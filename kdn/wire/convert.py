@@ -21,6 +21,7 @@ answer is not converted here at all (it is hand-framed by :mod:`kdn.wire.frames`
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterable, Callable, Iterator, Sequence
@@ -279,7 +280,14 @@ def parse_stats(resp: pb.StatsResponse) -> NodeStats:
 
 
 def fetch_request_bytes(spec: FetchSpec, next_keys: Sequence[ChunkKey] = (), *, shm: bool = False) -> bytes:
-    """``spec``'s ``FetchRequest``, serialized: the request the bulk byte path carries."""
+    """``spec``'s ``FetchRequest``, serialized: the request the bulk byte path carries. The same
+    request (a hot key fetched again) is serialized once: building and serializing it was ~15 us
+    of a shared-memory fetch's ~300."""
+    return _request_bytes(spec, tuple(next_keys), shm)
+
+
+@functools.lru_cache(maxsize=1024)
+def _request_bytes(spec: FetchSpec, next_keys: tuple[ChunkKey, ...], shm: bool) -> bytes:
     return spec.to_proto(next_keys, shm=shm).SerializeToString()
 
 
