@@ -16,6 +16,9 @@ command on stdin with one line: ``{"ok": true, ...}`` or ``{"ok": false, "error"
 - ``{"op": "put", "set": S, "n": N}``: N sequential PUTs, each acknowledged by the server: ``{"s"}``;
 - ``{"op": "burst", "set": S, "n": N, "inflight": F, "start_at": T}``: N GETs, F in flight, starting
   at ``time.monotonic() == T`` (a shared start across processes): ``{"t0", "t1", "lat": [...]}``;
+- ``{"op": "paced", "set": S, "n": N, "rate": R, "inflight": F, "seed": X, "start_at": T}``: N GETs
+  arriving open loop (Poisson, R per second, seeded), at most F at once, each timed from its
+  scheduled arrival: ``{"t0", "t1", "lat": [...]}``; ``shm_paced`` (kdn only): over shared memory;
 - ``{"op": "shm", "set": S, "n": N}`` (kdn only): N fetches over same-host shared memory;
 - ``{"op": "shm_burst", ...}`` (kdn only): ``burst`` over the default host path (``shm=True``);
 - ``{"op": "unread", "set": S, "n": N}`` (kdn only, diagnostic): N fetches whose pieces are dropped
@@ -41,13 +44,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import mmap
 import os
+import random
 import socket
 import struct
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -152,6 +158,55 @@ class Client:
         t1 = time.monotonic()
         return {"t0": t0, "t1": t1, "lat": lat}
 
+    async def op_paced(self, objs: Objects, n: int, rate: float, inflight: int, seed: int = 0,
+                       start_at: float = 0.0) -> dict:
+        """``n`` GETs arriving open loop, as a Poisson process of ``rate`` per second (seeded: every
+        system gets the same arrivals), at most ``inflight`` at once. Each latency runs from the
+        request's scheduled arrival, so a request that waits — for a free slot, or behind a GET
+        that holds the event loop (LMCache's connector receives without yielding) — counts its
+        wait, and every system's figure holds its own queueing. A thread keeps the arrivals on
+        time: asyncio's timers wake at millisecond granularity, coarser than the gaps."""
+        self.prepare(objs, inflight)
+        loop = asyncio.get_running_loop()
+        rng = random.Random(seed)
+        gaps = [rng.expovariate(rate) for _ in range(n)]
+        arrivals: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+        lat: list[float] = []
+        free = list(range(inflight))
+        slots = asyncio.Semaphore(inflight)
+
+        def clock() -> None:
+            due = time.perf_counter()
+            for j, gap in enumerate(gaps):
+                due += gap
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    time.sleep(wait)
+                loop.call_soon_threadsafe(arrivals.put_nowait, (j, due))
+
+        async def one(j: int, slot: int, due: float) -> None:
+            try:
+                await self.get_one(objs, j % len(objs), slot)
+            finally:
+                lat.append(time.perf_counter() - due)
+                free.append(slot)
+                slots.release()
+
+        delay = start_at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        t0 = time.monotonic()
+        ticker = threading.Thread(target=clock, name="arrivals", daemon=True)
+        ticker.start()
+        tasks = []
+        for _ in range(n):
+            j, due = await arrivals.get()
+            await slots.acquire()
+            tasks.append(asyncio.ensure_future(one(j, free.pop(), due)))
+        await asyncio.gather(*tasks)
+        ticker.join()
+        return {"t0": t0, "t1": time.monotonic(), "lat": lat}
+
     async def op_memcpy(self, objs: Objects, n: int) -> dict:
         dst = bytearray(max(len(b) for b in objs.blobs))
         view = memoryview(dst)
@@ -235,6 +290,15 @@ class KdnClient(Client):
         self.via_shm = True
         try:
             return await self.op_burst(objs, n, inflight, start_at)
+        finally:
+            self.via_shm = False
+
+    async def op_shm_paced(self, objs: Objects, n: int, rate: float, inflight: int, seed: int = 0,
+                           start_at: float = 0.0) -> dict:
+        """``paced`` over the default host path (shared memory)."""
+        self.via_shm = True
+        try:
+            return await self.op_paced(objs, n, rate, inflight, seed, start_at)
         finally:
             self.via_shm = False
 
@@ -450,6 +514,9 @@ async def serve(client: Client, kind: str, rfile: IO[str], wfile: IO[str]) -> No
         wfile.flush()
 
     info = await client.open()
+    # every client's imports (torch, lmcache, grpc) made millions of objects; a full collection
+    # over them stalls the process for ~0.1 s, which an open-loop run counts against the server
+    gc.freeze()
     reply({"ready": kind, **info})
     loop = asyncio.get_running_loop()
     try:
