@@ -52,14 +52,23 @@ import os
 import random
 import socket
 import struct
+import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
 from typing import IO, Any
 
 _LEN = struct.Struct("<Q")
+_CLOCK = """
+import json, os, struct, sys, time
+fd = int(sys.argv[1])
+for j, at in enumerate(json.load(sys.stdin)):
+    wait = at - time.monotonic()
+    if wait > 0:
+        time.sleep(wait)
+    os.write(fd, struct.pack("<I", j))
+"""  # the open-loop run's arrival clock (op_paced): one 4-byte write per arrival, on time
 _LMCACHE_SOURCES = 4  # distinct source buffers per object set on LMCache's side
 
 
@@ -164,47 +173,62 @@ class Client:
         system gets the same arrivals), at most ``inflight`` at once. Each latency runs from the
         request's scheduled arrival, so a request that waits — for a free slot, or behind a GET
         that holds the event loop (LMCache's connector receives without yielding) — counts its
-        wait, and every system's figure holds its own queueing. A thread keeps the arrivals on
-        time: asyncio's timers wake at millisecond granularity, coarser than the gaps."""
+        wait, and every system's figure holds its own queueing.
+
+        The arrivals come from a clock in its own process, one pipe write each: asyncio's timers
+        wake at millisecond granularity (coarser than the gaps), and a clock thread would wait for
+        this process's GIL, which a client that runs more Python holds more, and be late for it."""
         self.prepare(objs, inflight)
         loop = asyncio.get_running_loop()
         rng = random.Random(seed)
-        gaps = [rng.expovariate(rate) for _ in range(n)]
-        arrivals: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+        delay = start_at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        t0 = time.monotonic() + 0.2  # the clock process starts meanwhile
+        due, at = [], t0
+        for _ in range(n):
+            at += rng.expovariate(rate)
+            due.append(at)
+        r, w = os.pipe()
+        clock = subprocess.Popen([sys.executable, "-c", _CLOCK, str(w)], stdin=subprocess.PIPE, pass_fds=(w,))
+        os.close(w)
+        assert clock.stdin is not None
+        clock.stdin.write(json.dumps(due).encode())
+        clock.stdin.close()
+        os.set_blocking(r, False)
+        arrivals: asyncio.Queue[int] = asyncio.Queue()
         lat: list[float] = []
         free = list(range(inflight))
         slots = asyncio.Semaphore(inflight)
 
-        def clock() -> None:
-            due = time.perf_counter()
-            for j, gap in enumerate(gaps):
-                due += gap
-                wait = due - time.perf_counter()
-                if wait > 0:
-                    time.sleep(wait)
-                loop.call_soon_threadsafe(arrivals.put_nowait, (j, due))
+        def ticked() -> None:
+            try:
+                got = os.read(r, 4096)
+            except BlockingIOError:
+                return
+            for (j,) in struct.iter_unpack("<I", got):  # writes of 4 bytes arrive whole
+                arrivals.put_nowait(j)
 
-        async def one(j: int, slot: int, due: float) -> None:
+        async def one(j: int, slot: int) -> None:
             try:
                 await self.get_one(objs, j % len(objs), slot)
             finally:
-                lat.append(time.perf_counter() - due)
+                lat.append(time.monotonic() - due[j])
                 free.append(slot)
                 slots.release()
 
-        delay = start_at - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        t0 = time.monotonic()
-        ticker = threading.Thread(target=clock, name="arrivals", daemon=True)
-        ticker.start()
+        loop.add_reader(r, ticked)
         tasks = []
-        for _ in range(n):
-            j, due = await arrivals.get()
-            await slots.acquire()
-            tasks.append(asyncio.ensure_future(one(j, free.pop(), due)))
-        await asyncio.gather(*tasks)
-        ticker.join()
+        try:
+            for _ in range(n):
+                j = await arrivals.get()
+                await slots.acquire()
+                tasks.append(asyncio.ensure_future(one(j, free.pop())))
+            await asyncio.gather(*tasks)
+        finally:
+            loop.remove_reader(r)
+            os.close(r)
+            clock.wait()
         return {"t0": t0, "t1": time.monotonic(), "lat": lat}
 
     async def op_memcpy(self, objs: Objects, n: int) -> dict:

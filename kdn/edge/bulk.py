@@ -56,6 +56,14 @@ OPEN_TICKETS = 4096
 """Tickets outstanding with auth off (one table: there are no tokens to tell apart)."""
 MIN_RATE = 1 << 20
 """Bytes per second a request, a payload or an answer must move at, at least."""
+SEND_BUFFER_BYTES = 4 << 20
+"""The send buffer a bulk connection asks the kernel for (capped at ``net.core.wmem_max``): about
+where autotuning would end anyway (``tcp_wmem``'s maximum, 4 MiB by default), from the first
+answer on. Starting from the default 16 KiB, a 1 MiB answer crossed loopback in many small steps,
+each a wake-up on both sides: a plain Python sender spent ~340 us of CPU per 1 MiB and ~240 with
+this (its receiver ~620 and ~580); the edge's answers cost ~10% less CPU in a noisy A/B. The
+receive side is left to the client's autotuning: a fixed receive buffer would cap a long link's
+window."""
 _FIRST_STEP = 1 << 20  # a Put's first reserved and received step; each next one doubles ...
 _MAX_STEP = 16 << 20  # ... up to this
 
@@ -173,6 +181,7 @@ class BulkListener:
             conn.setblocking(True)
             conn.settimeout(self.timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             t = threading.Thread(target=BulkConnection(self, conn, token).serve, name="kdn-bulk", daemon=True)
             with self._lock:
                 self._conns.add(conn)
