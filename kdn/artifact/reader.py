@@ -110,7 +110,7 @@ class ArtifactReader:
         self._tree = xxhash.xxh3_128()
         self.header: ArtifactHeader | None = None
         self._codec: Codec | None = None
-        self._infos: list[SectionInfo] = []
+        self._infos: tuple[SectionInfo, ...] = ()
         self._bounds: list[int] = []
         self._next = 0
         self._done = False

@@ -1,6 +1,8 @@
-"""The edge's end of the bulk byte path (:mod:`kdn.wire.bulk`): tickets, a TCP listener, and the
-Fetch/Put requests it frames over the edge's front (:class:`kdn.edge.front.EdgeFront`), as the
-gRPC servicer does: the same parsing, auth, checks and refusals; only the framing is this path's.
+"""The edge's end of the bulk byte path (:mod:`kdn.wire.bulk`): tickets, a TCP listener (and on
+Linux an abstract Unix socket beside it, for clients on the edge's host: the same protocol, the
+same bounds, its name in the ``OpenBulk`` answer), and the Fetch/Put requests it frames over the
+edge's front (:class:`kdn.edge.front.EdgeFront`), as the gRPC servicer does: the same parsing,
+auth, checks and refusals; only the framing is this path's.
 
 A Fetch answer is the stored container sent with one ``sendall`` of a view of the stored bytes:
 the container is already its own wire form (sections with their checksums), so nothing is framed
@@ -39,6 +41,7 @@ import concurrent.futures
 import logging
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -86,8 +89,11 @@ class BulkListener:
         self._tickets: dict[bytes, tuple[str | None, float]] = {}  # ticket -> (token, expires)
         self._tables: dict[str | None, OrderedDict[bytes, None]] = {}  # token -> its tickets, oldest first
         self._sock: socket.socket | None = None
+        self._local: socket.socket | None = None  # the abstract Unix socket, on Linux
+        self.local_name = ""  # its name as offered ("@kdn-bulk-..."), "" when there is none
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accept: asyncio.Task[None] | None = None
+        self._accept_local: asyncio.Task[None] | None = None
         self._lock = threading.Lock()
         self._pending = Accepted(int(c.bulk_max_pending), what=f"{front.node_id}: bulk")  # waiting for a hello
         self._conns: set[socket.socket] = set()
@@ -124,16 +130,23 @@ class BulkListener:
         self.port = sock.getsockname()[1]
         self._loop = asyncio.get_running_loop()
         self._accept = self._loop.create_task(self._pending.forever(sock, self._hello))
+        self._local = _listen_local()
+        if self._local is not None:
+            self.local_name = "@" + self._local.getsockname()[1:].decode()
+            self._accept_local = self._loop.create_task(self._pending.forever(self._local, self._hello))
         return self.port
 
     async def stop(self) -> None:
-        if self._accept is not None:
-            self._accept.cancel()
-            await asyncio.gather(self._accept, return_exceptions=True)
-            self._accept = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        for task in (self._accept, self._accept_local):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._accept = self._accept_local = None
+        for sock in (self._sock, self._local):
+            if sock is not None:
+                sock.close()
+        self._sock = self._local = None
+        self.local_name = ""
         waiting = list(self._pending.tasks.values())
         for task in waiting:
             task.cancel()
@@ -180,7 +193,8 @@ class BulkListener:
                     return
             conn.setblocking(True)
             conn.settimeout(self.timeout_s)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             t = threading.Thread(target=BulkConnection(self, conn, token).serve, name="kdn-bulk", daemon=True)
             with self._lock:
@@ -355,6 +369,27 @@ class BulkConnection:
 
     async def _release(self, n: int) -> None:
         self.front.put_budget.give(n)
+
+
+def _listen_local() -> socket.socket | None:
+    """A listening, non-blocking abstract Unix socket with a random name, for clients on this host
+    (Linux only; None elsewhere, or when it cannot bind). A request's round trip over it cost a
+    client ~17 us of CPU against ~36 us over loopback TCP here. Anyone on the host may connect,
+    as to the TCP port: the ticket is what admits a connection. A random name, handed out only
+    in ``OpenBulk`` answers, and held for the edge's life, cannot be taken first by another
+    process to catch the tickets clients present."""
+    if not sys.platform.startswith("linux"):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(b"\0kdn-bulk-" + secrets.token_hex(12).encode())
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        log.info("no same-host bulk socket (%s); clients on this host use TCP", exc)
+        return None
+    return sock
 
 
 def _unfilled(n: int) -> bytearray:

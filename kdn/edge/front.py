@@ -176,7 +176,7 @@ class EdgeFront:
         if self.bulk is None:
             return None
         segments, size = self.shm.bounds if self.shm is not None else (0, 0)
-        return BulkOffer(self.bulk.port, self.bulk.grant(token), self.bulk.ttl_s, segments, size)
+        return BulkOffer(self.bulk.port, self.bulk.grant(token), self.bulk.ttl_s, segments, size, self.bulk.local_name)
 
     async def stats(self, token: str | None) -> tuple[dict[str, float], dict[str, Any]]:
         """(counters, details): the node's for an operator, a tenant's own for its token

@@ -233,18 +233,20 @@ class BulkRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BulkOffer(_message.Message):
-    __slots__ = ("port", "ticket", "ttl_s", "shm_segments", "shm_bytes")
+    __slots__ = ("port", "ticket", "ttl_s", "shm_segments", "shm_bytes", "local_socket")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     SHM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     port: int
     ticket: bytes
     ttl_s: float
     shm_segments: int
     shm_bytes: int
-    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., shm_segments: _Optional[int] = ..., shm_bytes: _Optional[int] = ...) -> None: ...
+    local_socket: str
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., ttl_s: _Optional[float] = ..., shm_segments: _Optional[int] = ..., shm_bytes: _Optional[int] = ..., local_socket: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

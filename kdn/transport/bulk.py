@@ -21,7 +21,7 @@ from typing import Awaitable, Callable, Iterator, Sequence
 from kdn.artifact import ArtifactReader
 from kdn.errors import KdnError, Unavailable
 from kdn.keys import ChunkKey, ModelFingerprint, Namespace
-from kdn.transport.base import Backoff, FetchStats, deadline
+from kdn.transport.base import Backoff, FetchStats, deadline, is_loopback
 from kdn.wire.bulk import LAND_MIN_BYTES, BufferPool, BulkClient, BulkProtocolError
 from kdn.wire.convert import BulkOffer, FetchSpec, fetch_request_bytes, put_header_bytes
 
@@ -78,7 +78,9 @@ class BulkPath:
             self.expires = time.monotonic() + max(0.0, again.ttl_s - _RENEW_EARLY_S)
             return again.ticket
 
-        self.client = BulkClient(host, offer.port, offer.ticket, peer=self.address, renew=renew)
+        # a client on the edge's host (a loopback address) connects over the edge's local socket
+        local = offer.local_socket if is_loopback(self.address) else ""
+        self.client = BulkClient(host, offer.port, offer.ticket, peer=self.address, renew=renew, local=local)
         self.expires = time.monotonic() + max(0.0, offer.ttl_s - _RENEW_EARLY_S)
         return self.client
 

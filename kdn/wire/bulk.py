@@ -258,14 +258,18 @@ class BulkClient:
     never reused. Answers that are errors (``NotFound``…) leave the connection usable."""
 
     def __init__(self, host: str, port: int, ticket: bytes, *, peer: str = "", max_idle: int = 16,
-                 renew: Callable[[], Awaitable[bytes]] | None = None) -> None:
+                 renew: Callable[[], Awaitable[bytes]] | None = None, local: str = "") -> None:
         """``renew()``: a fresh ticket (``OpenBulk`` again), asked once when the edge does not
-        know this one any more (it expired, or its table let it go)."""
+        know this one any more (it expired, or its table let it go). ``local``: the abstract Unix
+        socket the edge offered (``"@name"``), for a client on its host: connections go there
+        while it takes them, over TCP once it refused one (the edge restarted, say)."""
         self.host = host.strip("[]")
         self.port = port
         self.ticket = ticket
         self.peer = peer or f"{host}:{port}"
         self.max_idle = max_idle
+        self.local = local if local.startswith("@") and len(local) > 1 else ""
+        self.local_connections = 0  # connections made over the local socket
         self._idle: list[socket.socket] = []
         self._renew = renew
         self._renewing: asyncio.Lock | None = None
@@ -300,8 +304,19 @@ class BulkClient:
                 raise
             raise HelloRefused(exc) from exc
 
-    async def _hello(self, ticket: bytes) -> socket.socket:
+    async def _open(self) -> socket.socket:
+        """A connected socket: the local one while the edge takes it, else TCP."""
         loop = asyncio.get_running_loop()
+        if self.local:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                await loop.sock_connect(sock, b"\0" + self.local[1:].encode())
+                self.local_connections += 1
+                return sock
+            except OSError:  # gone (the edge restarted, or this is not its host): TCP from now on
+                sock.close()
+                self.local = ""
         infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -309,6 +324,15 @@ class BulkClient:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await loop.sock_connect(sock, addr)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _hello(self, ticket: bytes) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        sock = await self._open()
+        try:
             await loop.sock_sendall(sock, HELLO.pack(MAGIC, VERSION, ticket))
             status, text, _ = await recv_answer(loop, sock, bytearray(ANSWER.size))
             _raise_for(status, text, self.peer)

@@ -300,19 +300,21 @@ def put_header_bytes(data: bytes | memoryview, *, key: ChunkKey, fingerprint: Mo
 @dataclass(frozen=True, slots=True)
 class BulkOffer:
     """An ``OpenBulk`` answer: the bulk listener's port (0: the path is not offered), a ticket
-    standing for the caller's token, how long the ticket lives, and the bounds of the edge's
-    shared-memory segments (0, 0: it serves none)."""
+    standing for the caller's token, how long the ticket lives, the bounds of the edge's
+    shared-memory segments (0, 0: it serves none), and the abstract Unix socket the listener also
+    serves on the edge's host (``"@name"``; "": none)."""
 
     port: int
     ticket: bytes
     ttl_s: float
     shm_segments: int = 0
     shm_bytes: int = 0
+    local_socket: str = ""
 
 
 def parse_bulk_offer(resp: pb.BulkOffer) -> BulkOffer:
     return BulkOffer(int(resp.port), bytes(resp.ticket), float(resp.ttl_s), int(resp.shm_segments),
-                     int(resp.shm_bytes))
+                     int(resp.shm_bytes), str(resp.local_socket))
 
 
 def parse_locations(resp: pb.LookupResponse, n: int) -> list[str]:
@@ -460,7 +462,7 @@ def bulk_offer(offer: BulkOffer | None = None) -> pb.BulkOffer:
     if offer is None or not offer.port:
         return pb.BulkOffer()
     return pb.BulkOffer(port=offer.port, ticket=offer.ticket, ttl_s=offer.ttl_s, shm_segments=offer.shm_segments,
-                        shm_bytes=offer.shm_bytes)
+                        shm_bytes=offer.shm_bytes, local_socket=offer.local_socket)
 
 
 def stats_request() -> pb.StatsRequest:

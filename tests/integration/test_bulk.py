@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+import sys
 from typing import Any, AsyncIterator
 
 import pytest
@@ -25,6 +26,7 @@ from kdn.testing import Chain, make_chain
 from kdn.keys import Namespace
 from kdn.proto import kdn_pb2 as pb
 from kdn.wire import bulk as wb
+from kdn.wire.convert import fetch_request_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -612,3 +614,42 @@ def test_fetches_in_flight_on_one_loop_take_turns(tmp_path: Any) -> None:
     finally:
         proc.terminate()
         reap(proc)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
+def test_a_client_on_the_edges_host_connects_over_its_local_socket_and_falls_back_to_tcp() -> None:
+    """The edge offers an abstract Unix socket beside its bulk port; a loopback client's
+    connections go there and carry the same verified bytes, tickets and refusals. A local socket
+    that is gone (the edge restarted) sends the client to TCP, with nothing lost; a stopped
+    listener takes its local socket with it."""
+    chain = big_chain(2, seed=12)
+
+    async def main() -> None:
+        async with served(edge_config()) as (srv, t):
+            assert srv.bulk is not None and srv.bulk.local_name.startswith("@kdn-bulk-")
+            for key, blob in zip(chain.keys, chain.blobs):
+                assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
+            for i, blob in enumerate(chain.blobs):
+                got, via = await fetch_verified(t, chain, i)
+                assert via == "bulk" and got == blob
+            client = t.bulk_path.client
+            assert client is not None and client.local == srv.bulk.local_name
+            assert client.local_connections == client.connections == 1
+            with pytest.raises(e.NotFound):  # a refusal is the same answer over either socket
+                await fetch_verified(t, make_chain(1, seed=78), 0)
+
+            # a name nobody serves: this connection and every later one go over TCP
+            tcp = wb.BulkClient("127.0.0.1", srv.bulk.port, client.ticket, local="@kdn-bulk-gone")
+            buf, size, _source = await tcp.fetch(fetch_request_bytes(chain.spec(0)), wb.BufferPool())
+            assert buf is not None and bytes(buf[:size]) == chain.blobs[0]
+            assert tcp.local == "" and tcp.local_connections == 0 and tcp.connections == 1
+            tcp.close()
+
+            name = srv.bulk.local_name
+            await srv.bulk.stop()
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            with pytest.raises(OSError):
+                probe.connect(b"\0" + name[1:].encode())
+            probe.close()
+
+    asyncio.run(main())
