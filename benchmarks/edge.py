@@ -9,8 +9,10 @@ Every figure is a ratio against a peer measured in the same round, reported as t
 - 32 MiB PUT, acknowledged, of a key the server holds and of a new key: KDN vs LMCache's connector
   (goal >= 1.0x);
 - 4,000 x 1 MiB GETs, 8 in flight, one client, cycling through 128 distinct artifacts: requests/s
-  and p50/p99, KDN vs LMCache (goal >= 1.0x), and KDN over the default same-host path (``shm=True``,
-  what a co-located inference host takes) vs LMCache (goal >= 1.5x);
+  and p50/p99, KDN over bulk TCP (``bulk_local=False``: the path a client on another host takes)
+  vs LMCache (goal >= 1.0x), and KDN over the default same-host path (``shm=True``, what a
+  co-located inference host takes, its control over the edge's same-host socket) vs LMCache
+  (goal >= 1.5x);
 - the same 1 MiB GETs at one offered load, open loop (Poisson arrivals at 60% of the round's
   slowest closed-loop rate, the same seeded arrivals for every system, at most 8 in flight), each
   timed from its scheduled arrival: p50/p99, KDN over bulk and over shm vs LMCache (goal: p99

@@ -262,8 +262,13 @@ class KdnClient(Client):
 
         from kdn.transport import GrpcEdgeTransport
 
-        # the bulk byte path, once the transport has it, is picked up here without a change
-        kw: dict[str, Any] = {"bulk": True} if "bulk" in inspect.signature(GrpcEdgeTransport).parameters else {}
+        # the bulk byte path, once the transport has it, is picked up here without a change; over
+        # TCP, as a client on another host takes it (the shm transport, the default host path,
+        # keeps the edge's same-host socket)
+        params = inspect.signature(GrpcEdgeTransport).parameters
+        kw: dict[str, Any] = {"bulk": True} if "bulk" in params else {}
+        if "bulk_local" in params:
+            kw["bulk_local"] = False
         self.attach(GrpcEdgeTransport(self.address, token=None, shm=False, **kw),
                     GrpcEdgeTransport(self.address, token=None, shm=True))
         return {"transport_kwargs": sorted(kw)}

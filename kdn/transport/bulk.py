@@ -35,8 +35,11 @@ class BulkPath:
 
     def __init__(self, address: str, offer: Callable[..., Awaitable[BulkOffer]], *,
                  buffers: BufferPool | None = None, backoff_s: float = 5.0,
-                 on_offer: Callable[[BulkOffer], None] | None = None) -> None:
+                 on_offer: Callable[[BulkOffer], None] | None = None, local: bool = True) -> None:
+        """``local``: connect over the edge's same-host socket when it offers one and ``address``
+        is loopback (False: always TCP, the path a client on another host takes)."""
         self.address = address
+        self.local = local
         self.on_offer = on_offer  # told every offer the edge makes (the shared-memory path sizes itself)
         self.offered = True  # False once the edge said it does not offer the path
         self.buffers = buffers or BufferPool()
@@ -79,7 +82,7 @@ class BulkPath:
             return again.ticket
 
         # a client on the edge's host (a loopback address) connects over the edge's local socket
-        local = offer.local_socket if is_loopback(self.address) else ""
+        local = offer.local_socket if self.local and is_loopback(self.address) else ""
         self.client = BulkClient(host, offer.port, offer.ticket, peer=self.address, renew=renew, local=local)
         self.expires = time.monotonic() + max(0.0, offer.ttl_s - _RENEW_EARLY_S)
         return self.client

@@ -34,7 +34,9 @@ class GrpcEdgeTransport(EdgeTransport):
 
     ``shm``: ask for shared-memory answers (:attr:`shm_path`); ``bulk``: use the edge's bulk byte
     path when it offers one (:attr:`bulk_path`, never with TLS), received into reused buffers
-    from ``buffers``; a failed bulk connection rests that path ``bulk_backoff_s``."""
+    from ``buffers``; a failed bulk connection rests that path ``bulk_backoff_s``. ``bulk_local``:
+    to an edge on this host (a loopback address), connect over its same-host socket when it
+    offers one (False: over TCP, as from another host)."""
 
     def __init__(
         self,
@@ -47,6 +49,7 @@ class GrpcEdgeTransport(EdgeTransport):
         channel: Any = None,
         buffers: BufferPool | None = None,
         bulk_backoff_s: float = 5.0,
+        bulk_local: bool = True,
     ) -> None:
         self.name = address
         self.address = address
@@ -55,7 +58,8 @@ class GrpcEdgeTransport(EdgeTransport):
         self.calls = EdgeCalls(self._channel, address, token=token)
         self.shm_path = ShmPath(address) if shm else None
         self.bulk_path = (BulkPath(address, self.calls.open_bulk, buffers=buffers, backoff_s=bulk_backoff_s,
-                                   on_offer=self.shm_path.fit if self.shm_path is not None else None)
+                                   on_offer=self.shm_path.fit if self.shm_path is not None else None,
+                                   local=bulk_local)
                           if bulk and tls is None and channel is None else None)
         self.pool = reader_pool()
 

@@ -645,6 +645,14 @@ def test_a_client_on_the_edges_host_connects_over_its_local_socket_and_falls_bac
             assert tcp.local == "" and tcp.local_connections == 0 and tcp.connections == 1
             tcp.close()
 
+            # a transport told to take TCP (as from another host) does, though the edge offers it
+            remote = GrpcEdgeTransport(srv.address, bulk_local=False)
+            try:
+                assert (await fetch_verified(remote, chain, 1)) == (chain.blobs[1], "bulk")
+                assert remote.bulk_path.client.local == "" and remote.bulk_path.client.local_connections == 0
+            finally:
+                await remote.close()
+
             name = srv.bulk.local_name
             await srv.bulk.stop()
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
