@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import secrets
 import socket
 import sys
@@ -60,13 +61,12 @@ OPEN_TICKETS = 4096
 MIN_RATE = 1 << 20
 """Bytes per second a request, a payload or an answer must move at, at least."""
 SEND_BUFFER_BYTES = 4 << 20
-"""The send buffer a bulk connection asks the kernel for (capped at ``net.core.wmem_max``): about
-where autotuning would end anyway (``tcp_wmem``'s maximum, 4 MiB by default), from the first
-answer on. Starting from the default 16 KiB, a 1 MiB answer crossed loopback in many small steps,
-each a wake-up on both sides: a plain Python sender spent ~340 us of CPU per 1 MiB and ~240 with
-this (its receiver ~620 and ~580); the edge's answers cost ~10% less CPU in a noisy A/B. The
-receive side is left to the client's autotuning: a fixed receive buffer would cap a long link's
-window."""
+"""The send buffer a same-host bulk connection (loopback, or the local socket) asks the kernel for
+(capped at ``net.core.wmem_max``), from the first answer on. Starting from the default 16 KiB, a
+1 MiB answer crossed loopback in many small steps, each a wake-up on both sides: a plain Python
+sender spent ~340 us of CPU per 1 MiB and ~240 with this (its receiver ~620 and ~580); the edge's
+answers cost ~10% less CPU in a noisy A/B. A connection from another host keeps autotuning: a
+fixed size (and a stock ``wmem_max`` of 208 KiB) would cap a long link's window."""
 _FIRST_STEP = 1 << 20  # a Put's first reserved and received step; each next one doubles ...
 _MAX_STEP = 16 << 20  # ... up to this
 
@@ -195,7 +195,8 @@ class BulkListener:
             conn.settimeout(self.timeout_s)
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            if _same_host(conn):  # a fixed buffer turns autotuning off: only where no long link needs it
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             t = threading.Thread(target=BulkConnection(self, conn, token).serve, name="kdn-bulk", daemon=True)
             with self._lock:
                 self._conns.add(conn)
@@ -371,18 +372,30 @@ class BulkConnection:
         self.front.put_budget.give(n)
 
 
+def _same_host(conn: socket.socket) -> bool:
+    """Whether ``conn`` comes from this host: the local socket, or a loopback address."""
+    if conn.family == socket.AF_UNIX:
+        return True
+    try:
+        host = conn.getpeername()[0]
+    except OSError:
+        return False
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1") or host.startswith("::ffff:127.")
+
+
 def _listen_local() -> socket.socket | None:
     """A listening, non-blocking abstract Unix socket with a random name, for clients on this host
     (Linux only; None elsewhere, or when it cannot bind). A request's round trip over it cost a
     client ~17 us of CPU against ~36 us over loopback TCP here. Anyone on the host may connect,
-    as to the TCP port: the ticket is what admits a connection. A random name, handed out only
-    in ``OpenBulk`` answers, and held for the edge's life, cannot be taken first by another
-    process to catch the tickets clients present."""
+    as to the TCP port: the ticket is what admits a connection. The name carries this process's
+    id: a client accepts a connection only from the process the name says
+    (:func:`kdn.wire.bulk.local_peer_ok`), so a process that binds the name once this edge is
+    gone (names can be read in ``/proc/net/unix``) does not catch the tickets clients present."""
     if not sys.platform.startswith("linux"):
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(b"\0kdn-bulk-" + secrets.token_hex(12).encode())
+        sock.bind(f"\0kdn-bulk-{os.getpid()}-{secrets.token_hex(12)}".encode())  # the pid: see local_peer_ok
         sock.listen(128)
         sock.setblocking(False)
     except OSError as exc:

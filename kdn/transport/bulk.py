@@ -76,7 +76,7 @@ class BulkPath:
         async def renew() -> bytes:
             """A fresh ticket when the edge forgot ours: once, then the call falls back to gRPC."""
             again = await self._offer(timeout=timeout)
-            if again.port != offer.port:
+            if again.port != offer.port or again.local_socket != offer.local_socket:
                 raise Unavailable(f"{self.address}: the bulk listener moved")
             self.expires = time.monotonic() + max(0.0, again.ttl_s - _RENEW_EARLY_S)
             return again.ticket

@@ -653,6 +653,25 @@ def test_a_client_on_the_edges_host_connects_over_its_local_socket_and_falls_bac
             finally:
                 await remote.close()
 
+            # a name held by a process other than the one it names (the edge gone, another
+            # process bound it): refused before the ticket is sent, and TCP from then on
+            squat = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            squat.bind(b"\0kdn-bulk-1-squatted")  # pid 1: not this process
+            squat.listen(4)
+            squat.setblocking(False)
+            try:
+                victim = wb.BulkClient("127.0.0.1", srv.bulk.port, client.ticket, local="@kdn-bulk-1-squatted")
+                buf, size, _source = await victim.fetch(fetch_request_bytes(chain.spec(1)), wb.BufferPool())
+                assert buf is not None and bytes(buf[:size]) == chain.blobs[1]
+                assert victim.local == "" and victim.local_connections == 0
+                conn, _ = squat.accept()  # it was connected to, and told nothing before the client hung up
+                conn.settimeout(TIMEOUT)
+                assert conn.recv(64) == b""
+                conn.close()
+                victim.close()
+            finally:
+                squat.close()
+
             name = srv.bulk.local_name
             await srv.bulk.stop()
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
