@@ -61,14 +61,28 @@ from typing import IO, Any
 
 _LEN = struct.Struct("<Q")
 _CLOCK = """
-import json, os, struct, sys, time
-fd = int(sys.argv[1])
-for j, at in enumerate(json.load(sys.stdin)):
+import os, random, struct, sys, time
+fd, t0, rate, n, seed = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+if time.monotonic() > t0:
+    sys.exit(3)
+rng, at = random.Random(seed), t0
+for j in range(n):
+    at += rng.expovariate(rate)
     wait = at - time.monotonic()
     if wait > 0:
         time.sleep(wait)
     os.write(fd, struct.pack("<I", j))
-"""  # the open-loop run's arrival clock (op_paced): one 4-byte write per arrival, on time
+"""  # the open-loop run's arrival clock (op_paced): one 4-byte write per arrival, on time; exit 3 if
+# it started after the run's start
+
+
+def _arrivals(t0: float, rate: float, n: int, seed: int) -> list[float]:
+    """When each of ``n`` Poisson arrivals of ``rate`` per second after ``t0`` is due (as _CLOCK)."""
+    rng, at, due = random.Random(seed), t0, []
+    for _ in range(n):
+        at += rng.expovariate(rate)
+        due.append(at)
+    return due
 _LMCACHE_SOURCES = 4  # distinct source buffers per object set on LMCache's side
 
 
@@ -180,21 +194,20 @@ class Client:
         this process's GIL, which a client that runs more Python holds more, and be late for it."""
         self.prepare(objs, inflight)
         loop = asyncio.get_running_loop()
-        rng = random.Random(seed)
         delay = start_at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        t0 = time.monotonic() + 0.2  # the clock process starts meanwhile
-        due, at = [], t0
-        for _ in range(n):
-            at += rng.expovariate(rate)
-            due.append(at)
+        t0 = time.monotonic() + 0.5  # the clock process starts meanwhile (it says if it was late)
+        due = _arrivals(t0, rate, n, seed)  # the clock computes the same ones
         r, w = os.pipe()
-        clock = subprocess.Popen([sys.executable, "-c", _CLOCK, str(w)], stdin=subprocess.PIPE, pass_fds=(w,))
-        os.close(w)
-        assert clock.stdin is not None
-        clock.stdin.write(json.dumps(due).encode())
-        clock.stdin.close()
+        try:
+            clock = subprocess.Popen([sys.executable, "-c", _CLOCK, str(w), repr(t0), repr(rate), str(n), str(seed)],
+                                     pass_fds=(w,))
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
         os.set_blocking(r, False)
         arrivals: asyncio.Queue[int] = asyncio.Queue()
         lat: list[float] = []
@@ -206,7 +219,11 @@ class Client:
                 got = os.read(r, 4096)
             except BlockingIOError:
                 return
-            for (j,) in struct.iter_unpack("<I", got):  # writes of 4 bytes arrive whole
+            if not got:  # the clock is through (or died): no more arrivals
+                loop.remove_reader(r)
+                arrivals.put_nowait(-1)
+                return
+            for (j,) in struct.iter_unpack("<I", got):  # 4-byte writes arrive whole (< PIPE_BUF)
                 arrivals.put_nowait(j)
 
         async def one(j: int, slot: int) -> None:
@@ -218,17 +235,26 @@ class Client:
                 slots.release()
 
         loop.add_reader(r, ticked)
-        tasks = []
+        tasks: list[asyncio.Task] = []
         try:
             for _ in range(n):
                 j = await arrivals.get()
+                if j < 0:
+                    code = await loop.run_in_executor(None, clock.wait)
+                    raise RuntimeError("the arrival clock started after the run's start" if code == 3 else
+                                       f"the arrival clock stopped after {len(tasks)} of {n} arrivals")
                 await slots.acquire()
                 tasks.append(asyncio.ensure_future(one(j, free.pop())))
             await asyncio.gather(*tasks)
         finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             loop.remove_reader(r)
             os.close(r)
-            clock.wait()
+            if clock.poll() is None:
+                clock.kill()
+            await loop.run_in_executor(None, clock.wait)
         return {"t0": t0, "t1": time.monotonic(), "lat": lat}
 
     async def op_memcpy(self, objs: Objects, n: int) -> dict:
