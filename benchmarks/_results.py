@@ -27,7 +27,8 @@ A record (``"schema": "kdn.benchmark/1"``) holds::
     method     key into the script's METHOD dict, if any  "ttft"
     command    what ran                                   "python benchmarks/ttft.py --sizes 4096"
     utc        when it started                            "2026-12-01 04:38 UTC"
-    load       1-minute load average and cores            {"start": 1.7, "end": 2.0, "cpus": 2}
+    load       1-minute load average, cores and the CPU   {"start": 1.7, "end": 2.0, "cpus": 2,
+                                                           "cpu": "AMD EPYC 7B13 (AVX2)"}
     rounds     rounds measured (null: not round-based)    7
     goals      one per goal line: what, goal, median, min, max, unit, rounds, met (true/false/null)
     body       in order: {"kind": "table", title, columns, rows} (cells as the script formatted
@@ -80,6 +81,27 @@ def load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def cpu_model(cpuinfo: str | None = None) -> str | None:
+    """The CPU's model name and the vector units that move CPU figures most (AVX-512, AMX), e.g.
+    ``"Intel(R) Xeon(R) Processor (AVX-512, AMX)"``: ratios measured on different CPUs differ, so a
+    record says which one it ran on. None where ``/proc/cpuinfo`` is not readable."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    name = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+    flags = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
+    if name is None:
+        return None
+    have = set(flags.group(1).split()) if flags else set()
+    units = [label for label, flag in (("AVX-512", "avx512f"), ("AMX", "amx_tile")) if flag in have]
+    if not units and "avx2" in have:
+        units = ["AVX2"]
+    text = " ".join(name.group(1).split())
+    return f"{text} ({', '.join(units)})" if units else text
+
+
 class Record:
     """The figures of one benchmark run, written by :meth:`save`."""
 
@@ -98,7 +120,7 @@ class Record:
             "method": method,
             "command": command or shlex.join(["python", self.script, *args]),
             "utc": now_utc(),
-            "load": {"start": load_average(), "end": None, "cpus": os.cpu_count()},
+            "load": {"start": load_average(), "end": None, "cpus": os.cpu_count(), "cpu": cpu_model()},
             "rounds": None,
             "goals": [],
             "body": [],

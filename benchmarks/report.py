@@ -49,7 +49,8 @@ history.
 Every figure is a ratio or a rate measured within one run against a baseline of the same run,
 given as the median of per-round values with their range [min–max], the number of rounds, and the
 1-minute load average at the start and end of the run: the machine is shared, so compare figures
-only at similar load. MET / NOT MET judges the median against the goal; "—" marks a diagnostic
+only at similar load. Records made since 2026-12-07 also name the CPU they ran on (its model, and
+AVX-512/AMX where it has them): CPU figures from different CPUs are not comparable. MET / NOT MET judges the median against the goal; "—" marks a diagnostic
 line without a goal.
 """
 
@@ -164,7 +165,8 @@ def _load(doc: dict[str, Any]) -> str:
         text += f" {note}" if text == "load" else f" ({note})"
     elif text == "load":
         text = "load not recorded"
-    return text + (f" on {cpus} CPUs" if cpus else "")
+    cpu = ld.get("cpu")
+    return text + (f" on {cpus} CPUs" if cpus else "") + (f" ({cpu})" if cpu else "")
 
 
 def _cell(text: Any) -> str:

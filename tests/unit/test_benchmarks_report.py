@@ -4,6 +4,7 @@ every time, and what is on disk is what the results make."""
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import json
 import subprocess
@@ -92,6 +93,21 @@ def test_record_round_trip(tmp_path: Path, results, report) -> None:
     assert "| peer missing | >= 1x | not measured | — | **NOT MET** |" in text
     with pytest.raises(ValueError, match="give values or median"):
         rec.goal("nothing", ">= 1x")
+
+
+def test_a_record_names_the_cpu_it_ran_on(tmp_path: Path, results, report) -> None:
+    intel = ("processor\t: 0\nmodel name\t: Intel(R) Xeon(R)  Processor\n"
+             "flags\t\t: fpu sse2 avx2 avx512f avx512bw amx_tile amx_bf16\n")
+    amd = "model name\t: AMD EPYC 7B13 64-Core Processor\nflags\t\t: fpu sse2 avx2\n"
+    assert results.cpu_model(intel) == "Intel(R) Xeon(R) Processor (AVX-512, AMX)"
+    assert results.cpu_model(amd) == "AMD EPYC 7B13 64-Core Processor (AVX2)"
+    assert results.cpu_model("flags\t: avx2\n") is None  # no model name: nothing is claimed
+    rec = results.Record(BENCH / "overlay.py", "probe", "A probe", [])
+    rec.doc["load"]["cpu"] = results.cpu_model(amd)
+    rec.goal("ratio", ">= 2x", [2.5], at_least=2)
+    rec.save(report=False, load_end=1.5, results=tmp_path)
+    text = report.render(report.load(tmp_path))
+    assert f"on {os.cpu_count()} CPUs (AMD EPYC 7B13 64-Core Processor (AVX2))" in text
 
 
 def test_a_bad_record_is_a_clear_error(tmp_path: Path, report) -> None:
