@@ -28,7 +28,7 @@ A record (``"schema": "kdn.benchmark/1"``) holds::
     command    what ran                                   "python benchmarks/ttft.py --sizes 4096"
     utc        when it started                            "2026-12-01 04:38 UTC"
     load       1-minute load average, cores and the CPU   {"start": 1.7, "end": 2.0, "cpus": 2,
-                                                           "cpu": "AMD EPYC 7B13 (AVX2)"}
+                                                           "cpu": "Intel(R) Xeon(R) Processor (AVX-512, AMX)"}
     rounds     rounds measured (null: not round-based)    7
     goals      one per goal line: what, goal, median, min, max, unit, rounds, met (true/false/null)
     body       in order: {"kind": "table", title, columns, rows} (cells as the script formatted

@@ -50,8 +50,8 @@ Every figure is a ratio or a rate measured within one run against a baseline of 
 given as the median of per-round values with their range [min–max], the number of rounds, and the
 1-minute load average at the start and end of the run: the machine is shared, so compare figures
 only at similar load. Records made since 2026-12-07 also name the CPU they ran on (its model, and
-AVX-512/AMX where it has them): CPU figures from different CPUs are not comparable. MET / NOT MET judges the median against the goal; "—" marks a diagnostic
-line without a goal.
+AVX-512/AMX where it has them): CPU figures from different CPUs are not comparable. MET / NOT MET
+judges the median against the goal; "—" marks a diagnostic line without a goal.
 """
 
 
