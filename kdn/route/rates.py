@@ -34,26 +34,17 @@ class PrefillFit:
     its first token), forgetting factor ``decay`` per observation.
 
     ``load`` is what a byte of KV costs the *engine* to take in (the connector receiving it and
-    writing it into its blocks), beyond the link time the edge's counters measure. It starts at 0
-    and is fitted apart, only from requests that ran with nothing queued ahead (``m`` = 1; a fit
-    of the same form over those alone). Behind a queue, which requests load KV is not independent
-    of how long they wait (a router sends a request to a host whose engine lacks its KV when the
-    host that has it is busy): fitted jointly from all requests, the per-byte term took up that
-    waiting, 59–270 ms per MB in front of two vLLM hosts whose connector takes about 0.5 ms per
-    MB. Every request's loads, priced at that estimate, are taken off its time before it feeds
-    the rate and the overhead. All parts are kept non-negative: when the full fit gives one a
-    negative value, the fit without load is tried, then the one without overhead, then the line
-    through the origin."""
+    writing it into its blocks), beyond the link time the edge's counters measure; it starts at 0
+    and is fitted only once requests that loaded KV have been observed. All three parts are kept
+    non-negative: when the full fit gives one a negative value, the fit without load is tried,
+    then the one without overhead, then the line through the origin."""
 
     _Z_SCALE = 1e-6  # bytes are fitted in MB, so the normal equations stay well scaled
 
-    def __init__(self, prior_s_per_token: float, *, decay: float = 0.9, min_rate: float = 1e-7,
-                 solo: bool = False) -> None:
-        """``solo``: this is the fit of requests that ran alone, which alone says ``load``."""
+    def __init__(self, prior_s_per_token: float, *, decay: float = 0.9, min_rate: float = 1e-7) -> None:
         self.prior = prior_s_per_token
         self.decay = decay
         self.min_rate = min_rate
-        self._solo = None if solo else PrefillFit(prior_s_per_token, decay=decay, min_rate=min_rate, solo=True)
         self.n = 0
         self._a = np.zeros((3, 3))  # weighted sums of f f^T, f = (m, x, z in MB)
         self._b = np.zeros(3)  # weighted sums of f y
@@ -65,10 +56,6 @@ class PrefillFit:
         first byte after sending, less the predicted link time of those loads)."""
         if not (x > 0 and m >= 1 and z >= 0 and all(math.isfinite(v) for v in (x, y, z)) and y >= 0):
             return
-        if self._solo is not None:
-            if m <= 1:
-                self._solo.observe(x, y, 1.0, z)
-            y, z = max(0.0, y - self.load_s_per_byte * z), 0.0  # the loads at the solo estimate
         f = np.array([m, x, z * self._Z_SCALE])
         self._a = self.decay * self._a + np.outer(f, f)
         self._b = self.decay * self._b + f * y
@@ -85,8 +72,6 @@ class PrefillFit:
 
     @property
     def load_s_per_byte(self) -> float:
-        if self._solo is not None:
-            return self._solo.load_s_per_byte
         return 0.0 if self.n == 0 else self._solve()[2]
 
     def _solve(self) -> tuple[float, float, float]:

@@ -145,22 +145,6 @@ def test_prefill_fit_learns_the_engines_cost_of_loading_kv() -> None:
     assert fit.as_dict()["load_s_per_mb"] == pytest.approx(0.010, rel=0.05)
 
 
-def test_waiting_behind_a_queue_is_not_read_as_the_cost_of_loading() -> None:
-    """Behind a queue, the requests that load KV are the ones sent to a busier host: they wait
-    longer for reasons the features do not hold. The per-byte load cost comes from requests that
-    ran alone, so that waiting does not turn into seconds per megabyte."""
-    fit = PrefillFit(prior_s_per_token=1.0)
-    rng = random.Random(11)
-    for _ in range(40):  # alone: 1 ms per MB of load
-        x, z = rng.uniform(50, 1500), rng.choice([0.0, 20e6, 40e6])
-        fit.observe(x, 0.05 + 2e-3 * x + 1e-9 * z + rng.gauss(0, 0.002), 1, z)
-    for _ in range(80):  # queued: the loading ones also waited 2 s more
-        m = rng.randint(2, 5)
-        x, z = m * rng.uniform(50, 300), rng.choice([0.0, 40e6])
-        fit.observe(x, 0.05 * m + 2e-3 * x + 1e-9 * z + (2.0 if z else 0.0), m, z)
-    assert fit.load_s_per_byte == pytest.approx(1e-9, rel=0.2)  # not the ~50 ms per MB the waiting says
-
-
 def test_prefill_fit_keeps_every_part_non_negative() -> None:
     fit = PrefillFit(prior_s_per_token=1.0)
     rng = random.Random(9)
