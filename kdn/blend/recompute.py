@@ -52,6 +52,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kdn.blend.attention import GROUPED, QueryGroup, causal_mask, grouped_attention, query_groups
 from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.errors import InvalidInput, UnsupportedModel
 from kdn.kv import cache_from_layers, forward, layers_to_chunk, output_cache
@@ -265,7 +266,8 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 def attention_implementation(model: Any) -> str:
     """The model's attention implementation (``sdpa`` when the config names none)."""
     cfg = model.config
-    return str(getattr(cfg, "_attn_implementation", None) or getattr(cfg, "attn_implementation", None) or "sdpa")
+    name = str(getattr(cfg, "_attn_implementation", None) or getattr(cfg, "attn_implementation", None) or "sdpa")
+    return "sdpa" if name == GROUPED else name  # SDPA, with a blend's query groups selected
 
 
 def check_model(model: Any) -> RopeSpec:
@@ -287,14 +289,6 @@ def check_model(model: Any) -> RopeSpec:
     return rope_spec(model)
 
 
-def _mask(q_pos: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask ``(1, 1, S, N)``: the query at absolute position p sees keys 0..p."""
-    allowed = torch.arange(n).unsqueeze(0) <= q_pos.unsqueeze(1)  # (S, N)
-    m = torch.zeros(allowed.shape, dtype=dtype)
-    m.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return m.view(1, 1, *allowed.shape)
-
-
 def _mask_for(q_pos: torch.Tensor, n: int, attn: str, dtype: torch.dtype) -> torch.Tensor | None:
     """The mask :func:`_run_layer` gives the layer for positions ``q_pos``: none when ``q_pos`` is
     every position ``0..n-1`` under SDPA (the kernel is causal by itself there, ``is_causal``,
@@ -302,18 +296,20 @@ def _mask_for(q_pos: torch.Tensor, n: int, attn: str, dtype: torch.dtype) -> tor
     applies exactly the mask it is given). The positions change only at the check layer, so a
     pass builds it at most twice, not once per layer."""
     everything = q_pos.numel() == n  # q_pos is sorted and distinct: it is arange(n)
-    return None if everything and attn == "sdpa" else _mask(q_pos, n, dtype)
+    return None if everything and attn == "sdpa" else causal_mask(q_pos, n, dtype)
 
 
 def _run_layer(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV, inner: Any,
-               mask: torch.Tensor | None) -> torch.Tensor:
+               mask: torch.Tensor | None, groups: list[QueryGroup] | None = None) -> torch.Tensor:
     """One decoder layer over the hidden states ``h`` ``(1, S, hidden)`` of positions ``q_pos``
-    ``(S,)``, with ``mask`` from :func:`_mask_for`."""
+    ``(S,)``, with ``mask`` from :func:`_mask_for`; ``groups`` (under
+    :func:`kdn.blend.attention.grouped_attention` only): the same mask, run by query groups."""
     pos_ids = q_pos.unsqueeze(0)  # (1, S)
     cos, sin = inner.rotary_emb(h, position_ids=pos_ids)  # (1, S, r) each
     mixed.idx = q_pos
+    extra = {} if groups is None else {"kdn_groups": groups}
     out = forward(layer, h, attention_mask=mask, position_ids=pos_ids, cache=mixed, use_cache=True,
-                  position_embeddings=(cos, sin))
+                  position_embeddings=(cos, sin), **extra)
     return out[0] if isinstance(out, tuple) else out  # (1, S, hidden)
 
 
@@ -337,6 +333,38 @@ def _project(layer: Any, h: torch.Tensor, q_pos: torch.Tensor, mixed: _MixedKV, 
 def blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats]:
     """Recompute the tokens ``policy`` picks; return a ``DynamicCache`` over the whole context and
     what it cost. ``layout``'s tensors are modified in place (they become the blended KV)."""
+    cache, stats, _ = _blend(model, layout, policy)
+    return cache, stats
+
+
+def predicts_in_pass(model: Any) -> bool:
+    """Whether :func:`blend_and_predict` can read ``model``'s next-token logits off the pass: its
+    head is the final norm and the output embedding, nothing after them (no logit scaling or
+    soft-capping, which some architectures add in their own forward)."""
+    cfg = model.config
+    plain = all(not getattr(cfg, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    return plain and hasattr(getattr(model, "model", None), "norm") and model.get_output_embeddings() is not None
+
+
+@torch.inference_mode()
+def blend_and_predict(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats, torch.Tensor]:
+    """:func:`blend` over a context that ends in glue (the question: computed at every layer, as
+    glue is), and the next-token logits ``(vocab,)`` at its last position. Those are the logits a
+    prefill of the question over the blended cache gives (at every layer the glue attends over
+    that layer's final blended KV), without a second pass over the weights: on a CPU a short
+    prefill costs about one read of every weight. Only for a model :func:`predicts_in_pass` accepts."""
+    if not layout.forced or layout.forced[-1] != layout.n - 1:
+        raise InvalidInput("blend_and_predict needs a context that ends in glue (the question)")
+    if not predicts_in_pass(model):
+        raise UnsupportedModel(f"{type(model).__name__}: its logits are not norm + output embedding of the last layer")
+    cache, stats, last = _blend(model, layout, policy)
+    logits = model.get_output_embeddings()(model.model.norm(last))  # (1, 1, vocab)
+    return cache, stats, logits[0, -1]
+
+
+def _blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats, torch.Tensor | None]:
+    """:func:`blend`, and the last layer's hidden state ``(1, 1, hidden)`` of the context's last
+    position when it was computed through every layer (else None)."""
     t0 = time.perf_counter()
     check_model(model)
     attn = attention_implementation(model)
@@ -369,40 +397,46 @@ def blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats]:
         active = torch.arange(n)
     elif A and checked:
         active = torch.cat((cand, glue)).unique(sorted=True)
-    if active.numel():
-        ids = torch.tensor(layout.tokens, dtype=torch.long)
-        h = inner.embed_tokens(ids[active].unsqueeze(0))  # (1, S, hidden)
-        check = policy.check_layer if checked and A else -1
-        mask, mask_pos = None, None  # the mask of the positions in ``active`` (rebuilt when they change)
-        for l, layer in enumerate(layers):
-            if l == check:
-                past = active >= layout.prefix_len  # drop the prefix: its KV is exact
-                h, active = h[:, past], active[past]
-                k_new, v_new = _project(layer, h, active, mixed, inner)  # (1, H, S, D) each
-                seg = ~is_glue[active]  # (S,) segment tokens among the active
-                keep = min(A, math.ceil(policy.ratio * A - 1e-9))
-                if isinstance(policy, Random):
-                    pick = torch.randperm(A, generator=torch.Generator().manual_seed(policy.seed))[:keep]
-                elif keep:
-                    k_old = mixed.keys[l][:, :, active]  # (1, H, S, D): the re-placed cached KV
-                    v_old = mixed.values[l][:, :, active]
-                    dev = ((k_new.float() - k_old.float()) ** 2).sum(dim=(0, 1, 3)) + \
-                        ((v_new.float() - v_old.float()) ** 2).sum(dim=(0, 1, 3))  # (S,)
-                    pick = torch.topk(dev[seg], keep).indices
-                else:
-                    pick = torch.empty(0, dtype=torch.long)
-                # every token with fresh K/V at this layer gets it; only the chosen go on
-                mixed.keys[l][:, :, active] = k_new.to(mixed.keys[l].dtype)
-                mixed.values[l][:, :, active] = v_new.to(mixed.values[l].dtype)
-                chosen = torch.nonzero(seg).flatten()[pick]  # indices into active
-                chosen = torch.cat((chosen, torch.nonzero(~seg).flatten())).unique(sorted=True)
-                h, active = h[:, chosen], active[chosen]
-            if not active.numel():
-                break
-            if mask_pos is not active:
-                mask, mask_pos = _mask_for(active, n, attn, h.dtype), active
-            h = _run_layer(layer, h, active, mixed, inner, mask)
-            layer_tokens += int(is_cand[active].sum())
+    with grouped_attention(model) as grouped:  # queries by groups where the model runs SDPA
+        if active.numel():
+            ids = torch.tensor(layout.tokens, dtype=torch.long)
+            h = inner.embed_tokens(ids[active].unsqueeze(0))  # (1, S, hidden)
+            check = policy.check_layer if checked and A else -1
+            mask, mask_pos = None, None  # the mask of the positions in ``active`` (rebuilt when they change)
+            groups: list[QueryGroup] | None = None
+            for l, layer in enumerate(layers):
+                if l == check:
+                    past = active >= layout.prefix_len  # drop the prefix: its KV is exact
+                    h, active = h[:, past], active[past]
+                    k_new, v_new = _project(layer, h, active, mixed, inner)  # (1, H, S, D) each
+                    seg = ~is_glue[active]  # (S,) segment tokens among the active
+                    keep = min(A, math.ceil(policy.ratio * A - 1e-9))
+                    if isinstance(policy, Random):
+                        pick = torch.randperm(A, generator=torch.Generator().manual_seed(policy.seed))[:keep]
+                    elif keep:
+                        k_old = mixed.keys[l][:, :, active]  # (1, H, S, D): the re-placed cached KV
+                        v_old = mixed.values[l][:, :, active]
+                        dev = ((k_new.float() - k_old.float()) ** 2).sum(dim=(0, 1, 3)) + \
+                            ((v_new.float() - v_old.float()) ** 2).sum(dim=(0, 1, 3))  # (S,)
+                        pick = torch.topk(dev[seg], keep).indices
+                    else:
+                        pick = torch.empty(0, dtype=torch.long)
+                    # every token with fresh K/V at this layer gets it; only the chosen go on
+                    mixed.keys[l][:, :, active] = k_new.to(mixed.keys[l].dtype)
+                    mixed.values[l][:, :, active] = v_new.to(mixed.values[l].dtype)
+                    chosen = torch.nonzero(seg).flatten()[pick]  # indices into active
+                    chosen = torch.cat((chosen, torch.nonzero(~seg).flatten())).unique(sorted=True)
+                    h, active = h[:, chosen], active[chosen]
+                if not active.numel():
+                    break
+                if mask_pos is not active:
+                    mask, mask_pos = _mask_for(active, n, attn, h.dtype), active
+                    groups = query_groups(active, h.dtype) if grouped and mask is not None else None
+                h = _run_layer(layer, h, active, mixed, inner, mask, groups)
+                layer_tokens += int(is_cand[active].sum())
+    last = None
+    if active.numel() and int(active[-1]) == n - 1 and l == L - 1:  # the last position ran every layer
+        last = h[:, -1:]
     cache = cache_from_layers(list(zip(mixed.keys, mixed.values)), model.config)
     selected = active[is_cand[active]] if active.numel() else active
     stats = BlendStats(
@@ -410,7 +444,7 @@ def blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats]:
         layer_token_fraction=layer_tokens / (L * A) if A else 0.0, seconds=time.perf_counter() - t0,
         selected_positions=tuple(int(p) for p in selected.tolist()), glue=int(glue.numel()),
     )
-    return cache, stats
+    return cache, stats, last
 
 
 def _describe(policy: Policy) -> str:

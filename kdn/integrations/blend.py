@@ -34,7 +34,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kdn.blend import Deviation, Policy, blend, check_model, place, prefill_document, prefill_segment
+from kdn.blend import (
+    Deviation, Glue, Policy, blend, blend_and_predict, check_model, place, predicts_in_pass, prefill_document,
+    prefill_segment,
+)
 from kdn.blend.verdict import read_verdict
 from kdn.client import LOG, KdnClient
 from kdn.errors import InvalidInput, KdnError, NotFound
@@ -148,14 +151,23 @@ def generate_with_documents(
                 n_bytes += r[1]
             segments.append(seg)
         t2 = time.perf_counter()
-        prefix_kv = prefill_segment(km.model, pre).to(shape.dtype) if pre else None  # (L, 2, H, P, D), exact
-        layout = place(km.model, segments, prefix_tokens=pre, prefix_kv=prefix_kv)
-        cache, stats = blend(km.model, layout, policy)
-        t3 = time.perf_counter()
-        out = forward(km.model, input_ids=torch.tensor([q], dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
-        cache = output_cache(out)
-        t4 = time.perf_counter()
-        nxt = int(torch.argmax(out.logits[0, -1]).item())
+        if predicts_in_pass(km.model):
+            # the prefix and the question are glue: computed in the blend's pass at every layer, so
+            # the question's logits come out of it, with no second pass over the weights for either
+            parts: list[Segment | Glue] = [Glue(tuple(pre)), *segments, Glue(tuple(q))]
+            layout = place(km.model, parts)
+            cache, stats, logits = blend_and_predict(km.model, layout, policy)
+            t3 = t4 = time.perf_counter()
+        else:
+            prefix_kv = prefill_segment(km.model, pre).to(shape.dtype) if pre else None  # (L, 2, H, P, D), exact
+            layout = place(km.model, segments, prefix_tokens=pre, prefix_kv=prefix_kv)
+            cache, stats = blend(km.model, layout, policy)
+            t3 = time.perf_counter()
+            out = forward(km.model, input_ids=torch.tensor([q], dtype=torch.long), cache=cache, use_cache=True,
+                          logits_to_keep=1)
+            cache, logits = output_cache(out), out.logits[0, -1]
+            t4 = time.perf_counter()
+        nxt = int(torch.argmax(logits).item())
         t_first = time.perf_counter()
         generated = greedy_tail(km.model, cache, nxt, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
     t_end = time.perf_counter()

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from kdn.artifact import encode_artifact, read_header
-from kdn.blend import Deviation, Glue, blend, check_model, place, prefill_segment
+from kdn.blend import Deviation, Glue, blend, check_model, place
 from kdn.blend.verdict import Verdict, read_verdict
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, KdnError, NotFound
 from kdn.keys import KEY_BYTES, ChunkKey, ModelFingerprint, Namespace, chunk_keys, tokens_u32
@@ -261,9 +261,10 @@ def compute_variant(lm: LoadedModel, store: OriginStore, catalog: SegmentCatalog
             return seg
         parts.append(seg)
         pos = p.end
-    prefix = [int(t) for t in arr[:plan.pieces[0].start]]
-    prefix_kv = prefill_segment(lm.model, prefix) if prefix else None  # (L, 2, H, P, D): position 0, exact
-    layout = place(lm.model, parts, prefix_tokens=prefix, prefix_kv=prefix_kv)
+    # the prefix is glue: computed at every layer in the blend's own pass (its KV is a prefill's,
+    # at position 0), not by a pass of its own over the weights
+    prefix = Glue(tuple(int(t) for t in arr[:plan.pieces[0].start]))
+    layout = place(lm.model, [prefix, *parts])
     cache, stats = blend(lm.model, layout, Deviation(plan.ratio, plan.check_layer))
     C = lm.chunk_size
     blobs = []

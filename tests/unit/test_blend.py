@@ -9,16 +9,21 @@ the model has no passing verdict; blended KV is never written back.
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import pytest
 import torch
+import transformers as transformers_attention
 
 from kdn.blend import (
-    Deviation, FirstK, Glue, Naive, Random, blend, place, prefill_document, prefill_segment, rope_spec,
+    Deviation, FirstK, Glue, Naive, Random, blend, blend_and_predict, place, prefill_document, prefill_segment, rope_spec,
 )
+from kdn.blend import attention, recompute
 from kdn.blend.verdict import Verdict, read_verdict, write_verdict
 from kdn.client import ClientConfig, KdnClient
 from kdn.testing import MemoryEdgeTransport
-from kdn.errors import UnsupportedModel
+from kdn.errors import InvalidInput, UnsupportedModel
 from kdn.integrations.blend import BlendOptions
 from kdn.integrations.transformers import generate, prepare
 from kdn.keys import DEFAULT_NAMESPACE
@@ -159,10 +164,12 @@ def test_recomputing_every_token_is_a_full_prefill(tiny_mha_model) -> None:
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_recomputing_every_token_matches_full_prefill_for_every_attention_implementation(attn: str) -> None:
+def test_recomputing_every_token_matches_full_prefill_for_every_attention_implementation(attn: str, monkeypatch) -> None:
     """At 100% recompute, with the check layer's full pass over every position (where SDPA needs no
     mask but eager attention must be given the causal one), glue between documents and a random
-    control: the logits are a full prefill's (eager without the mask was off by ~1e-1)."""
+    control: the logits are a full prefill's (eager without the mask was off by ~1e-1). Under
+    SDPA the queries run in groups of 9–10 rows (8 groups), each over its own keys."""
+    monkeypatch.setattr(attention, "MIN_ROWS", 8)
     model = _llama(attn_implementation=attn)
     assert model.config._attn_implementation == attn
     prefix, docs, q = _ids(5, 14), [_ids(30, 15), _ids(20, 16), _ids(25, 17)], _ids(7, 18)
@@ -180,6 +187,91 @@ def test_recomputing_every_token_matches_full_prefill_for_every_attention_implem
         with torch.inference_mode():
             got = model(input_ids=torch.tensor([q]), cache=cache, use_cache=True).logits[0]
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_query_groups_give_the_kv_and_logits_of_one_masked_call(monkeypatch) -> None:
+    """A partial blend under SDPA with its queries in groups (each over the keys up to its last
+    position, KV heads shared) leaves the KV and picks of the same blend run as one masked call,
+    and the model's implementation is plain SDPA again afterwards."""
+    model = _llama(attn_implementation="sdpa")
+    docs, glue, q = [_ids(120, 30), _ids(90, 31), _ids(150, 32)], _ids(3, 33), _ids(9, 34)
+    parts = [Segment(segment_key(d, fingerprint=bytes(32), namespace=DEFAULT_NAMESPACE), tuple(d), prefill_segment(model, d))
+             for d in docs]
+    calls: list[int] = []
+    real = attention.grouped_sdpa
+
+    def counting(*args, kdn_groups=None, **kw):
+        calls.append(len(kdn_groups) if kdn_groups else 0)
+        return real(*args, kdn_groups=kdn_groups, **kw)
+
+    monkeypatch.setattr(attention, "MIN_ROWS", 16)
+    attention.register()  # before the counting stand-in replaces it
+    runs = {}
+    for grouped in (True, False):
+        if not grouped:  # the same pass with one (S, N) mask per layer
+            monkeypatch.setattr(recompute, "grouped_attention", lambda m: contextlib.nullcontext(False))
+        transformers_attention.AttentionInterface.register(attention.GROUPED, counting)
+        try:
+            layout = place(model, [parts[0], Glue(tuple(glue)), parts[1], parts[2]])
+            cache, stats = blend(model, layout, Deviation(0.4, check_layer=1))
+        finally:
+            transformers_attention.AttentionInterface.register(attention.GROUPED, real)
+        assert model.config._attn_implementation == "sdpa"
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([q]), cache=cache, use_cache=True).logits[0]
+        runs[grouped] = (layout, stats, logits)
+    assert max(calls) == 8  # 147 rows (144 picked, 3 glue) of 16 or more: 8 groups after the check
+    (lg, sg, og), (lm, sm, om) = runs[True], runs[False]
+    assert sg.selected_positions == sm.selected_positions and sg.selected == 144
+    for a, b in zip(lg.keys + lg.values, lm.keys + lm.values):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(og, om, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_the_question_as_glue_predicts_what_a_prefill_over_the_blend_predicts(attn: str) -> None:
+    """blend_and_predict with the prefix and the question as glue: the same KV and next-token
+    logits as a blend over the prefilled prefix followed by a prefill of the question; and at
+    100% recompute the logits of a full prefill."""
+    model = _llama(attn_implementation=attn)
+    prefix, docs, q = _ids(6, 40), [_ids(50, 41), _ids(70, 42)], _ids(8, 43)
+    segs = [Segment(segment_key(d, fingerprint=bytes(32), namespace=DEFAULT_NAMESPACE), tuple(d), prefill_segment(model, d))
+            for d in docs]
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([prefix + sum(docs, []) + q])).logits[0, -1]
+    for policy, ref_full in ((Deviation(0.3), False), (Deviation(1.0), True)):
+        layout = place(model, [Glue(tuple(prefix)), *segs, Glue(tuple(q))])
+        cache, stats, logits = blend_and_predict(model, layout, policy)
+        assert stats.glue == 14 and stats.selected == math.ceil(policy.ratio * 120)
+        apart = place(model, segs, prefix_tokens=prefix, prefix_kv=prefill_segment(model, prefix))
+        ref_cache, ref_stats = blend(model, apart, policy)
+        assert ref_stats.selected_positions == stats.selected_positions
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([q]), cache=ref_cache, use_cache=True)
+        torch.testing.assert_close(logits, out.logits[0, -1], rtol=1e-5, atol=1e-5)
+        for (k, v), (rk, rv) in zip(((l.keys, l.values) for l in cache.layers), ((l.keys, l.values) for l in out.cache.layers)):
+            torch.testing.assert_close(k, rk, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-5)
+        if ref_full:
+            torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+    with pytest.raises(InvalidInput, match="ends in glue"):
+        blend_and_predict(model, place(model, segs), Deviation(0.3))
+
+
+def test_grouped_attention_is_sdpa_for_other_calls_and_overlapping_passes_restore_it() -> None:
+    model = _llama(attn_implementation="sdpa")
+    ids = torch.tensor([_ids(40, 35)])
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits
+        with attention.grouped_attention(model) as outer:
+            with attention.grouped_attention(model) as inner:  # a second pass on the same model
+                assert outer and inner and model.config._attn_implementation == attention.GROUPED
+                torch.testing.assert_close(model(input_ids=ids).logits, ref, rtol=0, atol=0)
+            assert model.config._attn_implementation == attention.GROUPED
+        assert model.config._attn_implementation == "sdpa"
+    eager = _llama(attn_implementation="eager")
+    with attention.grouped_attention(eager) as selected:
+        assert not selected and eager.config._attn_implementation == "eager"
 
 
 def test_glue_is_computed_by_every_policy_and_random_picks_other_tokens_than_deviation() -> None:
