@@ -74,13 +74,15 @@ and a `kdn-blend` cache salt. Full prefill: the same prompt with KDN off for the
 cache reset before every request; TTFT is `LLM.generate`'s wall time with `max_tokens=1`; the
 ratio is per round, the two requests back to back in alternating order.""",
     "blend-vllm-split": """blend-vllm's rounds with the machine's cores split in two halves (`--split-cores`):
-vLLM's forward threads bound to the first half (`VLLM_CPU_OMP_THREADS_BIND`), the benchmark's child
-(the origin, which blends, and the LLM front end; vLLM's scheduler process inherits it) pinned to
-the second. This is the deployed shape, the origin's workers on their own machine, emulated on
-one: co-located (blend-vllm), vLLM's idle worker spins (its message queue busy-waits with
-`sched_yield` for a second after each message, and a request waiting for remote KV sends one
-every scheduler step) and takes a core from the origin's blend. Both sides get half the cores,
-so full prefill is slower here than in blend-vllm and the ratio compares equal hardware.""",
+vLLM on the first half (its forward threads bound there by `VLLM_CPU_OMP_THREADS_BIND`, and every
+thread of the processes `LLM` starts, engine core and worker, moved there once the engine is up),
+the benchmark's child (the origin, which blends, and the LLM front end) on the second. This is the
+deployed shape, the origin's workers on their own machine and vLLM's scheduler on the inference
+host, emulated on one: co-located (blend-vllm), vLLM's idle worker spins (its message queue
+busy-waits with `sched_yield` for a second after each message, and a request waiting for remote
+KV sends one every scheduler step) and takes a core from the origin's blend. Both sides get half
+the cores, so full prefill is slower here than in blend-vllm and the ratio compares equal
+hardware. Before 2026-12-07 15:00 UTC the engine core stayed on the origin's half.""",
     "blend-decay": """smollm2-135m fp32: 200 queries, each 8 of a pool of 64 excerpts of 128 tokens (held-out
 files) in a subset and order no earlier query used, through `generate(..., documents=...)` at
 15% with the pool's segments on an in-process edge. Every 4th query is also fully prefilled for
@@ -313,6 +315,7 @@ def part_vllm(argv: list[str], load_start: float, rounds: int, python: str,
                "PYTHONPATH": str(ROOT)}
         if split_cores:  # vLLM's forward binds its threads to engine_cores; the child (the origin) runs on the rest
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, engine_cores))
+            env["KDN_BENCH_ENGINE_CORES"] = env["VLLM_CPU_OMP_THREADS_BIND"]  # the engine's processes go there too
         proc = subprocess.run([python, __file__, "--vllm-child", str(out), "--rounds", str(rounds),
                                *(["--timing-verdict"] if timing_verdict else [])], env=env, cwd=ROOT, timeout=3600,
                               preexec_fn=(lambda: os.sched_setaffinity(0, origin_cores)) if split_cores else None)
@@ -322,8 +325,8 @@ def part_vllm(argv: list[str], load_start: float, rounds: int, python: str,
     if split_cores:
         rec = _record("blend-vllm-split", "Blend TTFT in vLLM through the store's blend, origin on its own cores",
                       argv, load_start)
-        rec.note(f"vLLM's forward on core(s) {engine_cores}, the origin (and vLLM's scheduler) on {origin_cores}: "
-                 "as deployed, where the origin's workers are not the inference host's cores.")
+        rec.note(f"vLLM (its engine core, scheduler and worker) on core(s) {engine_cores}, the origin on "
+                 f"{origin_cores}: as deployed, where the origin's workers are not the inference host's cores.")
     else:
         rec = _record("blend-vllm", "Blend TTFT vs full prefill in an unmodified vLLM, through the store's blend",
                       argv, load_start)
@@ -342,6 +345,22 @@ def part_vllm(argv: list[str], load_start: float, rounds: int, python: str,
     rec.data(res)
     SAVE(rec)
     return res
+
+
+def _pin_engine(cores: set[int]) -> None:
+    """Every thread of this process's descendants (the processes ``LLM`` started: vLLM's engine
+    core, its scheduler, and the worker) onto ``cores``. They inherit this process's cores, the
+    origin's; on an inference host they are the engine's. While a request waits for its variant the
+    engine core steps every ``blend_poll_s`` and then spins (``sched_yield``) waiting on the
+    worker's answer, which on the origin's core takes time from the blend."""
+    import psutil
+
+    for proc in psutil.Process().children(recursive=True):
+        for thread in proc.threads():
+            try:
+                os.sched_setaffinity(thread.id, cores)
+            except OSError:  # a thread that ended meanwhile
+                pass
 
 
 def vllm_child(out: Path, rounds: int, timing_verdict: bool = False) -> int:
@@ -392,6 +411,9 @@ def vllm_child(out: Path, rounds: int, timing_verdict: bool = False) -> int:
                       kv_connector_extra_config={"blend_origin": origin.address, "chunk_size": CHUNK,
                                                  "write_back": False}))
         start_s = time.time() - t0
+        engine_cores = os.environ.get("KDN_BENCH_ENGINE_CORES")
+        if engine_cores:
+            _pin_engine({int(c) for c in engine_cores.split(",")})
         sp = SamplingParams(temperature=0.0, max_tokens=1)
         results = []
         for r, combo in enumerate(combos):
