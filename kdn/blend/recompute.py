@@ -22,7 +22,10 @@ KV, so the tokens whose KV depends most on the missing context get it:
 - ``Random(ratio, check_layer, seed)`` — the control for ``Deviation``: the same passes and the
   same number of tokens, chosen at random.
 
-The question is then prefilled over the blended KV as over any cache, and generation proceeds.
+The question is then prefilled over the blended KV as over any cache, and generation proceeds;
+or, with :func:`blend_and_predict`, it is glue at the end of the context, computed in the same
+pass, and its next-token logits are read off the pass (the selective pass's attention:
+:mod:`kdn.blend.attention`).
 
 Tokens between segments that no segment holds (a separator, a chat template's markers) are
 :class:`Glue`: placed with placeholder KV and computed at every layer by every policy.

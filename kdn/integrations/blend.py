@@ -5,10 +5,13 @@ One request, laid out ``[prefix][document_1] … [document_n][question]``::
     each document ─► segment key (kdn.segments) ─► Fetch from the edge, all at once
        hit  ─► verified segment KV, computed after the model's lead (kdn.segments)
        miss ─► prefill that document after the lead here, Put it as a segment (background), use it
-    prefix ─► prefilled here (it sits at position 0, so its KV is exact)
-    kdn.blend.place  ─► keys rotated to where each document now sits (naive concatenation)
-    kdn.blend.blend  ─► recompute the share of document tokens the model's verdict names
-    question ─► prefilled over the blended KV; greedy decoding
+    kdn.blend.place  ─► keys rotated to where each document now sits (naive concatenation);
+                        the prefix and the question are glue (no cached KV)
+    kdn.blend.blend_and_predict ─► one pass: the prefix and the question at every layer, the share
+                        of document tokens the model's verdict names; the question's next-token
+                        logits come off it; greedy decoding
+    (a model whose head is more than norm + output embedding: the prefix is prefilled first and
+    the question over the blended KV, as a cache)
 
 Why here: the host has the weights, the prefix and every other segment of this prompt, and the
 blended KV is specific to it. An engine that only loads KV (vLLM) gets the same blend from the
