@@ -102,6 +102,7 @@ def register() -> None:
             AttentionInterface.register(GROUPED, grouped_sdpa)
             _registered = True
 
+
 _swapped: dict[int, list[Any]] = {}  # id(config) -> [passes holding it, the implementation before]
 
 

@@ -361,6 +361,8 @@ def blend_and_predict(model: Any, layout: Layout, policy: Policy) -> tuple[Any, 
     if not predicts_in_pass(model):
         raise UnsupportedModel(f"{type(model).__name__}: its logits are not norm + output embedding of the last layer")
     cache, stats, last = _blend(model, layout, policy)
+    if last is None:  # glue runs every layer; only a model without layers gets here
+        raise UnsupportedModel(f"{type(model).__name__}: the pass did not reach the last layer")
     logits = model.get_output_embeddings()(model.model.norm(last))  # (1, 1, vocab)
     return cache, stats, logits[0, -1]
 
@@ -400,6 +402,7 @@ def _blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats,
         active = torch.arange(n)
     elif A and checked:
         active = torch.cat((cand, glue)).unique(sorted=True)
+    l = -1  # the last layer the pass ran
     with grouped_attention(model) as grouped:  # queries by groups where the model runs SDPA
         if active.numel():
             ids = torch.tensor(layout.tokens, dtype=torch.long)
