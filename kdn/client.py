@@ -159,6 +159,7 @@ class Reuse:
     warning: str | None = None
     edge_usable: bool = True  # False when the edge failed as a whole (no write-back then)
     pieces: int = 0  # tail pieces (kdn.keys.piece_keys) reused after the ``chunks`` full chunks
+    room: torch.Tensor | None = None  # with ``room_tokens``: the whole destination, ``kv`` its first ``tokens``
 
 
 class AsyncKdnClient:
@@ -250,11 +251,16 @@ class AsyncKdnClient:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         max_tokens: int | None = None,
         bos_token_id: int | None = None,
+        room_tokens: int = 0,
     ) -> Reuse:
         """The longest prefix of ``tokens`` (at most ``max_tokens``) whose KV the edge can give.
 
         Chunks are fetched whole; when ``max_tokens`` ends inside a fetched chunk the KV is cut
         there (e.g. ``len(tokens) - 1``, so the last prompt token is computed and yields logits).
+
+        ``room_tokens``: fetch into a destination of at least that many tokens, handed back as
+        :attr:`Reuse.room`, so that the rest of the prompt can be prefilled into it in place
+        (:func:`kdn.blend.prefill_in_place`) instead of appended to a copy.
 
         ``bos_token_id``: the model's BOS. When the edge holds no chunk of the request, one more
         Lookup asks for its first chunk with the BOS toggled (:func:`kdn.keys.toggled_bos_key`);
@@ -288,7 +294,7 @@ class AsyncKdnClient:
                 LOG.warning(warning)
             return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=t1 - t0, warning=warning)
         kv, usable, error, tally = await self.fetches.prefix(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size,
-                                                           pieces=pkeys[:pieces])
+                                                           pieces=pkeys[:pieces], room_tokens=room_tokens)
         t2 = time.perf_counter()
         warning = None
         used_chunks, used_pieces = min(usable, available), max(0, usable - available)  # pieces count only after every chunk
@@ -307,9 +313,11 @@ class AsyncKdnClient:
             kv_out = None
         else:
             kv_out = kv[:, :, :, :n_tokens]  # (L, 2, H, n_tokens, D), a view
+        room = kv if kv_out is not None and room_tokens and kv.shape[3] >= room_tokens else None
         return Reuse(
             kv_out, n_tokens, used_chunks, available, tuple(keys), lookup_s=t1 - t0, fetch_s=t2 - t1,
             decode_s=tally.decode_s, bytes=tally.bytes, via=tally.via, warning=warning, pieces=used_pieces,
+            room=room,
         )
 
     def _piece_keys(self, tokens: Sequence[int] | np.ndarray, keys: Sequence[ChunkKey], available: int, limit: int,
@@ -406,9 +414,11 @@ class Fetches:
         *,
         chunk_size: int,
         pieces: Sequence[ChunkKey] = (),
+        room_tokens: int = 0,
     ) -> tuple[torch.Tensor, int, BaseException | None, FetchStats]:
         """Fetch ``keys`` (a chain from the start), then ``pieces`` (the tail pieces after it),
-        into one ``(L, 2, H, n*chunk_size + p*PIECE_TOKENS, D)`` tensor.
+        into one ``(L, 2, H, n*chunk_size + p*PIECE_TOKENS, D)`` tensor (at least ``room_tokens``
+        long: the positions after the artifacts are left for the caller).
 
         Returns ``(kv, usable, error, tally)``: the ``usable`` leading artifacts (chunks, then
         pieces) are verified and in place; ``error`` is the first failure (None when all arrived).
@@ -420,7 +430,8 @@ class Fetches:
         chain = [*keys, *pieces]
         n = len(chain)
         # the pages of an earlier request's destination, once nothing refers to it: no faults
-        out = self.destinations.empty(kv_shape.chunk_shape(spans[-1][1] if spans else 0), kv_shape.dtype)  # (L, 2, H, N, D)
+        out = self.destinations.empty(kv_shape.chunk_shape(max(spans[-1][1] if spans else 0, room_tokens)),
+                                      kv_shape.dtype)  # (L, 2, H, N, D)
         tally = FetchStats()
         sem = asyncio.Semaphore(self.config.fetch_concurrency)
 

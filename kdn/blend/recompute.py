@@ -275,6 +275,12 @@ def attention_implementation(model: Any) -> str:
 
 def check_model(model: Any) -> RopeSpec:
     """Refuse a model the selective pass cannot drive; return its verified :class:`RopeSpec`."""
+    check_layers(model)
+    return rope_spec(model)
+
+
+def check_layers(model: Any) -> None:
+    """Refuse a model whose layers the pass cannot drive (what a pass needs whatever moves keys)."""
     inner = getattr(model, "model", None)
     for attr in ("embed_tokens", "layers", "rotary_emb"):
         if inner is None or not hasattr(inner, attr):
@@ -289,7 +295,6 @@ def check_model(model: Any) -> RopeSpec:
             f"explicit mask over the mixed KV ({', '.join(SUPPORTED_ATTENTION)}): load it with "
             "attn_implementation='sdpa'"
         )
-    return rope_spec(model)
 
 
 def _mask_for(q_pos: torch.Tensor, n: int, attn: str, dtype: torch.dtype) -> torch.Tensor | None:
@@ -367,11 +372,53 @@ def blend_and_predict(model: Any, layout: Layout, policy: Policy) -> tuple[Any, 
     return cache, stats, logits[0, -1]
 
 
-def _blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats, torch.Tensor | None]:
+def prefills_in_place(model: Any) -> bool:
+    """Whether :func:`prefill_in_place` can run ``model`` (else: a forward over a ``DynamicCache``)."""
+    try:
+        check_layers(model)
+    except UnsupportedModel:
+        return False
+    return predicts_in_pass(model)
+
+
+@torch.inference_mode()
+def prefill_in_place(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence[int]) -> tuple[Any, torch.Tensor]:
+    """Prefill ``tokens[cached:]`` over the KV of ``tokens[:cached]``, the first ``cached``
+    positions of ``kv`` ``(L, 2, H, >= len(tokens), D)``, writing their KV into ``kv`` after it;
+    return a ``DynamicCache`` over ``kv``'s first ``len(tokens)`` positions and the next-token
+    logits ``(vocab,)``.
+
+    The logits and KV of a forward over a ``DynamicCache`` of the cached KV, without copying it:
+    such a cache appends by concatenation (a copy of every layer's KV), and transformers' SDPA
+    path copies the KV heads out to the query heads whenever a mask is given. Here the new
+    tokens run as glue through :func:`blend`'s pass (no segment token is recomputed), their KV
+    lands in place, and the kernel shares the KV heads (:mod:`kdn.blend.attention`). On a 2-core
+    Xeon, 45 tokens of smollm2-135m fp32 over 4k cached tokens: 262 ms instead of 336 ms; over
+    8k, 413 ms instead of 588 ms. Only for a model :func:`prefills_in_place` accepts."""
+    T = len(tokens)
+    if not 0 < cached < T or kv.dim() != 5 or kv.shape[3] < T:
+        raise InvalidInput(f"prefill_in_place needs 0 < cached ({cached}) < tokens ({T}) <= room ({kv.shape[3]})")
+    if not predicts_in_pass(model):
+        raise UnsupportedModel(f"{type(model).__name__}: its logits are not norm + output embedding of the last layer")
+    layout = Layout(list(tokens), [kv[l, 0, :, :T].unsqueeze(0) for l in range(kv.shape[0])],
+                    [kv[l, 1, :, :T].unsqueeze(0) for l in range(kv.shape[0])], cached, [], list(range(cached, T)))
+    cache, _, last = _blend(model, layout, Naive(), moves_keys=False)
+    if last is None:
+        raise UnsupportedModel(f"{type(model).__name__}: the pass did not reach the last layer")
+    logits = model.get_output_embeddings()(model.model.norm(last))  # (1, 1, vocab)
+    return cache, logits[0, -1]
+
+
+def _blend(model: Any, layout: Layout, policy: Policy, *,
+           moves_keys: bool = True) -> tuple[Any, BlendStats, torch.Tensor | None]:
     """:func:`blend`, and the last layer's hidden state ``(1, 1, hidden)`` of the context's last
-    position when it was computed through every layer (else None)."""
+    position when it was computed through every layer (else None). ``moves_keys=False``: the
+    layout holds no re-placed segment (its RoPE is not checked)."""
     t0 = time.perf_counter()
-    check_model(model)
+    if moves_keys:
+        check_model(model)
+    else:
+        check_layers(model)
     attn = attention_implementation(model)
     inner = model.model
     layers = list(inner.layers)

@@ -43,6 +43,7 @@ from kdn.errors import InvalidInput
 from kdn.keys import DEFAULT_CHUNK_SIZE, ModelFingerprint
 from kdn.prefill import greedy_tail
 from kdn.prompts import chat_tokens
+from kdn.blend import prefill_in_place, prefills_in_place
 from kdn.kv import KVShape, cache_from_layers, forward, output_cache
 from kdn.models import DTYPES, HFTokenizer, LoadedModel, Tokenizer, _weights_digest, dir_fingerprint, is_model_dir, model_fingerprint
 
@@ -190,8 +191,11 @@ def generate(
     t0 = time.perf_counter()
     if client is not None:
         # at least the last prompt token is computed here: its logits choose the first new token
+        # room for the whole prompt: the rest is prefilled into the fetched KV in place
+        in_place = prefills_in_place(km.model)
         reuse = client.reuse(tokens, fingerprint=km.fingerprint, kv_shape=km.kv_shape, chunk_size=km.chunk_size,
-                             max_tokens=len(tokens) - 1, bos_token_id=getattr(km.tokenizer, "bos_token_id", None))
+                             max_tokens=len(tokens) - 1, bos_token_id=getattr(km.tokenizer, "bos_token_id", None),
+                             room_tokens=len(tokens) if in_place else 0)
     else:
         reuse = Reuse(None, 0, 0, 0, ())
     t1 = time.perf_counter()
@@ -200,18 +204,23 @@ def generate(
     written = False
     with torch.inference_mode():
         tb = time.perf_counter()
-        if reuse.kv is not None:
-            # reuse.kv (L, 2, H, N, D) -> per layer keys/values (1, H, N, D)
-            cache = cache_from_layers([(reuse.kv[l, 0].unsqueeze(0), reuse.kv[l, 1].unsqueeze(0))
-                                       for l in range(reuse.kv.shape[0])], km.config)
+        if reuse.room is not None:
+            # the rest of the prompt prefilled into the fetched KV's room: no copy of the reused KV
+            tp = time.perf_counter()
+            cache, logits = prefill_in_place(km.model, reuse.room, reuse.tokens, tokens)
         else:
-            cache = cache_from_layers([], km.config)
-        tp = time.perf_counter()
-        ids = torch.tensor([tokens[reuse.tokens:]], dtype=torch.long)  # (1, R)
-        out = forward(km.model, input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        cache = output_cache(out)
+            if reuse.kv is not None:
+                # reuse.kv (L, 2, H, N, D) -> per layer keys/values (1, H, N, D)
+                cache = cache_from_layers([(reuse.kv[l, 0].unsqueeze(0), reuse.kv[l, 1].unsqueeze(0))
+                                           for l in range(reuse.kv.shape[0])], km.config)
+            else:
+                cache = cache_from_layers([], km.config)
+            tp = time.perf_counter()
+            ids = torch.tensor([tokens[reuse.tokens:]], dtype=torch.long)  # (1, R)
+            out = forward(km.model, input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            cache, logits = output_cache(out), out.logits[0, -1]
         tf = time.perf_counter()
-        nxt = int(torch.argmax(out.logits[0, -1]).item())
+        nxt = int(torch.argmax(logits).item())
         t_first = time.perf_counter()
         if client is not None and write_back and reuse.edge_usable:
             # the layers' tensors are replaced, not mutated, by later steps: safe to encode later

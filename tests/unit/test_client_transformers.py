@@ -140,3 +140,63 @@ def test_small_125m_logit_difference_bound(dtype, bound):
                               use_cache=True).logits[0].float()
         assert (full - reused).abs().max().item() <= bound
         assert torch.equal(full.argmax(-1), reused.argmax(-1))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("rest", [1, 9, 150])
+def test_the_rest_prefilled_in_place_equals_a_forward_over_the_cached_kv(attn, rest):
+    """prefill_in_place: the next-token logits and the KV of a forward over a DynamicCache of the
+    cached KV (within the bound of a GEMM of another row count, test_reuse_exact), written into
+    the room after the cached KV, which is not touched; 150 rows run as 2 query groups."""
+    torch.manual_seed(0)
+    model = load_model("tiny").model
+    was, model.config._attn_implementation = model.config._attn_implementation, attn
+    try:
+        _compare_in_place(model, rest)
+    finally:
+        model.config._attn_implementation = was
+
+
+def _compare_in_place(model, rest):
+    from kdn.blend import prefill_in_place
+    from kdn.kv import cache_from_layers, forward, output_cache
+
+    cached = 200
+    tokens = torch.randint(3, 250, (cached + rest,)).tolist()
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([tokens[:cached]]), use_cache=True)
+        layers = [(layer.keys, layer.values) for layer in output_cache(out).layers]
+        room = torch.full((len(layers), 2, layers[0][0].shape[1], cached + rest + 5, layers[0][0].shape[3]), float("nan"))
+        for l, (k, v) in enumerate(layers):
+            room[l, 0, :, :cached], room[l, 1, :, :cached] = k[0], v[0]
+        before = room[:, :, :, :cached].clone()
+        ref = forward(model, input_ids=torch.tensor([tokens[cached:]]), cache=cache_from_layers(layers, model.config),
+                      use_cache=True)
+        cache, logits = prefill_in_place(model, room, cached, tokens)
+    torch.testing.assert_close(logits, ref.logits[0, -1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(room[:, :, :, :cached], before)
+    assert torch.isnan(room[:, :, :, cached + rest:]).all()  # nothing past the prompt
+    for mine, theirs in zip(cache.layers, output_cache(ref).layers):
+        assert mine.keys.shape == theirs.keys.shape == (1, room.shape[2], cached + rest, room.shape[4])
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hit_prefills_the_rest_into_the_fetched_kv(monkeypatch):
+    """generate asks the client for room for the whole prompt and prefills the rest there; where
+    the in-place pass cannot run the model, the forward over a DynamicCache gives the same tokens."""
+    import kdn.integrations.transformers as host
+
+    calls = []
+    real = host.prefill_in_place
+    monkeypatch.setattr(host, "prefill_in_place", lambda *a: calls.append(a[2]) or real(*a))
+    lm = load_model("tiny", chunk_size=CHUNK)
+    prompt = DOC + " Question: what does KDN keep?"
+    with KdnClient(ClientConfig(edge="mem", write_back=True), transport=MemoryEdgeTransport()) as client:
+        _cache_document(lm, client)
+        base = generate(lm, prompt, max_new_tokens=6)
+        got = generate(lm, prompt, client=client, max_new_tokens=6)
+        assert calls == [4 * CHUNK] and got.tokens == base.tokens and got.reused_tokens == 4 * CHUNK
+        monkeypatch.setattr(host, "prefills_in_place", lambda model: False)
+        plain = generate(lm, prompt, client=client, max_new_tokens=6)
+        assert calls == [4 * CHUNK] and plain.tokens == base.tokens and plain.reused_tokens == 4 * CHUNK
