@@ -12,7 +12,8 @@ by its default path (shared memory on the same host).
 
 - transformers (this interpreter): per round, a full recompute, an edge hit through
   :func:`kdn.integrations.transformers.generate`, and the floor (the document's KV already in this
-  process: what an engine's own prefix cache gives). TTFT is measured inside ``generate`` (request
+  process: what an engine's own prefix cache gives; the question prefilled over it as a hit does,
+  :func:`kdn.blend.prefill_in_place`). TTFT is measured inside ``generate`` (request
   tokens in hand to the first token); 8 tokens are generated and compared with recompute's.
 - vLLM (``--vllm-python``, default ``.venv-vllm/bin/python``, skipped if absent): one engine per
   dtype with the KDN connector; per round a recompute (prefix cache reset, the request opted out of
@@ -48,7 +49,8 @@ system message, a short question as the user message, rendered with SmolLM2's ch
 document's chunks sit in a separate `kdn edge` process on loopback, reached by the host's default
 path (shared memory). transformers: per round a full recompute, an edge hit through
 `kdn.integrations.transformers.generate` and the in-process floor (the document's KV already in
-memory); TTFT from the request's tokens to the first token, 8 tokens generated and compared with
+memory, the question prefilled over it as a hit does: into the KV's room, `kdn.blend.prefill_in_place`,
+since 2026-12-07 15:30 UTC; before, a forward over a `DynamicCache`); TTFT from the request's tokens to the first token, 8 tokens generated and compared with
 recompute's. vLLM 0.32 (CPU): one engine per dtype with the KDN connector; per round a recompute
 (prefix cache reset, KDN off for the request), a KDN hit (prefix cache reset, KV from the edge,
 written back by vLLM at warm-up) and the floor (the same request again, KDN off, its KV in vLLM's
@@ -100,6 +102,7 @@ def run_transformers(docs: dict[int, str], dtype: str, rounds: int, edge: str) -
     from kdn.client import ClientConfig, KdnClient
     from kdn.integrations.transformers import generate
     from kdn.keys import ROOT_KEY, piece_keys
+    from kdn.blend import prefill_in_place, prefills_in_place
     from kdn.kv import cache_from_layers, forward
     from kdn.models import load_model
     from kdn.prefill import prefill_document
@@ -125,6 +128,10 @@ def run_transformers(docs: dict[int, str], dtype: str, rounds: int, edge: str) -
             kv = torch.cat([*chunks, *tail], dim=3)  # (L, 2, H, n_chunks*C + n_pieces*P, D)
             n_kv = kv.shape[3]
             del chunks, tail
+            # the floor's KV in memory with room for the question, as a hit's fetch lands it
+            room = torch.empty((*kv.shape[:3], len(tokens), kv.shape[4]), dtype=kv.dtype)
+            room[:, :, :, :n_kv] = kv
+            in_place = prefills_in_place(lm.model)
             t: dict[str, list[float]] = {"recompute": [], "hit": [], "floor": []}
             same = 0
             for r in range(rounds):
@@ -132,11 +139,16 @@ def run_transformers(docs: dict[int, str], dtype: str, rounds: int, edge: str) -
                 hit = generate(lm, tokens, client=client, max_new_tokens=8)
                 assert hit.reused_tokens == n_kv and not hit.warnings, (hit.reused_tokens, n_kv, hit.warnings)
                 with torch.inference_mode():
+                    # the question prefilled over the document's KV the way a hit does it
                     t0 = time.perf_counter()
-                    cache = cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0))
-                                               for l in range(kv.shape[0])], lm.config)
-                    out = forward(lm.model, input_ids=torch.tensor([tokens[n_kv:]]), cache=cache, use_cache=True, logits_to_keep=1)
-                    int(torch.argmax(out.logits[0, -1]))
+                    if in_place:
+                        _, logits = prefill_in_place(lm.model, room, n_kv, tokens)
+                    else:
+                        cache = cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0))
+                                                   for l in range(kv.shape[0])], lm.config)
+                        logits = forward(lm.model, input_ids=torch.tensor([tokens[n_kv:]]), cache=cache,
+                                         use_cache=True, logits_to_keep=1).logits[0, -1]
+                    int(torch.argmax(logits))
                     t["floor"].append(time.perf_counter() - t0)
                 t["recompute"].append(base.timings.ttft_s)
                 t["hit"].append(hit.timings.ttft_s)
