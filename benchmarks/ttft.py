@@ -14,7 +14,8 @@ the remainder prefill and choosing the first token.
 - kdn-bulk:  the same edge, bytes over the bulk byte path (kdn.wire.bulk: plain TCP, pooled buffers);
 - kdn-shm:   the same edge, same-host shared-memory answers (mappings cached);
 - floor:     the document's KV already in this process's memory (what an engine's own prefix
-  cache would give): cache assembly + remainder prefill + first token.
+  cache would give): remainder prefill + first token, done as a hit does it (into the room after
+  the KV: :func:`kdn.blend.prefill_in_place`).
 
 Goals: kdn ≥ 20x faster than recompute at 4096 tokens (DESIGN.md); kdn ≤ 1.2x the floor at 4096 and
 8192 tokens by the bulk or shm path, ≤ 1.5x over gRPC alone. Records the run as ``ttft``
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kdn.artifact import encode_artifact  # noqa: E402
+from kdn.blend import prefill_in_place, prefills_in_place  # noqa: E402
 from kdn.client import ClientConfig, KdnClient  # noqa: E402
 from kdn.integrations.transformers import generate  # noqa: E402
 from kdn.keys import ROOT_KEY  # noqa: E402
@@ -54,7 +56,8 @@ from the token ids in hand to the first generated token and includes chunk keys,
 verify and decode, cache assembly, the remainder prefill and choosing the first token. Modes: full
 recompute; an edge hit (a separate `kdn edge` process on loopback, raw codec) with the bytes over
 gRPC, over the bulk TCP path, or by same-host shared memory; and the floor, the document's KV
-already in this process (what an engine's own prefix cache gives). Every round measures every mode,
+already in this process (what an engine's own prefix cache gives), the remainder prefilled as a hit
+does it (into the room after the KV, `kdn.blend.prefill_in_place`, since 2026-12-07). Every round measures every mode,
 the reuse modes in a rotating order, so each ratio is taken within one round; figures are medians of
 the per-round ratios with their range. Every hit's output must equal recompute's."""
 
@@ -91,14 +94,20 @@ def start_edge() -> tuple[subprocess.Popen, str]:
 
 
 def floor_ttft(lm, kv: torch.Tensor, tokens: list[int], n_doc: int) -> tuple[float, int]:
-    """Reuse of KV already in memory: cache assembly + remainder prefill + first token."""
+    """Reuse of KV already in memory: remainder prefill + first token, the way a hit prefills it
+    (into the room after the KV, :func:`kdn.blend.prefill_in_place`, where the model allows;
+    else cache assembly and a forward over it). ``kv``: ``(L, 2, H, >= len(tokens), D)``, the
+    document's KV in its first ``n_doc`` positions."""
     t0 = time.perf_counter()
     with torch.inference_mode():
-        cache = cache_from_layers([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])],
-                                  lm.config)  # kv (L, 2, H, N, D) -> per layer (1, H, N, D)
-        ids = torch.tensor([tokens[n_doc:]], dtype=torch.long)
-        out = forward(lm.model, input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        first = int(torch.argmax(out.logits[0, -1]).item())
+        if prefills_in_place(lm.model):
+            _, logits = prefill_in_place(lm.model, kv, n_doc, tokens)
+        else:
+            cache = cache_from_layers([(kv[l, 0, :, :n_doc].unsqueeze(0), kv[l, 1, :, :n_doc].unsqueeze(0))
+                                       for l in range(kv.shape[0])], lm.config)  # per layer (1, H, N, D)
+            ids = torch.tensor([tokens[n_doc:]], dtype=torch.long)
+            logits = forward(lm.model, input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        first = int(torch.argmax(logits).item())
     return time.perf_counter() - t0, first
 
 
@@ -122,6 +131,9 @@ def measure(lm, clients: dict, n: int, q: list[int], reps: int) -> dict:
         assert first_client.put(lm.fingerprint, key, data)
     kv_bytes = kv.numel() * kv.element_size()
     del chunks
+    room = torch.empty((*kv.shape[:3], len(tokens), kv.shape[4]), dtype=kv.dtype)  # the floor's, as a hit's
+    room[:, :, :, :n] = kv
+    kv = room
     base_tokens = None
     names = [name for name, _, _ in MODES]
     t: dict[str, list[float]] = {k: [] for k in ["recompute", *names, "floor"]}
