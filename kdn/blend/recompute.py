@@ -484,6 +484,8 @@ def _blend(model: Any, layout: Layout, policy: Policy, *,
                     break
                 if mask_pos is not active:
                     mask, mask_pos = _mask_for(active, n, attn, h.dtype), active
+                    # the whole mask goes to the layer even with groups: an attention that ignored
+                    # them would still apply the right one (slower), never none
                     groups = query_groups(active, h.dtype) if grouped and mask is not None else None
                 h = _run_layer(layer, h, active, mixed, inner, mask, groups)
                 layer_tokens += int(is_cand[active].sum())
