@@ -82,7 +82,8 @@ host, emulated on one: co-located (blend-vllm), vLLM's idle worker spins (its me
 busy-waits with `sched_yield` for a second after each message, and a request waiting for remote
 KV sends one every scheduler step) and takes a core from the origin's blend. Both sides get half
 the cores, so full prefill is slower here than in blend-vllm and the ratio compares equal
-hardware. Before 2026-12-07 15:00 UTC the engine core stayed on the origin's half.""",
+hardware. In records before the one of 2026-12-07 14:53 UTC the engine core stayed on the
+origin's half.""",
     "blend-decay": """smollm2-135m fp32: 200 queries, each 8 of a pool of 64 excerpts of 128 tokens (held-out
 files) in a subset and order no earlier query used, through `generate(..., documents=...)` at
 15% with the pool's segments on an in-process edge. Every 4th query is also fully prefilled for

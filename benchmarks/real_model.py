@@ -50,7 +50,7 @@ document's chunks sit in a separate `kdn edge` process on loopback, reached by t
 path (shared memory). transformers: per round a full recompute, an edge hit through
 `kdn.integrations.transformers.generate` and the in-process floor (the document's KV already in
 memory, the question prefilled over it as a hit does: into the KV's room, `kdn.blend.prefill_in_place`,
-since 2026-12-07 15:30 UTC; before, a forward over a `DynamicCache`); TTFT from the request's tokens to the first token, 8 tokens generated and compared with
+from the record of 2026-12-07 15:28 UTC; before, a forward over a `DynamicCache`); TTFT from the request's tokens to the first token, 8 tokens generated and compared with
 recompute's. vLLM 0.32 (CPU): one engine per dtype with the KDN connector; per round a recompute
 (prefix cache reset, KDN off for the request), a KDN hit (prefix cache reset, KV from the edge,
 written back by vLLM at warm-up) and the floor (the same request again, KDN off, its KV in vLLM's
