@@ -102,7 +102,7 @@ def run_transformers(docs: dict[int, str], dtype: str, rounds: int, edge: str) -
     from kdn.client import ClientConfig, KdnClient
     from kdn.integrations.transformers import generate
     from kdn.keys import ROOT_KEY, piece_keys
-    from kdn.blend import prefill_in_place, prefills_in_place
+    from kdn.blend import prefill_in_place, predicts_in_pass
     from kdn.kv import cache_from_layers, forward
     from kdn.models import load_model
     from kdn.prefill import prefill_document
@@ -131,7 +131,7 @@ def run_transformers(docs: dict[int, str], dtype: str, rounds: int, edge: str) -
             # the floor's KV in memory with room for the question, as a hit's fetch lands it
             room = torch.empty((*kv.shape[:3], len(tokens), kv.shape[4]), dtype=kv.dtype)
             room[:, :, :, :n_kv] = kv
-            in_place = prefills_in_place(lm.model)
+            in_place = predicts_in_pass(lm.model)
             t: dict[str, list[float]] = {"recompute": [], "hit": [], "floor": []}
             same = 0
             for r in range(rounds):

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kdn.artifact import encode_artifact  # noqa: E402
-from kdn.blend import prefill_in_place, prefills_in_place  # noqa: E402
+from kdn.blend import prefill_in_place, predicts_in_pass  # noqa: E402
 from kdn.client import ClientConfig, KdnClient  # noqa: E402
 from kdn.integrations.transformers import generate  # noqa: E402
 from kdn.keys import ROOT_KEY  # noqa: E402
@@ -100,7 +100,7 @@ def floor_ttft(lm, kv: torch.Tensor, tokens: list[int], n_doc: int) -> tuple[flo
     document's KV in its first ``n_doc`` positions."""
     t0 = time.perf_counter()
     with torch.inference_mode():
-        if prefills_in_place(lm.model):
+        if predicts_in_pass(lm.model):
             _, logits = prefill_in_place(lm.model, kv, n_doc, tokens)
         else:
             cache = cache_from_layers([(kv[l, 0, :, :n_doc].unsqueeze(0), kv[l, 1, :, :n_doc].unsqueeze(0))

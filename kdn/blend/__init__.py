@@ -12,12 +12,12 @@ store (``kdn.origin.blend``) and the quality harness (``kdn.lab``) run the same 
 
 from kdn.blend.recompute import (
     BlendStats, Deviation, FirstK, Glue, Layout, Naive, Policy, Random, blend, blend_and_predict, check_model, place,
-    predicts_in_pass, prefill_document, prefill_in_place, prefill_segment, prefills_in_place,
+    predicts_in_pass, prefill_document, prefill_in_place, prefill_segment,
 )
 from kdn.blend.rope import SUPPORTED_ROPE_TYPES, RopeSpec, rope_spec
 
 __all__ = [
     "BlendStats", "Deviation", "FirstK", "Glue", "Layout", "Naive", "Policy", "Random", "RopeSpec", "SUPPORTED_ROPE_TYPES",
     "blend", "blend_and_predict", "check_model", "place", "predicts_in_pass", "prefill_document", "prefill_in_place",
-    "prefill_segment", "prefills_in_place", "rope_spec",
+    "prefill_segment", "rope_spec",
 ]

@@ -345,13 +345,50 @@ def blend(model: Any, layout: Layout, policy: Policy) -> tuple[Any, BlendStats]:
     return cache, stats
 
 
+_PASS_ATTR = "_kdn_pass_matches_forward"  # predicts_in_pass's answer, remembered on the model object
+
+
 def predicts_in_pass(model: Any) -> bool:
-    """Whether :func:`blend_and_predict` can read ``model``'s next-token logits off the pass: its
-    head is the final norm and the output embedding, nothing after them (no logit scaling or
-    soft-capping, which some architectures add in their own forward)."""
+    """Whether the layer pass reproduces ``model``'s own forward, so that :func:`blend_and_predict`
+    and :func:`prefill_in_place` may read its next-token logits off the pass: layers the pass can
+    drive (:func:`check_layers`), a head that is the final norm and the output embedding (no logit
+    scaling or soft-capping in its config), and, checked once per model object on a few tokens,
+    the logits of the model's own forward. An architecture whose forward does more than the pass
+    (scales its embeddings, say) fails the check and keeps its own forward."""
+    known = getattr(model, _PASS_ATTR, None)
+    if known is not None:
+        return bool(known)
     cfg = model.config
-    plain = all(not getattr(cfg, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-    return plain and hasattr(getattr(model, "model", None), "norm") and model.get_output_embeddings() is not None
+    ok = (all(not getattr(cfg, a, None) for a in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+          and hasattr(getattr(model, "model", None), "norm") and model.get_output_embeddings() is not None)
+    if ok:
+        try:
+            check_layers(model)
+            ok = _pass_matches_forward(model)
+        except (UnsupportedModel, InvalidInput):
+            ok = False
+    try:
+        setattr(model, _PASS_ATTR, ok)
+    except AttributeError:  # a model object that takes no attributes: checked again next time
+        pass
+    return ok
+
+
+@torch.inference_mode()
+def _pass_matches_forward(model: Any, cached: int = 8, rest: int = 4) -> bool:
+    """The pass's logits for ``rest`` tokens over ``cached`` tokens' KV equal the model's forward
+    over all of them, within 5% of the logits' scale (rounding differs between the two; a step the
+    pass lacks changes them wholesale)."""
+    ids = [3 + i % max(1, int(model.config.vocab_size) - 3) for i in range(cached + rest)]
+    out = forward(model, input_ids=torch.tensor([ids[:cached]]), use_cache=True)
+    layers = [(layer.keys, layer.values) for layer in output_cache(out).layers]
+    k0 = layers[0][0]  # (1, H, cached, D)
+    room = torch.empty((len(layers), 2, k0.shape[1], cached + rest, k0.shape[3]), dtype=k0.dtype, device=k0.device)
+    for l, (k, v) in enumerate(layers):
+        room[l, 0, :, :cached], room[l, 1, :, :cached] = k[0], v[0]
+    _, got = _prefill_into(model, room, cached, ids)
+    ref = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    return bool((got.float() - ref.float()).abs().max() <= 0.05 * (float(ref.float().abs().max()) + 1.0))
 
 
 @torch.inference_mode()
@@ -364,21 +401,12 @@ def blend_and_predict(model: Any, layout: Layout, policy: Policy) -> tuple[Any, 
     if not layout.forced or layout.forced[-1] != layout.n - 1:
         raise InvalidInput("blend_and_predict needs a context that ends in glue (the question)")
     if not predicts_in_pass(model):
-        raise UnsupportedModel(f"{type(model).__name__}: its logits are not norm + output embedding of the last layer")
+        raise UnsupportedModel(f"{type(model).__name__}: the layer pass does not reproduce its forward")
     cache, stats, last = _blend(model, layout, policy)
     if last is None:  # glue runs every layer; only a model without layers gets here
         raise UnsupportedModel(f"{type(model).__name__}: the pass did not reach the last layer")
     logits = model.get_output_embeddings()(model.model.norm(last))  # (1, 1, vocab)
     return cache, stats, logits[0, -1]
-
-
-def prefills_in_place(model: Any) -> bool:
-    """Whether :func:`prefill_in_place` can run ``model`` (else: a forward over a ``DynamicCache``)."""
-    try:
-        check_layers(model)
-    except UnsupportedModel:
-        return False
-    return predicts_in_pass(model)
 
 
 @torch.inference_mode()
@@ -394,12 +422,16 @@ def prefill_in_place(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence
     tokens run as glue through :func:`blend`'s pass (no segment token is recomputed), their KV
     lands in place, and the kernel shares the KV heads (:mod:`kdn.blend.attention`). On a 2-core
     Xeon, 45 tokens of smollm2-135m fp32 over 4k cached tokens: 262 ms instead of 336 ms; over
-    8k, 413 ms instead of 588 ms. Only for a model :func:`prefills_in_place` accepts."""
+    8k, 413 ms instead of 588 ms. Only for a model :func:`predicts_in_pass` accepts."""
+    if not predicts_in_pass(model):
+        raise UnsupportedModel(f"{type(model).__name__}: the layer pass does not reproduce its forward")
+    return _prefill_into(model, kv, cached, tokens)
+
+
+def _prefill_into(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence[int]) -> tuple[Any, torch.Tensor]:
     T = len(tokens)
     if not 0 < cached < T or kv.dim() != 5 or kv.shape[3] < T:
         raise InvalidInput(f"prefill_in_place needs 0 < cached ({cached}) < tokens ({T}) <= room ({kv.shape[3]})")
-    if not predicts_in_pass(model):
-        raise UnsupportedModel(f"{type(model).__name__}: its logits are not norm + output embedding of the last layer")
     layout = Layout(list(tokens), [kv[l, 0, :, :T].unsqueeze(0) for l in range(kv.shape[0])],
                     [kv[l, 1, :, :T].unsqueeze(0) for l in range(kv.shape[0])], cached, [], list(range(cached, T)))
     cache, _, last = _blend(model, layout, Naive(), moves_keys=False)

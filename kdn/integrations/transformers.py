@@ -43,7 +43,7 @@ from kdn.errors import InvalidInput
 from kdn.keys import DEFAULT_CHUNK_SIZE, ModelFingerprint
 from kdn.prefill import greedy_tail
 from kdn.prompts import chat_tokens
-from kdn.blend import prefill_in_place, prefills_in_place
+from kdn.blend import prefill_in_place, predicts_in_pass
 from kdn.kv import KVShape, cache_from_layers, forward, output_cache
 from kdn.models import DTYPES, HFTokenizer, LoadedModel, Tokenizer, _weights_digest, dir_fingerprint, is_model_dir, model_fingerprint
 
@@ -192,7 +192,7 @@ def generate(
     if client is not None:
         # at least the last prompt token is computed here: its logits choose the first new token
         # room for the whole prompt: the rest is prefilled into the fetched KV in place
-        in_place = prefills_in_place(km.model)
+        in_place = predicts_in_pass(km.model)
         reuse = client.reuse(tokens, fingerprint=km.fingerprint, kv_shape=km.kv_shape, chunk_size=km.chunk_size,
                              max_tokens=len(tokens) - 1, bos_token_id=getattr(km.tokenizer, "bos_token_id", None),
                              room_tokens=len(tokens) if in_place else 0)

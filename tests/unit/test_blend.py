@@ -258,6 +258,28 @@ def test_the_question_as_glue_predicts_what_a_prefill_over_the_blend_predicts(at
         blend_and_predict(model, place(model, segs), Deviation(0.3))
 
 
+def test_a_model_whose_forward_does_more_than_the_pass_keeps_its_forward() -> None:
+    """predicts_in_pass checks once per model that the pass gives the forward's logits: here the
+    model's own forward scales its last hidden state (as some architectures scale embeddings), the
+    pass does not, so neither blend_and_predict nor prefill_in_place runs it."""
+    from kdn.blend import predicts_in_pass, prefill_in_place
+
+    plain, scaled = _llama(), _llama()
+
+    def scale(module, args, out) -> None:
+        out.last_hidden_state.mul_(3.0)
+
+    scaled.model.register_forward_hook(scale)
+    assert predicts_in_pass(plain) and not predicts_in_pass(scaled)
+    room = torch.zeros((3, 2, 2, 20, 16))
+    with pytest.raises(UnsupportedModel, match="does not reproduce"):
+        prefill_in_place(scaled, room, 10, _ids(20, 44))
+    with pytest.raises(UnsupportedModel, match="does not reproduce"):
+        d = _ids(12, 45)
+        seg = Segment(segment_key(d, fingerprint=bytes(32), namespace=DEFAULT_NAMESPACE), tuple(d), prefill_segment(scaled, d))
+        blend_and_predict(scaled, place(scaled, [seg, Glue(tuple(_ids(5, 46)))]), Naive())
+
+
 def test_grouped_attention_is_sdpa_for_other_calls_and_overlapping_passes_restore_it() -> None:
     model = _llama(attn_implementation="sdpa")
     ids = torch.tensor([_ids(40, 35)])

@@ -197,6 +197,6 @@ def test_a_hit_prefills_the_rest_into_the_fetched_kv(monkeypatch):
         base = generate(lm, prompt, max_new_tokens=6)
         got = generate(lm, prompt, client=client, max_new_tokens=6)
         assert calls == [4 * CHUNK] and got.tokens == base.tokens and got.reused_tokens == 4 * CHUNK
-        monkeypatch.setattr(host, "prefills_in_place", lambda model: False)
+        monkeypatch.setattr(host, "predicts_in_pass", lambda model: False)
         plain = generate(lm, prompt, client=client, max_new_tokens=6)
         assert calls == [4 * CHUNK] and plain.tokens == base.tokens and plain.reused_tokens == 4 * CHUNK
