@@ -403,10 +403,7 @@ def blend_and_predict(model: Any, layout: Layout, policy: Policy) -> tuple[Any, 
     if not predicts_in_pass(model):
         raise UnsupportedModel(f"{type(model).__name__}: the layer pass does not reproduce its forward")
     cache, stats, last = _blend(model, layout, policy)
-    if last is None:  # glue runs every layer; only a model without layers gets here
-        raise UnsupportedModel(f"{type(model).__name__}: the pass did not reach the last layer")
-    logits = model.get_output_embeddings()(model.model.norm(last))  # (1, 1, vocab)
-    return cache, stats, logits[0, -1]
+    return cache, stats, _next_token_logits(model, last)
 
 
 @torch.inference_mode()
@@ -435,10 +432,15 @@ def _prefill_into(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence[in
     layout = Layout(list(tokens), [kv[l, 0, :, :T].unsqueeze(0) for l in range(kv.shape[0])],
                     [kv[l, 1, :, :T].unsqueeze(0) for l in range(kv.shape[0])], cached, [], list(range(cached, T)))
     cache, _, last = _blend(model, layout, Naive(), moves_keys=False)
-    if last is None:
+    return cache, _next_token_logits(model, last)
+
+
+def _next_token_logits(model: Any, last: torch.Tensor | None) -> torch.Tensor:
+    """The logits ``(vocab,)`` of the last layer's hidden state ``last`` ``(1, 1, hidden)``: the
+    final norm, then the output embedding (what :func:`predicts_in_pass` checked)."""
+    if last is None:  # glue runs every layer; only a model without layers gets here
         raise UnsupportedModel(f"{type(model).__name__}: the pass did not reach the last layer")
-    logits = model.get_output_embeddings()(model.model.norm(last))  # (1, 1, vocab)
-    return cache, logits[0, -1]
+    return model.get_output_embeddings()(model.model.norm(last))[0, -1]
 
 
 def _blend(model: Any, layout: Layout, policy: Policy, *,

@@ -10,8 +10,8 @@ One request, laid out ``[prefix][document_1] … [document_n][question]``::
     kdn.blend.blend_and_predict ─► one pass: the prefix and the question at every layer, the share
                         of document tokens the model's verdict names; the question's next-token
                         logits come off it; greedy decoding
-    (a model whose head is more than norm + output embedding: the prefix is prefilled first and
-    the question over the blended KV, as a cache)
+    (a model whose own forward the pass does not reproduce, kdn.blend.predicts_in_pass: the
+    prefix is prefilled first and the question over the blended KV, as a cache)
 
 Why here: the host has the weights, the prefix and every other segment of this prompt, and the
 blended KV is specific to it. An engine that only loads KV (vLLM) gets the same blend from the
