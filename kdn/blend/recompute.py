@@ -58,7 +58,7 @@ import torch
 from kdn.blend.attention import GROUPED, QueryGroup, causal_mask, grouped_attention, query_groups
 from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.errors import InvalidInput, UnsupportedModel
-from kdn.kv import cache_from_layers, forward, layers_to_chunk, output_cache
+from kdn.kv import cache_from_layers, cache_in_room, forward, layers_to_chunk, output_cache
 from kdn.segments import Segment, segment_lead
 
 
@@ -411,7 +411,8 @@ def prefill_in_place(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence
     """Prefill ``tokens[cached:]`` over the KV of ``tokens[:cached]``, the first ``cached``
     positions of ``kv`` ``(L, 2, H, >= len(tokens), D)``, writing their KV into ``kv`` after it;
     return a ``DynamicCache`` over ``kv``'s first ``len(tokens)`` positions and the next-token
-    logits ``(vocab,)``.
+    logits ``(vocab,)``. Tokens decoded over that cache are written into ``kv`` after the prompt
+    while there is room (:func:`kdn.kv.cache_in_room`).
 
     The logits and KV of a forward over a ``DynamicCache`` of the cached KV, without copying it:
     such a cache appends by concatenation (a copy of every layer's KV), and transformers' SDPA
@@ -432,7 +433,9 @@ def _prefill_into(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence[in
         raise InvalidInput(f"prefill_in_place needs 0 < cached ({cached}) < tokens ({T}) <= room ({kv.shape[3]})")
     layout = Layout(list(tokens), [kv[l, 0, :, :T].unsqueeze(0) for l in range(kv.shape[0])],
                     [kv[l, 1, :, :T].unsqueeze(0) for l in range(kv.shape[0])], cached, [], list(range(cached, T)))
-    cache, _, last = _blend(model, layout, Naive(), moves_keys=False)
+    _, _, last = _blend(model, layout, Naive(), moves_keys=False)
+    # decoding goes on in the room after the prompt, where there is one (no copy per token)
+    cache = cache_in_room([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])], T, model.config)
     return cache, _next_token_logits(model, last)
 
 

@@ -191,11 +191,12 @@ def generate(
     t0 = time.perf_counter()
     if client is not None:
         # at least the last prompt token is computed here: its logits choose the first new token
-        # room for the whole prompt: the rest is prefilled into the fetched KV in place
+        # room for the whole prompt and the tokens fed back while decoding (the last new token
+        # is not): the rest of the prompt is prefilled into the fetched KV in place, and so are they
         in_place = predicts_in_pass(km.model)
         reuse = client.reuse(tokens, fingerprint=km.fingerprint, kv_shape=km.kv_shape, chunk_size=km.chunk_size,
                              max_tokens=len(tokens) - 1, bos_token_id=getattr(km.tokenizer, "bos_token_id", None),
-                             room_tokens=len(tokens) if in_place else 0)
+                             room_tokens=len(tokens) + max_new_tokens - 1 if in_place else 0)
     else:
         reuse = Reuse(None, 0, 0, 0, ())
     t1 = time.perf_counter()
