@@ -12,6 +12,7 @@ this module only says where bytes go.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -147,12 +148,16 @@ class Parser(Protocol):
 
 
 class Landing:
-    """The buffers one reader's ``landing()`` hands out and ``landed()`` takes back."""
+    """The buffers one reader's ``landing()`` hands out and ``landed()`` takes back.
+
+    It refers to its reader weakly: the reader holds it, and a cycle between them would keep the
+    reader's destination (a request's whole prefix KV, in a reused mapping) alive until the next
+    garbage collection, so that the next request could not reuse it and mapped a fresh one."""
 
     __slots__ = ("_reader", "_scratch", "_scr_n", "_land_to", "_run")
 
     def __init__(self, reader: Parser) -> None:
-        self._reader = reader
+        self._reader = weakref.proxy(reader)
         self._scratch = bytearray(64 << 10)  # everything but raw payloads received in place
         self._scr_n = 0  # bytes of the part being received that are in _scratch
         self._land_to = 0  # where the last landing in _scratch ends

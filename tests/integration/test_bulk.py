@@ -680,3 +680,45 @@ def test_a_client_on_the_edges_host_connects_over_its_local_socket_and_falls_bac
             probe.close()
 
     asyncio.run(main())
+
+
+def test_a_prefix_fetched_over_bulk_leaves_its_destination_free_for_the_next_request(monkeypatch) -> None:
+    """Fetched in place over the bulk path, a prefix's destination is reused by the next request as
+    soon as the caller drops it: nothing but the caller's tensors refers to it (a reader kept in a
+    cycle held it until a garbage collection, and every request mapped and faulted a fresh one)."""
+    import gc
+
+    import torch
+
+    from kdn import kv as kdn_kv
+    from kdn.client import AsyncKdnClient, ClientConfig
+    from kdn.kv import KVShape
+
+    monkeypatch.setattr(kdn_kv, "PREFAULT_MIN_BYTES", 1 << 16)  # the pool serves destinations this small
+    chain = big_chain(3)
+    L, H, T, D = 4, 4, 64, 64
+
+    async def main() -> None:
+        async with served(edge_config()) as (srv, t):
+            for key, blob in zip(chain.keys, chain.blobs):
+                assert await t.put(chain.fingerprint, chain.namespace, key, blob, timeout=TIMEOUT)
+            client = AsyncKdnClient(ClientConfig(edge=srv.address, shm="off", bulk=True, write_back=False))
+            try:
+                shape = KVShape(L, H, D, torch.float16)
+                for _ in range(3):
+                    kv, usable, error, tally = await client.fetches.prefix(chain.fingerprint, chain.keys, shape,
+                                                                           chunk_size=T)
+                    assert error is None and usable == 3 and tally.via == "bulk"
+                    del kv
+            finally:
+                await client.close()
+            pool = client.destinations
+            assert pool.mapped == 1 and pool.reused == 2
+
+    was = gc.isenabled()
+    gc.disable()  # what frees a destination must be the caller letting go, not a collection
+    try:
+        asyncio.run(main())
+    finally:
+        if was:
+            gc.enable()

@@ -172,3 +172,25 @@ def test_a_length_field_inside_a_run_that_is_not_the_raw_size_is_refused(section
     with pytest.raises(kerr.ArtifactCorrupt, match="declares 510 bytes; a raw section of this shape is 512"
                        if section_threshold == "in place" else "checksum mismatch"):
         land(ArtifactReader(expect_fingerprint=FP, out=out), bytes(blob))
+
+
+def test_a_reader_that_received_in_place_is_freed_without_the_garbage_collector() -> None:
+    """A destination is handed to the next request once nothing refers to it (``DestinationPool``
+    counts references): a reader whose landing kept it in a cycle held it until a collection."""
+    import gc
+    import weakref
+
+    kv = _kv()
+    out = torch.empty_like(kv)
+    reader = ArtifactReader(expect_fingerprint=FP, expect_key=KEY, out=out)
+    land(reader, _encode(kv))
+    assert torch.equal(out, kv)
+    gone = weakref.ref(reader)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del reader
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()
