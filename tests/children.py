@@ -5,6 +5,16 @@ from __future__ import annotations
 import subprocess
 
 
+def dead_pid() -> int:
+    """The pid of a child that has exited and been reaped: what a killed writer's temporary names.
+    (A fixed number may be a live process of this machine, whose temporary is rightly kept.)"""
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(30)
+    return proc.pid
+
+
 def reap(proc: subprocess.Popen, timeout: float = 30) -> None:
     """Kill ``proc`` if it still runs (a test that failed half-way), then wait for it."""
     if proc.poll() is None:

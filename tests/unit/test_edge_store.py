@@ -18,7 +18,7 @@ from kdn import blobstore
 from kdn.artifact import encode_artifact
 from kdn.errors import ArtifactCorrupt, FingerprintMismatch, InvalidInput, StorageFull, Unavailable
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
-from tests.children import reap
+from tests.children import dead_pid, reap
 
 FP = ModelFingerprint(bytes(range(32)))
 POLICY = EdgeConfig.default("policy")  # the edge's own eviction policy
@@ -418,7 +418,7 @@ def test_restart_drops_partial_and_foreign_files_and_never_shows_a_killed_writer
     tmp_key = CHAIN[7][0]
     tmp_final = disk.blob_path(EntryId("acme", tmp_key))  # type: ignore[attr-defined]
     tmp_final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_final.with_name(f".{tmp_final.name}.12345.abc.tmp")
+    tmp = tmp_final.with_name(f".{tmp_final.name}.{dead_pid()}.abc.tmp")
     tmp.write_bytes(CHAIN[7][1][:100])
     # 3) a valid artifact under the wrong name, and garbage
     wrong = p1.with_name("cd" * 32)

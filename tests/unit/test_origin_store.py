@@ -11,6 +11,7 @@ from kdn.artifact import decode_artifact, encode_artifact
 from kdn.errors import ArtifactCorrupt, NotFound
 from kdn.keys import ROOT_KEY, ChunkKey, ModelFingerprint, Namespace, chunk_keys
 from kdn.origin.store import DocumentRecord, OriginStore
+from tests.children import dead_pid
 
 FP = ModelFingerprint(b"\x11" * 32)
 
@@ -99,7 +100,7 @@ def test_self_check_on_open(tmp_path):
     raw[len(raw) // 2] ^= 0x10
     p.write_bytes(bytes(raw))
     # a dead writer's temp file and an orphan blob (row lost) that is complete
-    (p.parent / ".dead.1234.abc.tmp").write_bytes(b"partial")
+    (p.parent / f".dead.{dead_pid()}.abc.tmp").write_bytes(b"partial")
     orphan_dir = tmp_path / "blobs" / "t"
     s2 = OriginStore(tmp_path, fsync=False)
     chk = s2.check
