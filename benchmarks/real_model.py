@@ -51,7 +51,7 @@ path (shared memory). transformers: per round a full recompute, an edge hit thro
 `kdn.integrations.transformers.generate` and the in-process floor (the document's KV already in
 memory, the question prefilled over it as a hit does: into the KV's room, `kdn.blend.prefill_in_place`,
 from the record of 2026-12-07 15:28 UTC; before, a forward over a `DynamicCache`); TTFT from the request's tokens to the first token, 8 tokens generated and compared with
-recompute's. vLLM 0.32 (CPU): one engine per dtype with the KDN connector; per round a recompute
+recompute's (the time per token after the first is reported too). vLLM 0.32 (CPU): one engine per dtype with the KDN connector; per round a recompute
 (prefix cache reset, KDN off for the request), a KDN hit (prefix cache reset, KV from the edge,
 written back by vLLM at warm-up) and the floor (the same request again, KDN off, its KV in vLLM's
 own prefix cache); TTFT is `LLM.generate`'s wall time with `max_tokens=1`. vLLM runs with 32-token
@@ -152,6 +152,9 @@ def run_transformers(docs: dict[int, str], dtype: str, rounds: int, edge: str) -
                     t["floor"].append(time.perf_counter() - t0)
                 t["recompute"].append(base.timings.ttft_s)
                 t["hit"].append(hit.timings.ttft_s)
+                for name, res in (("decode_recompute", base), ("decode_hit", hit)):  # per token after the first
+                    if len(res.tokens) > 1:
+                        t.setdefault(name, []).append((res.timings.total_s - res.timings.ttft_s) / (len(res.tokens) - 1))
                 same += hit.tokens == base.tokens
             rows.append(_row("transformers", dtype, n, len(tokens), n_kv, t, same, rounds))
             print(_line(rows[-1]), flush=True)
@@ -174,7 +177,9 @@ def _line(r: dict[str, Any]) -> str:
     floor = f", hit {statistics.median(r['vs_floor']):.2f}x floor" if "vs_floor" in r else ""
     return (f"{r['engine']:>12} {r['dtype']:>8} {r['prompt_tokens']:>5} tokens: recompute {r['recompute_s']:.2f} s, "
             f"hit {r['hit_s']:.3f} s ({r['reused_tokens']} reused): {statistics.median(sp):.1f}x "
-            f"[{min(sp):.1f}–{max(sp):.1f}]{floor}; same tokens {r['same_tokens']}/{r['rounds']}; load {r['load']}")
+            f"[{min(sp):.1f}–{max(sp):.1f}]{floor}; same tokens {r['same_tokens']}/{r['rounds']}; load {r['load']}"
+            + (f"; decode {r['decode_hit_s'] * 1e3:.0f} / {r['decode_recompute_s'] * 1e3:.0f} ms a token (hit / recompute)"
+               if "decode_hit_s" in r else ""))
 
 
 # -- vLLM (child, in the vLLM environment) -------------------------------------------------------
@@ -325,6 +330,12 @@ def record(rows: list[dict[str, Any]], argv: list[str] | None, load_start: float
                 f"{r['same_tokens']}/{r['rounds']}", r["load"]] for r in rows],
               title="Per engine, dtype and context")
     rec.note(floor_bound(rows))
+    decode = [f"~{r['size'] // 1024}k {r['decode_hit_s'] * 1e3:.0f} / {r['decode_recompute_s'] * 1e3:.0f} ms"
+              for r in rows if r["engine"] == "transformers" and r["dtype"] == "float32" and "decode_hit_s" in r]
+    if decode:
+        rec.note("transformers, fp32: each token decoded after the first, after a hit (the cache decodes into the "
+                 "fetched KV's room, `kdn.kv.cache_in_room`) / after a recompute (transformers' own cache, which "
+                 "copies every layer's KV per token), medians: " + ", ".join(decode) + ".")
     for why in SKIPPED:
         rec.note(why)
     rec.plot(png)
