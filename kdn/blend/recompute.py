@@ -137,7 +137,9 @@ class Layout:
     """A context of ``N`` tokens: an exact prefix, then re-placed segments (and glue).
 
     ``keys``/``values``: per layer ``(1, H, N, D)``; ``spans``: each segment's ``[start, end)``;
-    ``forced``: positions of glue tokens, sorted (their KV is a placeholder until computed).
+    ``forced``: positions of glue tokens, sorted (their KV is a placeholder until computed);
+    ``rooms``: where ``keys``/``values`` are the first ``N`` positions of longer per-layer tensors
+    ``(1, H, N + room, D)``, those (the blend's cache decodes into them: :func:`kdn.kv.cache_in_room`).
     """
 
     tokens: list[int]
@@ -146,6 +148,7 @@ class Layout:
     prefix_len: int
     spans: list[tuple[int, int]]
     forced: list[int] = field(default_factory=list)
+    rooms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def n(self) -> int:
@@ -159,9 +162,11 @@ def place(
     prefix_tokens: Sequence[int] = (),
     prefix_kv: torch.Tensor | None = None,
     rope: RopeSpec | None = None,
+    room: int = 0,
 ) -> Layout:
     """Concatenate ``prefix_kv`` ``(L, 2, H, P, D)`` and every segment, each rotated to its place;
-    :class:`Glue` gets placeholder KV and is marked for computing."""
+    :class:`Glue` gets placeholder KV and is marked for computing. ``room``: positions left after
+    the context in every layer's KV, for the tokens decoding will feed back (:attr:`Layout.rooms`)."""
     rope = rope or rope_spec(model)
     P = len(prefix_tokens)
     if (prefix_kv is None) != (P == 0) or (prefix_kv is not None and prefix_kv.shape[3] != P):
@@ -203,9 +208,22 @@ def place(
         spans.append((pos, pos + n))
         pos += n
     # per layer (H, N, D) -> (1, H, N, D), a fresh tensor the recompute may write into
-    k_out = [torch.cat(ks, dim=1).unsqueeze(0) for ks in keys]
-    v_out = [torch.cat(vs, dim=1).unsqueeze(0) for vs in values]
-    return Layout(tokens, k_out, v_out, P, spans, forced)
+    if room <= 0:
+        k_out = [torch.cat(ks, dim=1).unsqueeze(0) for ks in keys]
+        v_out = [torch.cat(vs, dim=1).unsqueeze(0) for vs in values]
+        return Layout(tokens, k_out, v_out, P, spans, forced)
+    rooms = []
+    for ks, vs in zip(keys, values):
+        k_room = torch.empty((1, H, pos + room, D), dtype=ref.dtype)  # (1, H, N + room, D)
+        v_room = torch.empty((1, H, pos + room, D), dtype=ref.dtype)
+        at = 0
+        for k, v in zip(ks, vs):  # each (H, n, D), in context order
+            k_room[0, :, at : at + k.shape[1]] = k
+            v_room[0, :, at : at + k.shape[1]] = v
+            at += k.shape[1]
+        rooms.append((k_room, v_room))
+    return Layout(tokens, [k[:, :, :pos] for k, _ in rooms], [v[:, :, :pos] for _, v in rooms], P, spans, forced,
+                  rooms)
 
 
 # -- the selective recompute ----------------------------------------------------------------------
@@ -530,7 +548,10 @@ def _blend(model: Any, layout: Layout, policy: Policy, *,
     last = None
     if active.numel() and int(active[-1]) == n - 1 and l == L - 1:  # the last position ran every layer
         last = h[:, -1:]
-    cache = cache_from_layers(list(zip(mixed.keys, mixed.values)), model.config)
+    if layout.rooms is not None:  # decoding goes on in the room after the context (no copy per token)
+        cache = cache_in_room(layout.rooms, n, model.config)
+    else:
+        cache = cache_from_layers(list(zip(mixed.keys, mixed.values)), model.config)
     selected = active[is_cand[active]] if active.numel() else active
     stats = BlendStats(
         policy=_describe(policy), candidates=A, selected=int(selected.numel()),

@@ -158,7 +158,8 @@ def generate_with_documents(
             # the prefix and the question are glue: computed in the blend's pass at every layer, so
             # the question's logits come out of it, with no second pass over the weights for either
             parts: list[Segment | Glue] = [Glue(tuple(pre)), *segments, Glue(tuple(q))]
-            layout = place(km.model, parts)
+            # room after the prompt for the tokens decoding feeds back (the last new one is not)
+            layout = place(km.model, parts, room=max_new_tokens - 1)
             cache, stats, logits = blend_and_predict(km.model, layout, policy)
             t3 = t4 = time.perf_counter()
         else:

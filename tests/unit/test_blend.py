@@ -258,6 +258,35 @@ def test_the_question_as_glue_predicts_what_a_prefill_over_the_blend_predicts(at
         blend_and_predict(model, place(model, segs), Deviation(0.3))
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_blend_with_room_blends_the_same_and_decodes_into_its_room(attn: str) -> None:
+    """place(room=r): the same picks, KV and logits as without room, and greedy decoding over the
+    blend's cache gives the same logits while writing its tokens into the layout's rooms (not a
+    copy of every layer per token)."""
+    from kdn.prefill import greedy_tail
+
+    model = _llama(attn_implementation=attn)
+    prefix, docs, q = _ids(6, 50), [_ids(50, 51), _ids(70, 52)], _ids(8, 53)
+    segs = [Segment(segment_key(d, fingerprint=bytes(32), namespace=DEFAULT_NAMESPACE), tuple(d), prefill_segment(model, d))
+            for d in docs]
+    parts = [Glue(tuple(prefix)), *segs, Glue(tuple(q))]
+    plain, roomy = place(model, parts), place(model, parts, room=4)
+    assert plain.rooms is None and roomy.rooms is not None and roomy.rooms[0][0].shape[2] == roomy.n + 4
+    c0, s0, l0 = blend_and_predict(model, plain, Deviation(0.3))
+    c1, s1, l1 = blend_and_predict(model, roomy, Deviation(0.3))
+    assert s0.selected_positions == s1.selected_positions
+    torch.testing.assert_close(l0, l1, rtol=0, atol=0)
+    first = int(torch.argmax(l0))
+    with torch.inference_mode():
+        t0 = greedy_tail(model, c0, first, max_new_tokens=5, eos_ids=set())
+        t1 = greedy_tail(model, c1, first, max_new_tokens=5, eos_ids=set())
+    assert t0 == t1
+    for layer, (k_room, v_room), ref in zip(c1.layers, roomy.rooms, c0.layers):
+        assert layer.keys.data_ptr() == k_room.data_ptr() and layer.keys.shape[2] == roomy.n + 4  # in the room, full
+        torch.testing.assert_close(layer.keys, ref.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.values, ref.values, rtol=1e-5, atol=1e-5)
+
+
 def test_a_model_whose_forward_does_more_than_the_pass_keeps_its_forward() -> None:
     """predicts_in_pass checks once per model that the pass gives the forward's logits: here the
     model's own forward scales its last hidden state (as some architectures scale embeddings), the
