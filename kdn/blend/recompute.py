@@ -207,23 +207,17 @@ def place(
         tokens += seg.tokens
         spans.append((pos, pos + n))
         pos += n
-    # per layer (H, N, D) -> (1, H, N, D), a fresh tensor the recompute may write into
-    if room <= 0:
-        k_out = [torch.cat(ks, dim=1).unsqueeze(0) for ks in keys]
-        v_out = [torch.cat(vs, dim=1).unsqueeze(0) for vs in values]
-        return Layout(tokens, k_out, v_out, P, spans, forced)
+    # per layer (H, N, D) -> (1, H, N, D): the first N positions of a fresh tensor the recompute
+    # may write into, ``room`` positions longer where decoding will go on (Layout.rooms)
     rooms = []
     for ks, vs in zip(keys, values):
-        k_room = torch.empty((1, H, pos + room, D), dtype=ref.dtype)  # (1, H, N + room, D)
-        v_room = torch.empty((1, H, pos + room, D), dtype=ref.dtype)
-        at = 0
-        for k, v in zip(ks, vs):  # each (H, n, D), in context order
-            k_room[0, :, at : at + k.shape[1]] = k
-            v_room[0, :, at : at + k.shape[1]] = v
-            at += k.shape[1]
+        k_room = torch.empty((1, H, pos + max(0, room), D), dtype=ref.dtype)  # (1, H, N + room, D)
+        v_room = torch.empty((1, H, pos + max(0, room), D), dtype=ref.dtype)
+        torch.cat(ks, dim=1, out=k_room[0, :, :pos])
+        torch.cat(vs, dim=1, out=v_room[0, :, :pos])
         rooms.append((k_room, v_room))
     return Layout(tokens, [k[:, :, :pos] for k, _ in rooms], [v[:, :, :pos] for _, v in rooms], P, spans, forced,
-                  rooms)
+                  rooms if room > 0 else None)
 
 
 # -- the selective recompute ----------------------------------------------------------------------
