@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (forwarded to the chosen host,
 streamed or not, its answer passed through byte for byte with the header ``x-kdn-route-host``
 naming the host); ``GET /v1/models`` (the first usable host's); ``GET /health`` (200 while a host
-is up, else 503); ``GET /route/stats`` (hosts, rates, counters); ``POST /route/explain/{endpoint}``
+is up, else 503); ``GET /route/stats`` (hosts, rates, counters: an operator token's, one granted
+``*``, when tokens are configured); ``POST /route/explain/{endpoint}``
 (the plan for a body, not forwarded).
 
 Bad input never reaches a host and never stops the router: when tokens are configured, a missing
@@ -239,11 +240,14 @@ def build_app(router: Router) -> Starlette:
         return JSONResponse({"status": "ok" if up else "no host up", "hosts_up": up}, status_code=200 if up else 503)
 
     async def stats(request: Request) -> Response:
-        if auth.enabled:
-            try:
-                auth.check_admin(_bearer(request))
-            except Unauthorized as exc:
-                return error(401, str(exc), "authentication_error")
+        token = _bearer(request)
+        try:
+            auth.check_admin(token)
+        except Unauthorized as exc:
+            return error(401, str(exc), "authentication_error")
+        if not auth.is_operator(token):  # every tenant's traffic: an operator's view, as an edge's node-wide Stats
+            return error(403, "/route/stats counts every tenant's requests: it needs an operator token (granted '*')",
+                         "permission_error")
         return JSONResponse(router.describe())
 
     async def not_found(request: Request, exc: Exception) -> Response:

@@ -174,3 +174,7 @@ class TokenAuth:
         """Node-wide calls (Stats): any valid token."""
         if self.enabled and self._tenants(token) is None:
             raise Unauthorized("missing or unknown bearer token")
+
+    def is_operator(self, token: str | None) -> bool:
+        """Whether ``token`` sees every tenant: auth off, or a token granted ``*``."""
+        return self.scope(token) is None

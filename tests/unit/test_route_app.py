@@ -284,6 +284,9 @@ def test_tenant_tokens() -> None:
             # the tenant's token is the router's business: the host does not see it
             assert all("authorization" not in json.dumps(b) for h in f.hosts.values() for b in h.bodies)
             assert (await f.front.get("/route/stats")).status_code == 401
+            # every tenant's traffic: a tenant's token is refused, an operator's (granted *) is not
+            r = await f.front.get("/route/stats", headers={"authorization": "Bearer tok-a"})
+            assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
             assert (await f.front.get("/route/stats", headers={"authorization": "Bearer tok-ops"})).status_code == 200
 
     asyncio.run(go())
