@@ -166,6 +166,7 @@ HUGE_FIELDS = [
     ("gpu_replicas_huge", lambda d: d.update(gpu_replicas_per_edge=10**12), "gpu_replicas_per_edge"),
     ("edges_total", lambda d: [r.update(edges=4000) for r in d["topology"]["regions"]], "topology: 8,000 edges in all"),
     ("turns_huge", lambda d: d["workload"].update(session_turns_mean=1e30), "workload.session_turns_mean"),
+    ("requests_huge", lambda d: d["workload"].update(requests=10**12), "workload.requests"),
 ]
 
 @pytest.mark.parametrize(("mutate", "field"), [c[1:] for c in BAD_FIELDS], ids=[c[0] for c in BAD_FIELDS])
