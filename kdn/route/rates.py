@@ -37,14 +37,23 @@ class PrefillFit:
     writing it into its blocks), beyond the link time the edge's counters measure; it starts at 0
     and is fitted only once requests that loaded KV have been observed. All three parts are kept
     non-negative: when the full fit gives one a negative value, the fit without load is tried,
-    then the one without overhead, then the line through the origin."""
+    then the one without overhead, then the line through the origin.
+
+    ``bytes_per_token``: the KV one token takes. Given, a fit that prices taking in one token's KV
+    above computing the token is refused like a negative one: the engine writes that KV when it
+    computes the token too, so such a ``load`` is delay that came with the loads (a busy machine,
+    a queue the other terms missed), not their cost; taken at face value it would price every
+    edge hit above a recompute on that host (a record of 2026-12-07 fitted 270 ms/MB, five times
+    the prefill of the KV)."""
 
     _Z_SCALE = 1e-6  # bytes are fitted in MB, so the normal equations stay well scaled
 
-    def __init__(self, prior_s_per_token: float, *, decay: float = 0.9, min_rate: float = 1e-7) -> None:
+    def __init__(self, prior_s_per_token: float, *, decay: float = 0.9, min_rate: float = 1e-7,
+                 bytes_per_token: float | None = None) -> None:
         self.prior = prior_s_per_token
         self.decay = decay
         self.min_rate = min_rate
+        self.bytes_per_token = bytes_per_token
         self.n = 0
         self._a = np.zeros((3, 3))  # weighted sums of f f^T, f = (m, x, z in MB)
         self._b = np.zeros(3)  # weighted sums of f y
@@ -106,6 +115,8 @@ class PrefillFit:
         over, rate, load = full.get(0, 0.0), full.get(1, 0.0), full.get(2, 0.0) * self._Z_SCALE
         if rate <= self.min_rate or over < 0 or load < 0:
             return None
+        if self.bytes_per_token and load * self.bytes_per_token > rate:
+            return None  # a token's KV taken in dearer than the token computed: confounded (see above)
         return rate, over, load
 
     def as_dict(self) -> dict[str, float]:

@@ -145,6 +145,34 @@ def test_prefill_fit_learns_the_engines_cost_of_loading_kv() -> None:
     assert fit.as_dict()["load_s_per_mb"] == pytest.approx(0.010, rel=0.05)
 
 
+def test_prefill_fit_never_prices_taking_in_a_tokens_kv_above_computing_it() -> None:
+    """Delay that came with the loads (here: the machine was busy in proportion to the KV loaded,
+    210 ms per MB) is not the engine's cost of taking bytes in: unbounded, the fit takes it as
+    that, above the prefill of the same KV, and every edge hit on the host would be priced as
+    worse than a recompute. Bounded by the KV's size per token, the fit drops the load term."""
+    bpt = 46_080  # smollm2-135m fp32
+    rng = random.Random(11)
+    obs = []
+    for _ in range(60):
+        m = rng.randint(1, 3)
+        x, z = m * rng.uniform(50, 1200), m * rng.choice([0.0, 0.0, 47e6])
+        obs.append((x, 0.15 * m + 2.4e-3 * x + 2.1e-7 * z + rng.gauss(0, 0.02), m, z))
+    free, bounded = PrefillFit(prior_s_per_token=1.0), PrefillFit(prior_s_per_token=1.0, bytes_per_token=bpt)
+    for o in obs:
+        free.observe(*o)
+        bounded.observe(*o)
+    assert free.load_s_per_byte * bpt > free.s_per_token  # what the bound is for
+    assert bounded.load_s_per_byte * bpt <= bounded.s_per_token
+    assert bounded.s_per_token > 0 and bounded.overhead_s >= 0
+    # a real cost of taking KV in (10 ms per MB, a fifth of the prefill per token) is still learnt
+    fit = PrefillFit(prior_s_per_token=1.0, bytes_per_token=bpt)
+    for _ in range(60):
+        m = rng.randint(1, 4)
+        x, z = m * rng.uniform(5, 300), m * rng.choice([0.0, 0.0, 20e6, 40e6])
+        fit.observe(x, 0.05 * m + 2.4e-3 * x + 10e-9 * z + rng.gauss(0, 0.003), m, z)
+    assert fit.load_s_per_byte == pytest.approx(10e-9, rel=0.05)
+
+
 def test_prefill_fit_keeps_every_part_non_negative() -> None:
     fit = PrefillFit(prior_s_per_token=1.0)
     rng = random.Random(9)
