@@ -134,7 +134,8 @@ class Router:
     async def start(self, *, background: bool = True) -> None:
         c = self.config
         for spec in c.hosts:
-            host = Host(spec, self._make_edge(spec), PrefillFit(c.prior_s_per_token, bytes_per_token=self.kv_bytes_per_token),
+            fit = PrefillFit(c.prior_s_per_token, bytes_per_token=self.kv_bytes_per_token)
+            host = Host(spec, self._make_edge(spec), fit,
                         LinkRates(c.prior_link_bytes_per_s), EngineRecord(c.engine_record_tokens, c.engine_record_s))
             self.hosts.append(host)
             self.clients[host.name] = self._make_client(spec)
