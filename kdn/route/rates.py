@@ -43,8 +43,7 @@ class PrefillFit:
     above computing the token is refused like a negative one: the engine writes that KV when it
     computes the token too, so such a ``load`` is delay that came with the loads (a busy machine,
     a queue the other terms missed), not their cost; taken at face value it would price every
-    edge hit above a recompute on that host (a record of 2026-12-07 fitted 270 ms/MB, five times
-    the prefill of the KV)."""
+    edge hit above a recompute on that host."""
 
     _Z_SCALE = 1e-6  # bytes are fitted in MB, so the normal equations stay well scaled
 
