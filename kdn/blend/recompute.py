@@ -443,11 +443,11 @@ def _prefill_into(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence[in
     T = len(tokens)
     if not 0 < cached < T or kv.dim() != 5 or kv.shape[3] < T:
         raise InvalidInput(f"prefill_in_place needs 0 < cached ({cached}) < tokens ({T}) <= room ({kv.shape[3]})")
-    layout = Layout(list(tokens), [kv[l, 0, :, :T].unsqueeze(0) for l in range(kv.shape[0])],
-                    [kv[l, 1, :, :T].unsqueeze(0) for l in range(kv.shape[0])], cached, [], list(range(cached, T)))
-    _, _, last = _blend(model, layout, Naive(), moves_keys=False)
-    # decoding goes on in the room after the prompt, where there is one (no copy per token)
-    cache = cache_in_room([(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])], T, model.config)
+    # the layers' whole rooms: decoding goes on after the prompt, where there is room (no copy per token)
+    rooms = [(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])]  # (1, H, R, D) each
+    layout = Layout(list(tokens), [k[:, :, :T] for k, _ in rooms], [v[:, :, :T] for _, v in rooms], cached, [],
+                    list(range(cached, T)), rooms)
+    cache, _, last = _blend(model, layout, Naive(), moves_keys=False)
     return cache, _next_token_logits(model, last)
 
 
