@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import operator
@@ -52,6 +53,7 @@ from kdn.keys import (
     pieces_enabled, toggled_bos_key,
 )
 from kdn.kv import DestinationPool, KVShape, layers_to_chunk
+from kdn.layered import LayerGate, fetch_layered
 from kdn.segments import SEGMENT_PARENT, SegmentKey
 from kdn.steer import SteerSpec, parse_variant, steer_root
 from kdn.transport import EdgeTransport, FetchStats, connect, is_loopback
@@ -97,6 +99,9 @@ class ClientConfig(RoleConfig):
     max_pending_puts: int = Field(256, ge=1, description="write-backs queued at most; more are dropped")
     destination_pool_bytes: int = Field(1 << 30, ge=0, description="prefix KV buffers of finished requests kept "
                                         "for reuse (no page faults per request); 0 maps a fresh one every time")
+    layered: bool | None = Field(None, description="a host's forward runs layer l once layer l of the fetched "
+                                 "prefix is in place (kdn.layered); off: the whole prefix is fetched first; unset: "
+                                 "layered where it pays (kdn.layered.pays: an accelerator, or a core torch leaves free)")
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -160,6 +165,26 @@ class Reuse:
     edge_usable: bool = True  # False when the edge failed as a whole (no write-back then)
     pieces: int = 0  # tail pieces (kdn.keys.piece_keys) reused after the ``chunks`` full chunks
     room: torch.Tensor | None = None  # with ``room_tokens``: the whole destination, ``kv`` its first ``tokens``
+    # with ``layered``: the fetch still going on; ``kv``/``tokens``/``chunks`` are what it will give
+    # if every artifact arrives (wait on ``gate`` per layer, then settle for what did)
+    gate: LayerGate | None = None
+    pending: "_Pending | None" = None
+
+
+@dataclass(slots=True)
+class _Pending:
+    """What :meth:`AsyncKdnClient.settle` needs of a layered reuse's request."""
+
+    where: str
+    t0: float
+    t1: float
+    available: int
+    pieces: int
+    limit: int
+    chunk_size: int
+    room_tokens: int
+    keys: tuple[ChunkKey, ...]
+    kv: torch.Tensor | None = None
 
 
 class AsyncKdnClient:
@@ -252,6 +277,7 @@ class AsyncKdnClient:
         max_tokens: int | None = None,
         bos_token_id: int | None = None,
         room_tokens: int = 0,
+        layered: bool = False,
     ) -> Reuse:
         """The longest prefix of ``tokens`` (at most ``max_tokens``) whose KV the edge can give.
 
@@ -266,6 +292,11 @@ class AsyncKdnClient:
         Lookup asks for its first chunk with the BOS toggled (:func:`kdn.keys.toggled_bos_key`);
         a hit means the documents were stored under another tokenization than this request's (a
         BOS added on one side only), which :meth:`tokenization_probe` reports loudly.
+
+        ``layered`` (with ``room_tokens``): return once the Lookups are answered, the fetch going
+        on; the Reuse says what a whole fetch gives, and its ``gate`` tells a forward running in
+        another thread when each layer is in place (:mod:`kdn.layered`). The caller must then
+        :meth:`settle` it, for what was really reused, before it trusts the KV or reuses the room.
         """
         self.counters["requests"] += 1
         keys = self.keys_for(tokens, fingerprint, chunk_size)
@@ -293,9 +324,49 @@ class AsyncKdnClient:
                            f"{self.config.tenant!r} (another tenant's, or never stored): recomputing the plain prompt")
                 LOG.warning(warning)
             return Reuse(None, 0, 0, 0, tuple(keys), lookup_s=t1 - t0, warning=warning)
+        pending = _Pending(where, t0, t1, available, pieces, limit, chunk_size, room_tokens, tuple(keys))
+        if layered and room_tokens:
+            kv, gate = self.fetches.prefix_layered(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size,
+                                                   pieces=pkeys[:pieces], room_tokens=room_tokens)
+            pending.kv = kv
+            n_tokens = min(available * chunk_size + pieces * PIECE_TOKENS, limit)
+            return Reuse(kv[:, :, :, :n_tokens], n_tokens, available, available, tuple(keys), lookup_s=t1 - t0,
+                         pieces=pieces, room=kv, gate=gate, pending=pending)
         kv, usable, error, tally = await self.fetches.prefix(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size,
                                                            pieces=pkeys[:pieces], room_tokens=room_tokens)
-        t2 = time.perf_counter()
+        return self._reused(pending, kv, usable, error, tally)
+
+    async def settle(self, reuse: Reuse) -> Reuse:
+        """What a ``layered`` :meth:`reuse` really gave, once its fetch has ended (at most at its
+        deadline, when what had not arrived is abandoned): the usable leading artifacts and the
+        warning for the first that failed. Never raises because the cache failed. A Reuse that
+        was not layered is returned as it is."""
+        gate, p = reuse.gate, reuse.pending
+        if gate is None or p is None:
+            return reuse
+        task = gate.task
+        try:
+            await asyncio.wait_for(asyncio.shield(task), max(0.0, gate.deadline - time.monotonic()))
+        except TimeoutError:
+            gate.stop = True  # the reader stops before its next layer; the fetches are cancelled
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        except Exception:  # items' failures are in the gate; anything else ends the fetch here
+            LOG.debug("KDN layered fetch ended with an error", exc_info=True)
+        usable = gate.settle()
+        error = gate.error
+        if usable < gate.items and error is None:
+            error = Unavailable(f"Fetch did not finish within {self.config.fetch_timeout_s:g}s")
+        assert p.kv is not None
+        return self._reused(p, p.kv, usable, error, gate.tally, gate.ended_at or None)
+
+    def _reused(self, p: "_Pending", kv: torch.Tensor, usable: int, error: BaseException | None,
+                tally: FetchStats, t2: float | None = None) -> Reuse:
+        """The Reuse of a fetched prefix: its ``usable`` leading artifacts, ``error`` the first
+        failure; ``t2``: when the fetch ended (now when not given)."""
+        available, pieces, limit, chunk_size, where = p.available, p.pieces, p.limit, p.chunk_size, p.where
+        t2 = time.perf_counter() if t2 is None else t2
         warning = None
         used_chunks, used_pieces = min(usable, available), max(0, usable - available)  # pieces count only after every chunk
         if error is not None:
@@ -313,9 +384,9 @@ class AsyncKdnClient:
             kv_out = None
         else:
             kv_out = kv[:, :, :, :n_tokens]  # (L, 2, H, n_tokens, D), a view
-        room = kv if kv_out is not None and room_tokens and kv.shape[3] >= room_tokens else None
+        room = kv if kv_out is not None and p.room_tokens and kv.shape[3] >= p.room_tokens else None
         return Reuse(
-            kv_out, n_tokens, used_chunks, available, tuple(keys), lookup_s=t1 - t0, fetch_s=t2 - t1,
+            kv_out, n_tokens, used_chunks, available, p.keys, lookup_s=p.t1 - p.t0, fetch_s=t2 - p.t1,
             decode_s=tally.decode_s, bytes=tally.bytes, via=tally.via, warning=warning, pieces=used_pieces,
             room=room,
         )
@@ -452,6 +523,51 @@ class Fetches:
                 break
         return out, usable, error, tally
 
+    def prefix_layered(
+        self,
+        fingerprint: ModelFingerprint,
+        keys: Sequence[ChunkKey],
+        kv_shape: KVShape,
+        *,
+        chunk_size: int,
+        pieces: Sequence[ChunkKey] = (),
+        room_tokens: int = 0,
+    ) -> tuple[torch.Tensor, LayerGate]:
+        """:meth:`prefix`, started on this (the client's) loop and returned at once: the
+        destination and the :class:`~kdn.layered.LayerGate` its layers become ready behind."""
+        assert self.transport is not None
+        spans = [(lo, lo + chunk_size) for lo in range(0, len(keys) * chunk_size, chunk_size)]
+        base = len(keys) * chunk_size
+        spans += [(base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS) for j in range(len(pieces))]
+        chain = [*keys, *pieces]
+        out = self.destinations.empty(kv_shape.chunk_shape(max(spans[-1][1] if spans else 0, room_tokens)),
+                                      kv_shape.dtype)  # (L, 2, H, N, D)
+        n, c = len(chain), self.config.fetch_concurrency
+        gate = LayerGate(n, kv_shape.num_layers, self.config.fetch_timeout_s * (1 + n // c) + 5)
+        steer = self.config.steer
+
+        def open_reader(i: int) -> ArtifactReader:
+            lo, hi = spans[i]
+            return ArtifactReader(expect_fingerprint=fingerprint, expect_key=chain[i],
+                                  require_lossless=self.config.require_lossless, out=out[:, :, :, lo:hi],
+                                  expect_steer=None if steer else "")
+
+        def check(i: int, reader: ArtifactReader) -> None:
+            self._check_steer(i, reader.finish())
+
+        def item_pieces(i: int) -> Any:
+            return self.pieces(fingerprint, chain[i], chain[i + 1 : i + 1 + _PREFETCH_HINT])
+
+        gate.task = asyncio.ensure_future(fetch_layered(gate, chain, open_reader, item_pieces, check,
+                                                        concurrency=c, timeout_s=self.config.fetch_timeout_s))
+        return out, gate
+
+    def _check_steer(self, i: int, header: Any) -> None:
+        steer = self.config.steer
+        if steer and (not header.steer or bytes(steer_root(SteerSpec.from_canonical(header.steer))).hex() != steer):
+            raise ArtifactCorrupt(f"artifact {i} is not steered variant {steer[:16]}... (its header names "
+                                  f"{header.steer[:120] or 'plain KV'!r})")
+
     async def _into(
         self,
         out: torch.Tensor,
@@ -476,10 +592,7 @@ class Fetches:
         tally.decode_s += stats.decode_s
         tally.bytes += stats.bytes
         tally.via = stats.via
-        header = reader.finish()
-        if steer and (not header.steer or bytes(steer_root(SteerSpec.from_canonical(header.steer))).hex() != steer):
-            raise ArtifactCorrupt(f"artifact {i} is not steered variant {steer[:16]}... (its header names "
-                                  f"{header.steer[:120] or 'plain KV'!r})")
+        self._check_steer(i, reader.finish())
 
     async def read(self, fingerprint: ModelFingerprint, key: ChunkKey, reader: ArtifactReader,
                     next_keys: Sequence[ChunkKey] = ()) -> FetchStats:
@@ -754,6 +867,7 @@ class KdnClient:
     lookup = _blocking(AsyncKdnClient.lookup)
     put = _blocking(AsyncKdnClient.put)
     reuse = _blocking(AsyncKdnClient.reuse)
+    settle = _blocking(AsyncKdnClient.settle)
     fetch_segments = _blocking(AsyncKdnClient.fetch_segments)
     fetch_into = _blocking(AsyncKdnClient.fetch_into)  # the sink runs on the client's loop thread
     schedule_put = _blocking(AsyncKdnClient.schedule_put, on_loop=True)

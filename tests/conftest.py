@@ -27,6 +27,19 @@ def tiny_mha_model():
     return load_model("tiny-mha")
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Each test starts with the process's torch threads: a CLI under test that sets them (the
+    evals' ``--threads``) must not change what later tests run with (a layered fetch's choice,
+    kdn.layered.pays, and the suite's time)."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture
 def namespace() -> Namespace:
     return Namespace("tenant-a", "salt-1")

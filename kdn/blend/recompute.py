@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -419,7 +419,8 @@ def blend_and_predict(model: Any, layout: Layout, policy: Policy) -> tuple[Any, 
 
 
 @torch.inference_mode()
-def prefill_in_place(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence[int]) -> tuple[Any, torch.Tensor]:
+def prefill_in_place(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence[int], *,
+                     ready: Callable[[int], None] | None = None) -> tuple[Any, torch.Tensor]:
     """Prefill ``tokens[cached:]`` over the KV of ``tokens[:cached]``, the first ``cached``
     positions of ``kv`` ``(L, 2, H, >= len(tokens), D)``, writing their KV into ``kv`` after it;
     return a ``DynamicCache`` over ``kv``'s first ``len(tokens)`` positions and the next-token
@@ -433,13 +434,17 @@ def prefill_in_place(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence
     lands in place, and the kernel shares the KV heads (:mod:`kdn.blend.attention`). On a 2-core
     Xeon, 45 tokens of smollm2-135m fp32 over 4k cached tokens: 223 ms instead of 336 ms; over
     8k, 347 ms instead of 588 ms (the returned cache holds views of ``kv``, not a copy). Only for
-    a model :func:`predicts_in_pass` accepts."""
+    a model :func:`predicts_in_pass` accepts.
+
+    ``ready(l)``: called before layer ``l`` reads the cached KV, returning once that layer of it
+    is in place (a fetch still landing: :mod:`kdn.layered`); what it raises ends the pass."""
     if not predicts_in_pass(model):
         raise UnsupportedModel(f"{type(model).__name__}: the layer pass does not reproduce its forward")
-    return _prefill_into(model, kv, cached, tokens)
+    return _prefill_into(model, kv, cached, tokens, ready)
 
 
-def _prefill_into(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence[int]) -> tuple[Any, torch.Tensor]:
+def _prefill_into(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence[int],
+                  ready: Callable[[int], None] | None = None) -> tuple[Any, torch.Tensor]:
     T = len(tokens)
     if not 0 < cached < T or kv.dim() != 5 or kv.shape[3] < T:
         raise InvalidInput(f"prefill_in_place needs 0 < cached ({cached}) < tokens ({T}) <= room ({kv.shape[3]})")
@@ -447,7 +452,7 @@ def _prefill_into(model: Any, kv: torch.Tensor, cached: int, tokens: Sequence[in
     rooms = [(kv[l, 0].unsqueeze(0), kv[l, 1].unsqueeze(0)) for l in range(kv.shape[0])]  # (1, H, R, D) each
     layout = Layout(list(tokens), [k[:, :, :T] for k, _ in rooms], [v[:, :, :T] for _, v in rooms], cached, [],
                     list(range(cached, T)), rooms)
-    cache, _, last = _blend(model, layout, Naive(), moves_keys=False)
+    cache, _, last = _blend(model, layout, Naive(), moves_keys=False, ready=ready)
     return cache, _next_token_logits(model, last)
 
 
@@ -459,11 +464,12 @@ def _next_token_logits(model: Any, last: torch.Tensor | None) -> torch.Tensor:
     return model.get_output_embeddings()(model.model.norm(last))[0, -1]
 
 
-def _blend(model: Any, layout: Layout, policy: Policy, *,
-           moves_keys: bool = True) -> tuple[Any, BlendStats, torch.Tensor | None]:
+def _blend(model: Any, layout: Layout, policy: Policy, *, moves_keys: bool = True,
+           ready: Callable[[int], None] | None = None) -> tuple[Any, BlendStats, torch.Tensor | None]:
     """:func:`blend`, and the last layer's hidden state ``(1, 1, hidden)`` of the context's last
     position when it was computed through every layer (else None). ``moves_keys=False``: the
-    layout holds no re-placed segment (its RoPE is not checked)."""
+    layout holds no re-placed segment (its RoPE is not checked). ``ready(l)``: see
+    :func:`prefill_in_place` (a policy with a check layer reads the cached KV there too)."""
     t0 = time.perf_counter()
     if moves_keys:
         check_model(model)
@@ -508,6 +514,8 @@ def _blend(model: Any, layout: Layout, policy: Policy, *,
             mask, mask_pos = None, None  # the mask of the positions in ``active`` (rebuilt when they change)
             groups: list[QueryGroup] | None = None
             for l, layer in enumerate(layers):
+                if ready is not None:
+                    ready(l)
                 if l == check:
                     past = active >= layout.prefix_len  # drop the prefix: its KV is exact
                     h, active = h[:, past], active[past]

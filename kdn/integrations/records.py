@@ -39,7 +39,8 @@ class Timings:
     the first group: ``keys_s`` (chunk-key hashing), ``lookup_s``, ``fetch_s`` (wall time of the
     fetch, which includes ``decode_s``: verify + decode + place, overlapped with the transfer),
     ``build_s`` (cache assembly), ``prefill_s`` (forward over the remainder, yields the first
-    token's logits) and ``first_token_s`` (choosing it)."""
+    token's logits) and ``first_token_s`` (choosing it). A fetch layered under the prefill
+    (:mod:`kdn.layered`) runs during ``prefill_s``: its ``fetch_s`` overlaps it."""
 
     ttft_s: float
     keys_s: float = 0.0

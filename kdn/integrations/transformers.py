@@ -45,6 +45,7 @@ from kdn.prefill import greedy_tail
 from kdn.prompts import chat_tokens
 from kdn.blend import prefill_in_place, predicts_in_pass
 from kdn.kv import KVShape, cache_from_layers, forward, output_cache
+from kdn.layered import LoadBroken, pays
 from kdn.models import DTYPES, HFTokenizer, LoadedModel, Tokenizer, _weights_digest, dir_fingerprint, is_model_dir, model_fingerprint
 
 if TYPE_CHECKING:
@@ -128,6 +129,34 @@ def _token_list(prompt: str | Sequence[int] | np.ndarray | torch.Tensor, tokeniz
     return [int(t) for t in prompt]
 
 
+def _prefill_reused(km: KdnModel, client: KdnClient | None, reuse: Reuse,
+                    tokens: list[int]) -> tuple[Any, torch.Tensor, Reuse]:
+    """The rest of the prompt prefilled into ``reuse``'s room; returns the cache, the next-token
+    logits and the Reuse as it settled. A layered fetch that fails under the pass (a chunk
+    corrupt, refused or late) leaves its verified leading chunks: the pass runs again over those
+    (the room's later positions are all rewritten), or the prompt is computed from scratch."""
+    assert reuse.room is not None
+    if reuse.gate is None or client is None:
+        cache, logits = prefill_in_place(km.model, reuse.room, reuse.tokens, tokens)
+        return cache, logits, reuse
+    try:
+        cache, logits = prefill_in_place(km.model, reuse.room, reuse.tokens, tokens, ready=reuse.gate.wait)
+    except LoadBroken:
+        reuse = client.settle(reuse)  # nothing more is written into the room once this returns
+        if reuse.tokens and reuse.room is not None:
+            cache, logits = prefill_in_place(km.model, reuse.room, reuse.tokens, tokens)
+        else:
+            ids = torch.tensor([tokens], dtype=torch.long)  # (1, T)
+            out = forward(km.model, input_ids=ids, cache=cache_from_layers([], km.config), use_cache=True,
+                          logits_to_keep=1)
+            cache, logits = output_cache(out), out.logits[0, -1]
+        return cache, logits, reuse
+    except BaseException:
+        reuse.gate.stop = True  # the reader places nothing more; the fetches end at their deadlines
+        raise
+    return cache, logits, client.settle(reuse)
+
+
 def generate(
     model: Any,
     prompt: str | Sequence[int] | np.ndarray | torch.Tensor | None = None,
@@ -194,13 +223,16 @@ def generate(
         # room for the whole prompt and the tokens fed back while decoding (the last new token
         # is not): the rest of the prompt is prefilled into the fetched KV in place, and so are they
         in_place = predicts_in_pass(km.model)
+        # layered: the fetch goes on while the prefill runs, each layer once its KV is in place
         reuse = client.reuse(tokens, fingerprint=km.fingerprint, kv_shape=km.kv_shape, chunk_size=km.chunk_size,
                              max_tokens=len(tokens) - 1, bos_token_id=getattr(km.tokenizer, "bos_token_id", None),
-                             room_tokens=len(tokens) + max_new_tokens - 1 if in_place else 0)
+                             room_tokens=len(tokens) + max_new_tokens - 1 if in_place else 0,
+                             layered=in_place and (client.config.layered if client.config.layered is not None
+                                                   else pays(km.model)))
     else:
         reuse = Reuse(None, 0, 0, 0, ())
     t1 = time.perf_counter()
-    keys_s = max(0.0, (t1 - t0) - reuse.lookup_s - reuse.fetch_s)
+    layered = reuse.gate is not None
 
     written = False
     with torch.inference_mode():
@@ -208,7 +240,7 @@ def generate(
         if reuse.room is not None:
             # the rest of the prompt prefilled into the fetched KV's room: no copy of the reused KV
             tp = time.perf_counter()
-            cache, logits = prefill_in_place(km.model, reuse.room, reuse.tokens, tokens)
+            cache, logits, reuse = _prefill_reused(km, client, reuse, tokens)
         else:
             if reuse.kv is not None:
                 # reuse.kv (L, 2, H, N, D) -> per layer keys/values (1, H, N, D)
@@ -221,6 +253,8 @@ def generate(
             out = forward(km.model, input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
             cache, logits = output_cache(out), out.logits[0, -1]
         tf = time.perf_counter()
+        # a layered fetch's time overlaps the prefill: keys_s is what reuse() spent outside it
+        keys_s = max(0.0, (t1 - t0) - reuse.lookup_s - (0.0 if layered else reuse.fetch_s))
         nxt = int(torch.argmax(logits).item())
         t_first = time.perf_counter()
         if client is not None and write_back and reuse.edge_usable:

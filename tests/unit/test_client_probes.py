@@ -97,11 +97,16 @@ def run_generate(lm, cfg: ClientConfig, transport, caplog, doc_kv) -> tuple[Any,
     caplog.clear()
     seen = []
     with caplog.at_level(logging.WARNING, logger="kdn.client"), KdnClient(cfg, transport=transport) as client:
-        reuse = client.reuse
+        reuse, settle = client.reuse, client.settle
         client.reuse = lambda *a, **kw: seen.append(reuse(*a, **kw)) or seen[-1]  # type: ignore[method-assign]
+        client.settle = lambda r: seen.append(settle(r)) or seen[-1]  # type: ignore[method-assign]
         got = generate(lm, PROMPT, client=client, max_new_tokens=NEW, eos_token_id=-1, write_back=False)
         counters = dict(client.counters)
-    (r,) = seen
+    # a layered fetch is settled once (kdn.layered): what it gave is the settled Reuse
+    assert len(seen) == (2 if seen[0].gate is not None else 1) and seen[-1].gate is None
+    if seen[0].tokens and cfg.layered is not None:  # a fetch was started: layered exactly when asked
+        assert (seen[0].gate is not None) == cfg.layered
+    r = seen[-1]
     assert r.tokens == got.reused_tokens and 0 <= r.chunks <= r.available <= len(r.keys) and r.pieces >= 0
     assert (r.kv is None) == (r.tokens == 0)
     if r.kv is not None:
@@ -157,9 +162,10 @@ CHUNK_FAULTS = ["truncated", "truncated-by-one", "trailing-bytes", "bit-flipped"
                 "hangs-past-deadline"]
 
 
+@pytest.mark.parametrize("layered", [False, True], ids=["fetched-whole", "layered"])
 @pytest.mark.parametrize("fault", CHUNK_FAULTS)
-def test_a_fault_at_chunk_2_reuses_chunks_0_1_and_answers_as_plain_prefill(lm, plain, doc_kv, fault, caplog):
-    cfg = ClientConfig(edge="mem", tenant="alice", fetch_timeout_s=0.3, lookup_timeout_s=0.3)
+def test_a_fault_at_chunk_2_reuses_chunks_0_1_and_answers_as_plain_prefill(lm, plain, doc_kv, fault, layered, caplog):
+    cfg = ClientConfig(edge="mem", tenant="alice", fetch_timeout_s=0.3, lookup_timeout_s=0.3, layered=layered)
     edge, keys = cached_edge(lm, cfg)
     _break(fault, lm, edge, keys, cfg)
     t0 = time.perf_counter()

@@ -189,7 +189,7 @@ def test_a_hit_prefills_the_rest_into_the_fetched_kv(monkeypatch):
 
     calls = []
     real = host.prefill_in_place
-    monkeypatch.setattr(host, "prefill_in_place", lambda *a: calls.append(a[2]) or real(*a))
+    monkeypatch.setattr(host, "prefill_in_place", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
     lm = load_model("tiny", chunk_size=CHUNK)
     prompt = DOC + " Question: what does KDN keep?"
     with KdnClient(ClientConfig(edge="mem", write_back=True), transport=MemoryEdgeTransport()) as client:
