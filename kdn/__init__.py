@@ -22,8 +22,8 @@ Floors (each may import only its own floor and the floors below it):
    segments and recomputing a share of them, run by hosts and the lab) and ``kdn.steer`` (steered
    variants: their specs, chain roots and the methods the origin runs). They stand on contracts
    alone (not the wire).
-3. **parts** — ``kdn.client`` and ``kdn.transport`` and ``kdn.integrations`` (the
-   inference host), ``kdn.edge``, ``kdn.origin``, ``kdn.lab`` (reference models and quality
+3. **parts** — ``kdn.client`` (with ``kdn.layered``: a prefix fetched under the forward) and
+   ``kdn.transport`` and ``kdn.integrations`` (the inference host), ``kdn.edge``, ``kdn.origin``, ``kdn.lab`` (reference models and quality
    harnesses), ``kdn.route`` (the KV-aware router in front of inference hosts). Parts never
    import each other, with three stated exceptions: an integration uses ``kdn.client``;
    ``kdn.route`` may use ``kdn.client``; ``kdn.simulator`` runs the edge's own policies

@@ -31,7 +31,7 @@ KVOPS_ORDER = ["kdn.segments", "kdn.blend", "kdn.steer"]
 CONTRACTS = set(CONTRACTS_ORDER)
 WIRE = {"kdn.wire"}
 KVOPS = set(KVOPS_ORDER)
-CLIENT = {"kdn.client", "kdn.transport"}
+CLIENT = {"kdn.client", "kdn.layered", "kdn.transport"}
 ORDER: dict[str, list[str]] = {"contracts": CONTRACTS_ORDER, "wire": WIRE_ORDER, "kvops": KVOPS_ORDER}
 
 # floor or part -> what it may import besides itself (contracts, the wire and the KV operations are
