@@ -495,14 +495,8 @@ class Fetches:
         pieces) are verified and in place; ``error`` is the first failure (None when all arrived).
         """
         assert self.transport is not None
-        spans = [(lo, lo + chunk_size) for lo in range(0, len(keys) * chunk_size, chunk_size)]
-        base = len(keys) * chunk_size
-        spans += [(base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS) for j in range(len(pieces))]
-        chain = [*keys, *pieces]
+        chain, spans, out = self._destination(keys, pieces, kv_shape, chunk_size, room_tokens)
         n = len(chain)
-        # the pages of an earlier request's destination, once nothing refers to it: no faults
-        out = self.destinations.empty(kv_shape.chunk_shape(max(spans[-1][1] if spans else 0, room_tokens)),
-                                      kv_shape.dtype)  # (L, 2, H, N, D)
         tally = FetchStats()
         sem = asyncio.Semaphore(self.config.fetch_concurrency)
 
@@ -536,12 +530,7 @@ class Fetches:
         """:meth:`prefix`, started on this (the client's) loop and returned at once: the
         destination and the :class:`~kdn.layered.LayerGate` its layers become ready behind."""
         assert self.transport is not None
-        spans = [(lo, lo + chunk_size) for lo in range(0, len(keys) * chunk_size, chunk_size)]
-        base = len(keys) * chunk_size
-        spans += [(base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS) for j in range(len(pieces))]
-        chain = [*keys, *pieces]
-        out = self.destinations.empty(kv_shape.chunk_shape(max(spans[-1][1] if spans else 0, room_tokens)),
-                                      kv_shape.dtype)  # (L, 2, H, N, D)
+        chain, spans, out = self._destination(keys, pieces, kv_shape, chunk_size, room_tokens)
         n, c = len(chain), self.config.fetch_concurrency
         gate = LayerGate(n, kv_shape.num_layers, self.config.fetch_timeout_s * (1 + n // c) + 5)
         steer = self.config.steer
@@ -561,6 +550,18 @@ class Fetches:
         gate.task = asyncio.ensure_future(fetch_layered(gate, chain, open_reader, item_pieces, check,
                                                         concurrency=c, timeout_s=self.config.fetch_timeout_s))
         return out, gate
+
+    def _destination(self, keys: Sequence[ChunkKey], pieces: Sequence[ChunkKey], kv_shape: KVShape, chunk_size: int,
+                     room_tokens: int) -> tuple[list[ChunkKey], list[tuple[int, int]], torch.Tensor]:
+        """A prefix's chain (chunks, then tail pieces), each one's token span, and the
+        ``(L, 2, H, N, D)`` destination they land in (at least ``room_tokens`` long)."""
+        spans = [(lo, lo + chunk_size) for lo in range(0, len(keys) * chunk_size, chunk_size)]
+        base = len(keys) * chunk_size
+        spans += [(base + j * PIECE_TOKENS, base + (j + 1) * PIECE_TOKENS) for j in range(len(pieces))]
+        # the pages of an earlier request's destination, once nothing refers to it: no faults
+        out = self.destinations.empty(kv_shape.chunk_shape(max(spans[-1][1] if spans else 0, room_tokens)),
+                                      kv_shape.dtype)
+        return [*keys, *pieces], spans, out
 
     def _check_steer(self, i: int, header: Any) -> None:
         steer = self.config.steer
