@@ -22,6 +22,8 @@ import socket
 import sys
 from typing import Any
 
+from pydantic import ValidationError
+
 from kdn.console import report_error
 from kdn.errors import ConfigError, KdnError
 from kdn.route.config import RouteConfig, parse_host
@@ -56,8 +58,8 @@ def build_config(args: argparse.Namespace) -> RouteConfig:
     if args.host:
         try:
             flags["hosts"] = [parse_host(h).model_dump() for h in args.host]
-        except ValueError as exc:
-            raise ConfigError(f"--host: {exc}") from None
+        except ValidationError as exc:  # one line: the reasons, without pydantic's report around them
+            raise ConfigError(f"--host: {'; '.join(e['msg'] for e in exc.errors())}") from None
     if args.no_calibrate:
         flags["calibrate_tokens"] = []
     flags = {k: v for k, v in flags.items() if v is not None}

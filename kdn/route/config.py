@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kdn.config import RoleConfig, refuse_when
+from kdn.config import RoleConfig, check_address, refuse_when
 from kdn.keys import DEFAULT_CHUNK_SIZE, Namespace
 from kdn.pretrained import DEFAULT_MODEL
 from kdn.route.policy import POLICIES
@@ -29,8 +29,13 @@ class HostSpec(BaseModel):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        try:
+            parts = urlsplit(v)
+            parts.port  # ValueError: a malformed IPv6 host, or a port that is not a number in 0..65535
+            ok = parts.scheme in ("http", "https") and bool(parts.hostname)
+        except ValueError:
+            ok = False
+        if not ok:
             raise ValueError(f"host URL must be http(s)://HOST[:PORT], got {v!r}")
         return v.rstrip("/")
 
@@ -91,6 +96,11 @@ class RouteConfig(RoleConfig):
                           why=lambda v: f"unknown routing policy {v!r}; choose one of {', '.join(POLICIES)}")
     _calibrate = refuse_when("calibrate_tokens", bad=lambda v: any(n < 2 for n in v),
                              why="calibration prompts need at least 2 tokens")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        return check_address(v, "listen", port_zero=True)
 
     @model_validator(mode="after")
     def _check(self) -> "RouteConfig":

@@ -52,9 +52,19 @@ def _is_ids(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _MAX_ID for t in v)
 
 
+def _text(s: str, what: str) -> str:
+    """``s`` when a tokenizer can take it; ``InvalidInput`` when it holds a lone surrogate (JSON's
+    ``\\ud800`` escapes decode to one), which is no text."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(f"{what} holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape)") from None
+    return s
+
+
 def _prompt_tokens(tok: Tokenizer, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
-        return list(tok.encode_prompt(prompt))
+        return list(tok.encode_prompt(_text(prompt, "'prompt'")))
     if _is_ids(prompt) and prompt:
         return list(prompt)
     if isinstance(prompt, list) and prompt and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
@@ -93,7 +103,8 @@ def _chat_tokens(tok: Tokenizer, body: dict[str, Any]) -> list[int] | None:
         text = _message_text(m, i)
         if text is None:
             return None
-        plain.append({"role": m["role"], "content": text})
+        plain.append({"role": _text(m["role"], f"messages[{i}].role"),
+                      "content": _text(text, f"messages[{i}].content")})
     if body.get("tools") or body.get("chat_template") or body.get("chat_template_kwargs"):
         return None  # the engine's template sees more than the router renders
     add = not body.get("continue_final_message", False) and body.get("add_generation_prompt", True) is not False

@@ -235,6 +235,11 @@ BAD_BODIES = [
     ("chat", b'{"messages": [{"role": "user", "content": [5]}]}'),
     ("chat", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}'),
     ("chat", b'{"prompt": "a completion body on the chat path"}'),
+    ("completions", b'{"prompt": "a \\ud800 lone surrogate"}'),  # valid JSON, no text to tokenize
+    ("completions", b'{"prompt": ["\\udfff", "x"]}'),
+    ("chat", b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+    ("chat", b'{"messages": [{"role": "\\ud800", "content": "x"}]}'),
+    ("chat", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}'),
 ]
 
 

@@ -344,3 +344,23 @@ def test_the_command_refuses_bad_flags_with_one_clear_line(capsys: pytest.Captur
     assert out["error"] == "ConfigError" and "fastest" in out["message"]
     assert main(["route", "--host", "http://a:1", "--model", "/nonexistent/model", "--listen", "127.0.0.1:0"]) == 2
     assert "model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--host", "gpu-3:8000"], "http"),
+    (["--host", "http://127.0.0.1:abc"], "http://127.0.0.1:abc"),  # a port that is no number
+    (["--host", "http://127.0.0.1:70000"], "http://127.0.0.1:70000"),
+    (["--host", "http://[::1:8000"], "http://[::1:8000"),
+    (["--host", "http://a:1", "--listen", "127.0.0.1:99999"], "listen"),
+    (["--host", "http://a:1", "--listen", ":8100"], "listen"),
+])
+def test_bad_host_urls_and_listen_addresses_are_one_line_before_anything_starts(
+        flags: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kdn.ops.cli import main
+
+    assert main(["route", "--model", "/nonexistent/model", *flags]) == 2  # refused before the model is looked at
+    err = capsys.readouterr().err
+    assert says in err and "model" not in err and len(err.strip().splitlines()) == 1, err
+    assert main(["route", "--model", "/nonexistent/model", "--json", *flags]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["error"] == "ConfigError" and says in out["message"] and "\n" not in out["message"]
