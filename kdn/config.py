@@ -49,7 +49,10 @@ class RoleConfig(BaseModel):
         try:
             data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise ConfigError(f"config file {p} does not parse: {exc}") from exc
+            mark = getattr(exc, "problem_mark", None)  # YAML's report spans lines: its problem and where
+            why = (f"{getattr(exc, 'problem', None) or 'a YAML error'} at line {mark.line + 1}, column {mark.column + 1}"
+                   if mark is not None else " ".join(str(exc).split()))
+            raise ConfigError(f"config file {p} does not parse: {why}") from exc
         if data is None:
             data = {}
         if not isinstance(data, dict):

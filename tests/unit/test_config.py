@@ -101,8 +101,14 @@ def test_file_errors_are_config_errors(tmp_path: Path) -> None:
         EdgeLikeConfig.from_file(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("port: [unclosed\n")
-    with pytest.raises(ConfigError, match="does not parse"):
+    with pytest.raises(ConfigError, match="does not parse") as raised:
         EdgeLikeConfig.from_file(bad)
+    assert "\n" not in str(raised.value) and "line 2" in str(raised.value)  # one line, saying where
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{"port": 1,\n}')
+    with pytest.raises(ConfigError, match="does not parse") as raised:
+        EdgeLikeConfig.from_file(bad_json)
+    assert "\n" not in str(raised.value)
     listy = tmp_path / "list.yaml"
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
