@@ -349,7 +349,7 @@ def record(rows: list[dict[str, Any]], argv: list[str] | None, load_start: float
                  + ", ".join(f"{r['dtype']} ~{r['size'] // 1024}k {statistics.median(r['vs_whole']):.2f}x "
                              f"[{min(r['vs_whole']):.2f}–{max(r['vs_whole']):.2f}]" for r in lay)
                  + f", with {lay[0]['threads']} torch thread(s) on {len(os.sched_getaffinity(0))} cores. A default "
-                 "client layers the fetch only where that pays (`kdn.layered.pays`: an accelerator, or a core "
+                 "client layers the fetch only where that pays (`kdn.layered.pays`: a core "
                  f"torch leaves free); the edge-hit figures above are its choice here: "
                  f"{'layered' if lay[0]['layered'] else 'fetched whole'}.")
     decode = [f"~{r['size'] // 1024}k {r['decode_hit_s'] * 1e3:.0f} / {r['decode_recompute_s'] * 1e3:.0f} ms"

@@ -101,7 +101,7 @@ class ClientConfig(RoleConfig):
                                         "for reuse (no page faults per request); 0 maps a fresh one every time")
     layered: bool | None = Field(None, description="a host's forward runs layer l once layer l of the fetched "
                                  "prefix is in place (kdn.layered); off: the whole prefix is fetched first; unset: "
-                                 "layered where it pays (kdn.layered.pays: an accelerator, or a core torch leaves free)")
+                                 "layered where it pays (kdn.layered.pays: a core torch leaves free)")
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None

@@ -43,14 +43,12 @@ _READER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-layer
 
 
 def pays(model: Any) -> bool:
-    """Whether a prefix layered under ``model``'s forward can save time: the forward runs on an
-    accelerator, or torch leaves a core free for the reader. When torch's threads take every core
-    the reader and the forward contend for them: on a 2-core Xeon with smollm2-135m fp32 a
-    layered hit took 1.10x / 1.08x the time of one fetched whole first at 4k / 8k tokens, and with
-    one torch thread 0.91x / 0.95x (``benchmarks/real_model.py``, ``--torch-threads 1``)."""
-    p = next(iter(model.parameters()), None)
-    if p is not None and p.device.type != "cpu":
-        return True
+    """Whether a prefix layered under ``model``'s forward (on the CPU, as the transformers path
+    runs it) can save time: torch leaves a core free for the reader. When torch's threads take
+    every core the reader and the forward contend for them: on a 2-core Xeon with smollm2-135m
+    fp32 a layered hit took 1.10x / 1.08x the time of one fetched whole first at 4k / 8k tokens,
+    and with one torch thread 0.91x / 0.95x (``benchmarks/real_model.py``, ``--torch-threads 1``).
+    ``model`` names the forward the reader would run beside (its threads are torch's)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
