@@ -479,6 +479,9 @@ def _blend(model: Any, layout: Layout, policy: Policy, *, moves_keys: bool = Tru
     inner = model.model
     layers = list(inner.layers)
     L = len(layers)
+    if isinstance(policy, (Deviation, Random)) and policy.check_layer >= L:
+        # a check layer the pass never reaches would recompute everything while reporting a blend
+        raise InvalidInput(f"check_layer must be below the model's {L} layers, got {policy.check_layer}")
     n = layout.n
     window = getattr(model.config, "sliding_window", None)
     if window and getattr(model.config, "use_sliding_window", True) and n > window:

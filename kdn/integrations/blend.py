@@ -33,18 +33,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from kdn.blend import (
-    Deviation, Glue, Policy, blend, blend_and_predict, check_model, place, predicts_in_pass, prefill_document,
-    prefill_segment,
+    Deviation, FirstK, Glue, Naive, Policy, Random, blend, blend_and_predict, check_model, place, predicts_in_pass,
+    prefill_document, prefill_segment,
 )
 from kdn.blend.verdict import read_verdict
 from kdn.client import LOG, KdnClient
 from kdn.errors import InvalidInput, KdnError, NotFound
-from kdn.integrations.records import KdnModel, Result, Timings
+from kdn.integrations.records import KdnModel, Result, Timings, token_ids
 from kdn.kv import forward, output_cache
 from kdn.prefill import greedy_tail
 from kdn.segments import Segment, encode_segment, segment_key
@@ -60,13 +60,21 @@ class BlendOptions:
     verdict_root: Path | None = None
     put_segments: bool = True
 
+    def __post_init__(self) -> None:
+        if self.policy is not None and not isinstance(self.policy, (Naive, FirstK, Deviation, Random)):
+            raise InvalidInput(f"BlendOptions.policy must be a kdn.blend policy (Naive, FirstK, Deviation, Random) "
+                               f"or None, got {self.policy!r}")
 
-def _tokens(km: "KdnModel", text: str | Sequence[int]) -> list[int]:
+
+def _tokens(km: "KdnModel", text: str | Sequence[int], what: str = "a document") -> list[int]:
+    """Text (encoded) or token ids, each an integer id of the model's vocabulary."""
     if isinstance(text, str):
         if km.tokenizer is None:
             raise InvalidInput("text documents need a tokenizer")
         return list(km.tokenizer.encode(text))
-    return [int(t) for t in text]
+    if isinstance(text, (bytes, Mapping)) or not isinstance(text, Iterable):
+        raise InvalidInput(f"{what} must be text or a sequence of token ids, got {type(text).__name__}")
+    return token_ids(text, int(km.config.vocab_size), what)
 
 
 def _policy(km: "KdnModel", options: BlendOptions) -> tuple[Policy | None, str | None]:
@@ -106,9 +114,9 @@ def generate_with_documents(
     used for the fallbacks."""
     from dataclasses import replace
 
-    pre = _tokens(km, prefix) if prefix else []
-    docs = [_tokens(km, d) for d in documents]
-    q = _tokens(km, question)
+    pre = _tokens(km, prefix, "the prefix") if prefix else []
+    docs = [_tokens(km, d, f"document {i}") for i, d in enumerate(documents)]
+    q = _tokens(km, question, "the question")
     if not q:
         raise InvalidInput("the question (the text after the documents) must hold at least one token")
     if any(not d for d in docs):

@@ -8,14 +8,34 @@ importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
 
 from kdn.blend import BlendStats
+from kdn.errors import InvalidInput
 from kdn.keys import ModelFingerprint
 from kdn.kv import KVShape
 from kdn.models import Tokenizer
 
-__all__ = ["KdnModel", "Result", "Timings"]
+__all__ = ["KdnModel", "Result", "Timings", "token_ids"]
+
+
+def token_ids(values: Any, vocab: int, what: str) -> list[int]:
+    """``values`` as token ids of a ``vocab``-token model: integers (Python, numpy or 0-d integer
+    tensors) in ``0..vocab-1``; otherwise InvalidInput naming ``what`` and the offending value."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise InvalidInput(f"{what} must be a sequence of token ids, got {type(values).__name__}")
+    out = []
+    for t in values:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) and not (
+                isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point()):
+            raise InvalidInput(f"{what} holds {t!r}: token ids must be integers")
+        if not 0 <= int(t) < vocab:
+            raise InvalidInput(f"{what} holds token id {int(t)}, outside the model's vocabulary (0..{vocab - 1})")
+        out.append(int(t))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from kdn.client import KdnClient, Reuse
-from kdn.integrations.records import KdnModel, Result, Timings
+from kdn.integrations.records import KdnModel, Result, Timings, token_ids
 from kdn.errors import InvalidInput
 from kdn.keys import DEFAULT_CHUNK_SIZE, ModelFingerprint
 from kdn.prefill import greedy_tail
@@ -112,9 +112,11 @@ def _as_tokenizer(tok: Any) -> Tokenizer | None:
     return tok
 
 
-def _token_list(prompt: str | Sequence[int] | np.ndarray | torch.Tensor, tokenizer: Tokenizer | None) -> list[int]:
+def _token_list(prompt: str | Sequence[int] | np.ndarray | torch.Tensor, tokenizer: Tokenizer | None,
+                vocab: int) -> list[int]:
     """A text prompt's tokens exactly as an engine's completion endpoint computes them (with the
-    tokenizer's BOS where it adds one: what the origin stores documents under); token ids as given."""
+    tokenizer's BOS where it adds one: what the origin stores documents under); token ids as given,
+    each an integer in the model's ``vocab``."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidInput("a text prompt needs a tokenizer")
@@ -125,8 +127,8 @@ def _token_list(prompt: str | Sequence[int] | np.ndarray | torch.Tensor, tokeniz
             prompt = prompt[0]
         if prompt.dim() != 1:
             raise InvalidInput(f"input_ids must be (N,) or (1, N), got {tuple(prompt.shape)}")
-        return [int(t) for t in prompt.tolist()]
-    return [int(t) for t in prompt]
+        prompt = prompt.tolist()  # floats stay floats: refused below
+    return token_ids(prompt, vocab, "the prompt")
 
 
 def _prefill_reused(km: KdnModel, client: KdnClient | None, reuse: Reuse,
@@ -200,16 +202,21 @@ def generate(
     if documents is not None:
         from kdn.integrations.blend import BlendOptions, generate_with_documents
 
+        if isinstance(documents, (str, bytes)) or not isinstance(documents, Sequence):
+            raise InvalidInput(f"documents must be a list of texts or token-id lists, got {type(documents).__name__}")
+        if blend is not None and not isinstance(blend, BlendOptions):
+            raise InvalidInput(f"blend must be a BlendOptions, got {type(blend).__name__}")
         if max_new_tokens < 1:
             raise InvalidInput("max_new_tokens must be at least 1")
         eos = eos_token_id if eos_token_id is not None else getattr(km.config, "eos_token_id", None)
         return generate_with_documents(
-            km, prompt if isinstance(prompt, str) else _token_list(prompt, km.tokenizer), list(documents),
+            km, prompt if isinstance(prompt, str) else _token_list(prompt, km.tokenizer, int(km.config.vocab_size)),
+            list(documents),
             prefix=prefix, client=client, max_new_tokens=max_new_tokens,
             eos_ids=set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]),
             options=blend or BlendOptions(), t_start=t_start, generate=generate,
         )
-    tokens = _token_list(prompt, km.tokenizer)
+    tokens = _token_list(prompt, km.tokenizer, int(km.config.vocab_size))
     if not tokens:
         raise InvalidInput("empty prompt")
     if max_new_tokens < 1:

@@ -418,3 +418,27 @@ def test_unsupported_rope_falls_back_with_the_reason(tmp_path) -> None:
                      max_new_tokens=3)
     assert r.tokens == generate(model, docs[0] + docs[1] + q, max_new_tokens=3).tokens
     assert "blending refused" in r.warnings[0] and "dynamic" in r.warnings[0]
+
+
+@pytest.mark.parametrize("documents, message", [
+    (5, "documents must be a list"), ("some text", "documents must be a list"),
+    ([["a", "b"]], "token ids must be integers"), ([[1.5, 2.0]], "token ids must be integers"),
+    ([[None]], "token ids must be integers"), ([{"a": 1}], "sequence of token ids"),
+    ([[-1, 3]], "outside the model's vocabulary"), ([[10**9]], "outside the model's vocabulary"),
+])
+def test_bad_documents_are_refused_with_what_was_wrong(tiny_model, documents, message) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        generate(tiny_model, _ids(5, 40), documents=documents, client=None, max_new_tokens=2)
+
+
+def test_bad_blend_options_are_refused(tiny_model) -> None:
+    with pytest.raises(InvalidInput, match="BlendOptions.policy"):
+        BlendOptions(policy="cacheblend")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="blend must be a BlendOptions"):
+        generate(tiny_model, _ids(5, 41), documents=[_ids(10, 42)], blend="deviation",  # type: ignore[arg-type]
+                 max_new_tokens=2)
+    # a check layer the pass never reaches would be a full recompute reported as a blend
+    L = tiny_model.kv_shape.num_layers
+    with _client(MemoryEdgeTransport()) as client, pytest.raises(InvalidInput, match="check_layer"):
+        generate(tiny_model, _ids(5, 43), documents=[_ids(30, 44)], client=client,
+                 blend=BlendOptions(policy=Deviation(0.2, L)), max_new_tokens=2)

@@ -200,3 +200,20 @@ def test_a_hit_prefills_the_rest_into_the_fetched_kv(monkeypatch):
         monkeypatch.setattr(host, "predicts_in_pass", lambda model: False)
         plain = generate(lm, prompt, client=client, max_new_tokens=6)
         assert calls == [4 * CHUNK] and plain.tokens == base.tokens and plain.reused_tokens == 4 * CHUNK
+
+
+@pytest.mark.parametrize(("prompt", "says"), [
+    ([10**9], "outside the model's vocabulary"),
+    ([-1, 3], "outside the model's vocabulary"),
+    ([1.5, 2.0], "must be integers"),
+    ([True, 2], "must be integers"),
+    (torch.tensor([[1.0, 2.0]]), "must be integers"),
+    (5, "sequence of token ids"),
+])
+def test_bad_token_ids_are_refused_with_what_was_wrong(prompt, says):
+    from kdn.errors import InvalidInput
+
+    lm = load_model("tiny", chunk_size=CHUNK)
+    with pytest.raises(InvalidInput, match=says):
+        generate(lm, prompt, max_new_tokens=2)
+    assert generate(lm, torch.tensor([[1, 2, 3]]), max_new_tokens=2).prompt_tokens == 3  # ids as a tensor still work
