@@ -577,6 +577,9 @@ def run(model: str, *, prompts: int, docs: int, doc_tokens: int, ratios: Sequenc
     task = task or default_task(model, lm)
     if task not in TASKS:
         raise InvalidInput(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    if not 0 <= check_layer < lm.kv_shape.num_layers:
+        raise InvalidInput(f"--check-layer must be in 0..{lm.kv_shape.num_layers - 1} ({model} has "
+                           f"{lm.kv_shape.num_layers} layers), got {check_layer}")
     cases, task_info = build_cases(lm, model, task, prompts=prompts, docs=docs, doc_tokens=doc_tokens, seed=seed,
                                    split=split, answer_tokens=answer_tokens)
     mlist = methods(ratios, first_k=first_k, check_layer=check_layer)
@@ -604,6 +607,20 @@ def run(model: str, *, prompts: int, docs: int, doc_tokens: int, ratios: Sequenc
         "cache": str(cache) if isinstance(cache, Path) else None, "threads": torch.get_num_threads(),
     }
     return lm, info, summary
+
+
+def _ratios(text: str) -> list[float]:
+    """``--ratios``: a comma list of recompute ratios in [0, 1] that includes the control's."""
+    try:
+        ratios = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidInput(f"--ratios must be a comma list of numbers in [0, 1], got {text!r}") from None
+    bad = [r for r in ratios if not 0.0 <= r <= 1.0]  # NaN fails the comparison too
+    if bad:
+        raise InvalidInput(f"--ratios must be in [0, 1], got {bad[0]:g}")
+    if CONTROL_RATIO not in ratios:
+        raise InvalidInput(f"--ratios must include {CONTROL_RATIO:g}: the random control is matched to it")
+    return ratios
 
 
 def main(argv: list[str]) -> int:
@@ -635,11 +652,24 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-verdict", action="store_true", help="do not write the model's verdict")
     p.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     try:
-        ratios = [float(x) for x in args.ratios.split(",") if x]
-        if CONTROL_RATIO not in ratios:
-            raise InvalidInput(f"--ratios must include {CONTROL_RATIO:g}: the random control is matched to it")
+        # every flag is checked before the model loads, so a bad one costs nothing and writes nothing
+        # (no cache directory, no verdict)
+        ratios = _ratios(args.ratios)
+        for flag, value, least in (("--prompts", args.prompts, 1), ("--docs", args.docs, 1),
+                                   ("--doc-tokens", args.doc_tokens, 1), ("--answer-tokens", args.answer_tokens, 1),
+                                   ("--first-k", args.first_k, 0), ("--check-layer", args.check_layer, 0),
+                                   ("--check-prompts", args.check_prompts, 0),
+                                   ("--prefix-prompts", args.prefix_prompts, 0), ("--threads", args.threads, 1)):
+            if value < least:
+                raise InvalidInput(f"{flag} must be >= {least}, got {value}")
+        if args.budget_s is not None and not args.budget_s >= 0:
+            raise InvalidInput(f"--budget-s must be >= 0, got {args.budget_s}")
+        if args.out is not None:
+            if args.out.is_dir():
+                raise InvalidInput(f"--out {args.out} is a directory; name the JSON file to write")
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(args.threads)
         lm, info, summary = run(args.model, prompts=args.prompts, docs=args.docs, doc_tokens=args.doc_tokens,
                                 ratios=ratios, first_k=args.first_k, seed=args.seed, check_layer=args.check_layer,
                                 progress=not args.json, task=args.task, cache=False if args.no_cache else args.cache,
@@ -648,14 +678,17 @@ def main(argv: list[str]) -> int:
         complete = info["prompts_done"] == info["prompts"]
         verdict = verdict_for(lm, summary, ratios, args.check_layer)
         path = None if args.no_verdict or not complete else write_verdict(verdict)
-    except (KdnError, ValueError) as exc:
+    except (KdnError, ValueError, OSError) as exc:  # OSError: a --cache or --out that cannot be written
         report_error("eval-blend", exc, as_json=args.json)
         return 2
     out = {**info, **summary, "verdict": {"passed": verdict.passed, "ratio": verdict.ratio, "reason": verdict.reason,
                                           "path": str(path) if path else None}}
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        try:
+            args.out.write_text(json.dumps(out, indent=2) + "\n")
+        except OSError as exc:  # the results stay in the cache: the same command prints them again
+            report_error("eval-blend", exc, as_json=args.json)
+            return 2
     if args.json:
         print(json.dumps(out, indent=2))
     else:

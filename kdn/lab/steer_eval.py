@@ -639,6 +639,14 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _numbers(flag: str, text: str, kind: Callable[[str], Any]) -> list[Any]:
+    """A comma list flag's values, or InvalidInput naming the flag."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidInput(f"{flag} must be a comma list of numbers, got {text!r}") from None
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kdn eval-steer", description=plain(__doc__.split("\n\n")[0]))
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"a trained model (default {DEFAULT_MODEL})")
@@ -666,29 +674,39 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-calibration", action="store_true", help="do not write the model's key-edit calibration")
     p.add_argument("--json", action="store_true", help="print one JSON object (errors too)")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     try:
         stages = tuple(x for x in args.stages.split(",") if x)
         if not stages or any(x not in STAGES for x in stages):
             raise InvalidInput(f"--stages: a comma list of {', '.join(STAGES)}")
         if min(args.test, args.calibration, args.means, args.deficit_haystacks) < 1:
             raise InvalidInput("haystack counts must be >= 1")
+        if args.threads < 1:
+            raise InvalidInput(f"--threads must be >= 1, got {args.threads}")
+        if args.out.exists() and not args.out.is_dir():
+            raise InvalidInput(f"--out {args.out} is not a directory")
+        strengths = _numbers("--strengths", args.strengths, float)
+        deficit_lengths = _numbers("--deficit-lengths", args.deficit_lengths, int)
+        if any(not 0 < s < math.inf for s in strengths):
+            raise InvalidInput(f"--strengths must be positive numbers, got {args.strengths!r}")
+        if any(n < 1 for n in (args.length, *deficit_lengths)):
+            raise InvalidInput("--length and --deficit-lengths must be >= 1 tokens")
+        torch.set_num_threads(args.threads)
         heads = [x for x in args.heads.split(",") if x]
         profiles = [x for x in args.profiles.split(",") if x]
         if not heads or any(h not in HEAD_SETS for h in heads):
             raise InvalidInput(f"--heads: a comma list of {', '.join(HEAD_SETS)}")
         if not profiles or any(x not in PROFILES for x in profiles):
             raise InvalidInput(f"--profiles: a comma list of {', '.join(PROFILES)}")
-        settings = grid(heads, profiles, [float(x) for x in args.strengths.split(",") if x], reread=not args.no_re_read)
+        settings = grid(heads, profiles, strengths, reread=not args.no_re_read)
         plan = Plan(args.model, args.length, args.docs, args.test, args.calibration, args.means,
-                    tuple(int(x) for x in args.deficit_lengths.split(",") if x), args.deficit_haystacks, args.seed,
+                    tuple(deficit_lengths), args.deficit_haystacks, args.seed,
                     stages=stages, settings=tuple(settings),
                     kinds=tuple(x for x in args.kinds.split(",") if x))
         if not plan.kinds or any(k not in MARK_KINDS for k in plan.kinds):
             raise InvalidInput(f"--kinds: a comma list of {', '.join(MARK_KINDS)}")
         res = run(plan, args.out, log=(lambda s: None) if args.json else (lambda s: print(s, file=sys.stderr, flush=True)),
                   write_cal=not args.no_calibration)
-    except (KdnError, ValueError) as exc:
+    except (KdnError, ValueError, OSError) as exc:  # OSError: an --out that cannot be written
         report_error("eval-steer", exc, as_json=args.json)
         return 2
     print(json.dumps(res, indent=1) if args.json else format_summary(res))

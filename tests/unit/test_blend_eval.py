@@ -182,6 +182,38 @@ def test_a_run_cut_by_its_budget_resumes_from_the_cache_and_computes_nothing_twi
     assert len(list((tmp_path / "c" / "full").glob("*.safetensors"))) == 3
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--ratios", "abc"], "--ratios must be a comma list"), (["--ratios=-0.1,0.15"], "--ratios must be in [0, 1]"),
+    (["--ratios", "1.5,0.15"], "--ratios must be in [0, 1]"), (["--ratios", "nan,0.15"], "--ratios must be in [0, 1]"),
+    (["--prompts", "0"], "--prompts must be >= 1"), (["--prompts", "-3"], "--prompts must be >= 1"),
+    (["--docs", "0"], "--docs must be >= 1"), (["--docs", "-1"], "--docs must be >= 1"),
+    (["--doc-tokens", "0"], "--doc-tokens must be >= 1"), (["--answer-tokens", "0"], "--answer-tokens must be >= 1"),
+    (["--check-layer", "-1"], "--check-layer must be >= 0"), (["--threads", "0"], "--threads must be >= 1"),
+    (["--budget-s", "-1"], "--budget-s must be >= 0"), (["--out", "."], "is a directory"),
+])
+def test_bad_flags_are_refused_before_the_model_loads_and_write_nothing(monkeypatch, tmp_path, capsys, flags,
+                                                                          message) -> None:
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(blend_eval, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert blend_eval.main(["--model", "tiny", *flags, "--json"]) == 2
+    err = json.loads(capsys.readouterr().out)
+    assert err["error"] == "InvalidInput" and message in err["message"]
+    assert list(tmp_path.iterdir()) == []  # no cache, no verdict (a run of 0 prompts wrote a failing one)
+
+
+def test_a_check_layer_past_the_model_and_unwritable_paths_are_one_line_errors(monkeypatch, tmp_path, capsys) -> None:
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path))
+    (tmp_path / "file").write_text("x")
+    small = ["--model", "tiny", "--prompts", "1", "--docs", "1", "--doc-tokens", "8", "--no-verdict", "--json"]
+    for flags, message in ((["--check-layer", "99", "--no-cache"], "--check-layer must be in 0..1"),
+                           (["--cache", str(tmp_path / "file")], "Not a directory"),
+                           (["--no-cache", "--out", str(tmp_path / "file" / "x.json")], "File exists")):
+        assert blend_eval.main(small + flags) == 2
+        err = json.loads(capsys.readouterr().out)
+        assert message in err["message"], err
+
+
 def test_paired_statistics() -> None:
     from kdn.lab.paired import mcnemar, sign_test, wilson
 

@@ -138,3 +138,25 @@ def test_the_origin_stores_what_the_evaluation_measured() -> None:
     stored = steered_kv(lm.model, list(hs.tokens[:hit]), spec, cal)
     assert stored.shape == measured.shape and torch.allclose(stored, measured, atol=1e-4)
     assert not torch.allclose(stored, base[:, :, :, :hit], atol=1e-4)  # the notes' keys were edited
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--threads", "0"], "--threads must be >= 1"), (["--strengths", "abc"], "--strengths must be a comma list"),
+    (["--strengths=-1"], "--strengths must be positive"), (["--deficit-lengths", "abc"], "--deficit-lengths must be"),
+    (["--deficit-lengths=-10"], "--deficit-lengths must be >= 1"), (["--length", "-5"], "--length"),
+])
+def test_bad_flags_are_one_line_errors_before_the_model_loads(monkeypatch, tmp_path, capsys, flags, message) -> None:
+    monkeypatch.setattr(steer_eval, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert steer_eval.main(["--out", str(tmp_path / "o"), *flags, "--json"]) == 2
+    err = json.loads(capsys.readouterr().out)
+    assert err["error"] == "InvalidInput" and message in err["message"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path, capsys) -> None:
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file", tmp_path / "file" / "x"):
+        assert steer_eval.main(["--out", str(out), "--stages", "summary", "--json"]) == 2
+        err = json.loads(capsys.readouterr().out)
+        assert err["error"] in ("InvalidInput", "NotADirectoryError") and str(tmp_path / "file") in err["message"]
+    assert (tmp_path / "file").read_text() == "x"
