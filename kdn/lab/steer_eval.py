@@ -53,7 +53,7 @@ from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.console import plain, report_error
 from kdn.errors import InvalidInput, KdnError
 from kdn.kv import cache_from_layers, forward, layers_to_chunk
-from kdn.lab.steer_task import (DEPTHS, MARK_KINDS, NOTE_RULE, QUESTION_BLIND, Haystack, Question, SourcePool,
+from kdn.lab.steer_task import (DEPTHS, MARK_KINDS, NOTE_RULE, QUESTION_BLIND, VAULTS, Haystack, Question, SourcePool,
                                 ceiling_question, char_spans_to_tokens, make_haystack, mark_chars)
 from kdn.models import LoadedModel, load_model
 from kdn.pretrained import DEFAULT_MODEL
@@ -690,6 +690,11 @@ def main(argv: list[str]) -> int:
             raise InvalidInput(f"--strengths must be positive numbers, got {args.strengths!r}")
         if any(n < 1 for n in (args.length, *deficit_lengths)):
             raise InvalidInput("--length and --deficit-lengths must be >= 1 tokens")
+        if not 2 <= args.docs <= len(VAULTS):  # what a haystack holds (steer_task.make_haystack)
+            raise InvalidInput(f"--docs must be in 2..{len(VAULTS)}, got {args.docs}")
+        short = [n for n in (args.length, *deficit_lengths) if n < 64 * args.docs]
+        if short:
+            raise InvalidInput(f"{short[0]} tokens is too short for --docs {args.docs} (at least 64 a document)")
         torch.set_num_threads(args.threads)
         heads = [x for x in args.heads.split(",") if x]
         profiles = [x for x in args.profiles.split(",") if x]

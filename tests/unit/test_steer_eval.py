@@ -144,6 +144,8 @@ def test_the_origin_stores_what_the_evaluation_measured() -> None:
     (["--threads", "0"], "--threads must be >= 1"), (["--strengths", "abc"], "--strengths must be a comma list"),
     (["--strengths=-1"], "--strengths must be positive"), (["--deficit-lengths", "abc"], "--deficit-lengths must be"),
     (["--deficit-lengths=-10"], "--deficit-lengths must be >= 1"), (["--length", "-5"], "--length"),
+    (["--docs", "0"], "--docs must be in 2.."), (["--docs", "1", "--stages", "summary"], "--docs must be in 2.."),
+    (["--docs", "5", "--length", "200"], "too short for --docs 5"),
 ])
 def test_bad_flags_are_one_line_errors_before_the_model_loads(monkeypatch, tmp_path, capsys, flags, message) -> None:
     monkeypatch.setattr(steer_eval, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
