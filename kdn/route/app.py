@@ -9,8 +9,9 @@ is up, else 503); ``GET /route/stats`` (hosts, rates, counters: an operator toke
 
 Bad input never reaches a host and never stops the router: when tokens are configured, a missing
 or unknown token is 401 before the body is read (``/v1/models`` too) and a token that does not
-grant the request's tenant 403; a body over ``max_body_bytes`` is 413 (read no further), a body
-that is not an OpenAI request is 400, no usable host is 503; every error is JSON,
+grant the request's tenant 403; a body over ``max_body_bytes`` is 413 (read no further), one
+not whole within ``body_timeout_s`` is 408 (the connection closed), a body that is not an
+OpenAI request is 400, no usable host is 503; every error is JSON,
 ``{"error": {"message", "type", "code"}}``. A host that cannot be reached before it answered is
 counted against its health and the request goes to the next best host; one that fails after the
 request reached it and before it answered is 504 (no answer within ``request_timeout_s``) or 502
@@ -21,6 +22,7 @@ client too (the connection is dropped before the body's end), never passed on as
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -48,6 +50,10 @@ class _TooLarge(Exception):
     pass
 
 
+class _SlowBody(Exception):
+    pass
+
+
 class _Forbidden(Exception):
     """A known token that does not grant the request's tenant (403, where an unknown one is 401)."""
 
@@ -56,7 +62,15 @@ def error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+def _slow_body(timeout_s: float) -> JSONResponse:
+    r = error(408, f"the request body did not arrive within {timeout_s:g}s", "request_timeout")
+    r.headers["connection"] = "close"  # the rest of that body may still come: the connection ends here
+    return r
+
+
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body: ``_TooLarge`` past ``limit`` bytes, ``_SlowBody`` when it has not all
+    arrived ``timeout_s`` after it was first read from."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -65,10 +79,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
         except ValueError:
             raise InvalidInput("Content-Length is not a number") from None
     got = bytearray()
-    async for piece in request.stream():
-        got += piece
-        if len(got) > limit:
-            raise _TooLarge
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for piece in request.stream():
+                got += piece
+                if len(got) > limit:
+                    raise _TooLarge
+    except TimeoutError:
+        raise _SlowBody from None
     return bytes(got)
 
 
@@ -102,10 +120,13 @@ def build_app(router: Router) -> Starlette:
             router.counters["unauthorized"] += 1
             return error(401, str(exc), "authentication_error")
         try:
-            raw = await _read_body(request, config.max_body_bytes)
+            raw = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
         except _TooLarge:
             router.counters["too_large"] += 1
             return error(413, f"request body over {config.max_body_bytes} bytes", "request_too_large")
+        except _SlowBody:
+            router.counters["bad_request"] += 1
+            return _slow_body(config.body_timeout_s)
         except ClientDisconnect:
             return error(400, "the client closed before its body arrived", "invalid_request_error")
         except InvalidInput as exc:
@@ -205,12 +226,14 @@ def build_app(router: Router) -> Starlette:
         token = _bearer(request)
         try:
             auth.check_admin(token)
-            raw = await _read_body(request, config.max_body_bytes)
+            raw = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
             parsed = parse_body(raw, endpoint, router.tokenizer, config.namespace)
             authorize(token, parsed)
             plan = await router.plan(parsed, token=token, reserve=False)
         except _TooLarge:
             return error(413, f"request body over {config.max_body_bytes} bytes", "request_too_large")
+        except _SlowBody:
+            return _slow_body(config.body_timeout_s)
         except InvalidInput as exc:
             return error(400, str(exc), "invalid_request_error")
         except Unauthorized as exc:

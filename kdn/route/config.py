@@ -70,6 +70,8 @@ class RouteConfig(RoleConfig):
                                    "node-wide, needed for link rates); else a request's own token is used for its Lookups")
     host_api_key: str | None = Field(None, description="sent to the hosts as 'Authorization: Bearer' (vllm serve --api-key)")
     max_body_bytes: int = Field(4 << 20, gt=0, description="largest request body accepted (413 above)")
+    body_timeout_s: float = Field(30.0, gt=0, description="deadline of receiving a request's whole body (408 "
+                                  "after it): a client that stops sending does not hold its connection")
     lookup_timeout_s: float = Field(0.5, gt=0, description="deadline of one edge Lookup; a late edge counts as holding nothing")
     request_timeout_s: float = Field(600.0, gt=0, description="deadline of one forwarded request")
     connect_timeout_s: float = Field(2.0, gt=0, description="deadline of connecting to a host")

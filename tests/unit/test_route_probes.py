@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -523,7 +524,7 @@ def post_head(path: str, extra: str) -> bytes:
 
 def test_sizes_that_lie_or_overflow_are_refused_without_reaching_a_host() -> None:
     async def go() -> None:
-        async with served_router({"a": fake("a")}, max_body_bytes=1024) as (r, addr):
+        async with served_router({"a": fake("a")}, max_body_bytes=1024, body_timeout_s=0.5) as (r, addr):
             # a declared size over the limit: 413 before any of the body is sent
             status, body = status_and_json(await raw(addr, post_head("/v1/completions", "content-length: 5000\r\n")))
             assert status == 413 and body["error"]["code"] == 413
@@ -536,6 +537,10 @@ def test_sizes_that_lie_or_overflow_are_refused_without_reaching_a_host() -> Non
             # a declared size the client never sends: the router waits, the client gives up
             short = post_head("/v1/completions", "content-length: 100\r\n") + b'{"prompt": "x"}'
             assert await raw(addr, short, then="half") == b""
+            # ... or keeps the connection open without sending the rest: 408 at the body deadline
+            t0 = time.monotonic()
+            status, body = status_and_json(await raw(addr, short))
+            assert status == 408 and body["error"]["type"] == "request_timeout" and time.monotonic() - t0 < 4
             assert r.reached() == 0 and r.active() == 0
             status, _ = status_and_json(await raw(addr, post_head("/v1/completions", "content-length: 17\r\n")
                                                   + b'{"prompt": "ok!"}'))
