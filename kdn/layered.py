@@ -16,7 +16,7 @@ Contract of the gate:
   or past the deadline: the forward's earlier layers used KV that is still right, but its later
   layers cannot be computed over the whole prefix. The caller settles (which says how many
   leading items are usable) and computes again over those;
-- nothing is written into the destination once :meth:`LayerGate.ended` is set; ``settle`` waits
+- nothing is written into the destination once :attr:`LayerGate.ended` is set; ``settle`` waits
   for it, so a caller may then reuse the destination's positions after the usable prefix.
 """
 
