@@ -184,7 +184,6 @@ class _Pending:
     chunk_size: int
     room_tokens: int
     keys: tuple[ChunkKey, ...]
-    kv: torch.Tensor | None = None
 
 
 class AsyncKdnClient:
@@ -328,7 +327,6 @@ class AsyncKdnClient:
         if layered and room_tokens:
             kv, gate = self.fetches.prefix_layered(fingerprint, wanted[:available], kv_shape, chunk_size=chunk_size,
                                                    pieces=pkeys[:pieces], room_tokens=room_tokens)
-            pending.kv = kv
             n_tokens = min(available * chunk_size + pieces * PIECE_TOKENS, limit)
             return Reuse(kv[:, :, :, :n_tokens], n_tokens, available, available, tuple(keys), lookup_s=t1 - t0,
                          pieces=pieces, room=kv, gate=gate, pending=pending)
@@ -358,8 +356,8 @@ class AsyncKdnClient:
         error = gate.error
         if usable < gate.items and error is None:
             error = Unavailable(f"Fetch did not finish within {self.config.fetch_timeout_s:g}s")
-        assert p.kv is not None
-        return self._reused(p, p.kv, usable, error, gate.tally, gate.ended_at or None)
+        assert reuse.room is not None  # a layered Reuse's room is its whole destination
+        return self._reused(p, reuse.room, usable, error, gate.tally, gate.ended_at or None)
 
     def _reused(self, p: "_Pending", kv: torch.Tensor, usable: int, error: BaseException | None,
                 tally: FetchStats, t2: float | None = None) -> Reuse:
@@ -547,7 +545,7 @@ class Fetches:
         def item_pieces(i: int) -> Any:
             return self.pieces(fingerprint, chain[i], chain[i + 1 : i + 1 + _PREFETCH_HINT])
 
-        gate.task = asyncio.ensure_future(fetch_layered(gate, chain, open_reader, item_pieces, check,
+        gate.task = asyncio.ensure_future(fetch_layered(gate, open_reader, item_pieces, check,
                                                         concurrency=c, timeout_s=self.config.fetch_timeout_s))
         return out, gate
 

@@ -28,13 +28,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 from kdn.artifact import ArtifactReader, layer_cuts
 from kdn.errors import Unavailable
-from kdn.keys import ChunkKey
 from kdn.transport import FetchStats
 
 __all__ = ["LayerGate", "LoadBroken", "fetch_layered", "pays"]
@@ -142,7 +141,6 @@ class _Held:
 
 async def fetch_layered(
     gate: LayerGate,
-    chain: Sequence[ChunkKey],
     open_reader: Callable[[int], ArtifactReader],
     pieces: Callable[[int], Any],
     check: Callable[[int, ArtifactReader], None],
@@ -150,7 +148,7 @@ async def fetch_layered(
     concurrency: int,
     timeout_s: float,
 ) -> None:
-    """Fetch every item of ``chain`` into its reader (``open_reader(i)``, a reader with ``out=``
+    """Fetch each of ``gate.items`` items into its reader (``open_reader(i)``, a reader with ``out=``
     its span of the destination), ``concurrency`` at once, advancing ``gate`` as layers land.
 
     ``pieces(i)``: item i's container as the transport hands it over. One that comes whole and
@@ -199,7 +197,7 @@ async def fetch_layered(
                 held.append(h)
 
     try:
-        await asyncio.gather(*(one(i) for i in range(len(chain))))
+        await asyncio.gather(*(one(i) for i in range(gate.items)))
         if held:
             held.sort(key=lambda h: h.i)
             future = _READER.submit(_read_layers, gate, held, check)
