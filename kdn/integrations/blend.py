@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -72,8 +72,6 @@ def _tokens(km: "KdnModel", text: str | Sequence[int], what: str = "a document")
         if km.tokenizer is None:
             raise InvalidInput("text documents need a tokenizer")
         return list(km.tokenizer.encode(text))
-    if isinstance(text, (bytes, Mapping)) or not isinstance(text, Iterable):
-        raise InvalidInput(f"{what} must be text or a sequence of token ids, got {type(text).__name__}")
     return token_ids(text, int(km.config.vocab_size), what)
 
 

@@ -27,6 +27,9 @@ def token_ids(values: Any, vocab: int, what: str) -> list[int]:
     tensors) in ``0..vocab-1``; otherwise InvalidInput naming ``what`` and the offending value."""
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
         raise InvalidInput(f"{what} must be a sequence of token ids, got {type(values).__name__}")
+    if isinstance(values, list) and all(type(t) is int for t in values) and (
+            not values or 0 <= min(values) and max(values) < vocab):
+        return list(values)  # a tokenizer's output: plain ints in range (the loop below names what is not)
     out = []
     for t in values:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) and not (
