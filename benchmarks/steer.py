@@ -202,6 +202,28 @@ def eval_command(plan: dict[str, Any]) -> str:
     return " ".join(parts) + "; python benchmarks/steer.py --eval-out DIR"
 
 
+def ship_calibration(summary: dict[str, Any]) -> Path:
+    """Copy the run's calibration into :data:`kdn.steer.methods.SHIPPED_ROOT`: the one the run
+    chose and tested (its digest the summary's, its notes holding the test's measured effect)."""
+    import shutil
+
+    from kdn.steer.methods import SHIPPED_ROOT, load_calibration
+
+    chosen = summary.get("calibration", {})
+    src = Path(chosen.get("path") or "")
+    if not src.is_file():
+        raise SystemExit("--ship: the run wrote no calibration (it ran with --no-calibration, or chose re-read)")
+    cal = load_calibration(summary["fingerprint"], src.parent)
+    if cal is None or cal.digest != chosen.get("digest"):
+        raise SystemExit(f"--ship: {src} is not the calibration this run chose (another run overwrote it?)")
+    if "measured" not in cal.notes:
+        raise SystemExit("--ship: the calibration holds no measured effect: run the test stage first")
+    SHIPPED_ROOT.mkdir(exist_ok=True)
+    dst = SHIPPED_ROOT / src.name
+    shutil.copyfile(src, dst)
+    return dst
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--eval-out", type=Path, required=True, help="the --out directory of a `kdn eval-steer` run")
@@ -210,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--length", type=int, default=2048, help="document tokens of the --serving haystacks")
     p.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     p.add_argument("--no-append", action="store_true", help="print only; record nothing")
+    p.add_argument("--ship", action="store_true",
+                   help="copy the calibration the run chose, with its measured effect, to kdn/steer/calibrations/ "
+                        "(where KDN ships it for the model)")
     args = p.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     path = args.eval_out / "summary.json"
@@ -223,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({g["what"]: (g["median"], g["met"]) for g in rec.doc["goals"]}, indent=1))
     if not args.no_append:
         rec.save(load_end=rec.doc["load"]["end"] if summary.get("load") else None)
+    if args.ship:
+        print(f"[steer] shipped: {ship_calibration(summary).relative_to(REPO)}")
     if args.serving:
         res = run_serving(args, summary)
         srec = record_serving(res, argv, "python benchmarks/steer.py " + " ".join(argv), load0)

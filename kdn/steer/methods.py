@@ -280,6 +280,7 @@ def steered_kv(model: Any, tokens: Sequence[int], spec: SteerSpec, cal: KeyEditC
 # -- where a calibration lives -----------------------------------------------------------------------
 
 CALIBRATION_DIRNAME = "steer-calibrations"
+SHIPPED_ROOT = Path(__file__).with_name("calibrations")  # the built-in models' calibrations, measured here
 
 
 def calibration_root(env: dict[str, str] | None = None) -> Path:
@@ -294,8 +295,13 @@ def write_calibration(cal: KeyEditCalibration, root: Path | None = None) -> Path
 
 
 def load_calibration(fingerprint: str, root: Path | None = None) -> KeyEditCalibration | None:
-    """The model's key-edit calibration, or ``None`` when none was written."""
+    """The model's key-edit calibration, or ``None`` when none was written. ``root`` None:
+    ``$KDN_CACHE``'s (a user's own ``kdn eval-steer``), else the one shipped with KDN for a
+    built-in model (:data:`SHIPPED_ROOT`, written from the record of ``benchmarks/steer.py``, its
+    measured effect in its notes); an explicit ``root`` reads that directory only."""
     path = (root or calibration_root()) / f"{fingerprint}.json"
+    if not path.is_file() and root is None:
+        path = SHIPPED_ROOT / f"{fingerprint}.json"
     if not path.is_file():
         return None
     try:
@@ -320,9 +326,11 @@ def calibration_summary(fingerprint: str, root: Path | None = None) -> dict[str,
         return {"methods": ["re-read"], "key_edit": None,
                 "problem": "key-edit is not calibrated for this model (kdn eval-steer --model MODEL --out DIR)"}
     layers = sorted({l for l, _ in cal.heads})
+    shipped = root is None and not (calibration_root() / f"{fingerprint}.json").is_file()
     out: dict[str, Any] = {"methods": ["key-edit", "re-read"], "key_edit": {
         "calibration": cal.digest, "profile": cal.profile, "strength": cal.strength, "heads": len(cal.heads),
-        "layers": f"{layers[0]}-{layers[-1]}" if layers else "", "rule": cal.notes.get("rule")}}
+        "layers": f"{layers[0]}-{layers[-1]}" if layers else "", "rule": cal.notes.get("rule"),
+        "source": "shipped with KDN" if shipped else "measured on this machine (kdn eval-steer)"}}
     measured = cal.notes.get("measured")
     if measured:
         rows = measured.get("by_depth", {})

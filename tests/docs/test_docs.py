@@ -105,7 +105,7 @@ NOT_HERE: list[tuple[str, str]] = [
     (r"^kdn eval-steer --out ~/steer-eval",
      "about 1.5 hours on 2 cores; tests/unit/test_steer_eval.py runs its stages on a small model"),
     (r"^kdn ingest docs/ --emphasize key-edit",
-     "needs the model's key-edit calibration (`kdn eval-steer` above); "
+     "the session's docs/manual.md has no POLICY line to mark (the built-in model's calibration ships); "
      "tests/unit/test_origin_steer.py ingests key-edit variants with a calibrated small one"),
     (r"^python:.*from openai import OpenAI", "a client of the `vllm serve` above (needs vLLM)"),
 ]

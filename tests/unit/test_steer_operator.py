@@ -75,3 +75,22 @@ def test_kdn_model_info_names_the_steering(tmp_path, capsys, monkeypatch) -> Non
     assert model_main(["info", "tiny", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["steering"]["key_edit"]["profile"] == "ramp"
+
+
+def test_a_shipped_calibration_answers_where_the_cache_has_none_and_the_users_own_wins(tmp_path, monkeypatch) -> None:
+    from kdn.steer import methods
+
+    monkeypatch.setattr(methods, "SHIPPED_ROOT", tmp_path / "shipped")
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
+    fp = "ef" * 32
+    assert methods.load_calibration(fp) is None
+    shipped = _cal(fp)
+    write_calibration(shipped, tmp_path / "shipped")
+    assert methods.load_calibration(fp).digest == shipped.digest
+    assert methods.load_calibration(fp, tmp_path / "cache" / "steer-calibrations") is None  # an explicit root: only it
+    s = calibration_summary(fp)
+    assert s["key_edit"]["source"] == "shipped with KDN" and s["key_edit"]["measured"]["claims_met"]["realistic"]
+    own = KeyEditCalibration(fp, ((3, 0),), torch.ones(1, 8), 1.0, 4096, {}, "flat")
+    write_calibration(own)  # a user's own kdn eval-steer
+    assert methods.load_calibration(fp).digest == own.digest != shipped.digest
+    assert calibration_summary(fp)["key_edit"]["source"].startswith("measured on this machine")
