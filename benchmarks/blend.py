@@ -57,18 +57,23 @@ prompts; segments are each excerpt's KV computed alone. Accuracy with Wilson 95%
 full prefill with normal 95% intervals, exact McNemar tests of the answers, and an exact sign test
 of the per-prompt KL against blend@15%'s (prompts where a method is closer to full prefill than
 blend@15% / further from it): the random control is judged by that test. prefix-only is computed
-on the first 40 prompts (its reuse share on all), blend@1 on the first 30.""",
+on the first 40 prompts (its reuse share on all), blend@1 on the first 30. The model's verdict is
+the smallest ratio of the ladder (5, 15, 30, 50, 70%) with top-1 agreement >= 0.95 and >= 98% of
+full prefill's accuracy; the run writes it where KDN ships it (kdn/blend/verdicts/).""",
     "blend-ttft": """transformers 5, fp32, smollm2-135m: a chat prefix, 8 excerpts of 512 tokens of held-out
 files, a question (about 4.1k tokens). Per round a combination of 8 documents of a pool of 16
 that no earlier round used (subset and order); the pool's segments sit in an in-process edge
 (MemoryEdgeTransport). Blend: `generate(km, question, documents=..., prefix=..., blend=
 BlendOptions(policy=Deviation(0.15)))` (fetch, verify, re-place, recompute, question, first token);
-full prefill: `generate(km, whole prompt)` without a client. TTFT inside `generate`; the two
-run back to back in alternating order; the ratio is per round.""",
+full prefill: `generate(km, whole prompt)` without a client. Where the model's verdict names
+another ratio, a third request gives `generate` no policy, so the verdict decides, as it does for
+any user. TTFT inside `generate`; the requests run back to back in an order that rotates by
+round; the ratio is per round.""",
     "blend-vllm": """vLLM 0.32 CPU, fp32, smollm2-135m, the prompts of blend-ttft (token ids). The origin runs
 in the benchmark's child process with the pool stored as segments (`store_segment`, not timed),
 its prefill worker on every core (`worker_threads`), and blends at the ratio of the model's
-verdict (`kdn eval-blend`; `--timing-verdict`: one written for the run); the KDN connector
+verdict (`kdn eval-blend`, or the one KDN ships for the model; `--timing-verdict`: one at 15%
+written for the run); the KDN connector
 (`blend_origin`) loads the variant for requests with `kv_transfer_params: {"kdn_blend": true}`
 and a `kdn-blend` cache salt. Full prefill: the same prompt with KDN off for the request. Prefix
 cache reset before every request; TTFT is `LLM.generate`'s wall time with `max_tokens=1`; the
@@ -181,16 +186,38 @@ def part_quality(argv: list[str], load_start: float, budget_s: float | None) -> 
     if "blend@1" in summary["methods"]:
         rec.note(f"blend@1 (every token recomputed) vs full prefill: largest logit difference "
                  f"{summary['methods']['blend@1'].get('max_logit_diff', float('nan')):.2e}.")
+    verdict = ship_verdict(lm, info, summary)
+    if verdict is not None:
+        rec.note(f"The model's verdict (the smallest ratio of {', '.join(f'{r:g}' for r in blend_eval.DEFAULT_RATIOS)} "
+                 f"with top-1 agreement >= 0.95 and >= 98% of full prefill's accuracy): "
+                 f"{'PASS' if verdict.passed else 'FAIL'}, {verdict.reason}; shipped with KDN for {MODEL} fp32 "
+                 f"(kdn/blend/verdicts/), so the host and the store blend it at that ratio by default.")
     rec.set_rounds(info["prompts_done"])
-    rec.data({"methods": summary["methods"], "claims": summary["claims"]})
+    rec.data({"methods": summary["methods"], "claims": summary["claims"],
+              "verdict": None if verdict is None else {"passed": verdict.passed, "ratio": verdict.ratio}})
     SAVE(rec)
     return out
+
+
+def ship_verdict(lm: Any, info: dict[str, Any], summary: dict[str, Any]) -> Any:
+    """Write the built-in model's verdict where KDN ships it (:data:`kdn.blend.verdict.SHIPPED_ROOT`),
+    from a complete run over the whole ladder; None (nothing written) for a partial run."""
+    from kdn.blend.verdict import SHIPPED_ROOT, write_verdict
+    from kdn.lab import blend_eval
+
+    if info["prompts_done"] != info["prompts"]:
+        return None
+    verdict = blend_eval.verdict_for(lm, summary, blend_eval.DEFAULT_RATIOS, info["check_layer"])
+    path = write_verdict(verdict, SHIPPED_ROOT)
+    print(f"verdict: {'PASS' if verdict.passed else 'FAIL'} — {verdict.reason} (shipped: {path.relative_to(ROOT)})")
+    return verdict
 
 
 def part_ttft(argv: list[str], load_start: float, rounds: int, doc_tokens: int = 512) -> dict[str, Any]:
     from kdn.blend import Deviation
     from kdn.client import ClientConfig, KdnClient
     from kdn.testing import MemoryEdgeTransport
+    from kdn.blend.verdict import read_verdict
     from kdn.integrations.blend import BlendOptions
     from kdn.integrations.transformers import generate, prepare
     from kdn.lab.blend_tasks import chat_parts
@@ -202,7 +229,9 @@ def part_ttft(argv: list[str], load_start: float, rounds: int, doc_tokens: int =
     prefix, _ = chat_parts(lm.tokenizer)
     combos = combinations(len(pool), 8, rounds + 1, seed=11)
     edge = MemoryEdgeTransport()
-    rows, ratios = [], []
+    rows, ratios, defaults = [], [], []
+    verdict = read_verdict(lm.fingerprint)  # what a host blends at by default (the shipped verdict, or the user's)
+    by_default = verdict is not None and verdict.passed and verdict.ratio != RATIO
     with KdnClient(ClientConfig(edge="mem"), transport=edge) as client:
         opts = BlendOptions(policy=Deviation(RATIO))
         for d in pool:  # the pool's segments on the edge, not timed
@@ -213,27 +242,38 @@ def part_ttft(argv: list[str], load_start: float, rounds: int, doc_tokens: int =
             q = question_for(lm, docs[r % 8])
             flat = prefix + sum(docs, []) + q
             got: dict[str, Any] = {}
-            for mode in (["full", "blend"] if r % 2 == 0 else ["blend", "full"]):
+            modes = ["full", "blend"] + (["default"] if by_default else [])
+            for mode in modes[r % len(modes):] + modes[: r % len(modes)]:  # the order rotates by round
                 if mode == "full":
                     got[mode] = generate(km, flat, max_new_tokens=1)
-                else:
-                    got[mode] = generate(km, q, documents=docs, prefix=prefix, client=client, blend=opts,
-                                         max_new_tokens=1)
+                else:  # "default": no policy given, so the model's verdict decides, as for any user
+                    got[mode] = generate(km, q, documents=docs, prefix=prefix, client=client,
+                                         blend=opts if mode == "blend" else None, max_new_tokens=1)
                     assert got[mode].via.startswith("blend"), got[mode].warnings
             if r == 0:
                 continue  # warm-up
             f, b = got["full"].timings.ttft_s, got["blend"].timings.ttft_s
             ratios.append(f / b)
+            d = got["default"].timings.ttft_s if by_default else None
+            if d is not None:
+                defaults.append(f / d)
             rows.append([r, len(flat), f"{f * 1e3:.0f}", f"{b * 1e3:.0f}", f"{f / b:.2f}x",
                          f"{got['blend'].timings.fetch_s * 1e3:.0f}", f"{got['blend'].timings.blend_s * 1e3:.0f}",
-                         f"{got['blend'].blend.recompute_fraction:.1%}" if got["blend"].blend else "—"])
+                         f"{got['blend'].blend.recompute_fraction:.1%}" if got["blend"].blend else "—",
+                         "—" if d is None else f"{d * 1e3:.0f} ({f / d:.2f}x)"])
     rec = _record("blend-ttft", "Blend TTFT vs full prefill, 8-document RAG prompt, transformers", argv, load_start)
     rec.goal(f"blend @ {RATIO:.0%} vs full prefill, 8 x {doc_tokens} tokens, smollm2-135m fp32, transformers", "≥ 3x",
              ratios, at_least=3.0)
     rec.table(["round", "prompt tokens", "full prefill ms", "blend ms", "ratio", "fetch ms", "blend ms (recompute)",
-               "recomputed"], rows)
+               "recomputed", "at the verdict's ratio ms (vs full)"], rows)
+    if defaults:
+        rec.note(f"What a host blends at by default, the model's verdict ({verdict.ratio:.0%}: "
+                 f"[blend-quality](#blend-quality)), vs full prefill, per round: median {statistics.median(defaults):.2f}x "
+                 f"[{min(defaults):.2f}–{max(defaults):.2f}] (no policy given to `generate`).")
+    elif verdict is None or not verdict.passed:
+        rec.note("The model has no passing verdict: a host given no policy reuses the documents as an exact prefix only.")
     rec.set_rounds(len(ratios))
-    rec.data({"ratios": ratios})
+    rec.data({"ratios": ratios, "verdict_ratio": verdict.ratio if by_default else None, "default_ratios": defaults})
     SAVE(rec)
     return {"ratios": ratios, "median": statistics.median(ratios)}
 
@@ -389,15 +429,15 @@ def vllm_child(out: Path, rounds: int, timing_verdict: bool = False) -> int:
     try:
         lm = origin.model()
         v = read_verdict(lm.fingerprint)
-        if v is None or not v.passed:
-            if not timing_verdict:
-                raise SystemExit(f"no passing blend verdict for {MODEL} fp32 (run kdn eval-blend first, or time "
-                                 f"the path with --timing-verdict): {v}")
-            # timing only: a verdict in this run's own cache, so the store blends for the model
-            # whatever its quality verdict says (the report says so); the user's cache is untouched
+        if timing_verdict:
+            # timing at RATIO: a verdict in this run's own cache, so the store blends at it whatever
+            # the model's own verdict says (the report says so); the user's cache is untouched
             os.environ["KDN_CACHE"] = str(tmp / "cache")
             v = Verdict(bytes(lm.fingerprint).hex(), True, RATIO, 1, reason="benchmarks/blend.py --timing-verdict")
             write_verdict(v)
+        elif v is None or not v.passed:
+            raise SystemExit(f"no passing blend verdict for {MODEL} fp32 (run kdn eval-blend first, or time "
+                             f"the path at {RATIO:g} with --timing-verdict): {v}")
         pool = rag_pool(lm, 512, 16)
         for i, d in enumerate(pool):
             store_segment(lm, origin.store, origin.segment_catalog, d, namespace=DEFAULT_NAMESPACE, doc_id=f"pool-{i}")
@@ -459,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--doc-tokens", type=int, default=512, help="ttft: tokens per document (default 512)")
     p.add_argument("--no-record", action="store_true", help="print the figures; record nothing")
     p.add_argument("--timing-verdict", action="store_true",
-                   help="vllm: time the store's blend even where the model's quality verdict fails (a verdict "
-                        "written in the run's own cache; the report says so)")
+                   help=f"vllm: time the store's blend at {RATIO:g} whatever the model's own verdict says (a "
+                        "verdict written in the run's own cache; the report says so)")
     p.add_argument("--split-cores", action="store_true",
                    help="vllm: the engine's forward on half the cores, the origin on the other half (an origin on "
                         "its own machine, as deployed); recorded as blend-vllm-split")

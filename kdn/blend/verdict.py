@@ -5,6 +5,12 @@ fingerprint; the inference host reads it before blending. No verdict, or a faili
 host does not blend for that model: it falls back to prefix reuse and says so. A verdict is
 written atomically (temporary file, then rename) under ``$KDN_CACHE/blend-verdicts/<fp>.json``.
 
+The built-in models' verdicts ship with KDN (``kdn/blend/verdicts/<fp>.json``, written by
+``python benchmarks/blend.py --parts quality``: the fingerprint of the model at the dtype and chunk
+size measured). Where ``$KDN_CACHE`` holds none for a fingerprint, the shipped one answers; one
+there, passing or failing (a user's own ``kdn eval-blend``), always wins. An explicit ``root``
+reads that directory only.
+
 Gate: at the chosen ratio blend keeps ``>= min_accuracy_kept`` of full-prefill accuracy and
 ``>= min_agreement`` top-1 agreement with full prefill on the answer tokens.
 """
@@ -22,6 +28,7 @@ from kdn.errors import InvalidInput
 from kdn.keys import ModelFingerprint
 
 VERDICT_DIRNAME = "blend-verdicts"
+SHIPPED_ROOT = Path(__file__).with_name("verdicts")  # the built-in models' verdicts, measured here
 MIN_ACCURACY_KEPT = 0.98
 MIN_AGREEMENT = 0.95
 
@@ -56,8 +63,11 @@ def write_verdict(v: Verdict, root: Path | None = None) -> Path:
 
 
 def read_verdict(fingerprint: ModelFingerprint, root: Path | None = None) -> Verdict | None:
-    """The model's verdict, or None when it has none. A malformed file raises InvalidInput."""
+    """The model's verdict, or None when it has none. A malformed file raises InvalidInput.
+    ``root`` None: ``$KDN_CACHE``'s, else the one shipped for a built-in model (module docstring)."""
     path = verdict_path(fingerprint, root)
+    if not path.is_file() and root is None:
+        path = verdict_path(fingerprint, SHIPPED_ROOT)
     if not path.is_file():
         return None
     try:
@@ -68,3 +78,18 @@ def read_verdict(fingerprint: ModelFingerprint, root: Path | None = None) -> Ver
     if v.fingerprint != bytes(fingerprint).hex():
         raise InvalidInput(f"blend verdict {path} names another model")
     return v
+
+
+def verdict_summary(fingerprint: ModelFingerprint) -> dict[str, Any]:
+    """What an operator sees of a model's blending (``kdn model info``): whether the host and the
+    store blend documents for it, at what ratio, why, and whose measurement says so."""
+    try:
+        v = read_verdict(fingerprint)
+    except InvalidInput as exc:
+        return {"blends": False, "problem": str(exc)}
+    if v is None:
+        return {"blends": False, "problem": "no blend verdict for this model (kdn eval-blend --model MODEL)"}
+    own = verdict_path(fingerprint).is_file()
+    return {"blends": v.passed, "ratio": v.ratio if v.passed else None, "check_layer": v.check_layer,
+            "reason": v.reason, "verdict": str(verdict_path(fingerprint, None if own else SHIPPED_ROOT)),
+            "source": "measured on this machine (kdn eval-blend)" if own else "shipped with KDN"}

@@ -13,8 +13,8 @@ For held-out prompts ``[prefix][doc_1 … doc_n][question]`` it runs, on the sam
 - ``first-k`` — EPIC-style: the first ``k`` tokens of each alone-prefilled document recomputed;
 - ``naive+lead`` — KDN's segments (each document prefilled after the model's lead token,
   :func:`kdn.segments.segment_lead`) concatenated, nothing recomputed;
-- ``blend@r`` — CacheBlend's deviation rule at recompute ratios ``r`` (default 5/15/30%) over
-  KDN's segments;
+- ``blend@r`` — CacheBlend's deviation rule at recompute ratios ``r`` over KDN's segments (default
+  5/15/30/50/70%: the verdict's ladder);
 - ``random@0.15`` — the control: as many tokens as blend@15%, the same segments and passes,
   chosen at random;
 - ``blend@1`` — every token recomputed: must equal full prefill (a correctness check, on the
@@ -73,7 +73,9 @@ from kdn.lab.paired import mcnemar, mean_ci, sign_test, wilson
 from kdn.models import LoadedModel, load_model
 from kdn.segments import Segment, segment_key
 
-DEFAULT_RATIOS = (0.05, 0.15, 0.30)
+# the verdict's ladder: it names the smallest ratio that keeps the model's answers (kdn.blend.verdict);
+# a model that needs more than 30% still blends, at what it needs, rather than not at all
+DEFAULT_RATIOS = (0.05, 0.15, 0.30, 0.50, 0.70)
 CONTROL_RATIO = 0.15
 POOL_DOCS = 50
 TASKS = ("needle", "retrieval", "generic")

@@ -61,9 +61,12 @@ def _info(spec: str, dtype: str, chunk_size: int | None) -> dict[str, Any]:
     from kdn.lab.layout import META_FILE
     from kdn.models import describe, load_model
 
+    from kdn.blend.verdict import verdict_summary
     from kdn.steer.methods import calibration_summary
 
-    info = describe(load_model(spec, dtype=dtype, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE))
+    lm = load_model(spec, dtype=dtype, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
+    info = describe(lm)
+    info["blend"] = verdict_summary(lm.fingerprint)  # whether documents anywhere in a prompt are blended, at what ratio
     info["steering"] = calibration_summary(info["fingerprint"])  # which variants it can store, their measured effect
     meta = Path(spec) / META_FILE
     if meta.is_file():

@@ -10,6 +10,7 @@ the model has no passing verdict; blended KV is never written back.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 
 import pytest
@@ -410,6 +411,34 @@ def test_no_or_failing_verdict_means_prefix_reuse_and_says_so(tiny_model, tmp_pa
         assert r.via == "blend:blend@0.3" and r.blend.selected == 18
 
 
+def test_a_shipped_verdict_answers_where_the_cache_has_none_and_the_users_own_wins(
+        tiny_model, tmp_path, monkeypatch) -> None:
+    from kdn.blend import verdict as verdicts
+
+    shipped, cache = tmp_path / "shipped", tmp_path / "cache"
+    monkeypatch.setattr(verdicts, "SHIPPED_ROOT", shipped)
+    monkeypatch.setenv("KDN_CACHE", str(cache))
+    fp = bytes(tiny_model.fingerprint).hex()
+    docs, q = [_ids(30, 30), _ids(30, 31)], _ids(5, 32)
+    assert read_verdict(tiny_model.fingerprint) is None
+    write_verdict(Verdict(fp, passed=True, ratio=0.5, reason="shipped"), shipped)
+    assert read_verdict(tiny_model.fingerprint).ratio == 0.5  # nothing in $KDN_CACHE: the shipped one
+    assert read_verdict(tiny_model.fingerprint, cache / "blend-verdicts") is None  # an explicit root: only it
+    with _client(MemoryEdgeTransport()) as client:
+        r = generate(tiny_model, q, documents=docs, client=client, max_new_tokens=4)
+        assert r.via == "blend:blend@0.5" and not any("verdict" in w for w in r.warnings)
+        # the user's own measurement, here a failing one, overrides what shipped
+        write_verdict(Verdict(fp, passed=False, ratio=0.5, reason="agreement 0.90 < 0.95"))
+        r = generate(tiny_model, q, documents=docs, client=client, max_new_tokens=4)
+    assert r.blend is None and "failed the blend quality gate" in r.warnings[0]
+    assert r.tokens == generate(tiny_model, docs[0] + docs[1] + q, max_new_tokens=4).tokens
+    # a shipped file that names another model is refused, not used
+    (shipped / f"{fp}.json").write_text((shipped / f"{fp}.json").read_text().replace(fp, "00" * 32))
+    (cache / "blend-verdicts" / f"{fp}.json").unlink()
+    with pytest.raises(InvalidInput, match="names another model"):
+        read_verdict(tiny_model.fingerprint)
+
+
 def test_unsupported_rope_falls_back_with_the_reason(tmp_path) -> None:
     model = prepare(_llama(dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)))
     docs, q = [_ids(20, 40), _ids(20, 41)], _ids(4, 42)
@@ -442,3 +471,25 @@ def test_bad_blend_options_are_refused(tiny_model) -> None:
     with _client(MemoryEdgeTransport()) as client, pytest.raises(InvalidInput, match="check_layer"):
         generate(tiny_model, _ids(5, 43), documents=[_ids(30, 44)], client=client,
                  blend=BlendOptions(policy=Deviation(0.2, L)), max_new_tokens=2)
+
+
+def test_kdn_model_info_says_whether_and_at_what_ratio_documents_are_blended(tmp_path, capsys, monkeypatch) -> None:
+    from kdn.blend import verdict as verdicts
+    from kdn.models import load_model
+    from kdn.ops.model import main as model_main
+
+    monkeypatch.setattr(verdicts, "SHIPPED_ROOT", tmp_path / "shipped")
+    monkeypatch.setenv("KDN_CACHE", str(tmp_path / "cache"))
+    fp = bytes(load_model("tiny").fingerprint).hex()
+
+    def info() -> dict:
+        assert model_main(["info", "tiny", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["blend"]
+
+    assert info() == {"blends": False, "problem": "no blend verdict for this model (kdn eval-blend --model MODEL)"}
+    write_verdict(Verdict(fp, passed=True, ratio=0.5, reason="blend@0.5: agreement 0.960"), tmp_path / "shipped")
+    got = info()
+    assert got["blends"] and got["ratio"] == 0.5 and got["source"] == "shipped with KDN"
+    write_verdict(Verdict(fp, passed=False, ratio=0.7, reason="no ratio passed"))
+    got = info()
+    assert not got["blends"] and got["ratio"] is None and got["source"].startswith("measured on this machine")

@@ -143,8 +143,8 @@ def test_eval_blend_scores_every_method_and_writes_a_verdict(tiny_retrieval: Pat
     out = json.loads(capsys.readouterr().out)
     assert out["task"] == "retrieval" and out["prompts"] == out["prompts_done"] == 4
     names = set(out["methods"])
-    assert {"full", "prefix-only", "naive", "first-16", "naive+lead", "blend@0.05", "blend@0.15", "blend@0.3", "random@0.15",
-            "blend@1"} == names
+    assert {"full", "prefix-only", "naive", "first-16", "naive+lead", "blend@0.05", "blend@0.15", "blend@0.3",
+            "blend@0.5", "blend@0.7", "random@0.15", "blend@1"} == names  # the verdict's whole ladder
     full = out["methods"]["full"]
     assert full["agreement"] == 1.0 and full["kl"] == 0.0 and full["prompts"] == 4
     assert out["methods"]["prefix-only"]["agreement"] == 1.0  # exact reuse is exact

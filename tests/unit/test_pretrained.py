@@ -30,6 +30,27 @@ def test_the_converted_model_has_the_same_fingerprint_on_every_machine() -> None
     assert pretrained.model_dir("smollm2-135m") == d  # converted once: the second call finds it
 
 
+def test_the_measurements_shipped_for_it_name_its_fingerprint_and_parse() -> None:
+    """The blend verdict and the key-edit calibration KDN ships are filed under the fp32 model's
+    fingerprint (the one above, the same on every machine), so a fresh install finds them; and
+    every shipped file names the model it is filed under (read_verdict / load_calibration refuse
+    one that does not)."""
+    from kdn.blend.verdict import SHIPPED_ROOT as VERDICTS, read_verdict
+    from kdn.keys import ModelFingerprint
+    from kdn.lab.blend_eval import DEFAULT_RATIOS
+    from kdn.steer.methods import SHIPPED_ROOT as CALIBRATIONS, load_calibration
+
+    v = read_verdict(ModelFingerprint(bytes.fromhex(SMOLLM2_FP32)), VERDICTS)
+    assert v is not None and v.ratio in DEFAULT_RATIOS and v.reason
+    cal = load_calibration(SMOLLM2_FP32, CALIBRATIONS)
+    assert cal is not None and cal.digest == "964487c0669300fc0aac875e24d69b51"  # the record's (BENCHMARKS.md#steer)
+    assert cal.notes["measured"]["haystacks"] == 200 and "realistic" in cal.notes["measured"]["by_depth"]
+    for path in VERDICTS.glob("*.json"):
+        assert read_verdict(ModelFingerprint(bytes.fromhex(path.stem)), VERDICTS) is not None
+    for path in CALIBRATIONS.glob("*.json"):
+        assert load_calibration(path.stem, CALIBRATIONS) is not None
+
+
 def test_loading_by_name_is_loading_its_directory() -> None:
     lm = load_model("smollm2-135m")
     assert bytes(lm.fingerprint).hex() == SMOLLM2_FP32 and not lm.untrained
