@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -36,7 +36,7 @@ from kdn.artifact import ArtifactReader, layer_cuts
 from kdn.errors import Unavailable
 from kdn.transport import FetchStats
 
-__all__ = ["LayerGate", "LoadBroken", "fetch_layered", "pays"]
+__all__ = ["Held", "LayerGate", "LoadBroken", "fetch_layered", "pays", "release"]
 
 _READER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kdn-layers")  # held containers, layer-major
 
@@ -127,9 +127,11 @@ class LayerGate:
 
 
 @dataclass(slots=True)
-class _Held:
-    """Item ``i``'s whole container where it is mapped (``view``, valid while ``stream`` is open),
-    not yet read, and where it splits into layers."""
+class Held:
+    """Item ``i`` (of request ``r``, where a load serves several) whose whole container is held
+    where it is mapped (``view``, valid while ``stream`` is open), not yet read, and where it
+    splits into layers (``cuts``); ``over``: read whole, or failed. Also the vLLM connector's
+    (:mod:`kdn.integrations.vllm.load`)."""
 
     i: int
     reader: ArtifactReader
@@ -137,6 +139,14 @@ class _Held:
     stream: Any
     cuts: list[int]
     over: bool = False
+    r: int = 0
+
+
+async def release(held: Iterable[Held]) -> None:
+    """Let go of held containers: each mapping closes once no view of it is left."""
+    for h in held:
+        h.view = None
+        await h.stream.aclose()
 
 
 async def fetch_layered(
@@ -157,16 +167,16 @@ async def fetch_layered(
     place after about 1/L of the reading. Any other is fed as it arrives. ``check(i, reader)``:
     the whole item read, its digest and header are accepted (raises otherwise)."""
     sem = asyncio.Semaphore(concurrency)
-    held: list[_Held] = []
+    held: list[Held] = []
     tally = gate.tally
 
-    async def open_one(i: int) -> _Held | None:
+    async def open_one(i: int) -> Held | None:
         reader = open_reader(i)
         stream = pieces(i)
         try:
             async for piece, via in stream:
                 if via == "shm" and not reader.received:  # the whole container, where it is mapped
-                    h, stream = _Held(i, reader, piece, stream, layer_cuts(piece)), None
+                    h, stream = Held(i, reader, piece, stream, layer_cuts(piece)), None
                     return h
                 t0 = time.perf_counter()
                 for s in reader.feed(piece):
@@ -209,9 +219,7 @@ async def fetch_layered(
                 raise
     finally:
         try:
-            for h in held:
-                h.view = None  # the mapping closes once no view of it is left
-                await h.stream.aclose()
+            await release(held)
         finally:
             gate.ended_at = time.perf_counter()
             gate.ended.set()
@@ -219,7 +227,7 @@ async def fetch_layered(
                 gate.cond.notify_all()
 
 
-def _read_layers(gate: LayerGate, held: list[_Held], check: Callable[[int, ArtifactReader], None]) -> None:
+def _read_layers(gate: LayerGate, held: list[Held], check: Callable[[int, ArtifactReader], None]) -> None:
     tally = gate.tally
     t0 = time.perf_counter()
     for step in range(max(len(h.cuts) for h in held)):

@@ -31,6 +31,7 @@ from kdn.errors import FingerprintMismatch
 from kdn.integrations.vllm.paged import PagedCache
 from kdn.integrations.vllm_steer import check_variant_header
 from kdn.keys import PIECE_TOKENS, ChunkKey, ModelFingerprint, Namespace
+from kdn.layered import Held, release
 
 LOG = logging.getLogger("kdn.vllm")
 _PREFETCH_HINT = 8  # following keys sent with each Fetch so the edge can prefetch them
@@ -191,20 +192,6 @@ class LoadContext:
     count: Callable[[str], None]  # bump one of the connector's counters
 
 
-@dataclass(slots=True)
-class _Held:
-    """Item ``i`` of request ``r``: its whole container, mapped and not yet read (``view``, valid
-    while ``stream`` is open), and where it splits into layers (``cuts``)."""
-
-    r: int
-    i: int
-    reader: ArtifactReader
-    view: memoryview | None
-    stream: Any
-    cuts: list[int]
-    over: bool = False  # read whole, or failed
-
-
 class LoadJob:
     """The loads of one step: every chunk's sections scattered into paged blocks as they verify.
 
@@ -246,7 +233,7 @@ class LoadJob:
         into its blocks as it arrives."""
         self._began = True
         sem = asyncio.Semaphore(self.ctx.fetch_concurrency)
-        held: list[_Held] = []
+        held: list[Held] = []
 
         async def one(r: int, i: int) -> None:
             async with sem:
@@ -268,13 +255,11 @@ class LoadJob:
             await self._by_layer(held)
         finally:
             try:
-                for h in held:
-                    h.view = None  # the mapping closes once no view of it is left
-                    await h.stream.aclose()
+                await release(held)
             finally:
                 self._ended.set()
 
-    async def _open(self, r: int, i: int) -> "_Held | None":
+    async def _open(self, r: int, i: int) -> "Held | None":
         """Start item ``i`` of request ``r``: a container that came whole (same-host shared
         memory) is returned held, unread; any other is read into its blocks here (None)."""
         spec, ctx = self.specs[r], self.ctx
@@ -311,7 +296,7 @@ class LoadJob:
         try:
             async for piece, via in stream:
                 if via == "shm" and not reader.received:  # the whole container, where it is mapped
-                    held, stream = _Held(r, i, reader, piece, stream, layer_cuts(piece)), None
+                    held, stream = Held(i, reader, piece, stream, layer_cuts(piece), r=r), None
                     return held
                 reader.feed(piece)
         finally:
@@ -320,7 +305,7 @@ class LoadJob:
         self._check_item(r, i, reader)
         return None
 
-    async def _by_layer(self, held: list["_Held"]) -> None:
+    async def _by_layer(self, held: list[Held]) -> None:
         """Read the held containers layer by layer across items, on the loop's reader threads
         (items dealt out among them): layer 0 of every chunk is in its blocks after about 1/L of
         the reading, so the forward's first layer runs while later layers are still read, instead
@@ -338,7 +323,7 @@ class LoadJob:
             concurrent.futures.wait(futures)  # a reader finishes at most the layer it is in
             raise
 
-    def _read_layers(self, held: list["_Held"]) -> None:
+    def _read_layers(self, held: list[Held]) -> None:
         """One reader thread's share of :meth:`_by_layer`. Counters are bumped on the loop thread."""
 
         def count(name: str) -> None:
