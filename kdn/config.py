@@ -27,6 +27,16 @@ def cache_root(env: dict[str, str] | None = None) -> Path:
     return Path(env.get("KDN_CACHE") or Path.home() / ".cache" / "kdn").expanduser()
 
 
+def measured_file(name: str, root: Path | None, own: Path, shipped: Path) -> Path:
+    """Where a per-model measurement file ``name`` (a blend verdict, a key-edit calibration) is
+    read from: ``root/name`` when a root is given; else this machine's own (``own/name``) where it
+    exists, else the one KDN ships for a built-in model (``shipped/name``, which may not exist)."""
+    if root is not None:
+        return root / name
+    path = own / name
+    return path if path.is_file() else shipped / name
+
+
 class RoleConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 

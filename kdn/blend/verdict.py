@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kdn.blobstore import write_file_atomic
-from kdn.config import cache_root
+from kdn.config import cache_root, measured_file
 from kdn.errors import InvalidInput
 from kdn.keys import ModelFingerprint
 
@@ -62,12 +62,16 @@ def write_verdict(v: Verdict, root: Path | None = None) -> Path:
     return path
 
 
+def verdict_file(fingerprint: ModelFingerprint, root: Path | None = None) -> Path:
+    """The file the model's verdict is read from. ``root`` None: ``$KDN_CACHE``'s, else the one
+    shipped for a built-in model (module docstring); it may not exist."""
+    return measured_file(f"{bytes(fingerprint).hex()}.json", root, verdict_root(), SHIPPED_ROOT)
+
+
 def read_verdict(fingerprint: ModelFingerprint, root: Path | None = None) -> Verdict | None:
-    """The model's verdict, or None when it has none. A malformed file raises InvalidInput.
-    ``root`` None: ``$KDN_CACHE``'s, else the one shipped for a built-in model (module docstring)."""
-    path = verdict_path(fingerprint, root)
-    if not path.is_file() and root is None:
-        path = verdict_path(fingerprint, SHIPPED_ROOT)
+    """The model's verdict (from :func:`verdict_file`), or None when it has none. A malformed file
+    raises InvalidInput."""
+    path = verdict_file(fingerprint, root)
     if not path.is_file():
         return None
     try:
@@ -83,13 +87,14 @@ def read_verdict(fingerprint: ModelFingerprint, root: Path | None = None) -> Ver
 def verdict_summary(fingerprint: ModelFingerprint) -> dict[str, Any]:
     """What an operator sees of a model's blending (``kdn model info``): whether the host and the
     store blend documents for it, at what ratio, why, and whose measurement says so."""
+    path = verdict_file(fingerprint)
     try:
-        v = read_verdict(fingerprint)
+        v = read_verdict(fingerprint, path.parent)
     except InvalidInput as exc:
         return {"blends": False, "problem": str(exc)}
     if v is None:
         return {"blends": False, "problem": "no blend verdict for this model (kdn eval-blend --model MODEL)"}
-    own = verdict_path(fingerprint).is_file()
+    shipped = path.parent == SHIPPED_ROOT
     return {"blends": v.passed, "ratio": v.ratio if v.passed else None, "check_layer": v.check_layer,
-            "reason": v.reason, "verdict": str(verdict_path(fingerprint, None if own else SHIPPED_ROOT)),
-            "source": "measured on this machine (kdn eval-blend)" if own else "shipped with KDN"}
+            "reason": v.reason, "verdict": str(path),
+            "source": "shipped with KDN" if shipped else "measured on this machine (kdn eval-blend)"}

@@ -41,7 +41,7 @@ import torch
 
 from kdn.blend.rope import RopeSpec, rope_spec
 from kdn.blobstore import write_file_atomic
-from kdn.config import cache_root
+from kdn.config import cache_root, measured_file
 from kdn.errors import InvalidInput, UnsupportedModel
 from kdn.kv import forward, layers_to_chunk, output_cache
 from kdn.steer import SteerSpec
@@ -294,14 +294,18 @@ def write_calibration(cal: KeyEditCalibration, root: Path | None = None) -> Path
     return path
 
 
+def calibration_file(fingerprint: str, root: Path | None = None) -> Path:
+    """The file the model's calibration is read from. ``root`` None: ``$KDN_CACHE``'s (a user's own
+    ``kdn eval-steer``), else the one shipped with KDN for a built-in model (:data:`SHIPPED_ROOT`,
+    written from the record of ``benchmarks/steer.py``, its measured effect in its notes); an
+    explicit ``root``: that directory only. It may not exist."""
+    return measured_file(f"{fingerprint}.json", root, calibration_root(), SHIPPED_ROOT)
+
+
 def load_calibration(fingerprint: str, root: Path | None = None) -> KeyEditCalibration | None:
-    """The model's key-edit calibration, or ``None`` when none was written. ``root`` None:
-    ``$KDN_CACHE``'s (a user's own ``kdn eval-steer``), else the one shipped with KDN for a
-    built-in model (:data:`SHIPPED_ROOT`, written from the record of ``benchmarks/steer.py``, its
-    measured effect in its notes); an explicit ``root`` reads that directory only."""
-    path = (root or calibration_root()) / f"{fingerprint}.json"
-    if not path.is_file() and root is None:
-        path = SHIPPED_ROOT / f"{fingerprint}.json"
+    """The model's key-edit calibration (from :func:`calibration_file`), or ``None`` when none was
+    written."""
+    path = calibration_file(fingerprint, root)
     if not path.is_file():
         return None
     try:
@@ -318,19 +322,19 @@ def calibration_summary(fingerprint: str, root: Path | None = None) -> dict[str,
     """What an operator sees of a model's steering (``kdn model info``, the origin's stats): whether
     key-edit is calibrated, how (profile, heads, default strength) and what it was measured to do.
     ``re-read`` needs no calibration and is always available."""
+    path = calibration_file(fingerprint, root)
     try:
-        cal = load_calibration(fingerprint, root)
+        cal = load_calibration(fingerprint, path.parent)
     except InvalidInput as exc:
         return {"methods": ["re-read"], "key_edit": None, "problem": str(exc)}
     if cal is None:
         return {"methods": ["re-read"], "key_edit": None,
                 "problem": "key-edit is not calibrated for this model (kdn eval-steer --model MODEL --out DIR)"}
     layers = sorted({l for l, _ in cal.heads})
-    shipped = root is None and not (calibration_root() / f"{fingerprint}.json").is_file()
     out: dict[str, Any] = {"methods": ["key-edit", "re-read"], "key_edit": {
         "calibration": cal.digest, "profile": cal.profile, "strength": cal.strength, "heads": len(cal.heads),
         "layers": f"{layers[0]}-{layers[-1]}" if layers else "", "rule": cal.notes.get("rule"),
-        "source": "shipped with KDN" if shipped else "measured on this machine (kdn eval-steer)"}}
+        "source": "shipped with KDN" if path.parent == SHIPPED_ROOT else "measured on this machine (kdn eval-steer)"}}
     measured = cal.notes.get("measured")
     if measured:
         rows = measured.get("by_depth", {})
